@@ -1,0 +1,26 @@
+"""speculant: lossless speculative decoding for Hugging Face causal LMs on a single constrained machine.
+
+>>> gen = speculant.generate(target, input_ids, drafter=speculant.DraftModelDrafter(draft, k=4))
+>>> gen.token_ids, gen.stats.acceptance_length
+"""
+
+from .drafters import DecodeState, Drafter, DraftModelDrafter
+from .engine import generate
+from .types import DraftTree, Generation, GenerationStats, SamplingParams, Verdict
+from .verify import verify
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "generate",
+    "Drafter",
+    "DecodeState",
+    "DraftModelDrafter",
+    "DraftTree",
+    "Generation",
+    "GenerationStats",
+    "SamplingParams",
+    "Verdict",
+    "verify",
+    "__version__",
+]

@@ -1,0 +1,135 @@
+"""The KV-cache seam over transformers' ``Cache``: length, crop, keep(indices), bytes.
+
+:class:`SpecCache` is a real transformers ``DynamicCache`` whose layers keep keys and values in a preallocated
+buffer ``[B, H_kv, capacity, D]`` and expose views of its first ``length`` slots. Appending writes the new slots
+in place (transformers' ``DynamicLayer`` concatenates, copying the whole cache every step); rolling back a
+rejected draft moves a pointer; keeping the accepted path of a tree moves only the few kept slots.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+__all__ = ["GrowingLayer", "SpecCache"]
+
+
+class GrowingLayer(DynamicLayer):
+    """One layer's keys/values in a buffer that grows geometrically; ``keys``/``values`` are views of its prefix."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        super().__init__()
+        self.capacity = max(1, int(capacity))
+        self.length = 0
+        self._k: torch.Tensor | None = None  # [B, H_kv, capacity, D_k]
+        self._v: torch.Tensor | None = None  # [B, H_kv, capacity, D_v]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        b, h, _, dk = key_states.shape
+        self._k = key_states.new_empty((b, h, self.capacity, dk))
+        self._v = value_states.new_empty((b, value_states.shape[1], self.capacity, value_states.shape[-1]))
+        self.length = 0
+        self.is_initialized = True
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.keys = self._k[:, :, : self.length]
+        self.values = self._v[:, :, : self.length]
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self._k.shape[2]:
+            return
+        cap = max(needed, 2 * self._k.shape[2])
+        k = self._k.new_empty((*self._k.shape[:2], cap, self._k.shape[3]))
+        v = self._v.new_empty((*self._v.shape[:2], cap, self._v.shape[3]))
+        k[:, :, : self.length] = self._k[:, :, : self.length]
+        v[:, :, : self.length] = self._v[:, :, : self.length]
+        self._k, self._v, self.capacity = k, v, cap
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append ``key_states``/``value_states`` ``[B, H_kv, T, D]``; return all cached keys and values."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[2]
+        self._reserve(end)
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self._refresh()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` slots (transformers 5 convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove")
+        if self.is_initialized and tokens_to_remove:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._refresh()
+
+    def keep(self, start: int, slots: torch.Tensor) -> None:
+        """Keep slots ``[0, start)`` and then the given slot indices (ascending, all >= start), compacted in place."""
+        if not self.is_initialized:
+            return
+        n = slots.numel()
+        # index-select first (a small copy), then write back: safe although source and target ranges overlap
+        self._k[:, :, start : start + n] = self._k.index_select(2, slots)
+        self._v[:, :, start : start + n] = self._v.index_select(2, slots)
+        self.length = start + n
+        self._refresh()
+
+    def reset(self) -> None:
+        self.length = 0
+        if self.is_initialized:
+            self._refresh()
+
+    def nbytes(self) -> int:
+        """Bytes of the cached (live) keys and values."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+class SpecCache(DynamicCache):
+    """A transformers cache for speculative decoding: in-place append, O(1) rollback, in-place path compaction.
+
+    Pass it as ``past_key_values``; it works wherever a ``DynamicCache`` does (all layers are full attention).
+    """
+
+    def __init__(self, num_layers: int, capacity: int = 256) -> None:
+        Cache.__init__(self, layers=[GrowingLayer(capacity) for _ in range(num_layers)])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length if self.layers else 0
+
+    def crop(self, max_length: int) -> None:
+        """Crop to ``max_length`` slots (negative: remove that many from the end)."""
+        remove = max_length if max_length < 0 else max_length - self.length
+        if remove > 0:
+            raise ValueError(f"cannot crop a cache of {self.length} slots to {max_length}")
+        for layer in self.layers:
+            layer.crop(remove)
+
+    def keep(self, start: int, slots: list[int]) -> None:
+        """Keep the first ``start`` slots plus ``slots`` (ascending absolute indices >= start), drop the rest.
+
+        When ``slots`` is the contiguous run ``start, start+1, ...`` this is a crop and moves no data.
+        """
+        n = len(slots)
+        if n == 0 or slots[-1] - slots[0] == n - 1 and slots[0] == start:
+            self.crop(start + n)
+            return
+        index = torch.tensor(slots, dtype=torch.long, device=self.layers[0].device)
+        for layer in self.layers:
+            layer.keep(start, index)
+
+    def nbytes(self) -> int:
+        """Bytes held by live keys and values over all layers."""
+        return sum(layer.nbytes() for layer in self.layers)

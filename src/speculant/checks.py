@@ -1,0 +1,142 @@
+"""Input validation with one-line, specific errors (ValueError), shared by the API and the CLI."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = [
+    "as_id_list",
+    "check_positive_int",
+    "context_length",
+    "check_fits_context",
+    "resolve_eos",
+    "vocab_size",
+    "check_vocab_compatible",
+    "num_layers",
+]
+
+
+def as_id_list(input_ids) -> list[int]:
+    """Accept a list of ints, a 1-D LongTensor or a ``[1, T]`` LongTensor; reject batches and empty prompts."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise ValueError(
+                    f"batch size {input_ids.shape[0]} is not supported yet: pass one prompt ([1, T] or 1-D)"
+                )
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D or [1, T], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        ids = [int(t) for t in input_ids.tolist()]
+    elif isinstance(input_ids, Iterable) and not isinstance(input_ids, (str, bytes)):
+        ids = list(input_ids)
+        if ids and isinstance(ids[0], (list, tuple)):
+            if len(ids) != 1:
+                raise ValueError(f"batch size {len(ids)} is not supported yet: pass one prompt")
+            ids = list(ids[0])
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("input_ids must be a list of integer token ids")
+    else:
+        raise ValueError(f"input_ids must be a list of ints or a LongTensor, got {type(input_ids).__name__}")
+    if not ids:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    return ids
+
+
+def check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def context_length(model: torch.nn.Module) -> int | None:
+    """The model's maximum number of positions, or None when its config states none."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(cfg, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def _sliding_window(model: torch.nn.Module) -> int | None:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def check_fits_context(model: torch.nn.Module, prompt_len: int, max_new_tokens: int, role: str = "target") -> None:
+    """Prompt plus new tokens must fit the model's context (and its sliding window, not supported past it)."""
+    total = prompt_len + max_new_tokens
+    ctx = context_length(model)
+    if ctx is not None and total > ctx:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the {role} "
+            f"model's context of {ctx} tokens"
+        )
+    window = _sliding_window(model)
+    if window is not None and total > window:
+        raise ValueError(
+            f"{total} tokens exceed the {role} model's sliding window of {window}: sliding-window attention "
+            "beyond the window is not supported yet"
+        )
+
+
+def resolve_eos(model: torch.nn.Module, eos_token_id) -> frozenset[int]:
+    """The set of stop tokens: the given id(s), else the model's generation config, else none."""
+    if eos_token_id is None:
+        gen_cfg = getattr(model, "generation_config", None)
+        eos_token_id = getattr(gen_cfg, "eos_token_id", None) if gen_cfg is not None else None
+        if eos_token_id is None:
+            eos_token_id = getattr(model.config, "eos_token_id", None)
+    if eos_token_id is None:
+        return frozenset()
+    if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
+        return frozenset([eos_token_id])
+    if isinstance(eos_token_id, Iterable):
+        ids = list(eos_token_id)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            return frozenset(ids)
+    raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """Rows of the model's output layer (the size of its logits)."""
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if out is not None and hasattr(out, "weight"):
+        return int(out.weight.shape[0])
+    return int(model.config.get_text_config().vocab_size)
+
+
+# Padded embedding matrices (Qwen pads 151,665 tokens to 151,936 or 152,064 rows) differ by a few hundred
+# rows; different tokenizers differ by far more. Without tokenizers to compare, this is the tolerance.
+_PADDING_TOLERANCE = 0.01
+
+
+def check_vocab_compatible(target_vocab: int, draft_vocab: int, tokenizers_match: bool | None = None) -> int:
+    """Return the number of token ids both models share (ids below it are the same tokens).
+
+    ``tokenizers_match`` is the result of comparing the two tokenizers when they are known (the CLI does);
+    otherwise sizes that differ by more than padding are taken to be different vocabularies.
+    """
+    if tokenizers_match is False:
+        raise ValueError("draft and target tokenizers differ: speculative decoding needs the same vocabulary")
+    if target_vocab != draft_vocab and tokenizers_match is None:
+        gap = abs(target_vocab - draft_vocab) / max(target_vocab, draft_vocab)
+        if gap > _PADDING_TOLERANCE:
+            raise ValueError(
+                f"draft vocabulary ({draft_vocab} tokens) does not match the target's ({target_vocab}): "
+                "speculative decoding needs models that share a tokenizer"
+            )
+    return min(target_vocab, draft_vocab)
+
+
+def num_layers(model: torch.nn.Module) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(cfg.num_hidden_layers)

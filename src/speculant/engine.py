@@ -1,0 +1,140 @@
+"""``generate()``: the speculative decoding loop. It knows no method names (../shared/DESIGN.md, The flow).
+
+Invariant: the target's cache holds every committed token except the last one, the *root*. Each step feeds
+``[root] + draft tree`` in one forward (tree mask + position ids), verifies, keeps the root and the accepted path
+in the cache and makes the bonus token the next root. Plain decoding (``drafter=None``) is the same loop with
+an empty tree, so it is the fair baseline: same model-call code, same cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from .cache import SpecCache
+from .checks import as_id_list, check_fits_context, check_positive_int, num_layers, resolve_eos
+from .drafters.base import DecodeState, Drafter, _sync
+from .sampling import make_generator
+from .tree import TreeAttention
+from .types import DraftTree, Generation, GenerationStats, SamplingParams
+from .verify import verify
+
+__all__ = ["generate"]
+
+log = logging.getLogger(__name__)
+_EMPTY = DraftTree.empty()
+
+
+def generate(
+    target: torch.nn.Module,
+    input_ids,
+    drafter: Drafter | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    stream: Callable[[list[int]], None] | None = None,
+) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens after ``input_ids`` with ``target``, losslessly accelerated.
+
+    Args:
+        target: any transformers causal LM (``AutoModelForCausalLM``).
+        input_ids: the prompt: a list of ints, a 1-D or a ``[1, T]`` LongTensor (one sequence).
+        drafter: proposes draft tokens (e.g. :class:`speculant.DraftModelDrafter`); ``None`` is plain
+            autoregressive decoding through the same model-call code.
+        temperature: 0 for greedy decoding (output token-identical to plain greedy); > 0 samples, and the
+            output distribution is exactly the target's under the same temperature/top-k/top-p.
+        top_k, top_p: filters applied identically to target and draft.
+        seed: makes sampling reproducible.
+        eos_token_id: stop token(s); ``None`` takes them from the model's generation config. The stop token
+            is included in the output.
+        stream: called with each list of newly committed token ids as soon as they are committed.
+
+    Returns:
+        :class:`speculant.types.Generation` with ``token_ids`` (new tokens only) and ``stats``.
+    """
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    ids = as_id_list(input_ids)
+    check_positive_int("max_new_tokens", max_new_tokens)
+    check_fits_context(target, len(ids), max_new_tokens)
+    stops = resolve_eos(target, eos_token_id)
+    if target.training:
+        log.warning("target model was in training mode (dropout active); switching it to eval mode")
+        target.eval()
+    device = target.device
+    with torch.inference_mode():
+        return _run(target, ids, drafter, max_new_tokens, params, stops, stream, device)
+
+
+def _run(target, ids, drafter, max_new_tokens, params, stops, stream, device) -> Generation:
+    stats = GenerationStats()
+    state = DecodeState(
+        target=target,
+        ids=list(ids),
+        params=params,
+        generator=make_generator(params.seed, device),
+        max_length=len(ids) + max_new_tokens,
+        remaining=max_new_tokens,
+        stats=stats,
+    )
+    prompt_len = len(ids)
+    t_start = time.perf_counter()
+    if drafter is not None:
+        drafter.begin(state)
+    cache = SpecCache(num_layers(target), capacity=state.max_length + 64)
+    tree_attn = TreeAttention(target.dtype, device)
+
+    if prompt_len > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
+        target.base_model(input_ids=torch.tensor([ids[:-1]], device=device), past_key_values=cache, use_cache=True)
+        _sync(device)
+    stats.prefill_s = time.perf_counter() - t_start
+
+    new: list[int] = []
+    done = False
+    while not done:
+        tree = drafter.propose(state) if drafter is not None and state.remaining > 1 else _EMPTY
+        cache_len = cache.length
+        inputs = torch.tensor([[state.ids[-1], *tree.tokens]], device=device)  # [1, Q]
+        if tree.is_chain():  # the causal mask is the tree mask: let the model build it (fast kernels)
+            mask = positions = None
+        else:
+            mask, positions = tree_attn.build(tree, cache_len)  # [1, 1, Q, L + Q], [1, Q]
+        t0 = time.perf_counter()
+        out = target(
+            input_ids=inputs, past_key_values=cache, attention_mask=mask, position_ids=positions, use_cache=True
+        )
+        _sync(device)
+        stats.target_forward_s += time.perf_counter() - t0
+        verdict = verify(tree, out.logits[0], params, state.generator)  # logits [Q, V]
+
+        cache.keep(cache_len, [cache_len] + [cache_len + 1 + n for n in verdict.accepted])
+        accepted = [tree.tokens[n] for n in verdict.accepted]
+        emitted = accepted + [verdict.bonus]
+        if len(emitted) > state.remaining:
+            emitted = emitted[: state.remaining]
+        for i, tok in enumerate(emitted):
+            if tok in stops:
+                emitted = emitted[: i + 1]
+                done = True
+                break
+        last = verdict.accepted[-1] if verdict.accepted else -1
+        offered = len(verdict.accepted) + (1 if tree.children[last + 1] else 0)
+        stats.record_step(offered, len(verdict.accepted), len(emitted))
+        stats.draft_tokens += len(tree)
+        state.ids.extend(emitted)
+        new.extend(emitted)
+        state.remaining -= len(emitted)
+        if state.remaining <= 0:
+            done = True
+        if stream is not None:
+            stream(emitted)
+        if drafter is not None and not done:
+            drafter.commit(state, accepted)
+
+    stats.wall_s = time.perf_counter() - t_start
+    return Generation(token_ids=new, stats=stats)

@@ -1,0 +1,216 @@
+"""Plain data shared by every part of speculant: sampling settings, draft trees, verdicts and statistics.
+
+Notation follows ../shared/ALGORITHMS.md: ``q`` is the target distribution, ``p`` the draft distribution (both
+after the same warping), τ the mean acceptance length (tokens emitted per target forward, bonus included).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["SamplingParams", "DraftTree", "Verdict", "GenerationStats", "Generation"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen; applied identically to target and draft.
+
+    ``temperature == 0`` is greedy decoding (``top_k``/``top_p`` are then irrelevant). ``top_k=None`` and
+    ``top_p=None`` (or 1.0) disable the respective filter. ``seed`` makes sampling reproducible.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or math.isnan(t) or math.isinf(t):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if t < 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {t}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if self.top_p is not None:
+            p = self.top_p
+            if not isinstance(p, (int, float)) or isinstance(p, bool) or math.isnan(p) or not (0.0 < p <= 1.0):
+                raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is deterministic argmax."""
+        return self.temperature == 0.0
+
+
+@dataclass
+class DraftTree:
+    """A flattened draft tree proposed by a drafter for one verification step.
+
+    Node ``n`` holds ``tokens[n]``; ``parents[n]`` is the index of its parent node, or -1 when its parent is the
+    root (the last committed token, not part of the arrays). ``depths[n]`` is 1 for children of the root.
+    Nodes are topologically ordered (a parent precedes its children) and the children of a node are in
+    verification order (the order they were drafted in). A chain of k tokens is the tree with parents
+    ``[-1, 0, 1, ..., k-2]``.
+
+    ``draft_probs`` is ``None`` for a deterministic draft (prompt lookup, mask probing, top-k trees), which is
+    verified by the deterministic-draft rule. Otherwise it is ``[N + 1, V]``: row 0 is ``p(·|root)``, row
+    ``n + 1`` is ``p(·|path to node n)``, the draft's full warped distribution at that node (rows of leaves may
+    be anything; they are not read). ``replacement`` says how siblings were drawn: ``False`` sequentially
+    without replacement (Gumbel-top-k, RSD) or a single child (chains), ``True`` i.i.d. (SpecInfer).
+    ``draw_order`` (with-replacement rule only) lists, per row (0 = root, n+1 = node n), the child node indices
+    in the order their i.i.d. draws came, duplicates repeated (a later duplicate is certainly rejected but still
+    updates the residual, so order and count matter); by default each child once, in ``children`` order.
+    """
+
+    tokens: list[int]
+    parents: list[int]
+    draft_probs: torch.Tensor | None = None  # [N + 1, V] float
+    replacement: bool = False
+    draw_order: list[list[int]] | None = None
+    depths: list[int] = field(default_factory=list)
+    children: list[list[int]] = field(default_factory=list)  # [N + 1]: row 0 = root's children
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if len(self.parents) != n:
+            raise ValueError(f"DraftTree: {n} tokens but {len(self.parents)} parents")
+        depths: list[int] = []
+        children: list[list[int]] = [[] for _ in range(n + 1)]
+        for i, par in enumerate(self.parents):
+            if not -1 <= par < i:
+                raise ValueError(f"DraftTree: node {i} has parent {par}; parents must precede their children")
+            depths.append(1 if par < 0 else depths[par] + 1)
+            children[par + 1].append(i)
+        self.depths = depths
+        self.children = children
+        if self.draw_order is not None and len(self.draw_order) != n + 1:
+            raise ValueError("DraftTree: draw_order must have one list per node plus one for the root")
+
+    @classmethod
+    def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> "DraftTree":
+        """A linear draft: token i is the child of token i-1 (and token 0 of the root)."""
+        return cls(tokens=list(tokens), parents=list(range(-1, len(tokens) - 1)), draft_probs=draft_probs)
+
+    @classmethod
+    def empty(cls) -> "DraftTree":
+        """No draft: the step degenerates to one plain autoregressive target forward."""
+        return cls(tokens=[], parents=[])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths, default=0)
+
+    def is_chain(self) -> bool:
+        """True when every node's parent is the node just before it (so the causal mask is the tree mask)."""
+        return all(par == i - 1 for i, par in enumerate(self.parents))
+
+
+@dataclass
+class Verdict:
+    """The outcome of verifying one draft tree.
+
+    ``accepted`` lists the accepted node indices from the root downwards (a path in the tree);
+    ``bonus`` is the token the target emits after them (a correction on rejection, a bonus when a leaf was
+    accepted). The committed tokens are ``[tree.tokens[n] for n in accepted] + [bonus]``.
+    """
+
+    accepted: list[int]
+    bonus: int
+
+
+@dataclass
+class GenerationStats:
+    """What happened during one generation. Times are seconds of wall clock.
+
+    ``target_calls`` counts target forwards made while decoding (the prefill is separate, ``prefill_s``);
+    ``acceptance_length`` (τ) = new tokens / target calls, the bonus token included.
+    ``accepted_hist[m]`` counts steps that accepted exactly ``m`` draft tokens.
+    ``position_acceptance[i]`` = P(draft at depth i+1 accepted | depth i accepted and depth i+1 drafted).
+    ``overhead_s`` is everything that is neither a target nor a draft forward (the engine's own cost).
+    """
+
+    new_tokens: int = 0
+    target_calls: int = 0
+    draft_calls: int = 0
+    accepted_hist: list[int] = field(default_factory=list)
+    depth_reached: list[int] = field(default_factory=list)  # [i]: steps that offered a draft at depth i+1
+    depth_accepted: list[int] = field(default_factory=list)  # [i]: steps that accepted a draft at depth i+1
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    target_forward_s: float = 0.0
+    draft_forward_s: float = 0.0
+    draft_tokens: int = 0
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.new_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.depth_accepted, self.depth_reached)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        return max(0.0, self.wall_s - self.prefill_s - self.target_forward_s - self.draft_forward_s)
+
+    @property
+    def overhead_share(self) -> float:
+        """Engine overhead as a fraction of decoding time (prefill excluded)."""
+        decode = self.wall_s - self.prefill_s
+        return self.overhead_s / decode if decode > 0 else 0.0
+
+    def record_step(self, offered_depth: int, accepted: int, emitted: int) -> None:
+        """Account one verification step: ``offered_depth`` = deepest drafted level reachable along the
+        accepted path's prefix, ``accepted`` = accepted draft tokens, ``emitted`` = tokens committed."""
+        while len(self.accepted_hist) <= accepted:
+            self.accepted_hist.append(0)
+        self.accepted_hist[accepted] += 1
+        while len(self.depth_reached) < offered_depth:
+            self.depth_reached.append(0)
+            self.depth_accepted.append(0)
+        for i in range(min(accepted + 1, offered_depth)):
+            self.depth_reached[i] += 1
+        for i in range(accepted):
+            self.depth_accepted[i] += 1
+        self.target_calls += 1
+        self.new_tokens += emitted
+
+    def as_dict(self) -> dict:
+        """A JSON-ready summary (derived metrics included)."""
+        return {
+            "new_tokens": self.new_tokens,
+            "target_calls": self.target_calls,
+            "draft_calls": self.draft_calls,
+            "draft_tokens": self.draft_tokens,
+            "acceptance_length": self.acceptance_length,
+            "accepted_hist": list(self.accepted_hist),
+            "position_acceptance": self.position_acceptance,
+            "wall_s": self.wall_s,
+            "tokens_per_second": self.tokens_per_second,
+            "prefill_s": self.prefill_s,
+            "target_forward_s": self.target_forward_s,
+            "draft_forward_s": self.draft_forward_s,
+            "overhead_s": self.overhead_s,
+            "overhead_share": self.overhead_share,
+        }
+
+
+@dataclass
+class Generation:
+    """The result of :func:`speculant.generate`: the new token ids only, and the statistics."""
+
+    token_ids: list[int]
+    stats: GenerationStats
