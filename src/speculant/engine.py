@@ -124,7 +124,7 @@ def _run(target, ids, drafter, max_new_tokens, params, stops, stream, device) ->
                 break
         last = verdict.accepted[-1] if verdict.accepted else -1
         offered = len(verdict.accepted) + (1 if tree.children[last + 1] else 0)
-        stats.record_step(offered, len(verdict.accepted), len(emitted))
+        stats.record_step(tree.max_depth, offered, len(verdict.accepted), len(emitted))
         stats.draft_tokens += len(tree)
         state.ids.extend(emitted)
         new.extend(emitted)

@@ -172,13 +172,14 @@ class GenerationStats:
         decode = self.wall_s - self.prefill_s
         return self.overhead_s / decode if decode > 0 else 0.0
 
-    def record_step(self, offered_depth: int, accepted: int, emitted: int) -> None:
-        """Account one verification step: ``offered_depth`` = deepest drafted level reachable along the
-        accepted path's prefix, ``accepted`` = accepted draft tokens, ``emitted`` = tokens committed."""
+    def record_step(self, tree_depth: int, offered_depth: int, accepted: int, emitted: int) -> None:
+        """Account one verification step: ``tree_depth`` = the draft tree's depth, ``offered_depth`` = deepest
+        level drafted below the accepted path (accepted, +1 if its last node has children), ``accepted`` = draft
+        tokens accepted, ``emitted`` = tokens committed."""
         while len(self.accepted_hist) <= accepted:
             self.accepted_hist.append(0)
         self.accepted_hist[accepted] += 1
-        while len(self.depth_reached) < offered_depth:
+        while len(self.depth_reached) < tree_depth:
             self.depth_reached.append(0)
             self.depth_accepted.append(0)
         for i in range(min(accepted + 1, offered_depth)):

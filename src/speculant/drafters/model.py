@@ -39,11 +39,14 @@ class DraftModelDrafter:
         self._n_cached = 0  # committed tokens whose keys/values are in the draft cache
         self._tail: list[int] = []  # draft tokens in the cache after those, from the last proposal
         self._vocab = 0
+        self._max_input_id = 0
 
     def begin(self, state: DecodeState) -> None:
         self._vocab = check_vocab_compatible(
             vocab_size(state.target), vocab_size(self.model), self.tokenizers_match
         )
+        # a target with more (padding) rows could in principle emit an id the draft cannot embed
+        self._max_input_id = vocab_size(self.model) - 1
         check_fits_context(self.model, len(state.ids), state.remaining, role="draft")
         if self.model.training:
             self.model.eval()
@@ -54,9 +57,10 @@ class DraftModelDrafter:
     def _next_logits(self, state: DecodeState, tokens: list[int]) -> torch.Tensor:
         """Feed ``tokens`` to the draft model (appending to its cache); logits after the last one ``[V_shared]``."""
         device = self.model.device
+        inputs = torch.tensor([tokens], device=device).clamp_(max=self._max_input_id)  # [1, T]
         with state.draft_forward(device):
             out = self.model(
-                input_ids=torch.tensor([tokens], device=device),
+                input_ids=inputs,
                 past_key_values=self._cache,
                 use_cache=True,
                 logits_to_keep=1,

@@ -1,0 +1,88 @@
+"""Loading local Hugging Face model directories (never the network), with one-line errors for what is missing.
+
+A model directory is what ``model.save_pretrained(d); tokenizer.save_pretrained(d)`` writes: ``config.json``,
+weights (``*.safetensors`` or ``pytorch_model*.bin``, sharded or not) and tokenizer files.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+__all__ = ["check_model_dir", "load_model_dir", "tokenizers_match", "DTYPES"]
+
+log = logging.getLogger(__name__)
+
+# Any one of these is enough for AutoTokenizer: a fast tokenizer (tokenizer.json), a SentencePiece model, or
+# the vocab files of BPE (vocab.json + merges.txt) and WordPiece (vocab.txt) tokenizers.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The dtype names :func:`load_model_dir` accepts as strings (besides ``"auto"``: the dtype in config.json)."""
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """Return ``path`` as a Path if it is a loadable model directory, else raise a one-line ValueError that names
+    the directory and every missing file."""
+    d = Path(path).expanduser()
+    if not d.exists():
+        raise ValueError(f"model directory {str(d)!r} does not exist")
+    if not d.is_dir():
+        raise ValueError(f"{str(d)!r} is not a directory: a model directory (save_pretrained output) is expected")
+    missing = []
+    if not (d / "config.json").is_file():
+        missing.append("config.json")
+    if not any(f.is_file() for pattern in _WEIGHT_PATTERNS for f in d.glob(pattern)):
+        missing.append("weights (" + " or ".join(_WEIGHT_PATTERNS) + ")")
+    if not any((d / name).is_file() for name in _TOKENIZER_FILES):
+        missing.append("tokenizer files (one of " + ", ".join(_TOKENIZER_FILES) + ")")
+    if missing:
+        raise ValueError(f"model directory {str(d)!r} is missing {'; '.join(missing)}")
+    return d
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(DTYPES)}")
+
+
+def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None):
+    """Load a causal LM and its tokenizer from a local directory, with no network access.
+
+    Args:
+        path: a directory written by ``save_pretrained`` (model and tokenizer).
+        dtype: a ``torch.dtype``, one of ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"``, or ``None``
+            for transformers' default.
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode.
+
+    Raises:
+        ValueError: the directory does not exist or lacks config.json, weights or tokenizer files (one line,
+            naming the directory and the missing files), or ``dtype`` is unknown.
+    """
+    d = check_model_dir(path)
+    kwargs = {}
+    resolved = _resolve_dtype(dtype)
+    if resolved is not None:
+        kwargs["dtype"] = resolved
+    log.info("loading model and tokenizer from %s", d)
+    model = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    model.eval()
+    return model, tokenizer
+
+
+def tokenizers_match(tok_a, tok_b) -> bool:
+    """True when both tokenizers map exactly the same strings to the same ids (added tokens included), the
+    condition for a draft model to propose token ids the target reads as the same tokens."""
+    if tok_a is tok_b:
+        return True
+    return tok_a.get_vocab() == tok_b.get_vocab()
