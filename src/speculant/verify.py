@@ -64,10 +64,11 @@ def _verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
 
 
 def _verify_deterministic(tree, target_logits, params, generator) -> Verdict:
+    q_all = warp(target_logits, params)  # [N + 1, V]: one batched warp for every node
     path: list[int] = []
     node = -1
     while True:
-        y = sample(warp(target_logits[node + 1], params), generator)
+        y = sample(q_all[node + 1], generator)
         nxt = next((c for c in tree.children[node + 1] if tree.tokens[c] == y), None)
         if nxt is None:
             return Verdict(path, y)
@@ -77,10 +78,11 @@ def _verify_deterministic(tree, target_logits, params, generator) -> Verdict:
 
 def _verify_rejection(tree, target_logits, params, generator) -> Verdict:
     device = target_logits.device
+    q_all = warp(target_logits, params)  # [N + 1, V]: one batched warp for every node
     path: list[int] = []
     node = -1
     while True:
-        q = warp(target_logits[node + 1], params)  # [V]
+        q = q_all[node + 1]  # [V]
         kids = tree.children[node + 1]
         if tree.replacement and tree.draw_order is not None:
             kids = tree.draw_order[node + 1]

@@ -1,0 +1,491 @@
+"""The ``speculant`` command line: ``speculant generate PROMPT --target DIR [--draft DIR --method SPEC ...]``.
+
+Output conventions (``generate``):
+  * stdout carries only the generated text, streamed as tokens are committed and followed by one newline; with
+    ``--json`` it carries exactly one JSON object ``{"text", "token_ids", "stats"}`` and nothing else.
+  * stderr carries the one-line statistics summary (not printed with ``--json``: the stats are in the JSON),
+    library warnings, and errors.
+  * Every bad input is one line ``speculant: error: <message>`` on stderr and exit code 2, never a traceback.
+
+Subcommands are entries of :data:`COMMANDS` (name, help, argument builder, runner), so ``bench``, ``kv-eval``,
+``train`` and ``serve`` plug in the same way. Defaults are read from the library (``generate``'s signature, the
+method registry), never restated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from . import __version__
+from .checks import check_positive_int
+from .drafters.registry import NO_DEFAULT, build_drafter, describe_methods, get_method, methods, parse_method
+from .engine import generate
+from .loading import DTYPES, check_model_dir, load_model_dir, tokenizers_match
+from .types import GenerationStats, SamplingParams
+
+__all__ = ["main", "build_parser", "default_model_dir", "COMMANDS", "Command"]
+
+PROG = "speculant"
+log = logging.getLogger(__name__)
+
+# generate()'s defaults are the single definition of max_new_tokens, temperature, top_k, top_p and seed.
+_GEN_DEFAULTS = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
+
+
+def default_model_dir(role: str) -> Path | None:
+    """The bundled default model directory for ``role`` (``"target"`` or ``"draft"``), or None when the package
+    bundles none. Today it bundles none, so ``--target`` is required; once it does, this is the only change."""
+    return None
+
+
+class _UsageError(Exception):
+    """A command-line mistake: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports mistakes as one line (argparse prints usage plus an error by default)."""
+
+    def error(self, message: str):
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30)
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``add_arguments(parser)`` declares its options, ``run(args)`` returns the exit code and
+    may raise ValueError for bad input."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    description: str = ""
+    epilog: str = ""
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _methods_with_k() -> str:
+    return ", ".join(
+        f"{m.name}: {m.keys['k'].default}" if m.keys["k"].default is not NO_DEFAULT else m.name
+        for m in methods().values()
+        if "k" in m.keys
+    )
+
+
+def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    target_default = default_model_dir("target")
+    draft_default = default_model_dir("draft")
+    d = _GEN_DEFAULTS
+    p.add_argument(
+        "prompt",
+        metavar="PROMPT",
+        help="the prompt text, or '-' to read it from stdin. It is tokenized with the target's tokenizer and its "
+        "defaults (the special tokens that tokenizer adds by default, e.g. a BOS token, and no others; no chat "
+        "template)",
+    )
+    p.add_argument(
+        "--target",
+        metavar="DIR",
+        required=target_default is None,
+        default=target_default,
+        help="target model directory (Hugging Face save_pretrained output: config.json, weights, tokenizer); "
+        + ("required" if target_default is None else "default: %(default)s"),
+    )
+    p.add_argument(
+        "--draft",
+        metavar="DIR",
+        default=draft_default,
+        help="draft model directory, same format and the same tokenizer as the target; needed by methods that "
+        "draft with a model (chain); default: " + ("none" if draft_default is None else "%(default)s"),
+    )
+    p.add_argument(
+        "--method",
+        metavar="SPEC",
+        default="chain",
+        help="drafting method: NAME or NAME:key=value[:key=value...] (list values separated by '/'), e.g. ar, "
+        "chain, chain:k=8; the methods are listed below; default: %(default)s",
+    )
+    p.add_argument(
+        "--k",
+        type=int,
+        default=None,
+        help="draft tokens per step; overrides the k of --method (default: the method's own, "
+        + _methods_with_k()
+        + ")",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        default=d["max_new_tokens"],
+        help="at most this many new tokens (fewer if an end-of-sequence token comes first); default: %(default)s",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        metavar="T",
+        default=d["temperature"],
+        help="sampling temperature, 0 for greedy decoding; the output distribution is exactly the target's "
+        "(lossless); default: %(default)s",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int,
+        metavar="K",
+        default=d["top_k"],
+        help="sample among the K most likely tokens only (applied to target and draft alike); default: no top-k "
+        "filter",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        metavar="P",
+        default=d["top_p"],
+        help="nucleus sampling: keep the most likely tokens up to probability mass P, 0 < P <= 1; default: no "
+        "top-p filter",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        metavar="S",
+        default=d["seed"],
+        help="random seed for reproducible sampling; default: none (different samples on every run)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default=None,
+        help="load both models in this dtype ('auto': the one in config.json); default: transformers' default",
+    )
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        metavar="N",
+        default=None,
+        help="torch CPU threads (torch.set_num_threads); default: left to torch",
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print exactly one JSON object {text, token_ids, stats} to stdout instead of streaming the text and "
+        "a summary",
+    )
+
+
+class _TextStream:
+    """Incremental detokenisation: decode every new id so far and write only the new suffix, holding back a
+    trailing U+FFFD (an incomplete multi-byte character whose remaining bytes are in the next tokens)."""
+
+    def __init__(self, tokenizer, out: TextIO) -> None:
+        self.tokenizer = tokenizer
+        self.out = out
+        self.ids: list[int] = []
+        self.written = ""
+
+    def _text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def _write_upto(self, text: str) -> None:
+        if not text.startswith(self.written):  # decoding changed written text (rare, tokenizer-specific)
+            log.debug("detokenisation changed already written text; continuing after it")
+        piece = text[len(self.written) :]
+        if piece:
+            self.out.write(piece)
+            self.out.flush()
+            self.written = text
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids.extend(new_ids)
+        self._write_upto(self._text().rstrip("\ufffd"))
+
+    def finish(self) -> str:
+        """Write what was held back (an invalid trailing byte sequence stays U+FFFD) and the final newline."""
+        text = self._text()
+        self._write_upto(text)
+        self.out.write("\n")
+        self.out.flush()
+        return text
+
+
+def _summary(method: str, stats: GenerationStats) -> str:
+    return (
+        f"{PROG}: method={method} τ={stats.acceptance_length:.2f} tokens={stats.new_tokens} "
+        f"tokens/s={stats.tokens_per_second:.1f} target_calls={stats.target_calls} "
+        f"overhead={100 * stats.overhead_share:.1f}%"
+    )
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    # validate everything cheap before loading any model
+    name, options = parse_method(args.method)
+    method = get_method(name)
+    if args.k is not None:
+        if "k" not in method.keys:
+            raise ValueError(f"--k: method {name!r} takes no k (methods with k: {_methods_with_k()})")
+        options["k"] = args.k
+    if method.needs_draft and args.draft is None:
+        raise ValueError(f"method {name!r} needs a draft model: pass --draft DIR (or --method ar for plain decoding)")
+    SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    check_positive_int("max_new_tokens", args.max_new_tokens)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt:
+        raise ValueError("the prompt is empty: give some text")
+    check_model_dir(args.target)
+    if method.needs_draft:
+        check_model_dir(args.draft)
+    elif args.draft is not None:
+        log.info("method %r drafts without a model: --draft is not used", name)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    target, tokenizer = load_model_dir(args.target, args.dtype)
+    draft_model, context = None, {}
+    if method.needs_draft:
+        draft_model, draft_tokenizer = load_model_dir(args.draft, args.dtype)
+        context["tokenizers_match"] = tokenizers_match(tokenizer, draft_tokenizer)
+    drafter = build_drafter((name, options), draft_model, **context)
+
+    ids = tokenizer(prompt)["input_ids"]
+    stream = None if args.json else _TextStream(tokenizer, sys.stdout)
+    gen = generate(
+        target,
+        ids,
+        drafter=drafter,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stream=stream,
+    )
+    if args.json:
+        text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        print(json.dumps({"text": text, "token_ids": gen.token_ids, "stats": gen.stats.as_dict()}))
+    else:
+        stream.finish()
+        spec = name + "".join(f":{k}={'/'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in options.items())
+        print(_summary(spec, gen.stats), file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- train
+
+
+def _add_dataclass_arguments(p: argparse.ArgumentParser, cls, skip: set[str], docs: dict[str, str]) -> None:
+    """One ``--field-name`` option per dataclass field; the dataclass holds the defaults (not restated)."""
+    import dataclasses
+
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        kind = {int: int, float: float}.get(type(default), str)
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=kind,
+            default=default,
+            required=required,
+            help=docs.get(f.name, "") + ("" if required else " (default: %(default)s)"),
+        )
+
+
+_TRAIN_DOCS = {
+    "data": "data directory written by 'speculant train prepare'",
+    "out": "run directory (checkpoints, metrics; the model is exported to OUT/model); an existing run resumes",
+    "preset": "model size: target (~32M parameters), draft (~2.6M), tiny (tests)",
+    "steps": "optimizer steps",
+    "batch_size": "sequences per step",
+    "seq_len": "tokens per training sequence",
+    "lr": "peak learning rate",
+    "min_lr_ratio": "final learning rate as a fraction of the peak (cosine decay)",
+    "warmup": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "gradient-norm clip",
+    "seed": "initialisation and data-order seed",
+    "ckpt_every": "save a resumable checkpoint every N steps",
+    "eval_batches": "validation batches for the final loss",
+    "device": "auto (GPU if present), cpu or cuda",
+    "precision": "auto (bf16 on a GPU that supports it, else fp32), fp32 or bf16",
+    "teacher": "model directory of the target to distil from (draft training)",
+    "kd_weight": "weight of the distillation loss (the rest is cross-entropy)",
+    "kd_loss": "distillation loss: fkl, tvd or tvd++",
+    "threads": "torch CPU threads",
+}
+
+
+def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from .train.pretrain import TrainConfig
+
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
+    prep = sub.add_parser("prepare", help="build the corpus, train the tokenizer, tokenise the splits",
+                          formatter_class=_Formatter)
+    prep.add_argument("--out", required=True, help="data directory to write")
+    prep.add_argument("--vocab-size", type=int, default=16384, help="BPE vocabulary size (default: %(default)s)")
+    model = sub.add_parser("model", help="pretrain (or distil) a model on a prepared data directory",
+                           formatter_class=_Formatter)
+    _add_dataclass_arguments(model, TrainConfig, skip={"extra"}, docs=_TRAIN_DOCS)
+    model.add_argument("--name", default=None, help="model name for the model card (default: the preset)")
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    import dataclasses
+    import shlex
+
+    from .train.card import write_model_card
+    from .train.data import prepare
+    from .train.pretrain import PRESETS, TrainConfig
+
+    if args.action == "prepare":
+        out = prepare(args.out, vocab_size=args.vocab_size)
+        print(out)
+        return 0
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
+    if args.teacher:
+        check_model_dir(args.teacher)
+    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
+    cfg = TrainConfig(**{name: getattr(args, name) for name in fields})
+    from .train.pretrain import train
+
+    export = train(cfg)
+    command = "speculant train " + " ".join(shlex.quote(a) for a in sys.argv[2:] if a) if len(sys.argv) > 2 else ""
+    write_model_card(cfg.out, export, args.name or cfg.preset, command or f"speculant train model {cfg}")
+    print(export)
+    return 0
+
+
+COMMANDS: list[Command] = [
+    Command(
+        name="generate",
+        help="generate text from a prompt with speculative decoding",
+        add_arguments=_add_generate_arguments,
+        run=_run_generate,
+        description="Generate a continuation of PROMPT with the target model, losslessly accelerated by the "
+        "drafting method. The text streams to stdout; a one-line summary (τ = tokens per target call, tokens, "
+        "tokens/s, target calls, engine overhead share) goes to stderr. Generated text is shown with special "
+        "tokens removed; --json gives the raw token ids.",
+        epilog="methods:\n" + describe_methods(),
+    ),
+    Command(
+        name="train",
+        help="train the bundled models: prepare the data, then pretrain or distil a model",
+        add_arguments=_add_train_arguments,
+        run=_run_train,
+        description="Training pipeline. 'prepare' builds the corpus (this interpreter's standard library and "
+        "pydoc topics, split by module), trains the byte-level BPE tokenizer and tokenises the splits; 'model' "
+        "pretrains a Llama model (optionally distilling from a teacher), with a progress bar and resumable "
+        "checkpoints, then exports a Hugging Face directory with a MODEL_CARD.md.",
+    ),
+]
+
+
+# ---------------------------------------------------------------------------------------------- entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with one subparser per entry of :data:`COMMANDS`."""
+    parser = _Parser(
+        prog=PROG,
+        formatter_class=_Formatter,
+        description="Lossless speculative decoding for Hugging Face causal LMs on one machine.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for cmd in COMMANDS:
+        p = sub.add_parser(
+            cmd.name,
+            help=cmd.help,
+            description=textwrap.fill(cmd.description or cmd.help, width=100),
+            epilog=cmd.epilog or None,
+            formatter_class=_Formatter,
+        )
+        cmd.add_arguments(p)
+        p.set_defaults(run=cmd.run)
+    return parser
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is at the time of the record (tests and wrappers swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def _configure_logging(verbose: bool) -> None:
+    """Show the library's warnings (INFO with ``-v``) on stderr as ``speculant: LEVEL: message``."""
+    logger = logging.getLogger("speculant")
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter(f"{PROG}: %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``speculant`` command line; returns the exit code (0 ok, 2 bad input)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else 0
+    except _UsageError as exc:
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    _configure_logging(args.verbose)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # stderr holds the summary or one error line, not loading bars
+    try:
+        return args.run(args)
+    except (ValueError, OSError) as exc:
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""``python -m speculant.demo`` (what ``make demo`` runs): the CLI end to end, then plain vs speculative decoding.
+
+Until trained models are bundled, the models are built here in seconds: a byte-level BPE tokenizer trained on a
+few files of this interpreter's standard library, a small random-weight Llama target, and a draft that is the
+target with perturbed weights (:func:`speculant.testing.perturbed`). They are UNTRAINED: the text is gibberish
+and the speed-up says nothing about real models (the draft here costs as much as the target).
+
+The helpers :func:`train_tokenizer` and :func:`save_model_pair` are reused by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from . import cli
+from .drafters.registry import build_drafter
+from .engine import generate
+from .loading import load_model_dir, tokenizers_match
+from .testing import perturbed, tiny_model
+
+__all__ = ["train_tokenizer", "stdlib_texts", "save_model_pair", "main", "PROMPT"]
+
+PROMPT = 'def moving_average(values: list[float], window: int) -> list[float]:\n    """Return the moving average'
+BOS, EOS = "<s>", "</s>"  # ids 0 and 1, the bos/eos ids of speculant.testing.tiny_config
+_STDLIB_FILES = ("textwrap.py", "string.py", "functools.py", "bisect.py", "heapq.py")
+_FALLBACK_TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 50  # stdlib sources not installed
+
+
+def stdlib_texts(names: Iterable[str] = _STDLIB_FILES) -> list[str]:
+    """The sources of a few modules of the running interpreter's standard library (a fixed snippet if absent)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(root / n).read_text(encoding="utf-8") for n in names if (root / n).is_file()]
+    return texts or [_FALLBACK_TEXT]
+
+
+def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 1024):
+    """A byte-level BPE tokenizer trained on ``texts`` (default: :func:`stdlib_texts`), as a
+    ``transformers.PreTrainedTokenizerFast`` with ``<s>`` = 0 (bos) and ``</s>`` = 1 (eos). It adds no
+    special tokens when encoding."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts) if texts is not None else stdlib_texts(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+
+
+def save_model_pair(
+    out_dir: str | Path,
+    tokenizer,
+    hidden: int = 128,
+    layers: int = 4,
+    context: int = 1024,
+    init_std: float = 0.1,
+    draft_scale: float = 0.02,
+    seed: int = 0,
+    draft_tokenizer=None,
+) -> tuple[Path, Path]:
+    """Save a random Llama target (vocab = tokenizer size) and its perturbed copy as the draft, each with a
+    tokenizer (``draft_tokenizer`` defaults to ``tokenizer``), as HF directories ``out_dir/target`` and
+    ``out_dir/draft``. Returns both paths."""
+    target = tiny_model(
+        "llama", seed=seed, vocab_size=len(tokenizer), hidden=hidden, layers=layers, heads=4, kv_heads=2,
+        context=context, init_std=init_std,
+    )
+    draft = perturbed(target, scale=draft_scale, seed=seed + 1)
+    paths = []
+    for name, model, tok in (("target", target, tokenizer), ("draft", draft, draft_tokenizer or tokenizer)):
+        path = Path(out_dir) / name
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+def _measure(target_dir: Path, draft_dir: Path, k: int, max_new_tokens: int, repeats: int) -> None:
+    target, tok = load_model_dir(target_dir)
+    draft, draft_tok = load_model_dir(draft_dir)
+    ids = tok(PROMPT)["input_ids"]
+    specs = {"ar": "ar", "chain": f"chain:k={k}"}
+    drafters = {
+        name: build_drafter(spec, draft, tokenizers_match=tokenizers_match(tok, draft_tok))
+        for name, spec in specs.items()
+    }
+    runs: dict[str, list] = {name: [] for name in specs}
+    for r in range(repeats + 1):  # round 0 is the warm-up; the order alternates so drift hits both alike
+        order = list(specs) if r % 2 == 0 else list(reversed(specs))
+        for name in order:
+            stats = generate(target, ids, drafter=drafters[name], max_new_tokens=max_new_tokens).stats
+            if r > 0:
+                runs[name].append(stats)
+    print(f"\nplain (ar) vs speculative (chain, k={k}), greedy, {max_new_tokens} new tokens, "
+          f"median of {repeats} interleaved runs after a warm-up:")
+    for name, spec in specs.items():
+        tau = statistics.median(s.acceptance_length for s in runs[name])
+        tps = statistics.median(s.tokens_per_second for s in runs[name])
+        print(f"  {spec:<10} τ = {tau:5.2f}   {tps:8.1f} tokens/s")
+    ratios = [c.tokens_per_second / a.tokens_per_second for a, c in zip(runs["ar"], runs["chain"])]
+    print(f"  speed-up (median of per-round ratios chain/ar): {statistics.median(ratios):.2f}x")
+    print("  Not representative: untrained random-weight models, and this draft is as large as the target, so "
+          "every draft token costs a full target-sized forward.")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build the tiny models, run ``speculant generate`` on them, then time ar vs chain."""
+    ap = argparse.ArgumentParser(prog="python -m speculant.demo", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per run (default: %(default)s)")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step for chain (default: %(default)s)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed runs per method (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch CPU threads; models this small run fastest on one (default: %(default)s)")
+    args = ap.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    print("speculant demo. NOTE: the models below are UNTRAINED random-weight models built in-process (no bundled "
+          "models yet): the generated text is gibberish and the speed-up is not representative.\n")
+    t0 = time.perf_counter()
+    tokenizer = train_tokenizer()
+    with tempfile.TemporaryDirectory(prefix="speculant-demo-") as tmp:
+        target_dir, draft_dir = save_model_pair(tmp, tokenizer)
+        print(f"built a {len(tokenizer)}-token BPE tokenizer and a random Llama target + perturbed draft "
+              f"in {time.perf_counter() - t0:.1f} s\n")
+        argv_cli = ["generate", PROMPT, "--target", str(target_dir), "--draft", str(draft_dir), "--method", "chain",
+                    "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
+        print("$ speculant " + " ".join(repr(a) if (" " in a or "\n" in a) else a for a in argv_cli))
+        print(PROMPT, end="")
+        sys.stdout.flush()
+        code = cli.main(argv_cli)
+        sys.stderr.flush()
+        if code != 0:
+            return code
+        _measure(target_dir, draft_dir, args.k, args.max_new_tokens, args.repeats)
+    print(f"\ndone in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The one registry from method names to drafter factories, shared by the CLI, ``speculant bench`` and Python code.
+
+A method *spec* is ``NAME`` or ``NAME:key=value[:key=value...]``; list values are separated by ``/``::
+
+    chain            chain:k=8            rsd-c:branching=2/1/1
+
+>>> drafter = build_drafter("chain:k=8", draft_model, tokenizers_match=True)
+
+Each method declares its keys with a type (``int``, ``float``, ``str``, ``bool`` or ``list[int]`` and the like)
+and a doc line; values are converted with the declared type. Defaults are not restated here: a key left out of
+the spec is not passed, so the drafter class's own default applies (:func:`default_of` reads it for help texts).
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .base import Drafter
+from .model import DraftModelDrafter
+
+__all__ = [
+    "Key",
+    "Method",
+    "register",
+    "get_method",
+    "methods",
+    "parse_method",
+    "build_drafter",
+    "describe_methods",
+    "default_of",
+    "NO_DEFAULT",
+]
+
+NO_DEFAULT: Any = inspect.Parameter.empty
+"""Marks a key whose default is unknown to the registry (the factory decides)."""
+
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]*$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def default_of(func: Callable, name: str) -> Any:
+    """The default of parameter ``name`` in ``func``'s signature (a class: its ``__init__``), or
+    :data:`NO_DEFAULT`. Lets a registration show a drafter's default without restating it."""
+    param = inspect.signature(func).parameters.get(name)
+    return NO_DEFAULT if param is None else param.default
+
+
+@dataclass(frozen=True)
+class Key:
+    """One option of a method: ``type`` converts the spec's string (``list[T]`` splits on ``/``), ``doc`` says
+    what it does, ``default`` is for help texts only (the factory applies its own)."""
+
+    type: Any
+    doc: str
+    default: Any = NO_DEFAULT
+
+    def type_name(self) -> str:
+        if typing.get_origin(self.type) is list:
+            (item,) = typing.get_args(self.type) or (str,)
+            return f"{item.__name__}/{item.__name__}/..."
+        return getattr(self.type, "__name__", str(self.type))
+
+    def convert(self, method: str, key: str, value: Any) -> Any:
+        """Convert a string value; values of other types (from Python callers) are passed as given and left to
+        the factory to validate."""
+        if not isinstance(value, str):
+            return value
+        try:
+            if typing.get_origin(self.type) is list:
+                (item,) = typing.get_args(self.type) or (str,)
+                if not value.strip():
+                    raise ValueError("empty list")
+                return [_convert_scalar(item, part) for part in value.split("/")]
+            return _convert_scalar(self.type, value)
+        except ValueError:
+            raise ValueError(
+                f"bad value {value!r} for option {key!r} of method {method!r}: expected {self.type_name()}"
+            ) from None
+
+
+def _convert_scalar(typ: Any, text: str) -> Any:
+    text = text.strip()
+    if typ is bool:
+        low = text.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise ValueError(text)
+    if typ is str:
+        return text
+    return typ(text)  # int("2.5") and float("x") raise ValueError
+
+
+@dataclass(frozen=True)
+class Method:
+    """A registered method: ``factory(draft_model, **options, **context)`` returns a Drafter or None (plain
+    decoding). Context entries the factory does not name as parameters are not passed to it."""
+
+    name: str
+    factory: Callable[..., Drafter | None]
+    needs_draft: bool
+    keys: Mapping[str, Key] = field(default_factory=dict)
+    doc: str = ""
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register(
+    name: str,
+    factory: Callable[..., Drafter | None],
+    needs_draft: bool,
+    keys: Mapping[str, Key] | None = None,
+    doc: str = "",
+    replace: bool = False,
+) -> Method:
+    """Register a drafting method under ``name`` (lowercase letters, digits, ``-``, ``_``).
+
+    Args:
+        factory: called as ``factory(draft_model, **options, **context)``; ``draft_model`` is None when the
+            caller has none (only possible when ``needs_draft`` is False).
+        needs_draft: the method needs a draft model (``--draft`` on the command line).
+        keys: the options a spec may set, key -> :class:`Key` (type, doc, default shown in help).
+        doc: one line for help texts, citing the method's paper.
+        replace: allow replacing an existing registration.
+    """
+    if not _NAME_RE.match(name):
+        raise ValueError(f"method name {name!r} must match {_NAME_RE.pattern}")
+    if name in _REGISTRY and not replace:
+        raise ValueError(f"method {name!r} is already registered")
+    method = Method(name=name, factory=factory, needs_draft=needs_draft, keys=dict(keys or {}), doc=doc)
+    _REGISTRY[name] = method
+    return method
+
+
+def methods() -> dict[str, Method]:
+    """All registered methods by name (a copy)."""
+    return dict(_REGISTRY)
+
+
+def get_method(name: str) -> Method:
+    """The method registered as ``name``; an unknown name raises a ValueError listing the known ones."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def _check_options(method: Method, options: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, value in options.items():
+        if key not in method.keys:
+            known = ", ".join(sorted(method.keys)) or "none"
+            raise ValueError(f"unknown option {key!r} for method {method.name!r}; its options: {known}")
+        out[key] = method.keys[key].convert(method.name, key, value)
+    return out
+
+
+def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
+    """Parse ``NAME[:key=value...]`` into ``(name, options)`` with values converted to the declared types.
+
+    Raises:
+        ValueError: empty spec, unknown method (the message lists the known ones), malformed ``key=value``,
+            unknown or repeated key, or a value that does not convert.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"empty method spec; known methods: {', '.join(sorted(_REGISTRY))}")
+    name, *parts = [p.strip() for p in spec.strip().split(":")]
+    method = get_method(name)
+    raw: dict[str, str] = {}
+    for part in parts:
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"bad method option {part!r} in {spec!r}: expected key=value")
+        if key in raw:
+            raise ValueError(f"option {key!r} given twice in {spec!r}")
+        raw[key] = value
+    return name, _check_options(method, raw)
+
+
+def build_drafter(
+    spec: str | tuple[str, Mapping[str, Any]], draft_model: torch.nn.Module | None = None, **context: Any
+) -> Drafter | None:
+    """Build the drafter for ``spec``: a spec string or a ``(name, options)`` pair from :func:`parse_method`.
+
+    Args:
+        draft_model: the draft LM, required by methods with ``needs_draft``.
+        context: what the caller knows (e.g. ``tokenizers_match=True``); each factory takes the entries it names.
+
+    Returns:
+        a Drafter, or None for plain autoregressive decoding (``ar``).
+    """
+    if isinstance(spec, str):
+        name, options = parse_method(spec)
+    else:
+        name, options = spec
+        options = _check_options(get_method(name), options)
+    method = get_method(name)
+    if method.needs_draft and draft_model is None:
+        raise ValueError(f"method {name!r} needs a draft model (--draft DIR on the command line)")
+    clash = set(options) & set(context)
+    if clash:
+        raise ValueError(f"{', '.join(sorted(clash))} given both as method options and as context")
+    params = inspect.signature(method.factory).parameters
+    taken = {k: v for k, v in context.items() if k in params and params[k].kind is not inspect.Parameter.VAR_KEYWORD}
+    return method.factory(draft_model, **options, **taken)
+
+
+def describe_methods() -> str:
+    """Help text: one line per method with its keys, types and defaults."""
+    lines = []
+    for method in sorted(_REGISTRY.values(), key=lambda m: m.name):
+        line = f"  {method.name}: {method.doc}"
+        if method.needs_draft:
+            line += " [needs --draft]"
+        for key, spec in method.keys.items():
+            default = "" if spec.default is NO_DEFAULT else f", default {spec.default}"
+            line += f"\n      {key} ({spec.type_name()}{default}): {spec.doc}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _ar(draft_model: torch.nn.Module | None) -> None:
+    return None
+
+
+def _chain(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, **options: Any) -> Drafter:
+    return DraftModelDrafter(draft_model, tokenizers_match=tokenizers_match, **options)
+
+
+register("ar", _ar, needs_draft=False, doc="plain autoregressive decoding, no draft (the baseline)")
+register(
+    "chain",
+    _chain,
+    needs_draft=True,
+    keys={"k": Key(int, "draft tokens per step (gamma)", default_of(DraftModelDrafter, "k"))},
+    doc="draft-model chain, speculative sampling (Leviathan et al. 2023; Chen et al. 2023)",
+)

@@ -1,0 +1,1 @@
+"""Training pipeline: corpus, tokenizer, data preparation, pretraining and distillation losses."""

@@ -1,0 +1,375 @@
+"""The ``speculant`` CLI (via ``cli.main``), model-directory loading and the method registry.
+
+The models are tiny random Llamas saved as HF directories with a small BPE tokenizer trained in-process
+(the demo's helpers), once per session.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from speculant import DraftModelDrafter, GenerationStats, cli, generate
+from speculant.demo import save_model_pair, stdlib_texts, train_tokenizer
+from speculant.drafters import registry
+from speculant.drafters.registry import Key, build_drafter, default_of, parse_method, register
+from speculant.loading import check_model_dir, load_model_dir, tokenizers_match
+
+PROMPT = "def add(a, b):\n    return a + b\n\n"
+N = 24  # new tokens per CLI run
+CONTEXT = 128
+MULTIBYTE = "héllo wörld ✓ naïve café 日本語"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Models this small run fastest on one thread (and two threads stall badly on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def dirs(tmp_path_factory):
+    """target, its perturbed draft, a draft with a different tokenizer (same vocab size) and a spare tokenizer."""
+    texts = stdlib_texts(["textwrap.py"]) + [MULTIBYTE]
+    tok = train_tokenizer(texts, vocab_size=300)
+    other = train_tokenizer(["completely different corpus 0123456789 xyz " * 20, MULTIBYTE], vocab_size=300)
+    assert len(other) == len(tok) == 300
+    root = tmp_path_factory.mktemp("models")
+    # init_std 0.5: well-separated logits (greedy decisions, not float noise); scale 0.02: partial acceptance
+    target, draft = save_model_pair(root, tok, hidden=32, layers=2, context=CONTEXT, init_std=0.5, draft_scale=0.02)
+    bad_root = tmp_path_factory.mktemp("mismatch")
+    _, bad_draft = save_model_pair(bad_root, tok, hidden=32, layers=2, context=CONTEXT, init_std=0.5,
+                                   draft_scale=0.02, draft_tokenizer=other)
+    return {"target": str(target), "draft": str(draft), "bad_draft": str(bad_draft), "tok": tok, "root": root}
+
+
+def run(capsys, *args):
+    code = cli.main(["generate", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def base_args(dirs, method="chain", *extra):
+    return [PROMPT, "--target", dirs["target"], "--draft", dirs["draft"], "--method", method,
+            "--max-new-tokens", str(N), *extra]
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def test_json_output_matches_library_generate(dirs, capsys):
+    code, out, err = run(capsys, *base_args(dirs, "chain", "--json"))
+    assert code == 0, err
+    assert out.count("\n") == 1 and out.endswith("\n")  # exactly one JSON object and nothing else
+    obj = json.loads(out)
+    assert set(obj) == {"text", "token_ids", "stats"}
+    assert set(obj["stats"]) == set(GenerationStats().as_dict())
+    target, tok = load_model_dir(dirs["target"])
+    ids = tok(PROMPT)["input_ids"]
+    expected = generate(target, ids, max_new_tokens=N).token_ids
+    assert obj["token_ids"] == expected
+    assert obj["text"] == tok.decode(expected, skip_special_tokens=True)
+    assert obj["stats"]["new_tokens"] == len(expected)
+    assert obj["stats"]["acceptance_length"] > 1.0  # the draft was used and accepted sometimes
+    assert "speculant:" not in err  # no summary line with --json
+
+
+def test_ar_and_chain_stream_identical_greedy_text(dirs, capsys):
+    code_ar, out_ar, err_ar = run(capsys, *base_args(dirs, "ar"))
+    code_ch, out_ch, err_ch = run(capsys, *base_args(dirs, "chain:k=3"))
+    assert code_ar == code_ch == 0
+    assert out_ar == out_ch and out_ar.strip()
+    target, tok = load_model_dir(dirs["target"])
+    expected = generate(target, tok(PROMPT)["input_ids"], max_new_tokens=N).token_ids
+    assert out_ar == tok.decode(expected, skip_special_tokens=True) + "\n"
+    summary = re.compile(r"^speculant: method=(\S+) τ=([\d.]+) tokens=(\d+) tokens/s=[\d.]+ target_calls=(\d+) "
+                         r"overhead=[\d.]+%$")
+    m_ar, m_ch = summary.match(err_ar.strip()), summary.match(err_ch.strip())
+    assert m_ar and m_ch, (err_ar, err_ch)
+    assert m_ar.group(1) == "ar" and float(m_ar.group(2)) == 1.0 and m_ar.group(4) == m_ar.group(3)
+    assert m_ch.group(1) == "chain:k=3" and float(m_ch.group(2)) > 1.0
+    assert int(m_ch.group(4)) < int(m_ch.group(3))  # fewer target calls than tokens
+
+
+def test_k_flag_overrides_spec_and_sampling_is_seeded(dirs, capsys):
+    args = base_args(dirs, "chain:k=8", "--k", "1", "--json", "--temperature", "0.8", "--top-k", "50",
+                     "--top-p", "0.9", "--seed", "3")
+    code, out1, _ = run(capsys, *args)
+    assert code == 0
+    code, out2, _ = run(capsys, *args)
+    one, two = json.loads(out1), json.loads(out2)
+    assert one["token_ids"] == two["token_ids"]
+    assert one["stats"]["draft_tokens"] <= one["stats"]["target_calls"]  # k=1, not 8: one draft token per step
+
+
+def test_stream_is_incremental_and_multibyte_safe(dirs):
+    tok = dirs["tok"]
+    ids = tok(MULTIBYTE)["input_ids"]
+    assert any("\ufffd" in tok.decode(ids[:i]) for i in range(1, len(ids)))  # some tokens split characters
+
+    class Out(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.writes = []
+
+        def write(self, s):
+            self.writes.append(s)
+            return super().write(s)
+
+    out = Out()
+    stream = cli._TextStream(tok, out)
+    for i in ids:
+        stream([i])
+    assert len(out.writes) > 3  # written as it goes, not at the end
+    assert all("\ufffd" not in w for w in out.writes)
+    assert stream.finish() == MULTIBYTE
+    assert out.getvalue() == MULTIBYTE + "\n"
+
+
+def test_prompt_from_stdin(dirs, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO(PROMPT))
+    code, out_stdin, _ = run(capsys, "-", *base_args(dirs, "ar", "--json")[1:])
+    code2, out_arg, _ = run(capsys, *base_args(dirs, "ar", "--json"))
+    assert code == code2 == 0
+    assert json.loads(out_stdin)["token_ids"] == json.loads(out_arg)["token_ids"]
+
+
+def test_threads_set_only_when_asked(dirs, capsys, monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    assert run(capsys, *base_args(dirs, "ar", "--json", "--max-new-tokens", "2"))[0] == 0
+    assert calls == []
+    assert run(capsys, *base_args(dirs, "ar", "--json", "--max-new-tokens", "2", "--threads", "3"))[0] == 0
+    assert calls == [3]
+
+
+def test_help_exits_zero_and_documents_every_option(capsys):
+    assert cli.main(["--help"]) == 0
+    assert "generate" in capsys.readouterr().out
+    assert cli.main(["generate", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for opt in ("--target", "--draft", "--method", "--k", "--max-new-tokens", "--temperature", "--top-k",
+                "--top-p", "--seed", "--dtype", "--threads", "--json", "PROMPT"):
+        assert opt in text
+    assert "default: 128" in text  # max_new_tokens: read from generate()'s signature
+    assert f"chain: {default_of(DraftModelDrafter, 'k')}" in text  # --k default from the registry
+    assert "k (int, default 4)" in text and "ar:" in text  # method list
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def assert_one_line_error(code, out, err, *needles):
+    assert code == 2, (out, err)
+    assert "Traceback" not in err and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("speculant: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--max-new-tokens", "200"], ["exceeds", "context of 128"]),
+        (["--max-new-tokens", "0"], ["max_new_tokens"]),
+        (["--temperature=-0.5"], ["temperature"]),
+        (["--top-p", "0"], ["top_p"]),
+        (["--top-p", "1.5"], ["top_p"]),
+        (["--top-k", "0"], ["top_k"]),
+        (["--k", "0"], ["k must be"]),
+        (["--method", "chain:k=0"], ["k must be"]),
+        (["--method", "nope"], ["unknown method 'nope'", "ar, chain"]),
+        (["--method", "chain:x=1"], ["unknown option 'x'"]),
+        (["--method", "chain:k=two"], ["bad value 'two'", "int"]),
+        (["--method", "ar", "--k", "2"], ["takes no k"]),
+        (["--k", "two"], ["--k"]),
+        (["--dtype", "int8"], ["--dtype"]),
+        (["--threads", "0"], ["--threads"]),
+    ],
+)
+def test_bad_options_one_line_exit_2(dirs, capsys, extra, needles):
+    assert_one_line_error(*run(capsys, *base_args(dirs), *extra), *needles)
+
+
+def test_prompt_too_long_for_context(dirs, capsys):
+    long_prompt = PROMPT * 20
+    assert len(dirs["tok"](long_prompt)["input_ids"]) > CONTEXT
+    args = base_args(dirs)
+    args[0] = long_prompt
+    assert_one_line_error(*run(capsys, *args), "exceeds", "context")
+
+
+def test_empty_prompt(dirs, capsys):
+    args = base_args(dirs)
+    args[0] = ""
+    assert_one_line_error(*run(capsys, *args), "empty")
+
+
+def test_chain_without_draft(dirs, capsys):
+    assert_one_line_error(*run(capsys, PROMPT, "--target", dirs["target"], "--method", "chain"),
+                          "needs a draft model", "--draft")
+
+
+def test_missing_target_argument(capsys):
+    assert_one_line_error(*run(capsys, PROMPT), "--target")
+
+
+def test_mismatched_tokenizers(dirs, capsys):
+    args = base_args(dirs)
+    args[args.index(dirs["draft"])] = dirs["bad_draft"]
+    assert_one_line_error(*run(capsys, *args), "tokenizers differ")
+    # ar does not use the draft, so its tokenizer does not matter
+    assert run(capsys, *args[:-4], "--method", "ar", "--max-new-tokens", "2")[0] == 0
+
+
+@pytest.mark.parametrize(
+    "remove, needle",
+    [
+        (["config.json"], "config.json"),
+        (["model.safetensors"], "weights"),
+        (["tokenizer.json"], "tokenizer files"),
+        (["config.json", "tokenizer.json"], "config.json; tokenizer files"),
+    ],
+)
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_missing_model_files(dirs, capsys, tmp_path, remove, needle, role):
+    broken = tmp_path / "broken"
+    shutil.copytree(dirs[role], broken)
+    for name in remove:
+        (broken / name).unlink()
+    args = base_args(dirs)
+    args[args.index(dirs[role])] = str(broken)
+    assert_one_line_error(*run(capsys, *args), str(broken), needle)
+
+
+def test_nonexistent_model_dir(dirs, capsys, tmp_path):
+    args = base_args(dirs)
+    args[args.index(dirs["target"])] = str(tmp_path / "nowhere")
+    assert_one_line_error(*run(capsys, *args), "does not exist", "nowhere")
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def test_load_model_dir(dirs):
+    model, tok = load_model_dir(dirs["target"], dtype="bfloat16")
+    assert not model.training and model.dtype == torch.bfloat16
+    assert tok.get_vocab() == dirs["tok"].get_vocab()
+    assert check_model_dir(dirs["target"]).is_dir()
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_model_dir(dirs["target"], dtype="int3")
+    with pytest.raises(ValueError, match="is missing config.json; weights .*; tokenizer files"):
+        check_model_dir(dirs["root"])  # holds model dirs, is none
+    with pytest.raises(ValueError, match="is not a directory"):
+        check_model_dir(f"{dirs['target']}/config.json")
+
+
+def test_pytorch_bin_weights_accepted(dirs, tmp_path):
+    d = tmp_path / "bin"
+    shutil.copytree(dirs["target"], d)
+    (d / "model.safetensors").rename(d / "pytorch_model.bin")
+    assert check_model_dir(d) == d
+
+
+def test_tokenizers_match(dirs):
+    _, tok_t = load_model_dir(dirs["target"])
+    _, tok_d = load_model_dir(dirs["draft"])
+    _, tok_bad = load_model_dir(dirs["bad_draft"])
+    assert tokenizers_match(tok_t, tok_d) and tokenizers_match(tok_t, tok_t)
+    assert not tokenizers_match(tok_t, tok_bad)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+@pytest.fixture
+def dummy_method():
+    seen = {}
+
+    def factory(draft_model, tokenizers_match=None, **options):
+        seen.update(options, draft_model=draft_model, tokenizers_match=tokenizers_match)
+        return None
+
+    register("dummy-x", factory, needs_draft=False, doc="test method",
+             keys={"branching": Key(list[int], "per depth"), "t": Key(float, "a float"), "on": Key(bool, "flag"),
+                   "name": Key(str, "a string")})
+    yield seen
+    registry._REGISTRY.pop("dummy-x")
+
+
+def test_parse_method_converts_declared_types(dummy_method):
+    assert parse_method("chain") == ("chain", {})
+    assert parse_method(" chain : k = 8 ") == ("chain", {"k": 8})
+    assert parse_method("ar") == ("ar", {})
+    name, opts = parse_method("dummy-x:branching=2/1/1:t=0.5:on=yes:name=abc")
+    assert name == "dummy-x" and opts == {"branching": [2, 1, 1], "t": 0.5, "on": True, "name": "abc"}
+    assert parse_method("dummy-x:on=off:branching=3")[1] == {"on": False, "branching": [3]}
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("", "empty method spec"),
+        ("beam", "unknown method 'beam'; known methods: ar, chain"),
+        ("chain:q=1", "unknown option 'q' for method 'chain'; its options: k"),
+        ("ar:k=1", "unknown option 'k' for method 'ar'; its options: none"),
+        ("chain:k=2.5", "bad value '2.5' for option 'k' of method 'chain': expected int"),
+        ("chain:k", "expected key=value"),
+        ("chain:=3", "expected key=value"),
+        ("chain:k=1:k=2", "given twice"),
+        ("dummy-x:branching=2/x", "expected int/int/..."),
+        ("dummy-x:branching=", "bad value"),
+        ("dummy-x:on=maybe", "expected bool"),
+    ],
+)
+def test_parse_method_errors(dummy_method, spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_method(spec)
+
+
+def test_build_drafter(dirs, dummy_method):
+    draft, _ = load_model_dir(dirs["draft"])
+    assert build_drafter("ar") is None
+    assert build_drafter("ar", draft, tokenizers_match=True) is None  # context it does not take is dropped
+    d = build_drafter("chain:k=3", draft, tokenizers_match=True)
+    assert isinstance(d, DraftModelDrafter) and d.k == 3 and d.tokenizers_match is True and d.model is draft
+    assert build_drafter("chain", draft).k == default_of(DraftModelDrafter, "k") == 4
+    assert build_drafter(("chain", {"k": "5"}), draft).k == 5  # a (name, options) pair, values converted
+    with pytest.raises(ValueError, match="needs a draft model"):
+        build_drafter("chain")
+    with pytest.raises(ValueError, match="k must be"):
+        build_drafter("chain:k=0", draft)
+    with pytest.raises(ValueError, match="unknown option"):
+        build_drafter(("chain", {"kk": 5}), draft)
+    with pytest.raises(ValueError, match="both as method options and as context"):
+        build_drafter("dummy-x:t=1", t=2.0)
+    build_drafter("dummy-x:branching=2/2", draft, tokenizers_match=False, unrelated=1)
+    assert dummy_method == {"branching": [2, 2], "draft_model": draft, "tokenizers_match": False}
+
+
+def test_register_rejects_duplicates_and_bad_names():
+    with pytest.raises(ValueError, match="already registered"):
+        register("chain", lambda draft_model: None, needs_draft=False)
+    with pytest.raises(ValueError, match="must match"):
+        register("Bad:Name", lambda draft_model: None, needs_draft=False)
+    assert registry.get_method("chain").needs_draft and not registry.get_method("ar").needs_draft
+    assert "chain" in registry.describe_methods() and "[needs --draft]" in registry.describe_methods()
+
+
+def test_verbose_logs_info_to_stderr(dirs, capsys):
+    args = [PROMPT, "--target", dirs["target"], "--draft", dirs["draft"], "--method", "ar", "--max-new-tokens", "2",
+            "--json"]
+    assert cli.main(["-v", "generate", *args]) == 0
+    err = capsys.readouterr().err
+    assert "speculant: INFO: loading model and tokenizer from" in err and "--draft is not used" in err
+    assert cli.main(["generate", *args]) == 0
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,230 @@
+"""End-to-end losslessness: ``speculant.generate`` with a draft model samples exactly the target's distribution.
+
+A tiny random target over a 5-token vocabulary (flat enough that most joint outcomes have mass, context-dependent
+enough that a corrupted KV cache shows) and a perturbed copy as the draft (it agrees about half the time, so
+drafts are both accepted and rejected). Sequences of ``k + 1`` new tokens are sampled thousands of times with
+different seeds and their empirical joint distribution is compared with the EXACT target joint, computed by
+enumeration (one target forward per prefix, warped with the same settings), by chi-square goodness-of-fit tests:
+the full joint, every pair of positions and the first token. Seeds are fixed, so the outcome is deterministic; a
+correct engine passes with p > 1e-4, the negative controls (a biased verifier, a stale KV cache) must give
+p < 1e-6.
+
+The engine drafts at most ``remaining - 1`` tokens, so a chain of ``k`` drafts needs ``max_new_tokens >= k + 1``:
+generating exactly ``k + 1`` tokens covers a full first step (all accepted + bonus, or a rejection with its
+correction) and the later steps that follow a rejection (draft cache crop, target cache compaction).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import speculant
+import speculant.engine
+from speculant.cache import SpecCache
+from speculant.sampling import sample, uniform, warp
+from speculant.testing import perturbed, tiny_model
+from speculant.types import SamplingParams, Verdict
+
+VOCAB = 5
+PROMPT = [0, 3, 1, 2]
+PASS_P = 1e-4
+FAIL_P = 1e-6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The models are tiny: one thread is faster and keeps the timing predictable."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
+    draft = perturbed(target, scale=0.3, seed=5)
+    return target, draft
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit of ``counts`` against ``probs`` (same shape, any dims).
+
+    Categories with probability 0 must never be observed (asserted). Categories whose expected count is below 5
+    are pooled into one bin; if that bin is still below 5 it is merged into the smallest other bin, so that
+    every bin the test sees has an expected count of at least 5 (the chi-square approximation needs it).
+    """
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    probs = probs / probs.sum()
+    impossible = probs <= 0
+    assert counts[impossible].sum() == 0, f"observed impossible outcomes: {np.flatnonzero(impossible & (counts > 0))}"
+    exp = probs * counts.sum()
+    big = exp >= 5
+    small = (~big) & (~impossible)
+    obs_bins, exp_bins = list(counts[big]), list(exp[big])
+    assert len(obs_bins) >= 2, "too few categories with an expected count >= 5 for a chi-square test"
+    if small.any():
+        o, e = counts[small].sum(), exp[small].sum()
+        if e < 5:
+            i = int(np.argmin(exp_bins))
+            obs_bins[i] += o
+            exp_bins[i] += e
+        else:
+            obs_bins.append(o)
+            exp_bins.append(e)
+    obs_bins, exp_bins = np.array(obs_bins), np.array(exp_bins)
+    exp_bins *= obs_bins.sum() / exp_bins.sum()
+    return float(stats.chisquare(obs_bins, exp_bins).pvalue)
+
+
+def _check_margins(logits: torch.Tensor, params: SamplingParams) -> None:
+    """Refuse settings where a top-k / top-p cut is a near-tie: float noise between the engine's cached
+    forwards and the enumeration's full forwards must not be able to move a token across the cut."""
+    scaled = logits.double() / params.temperature
+    s = scaled.sort(-1, descending=True).values  # [R, V]
+    if params.top_k is not None and params.top_k < logits.shape[-1]:
+        gap = (s[:, params.top_k - 1] - s[:, params.top_k]).min()
+        assert gap > 1e-3, f"top-k near-tie (gap {float(gap):.2e}): pick another prompt/model"
+    if params.top_p is not None and params.top_p < 1.0:
+        probs = s.softmax(-1)
+        before = probs.cumsum(-1) - probs
+        gap = (before[:, 1:] - params.top_p).abs().min()
+        assert gap > 1e-4, f"top-p near-tie (gap {float(gap):.2e}): pick another prompt/model"
+
+
+def exact_joint(target, params: SamplingParams, depth: int) -> np.ndarray:
+    """The target's exact distribution of the first ``depth`` new tokens, shape ``[VOCAB] * depth``."""
+    joint = np.ones(())
+    prefixes = [[]]
+    with torch.no_grad():
+        for _ in range(depth):
+            ids = torch.tensor([PROMPT + pre for pre in prefixes])  # all prefixes have the same length
+            logits = target(input_ids=ids).logits[:, -1].float()  # [P, V]
+            _check_margins(logits, params)
+            q = warp(logits, params).double().numpy()  # [P, V]
+            joint = (joint.reshape(-1, 1) * q).reshape([VOCAB] * (len(prefixes[0]) + 1))
+            prefixes = [pre + [t] for pre in prefixes for t in range(VOCAB)]
+    assert np.isclose(joint.sum(), 1.0)
+    return joint
+
+
+def sample_joint(target, draft, params: SamplingParams, k: int, n: int, seed0: int):
+    """Empirical counts of the ``k + 1`` tokens of ``n`` seeded generations, and the draft acceptance rate."""
+    drafter = speculant.DraftModelDrafter(draft, k=k)
+    counts = np.zeros([VOCAB] * (k + 1))
+    drafted = accepted = 0
+    for i in range(n):
+        gen = speculant.generate(target, PROMPT, drafter=drafter, max_new_tokens=k + 1,
+                                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                 seed=seed0 + i, eos_token_id=[])
+        assert len(gen.token_ids) == k + 1
+        counts[tuple(gen.token_ids)] += 1
+        drafted += gen.stats.draft_tokens
+        accepted += sum(m * c for m, c in enumerate(gen.stats.accepted_hist))
+    return counts, accepted / max(drafted, 1)
+
+
+def pvalues(counts: np.ndarray, expected: np.ndarray) -> dict[str, float]:
+    """Goodness of fit of the full joint, of every pair of positions and of the first token."""
+    out = {"joint": _chisq_pvalue(counts, expected)}
+    axes = range(counts.ndim)
+    for pair in itertools.combinations(axes, 2):
+        rest = tuple(a for a in axes if a not in pair)
+        out[f"tokens{pair}"] = _chisq_pvalue(counts.sum(rest), expected.sum(rest)) if rest else out["joint"]
+    rest = tuple(axes)[1:]
+    out["first"] = _chisq_pvalue(counts.sum(rest), expected.sum(rest))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- tests
+
+SETTINGS = [
+    # (sampling params, draft tokens per step k, samples); each sample is a sequence of k + 1 tokens
+    pytest.param(SamplingParams(temperature=1.0), 2, 3500, id="plain-k2"),
+    pytest.param(SamplingParams(temperature=0.7), 3, 3000, id="temp0.7-k3"),
+    pytest.param(SamplingParams(temperature=1.0, top_k=3), 2, 3500, id="topk3-k2"),
+    pytest.param(SamplingParams(temperature=1.0, top_p=0.8), 3, 3000, id="topp0.8-k3"),
+]
+
+
+@pytest.mark.parametrize("params,k,n", SETTINGS)
+def test_generate_matches_target_distribution(models, params, k, n):
+    target, draft = models
+    expected = exact_joint(target, params, k + 1)
+    counts, acceptance = sample_joint(target, draft, params, k, n, seed0=10_000 * k)
+    # the draft must be neither useless nor perfect, otherwise the rejection paths are not exercised
+    assert 0.15 < acceptance < 0.9, acceptance
+    bad = {name: p for name, p in pvalues(counts, expected).items() if not p > PASS_P}
+    assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
+
+
+def test_generate_plain_decoding_matches_target_distribution(models):
+    """The baseline (no drafter) through the same loop: a sanity check of the enumeration itself."""
+    target, _ = models
+    params = SamplingParams(temperature=1.0)
+    expected = exact_joint(target, params, 3)
+    counts = np.zeros([VOCAB] * 3)
+    for i in range(1500):
+        ids = speculant.generate(target, PROMPT, max_new_tokens=3, temperature=1.0, seed=i, eos_token_id=[]).token_ids
+        counts[tuple(ids)] += 1
+    bad = {name: p for name, p in pvalues(counts, expected).items() if not p > PASS_P}
+    assert not bad, bad
+
+
+# -------------------------------------------------------------------------------------- negative controls
+
+
+def _accept_all(tree, target_logits, params, generator=None):
+    """Biased: accepts every draft token (the output then follows the draft, not the target)."""
+    if len(tree) == 0 or params.greedy:
+        return _REAL_VERIFY(tree, target_logits, params, generator)
+    assert tree.is_chain()
+    return Verdict(list(range(len(tree))), sample(warp(target_logits[len(tree)], params), generator))
+
+
+def _resample_from_q(tree, target_logits, params, generator=None):
+    """Biased: a classic bug, on rejection it samples from q instead of norm((q - p)+)."""
+    if len(tree) == 0 or params.greedy or tree.draft_probs is None:
+        return _REAL_VERIFY(tree, target_logits, params, generator)
+    assert tree.is_chain()
+    path = []
+    for n, x in enumerate(tree.tokens):
+        q = warp(target_logits[n], params)
+        p = tree.draft_probs[n]
+        if uniform(generator) * float(p[x]) < float(q[x]):
+            path.append(n)
+            continue
+        return Verdict(path, sample(q, generator))
+    return Verdict(path, sample(warp(target_logits[len(tree)], params), generator))
+
+
+_REAL_VERIFY = speculant.engine.verify
+
+
+def _stale_cache(monkeypatch):
+    """Biased engine: rejected drafts are never dropped from the target's KV cache."""
+    monkeypatch.setattr(SpecCache, "keep", lambda self, start, slots: None)
+
+
+@pytest.mark.parametrize("bug", ["accept-all", "resample-from-q", "stale-kv-cache"])
+def test_negative_control_bias_is_detected(models, monkeypatch, bug):
+    target, draft = models
+    params = SamplingParams(temperature=1.0)
+    expected = exact_joint(target, params, 3)
+    if bug == "stale-kv-cache":
+        _stale_cache(monkeypatch)
+    else:
+        biased = {"accept-all": _accept_all, "resample-from-q": _resample_from_q}[bug]
+        monkeypatch.setattr(speculant.engine, "verify", biased)
+    counts, _ = sample_joint(target, draft, params, k=2, n=1500, seed0=77)
+    pvalue = _chisq_pvalue(counts, expected)
+    assert pvalue < FAIL_P, f"the bias went undetected (p = {pvalue:.3g})"
