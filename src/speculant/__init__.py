@@ -6,6 +6,7 @@
 
 from .drafters import DecodeState, Drafter, DraftModelDrafter
 from .engine import generate
+from .loading import load_pretrained
 from .types import DraftTree, Generation, GenerationStats, SamplingParams, Verdict
 from .verify import verify
 
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "generate",
+    "load_pretrained",
     "Drafter",
     "DecodeState",
     "DraftModelDrafter",

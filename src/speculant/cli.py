@@ -31,7 +31,7 @@ from . import __version__
 from .checks import check_positive_int
 from .drafters.registry import NO_DEFAULT, build_drafter, describe_methods, get_method, methods, parse_method
 from .engine import generate
-from .loading import DTYPES, check_model_dir, load_model_dir, tokenizers_match
+from .loading import DTYPES, bundled_dir, check_model_dir, load_model_dir, tokenizers_match
 from .types import GenerationStats, SamplingParams
 
 __all__ = ["main", "build_parser", "default_model_dir", "COMMANDS", "Command"]
@@ -44,9 +44,9 @@ _GEN_DEFAULTS = {name: p.default for name, p in inspect.signature(generate).para
 
 
 def default_model_dir(role: str) -> Path | None:
-    """The bundled default model directory for ``role`` (``"target"`` or ``"draft"``), or None when the package
-    bundles none. Today it bundles none, so ``--target`` is required; once it does, this is the only change."""
-    return None
+    """The bundled default model directory for ``role`` (``"target"`` or ``"draft"``), or None when this
+    installation ships none (then ``--target`` is required)."""
+    return bundled_dir(f"default-{role}")
 
 
 class _UsageError(Exception):
@@ -301,12 +301,15 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _add_dataclass_arguments(p: argparse.ArgumentParser, cls, skip: set[str], docs: dict[str, str]) -> None:
     """One ``--field-name`` option per dataclass field; the dataclass holds the defaults (not restated)."""
     import dataclasses
+    import typing
 
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
-        kind = {int: int, float: float}.get(type(default), str)
+        types = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
+        kind = types[0] if types and types[0] in (int, float) else str
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         p.add_argument(
             "--" + f.name.replace("_", "-"),
@@ -320,10 +323,12 @@ def _add_dataclass_arguments(p: argparse.ArgumentParser, cls, skip: set[str], do
 _TRAIN_DOCS = {
     "data": "data directory written by 'speculant train prepare'",
     "out": "run directory (checkpoints, metrics; the model is exported to OUT/model); an existing run resumes",
-    "preset": "model size: target (~32M parameters), draft (~2.6M), tiny (tests)",
+    "preset": "model size: target (~32M parameters), draft (~3.9M), tiny (tests)",
     "steps": "optimizer steps",
     "batch_size": "sequences per step",
     "seq_len": "tokens per training sequence",
+    "long_seq_len": "sequence length of the final context-extension phase",
+    "long_fraction": "fraction of the steps (at the end) trained on long_seq_len windows, same tokens per step",
     "lr": "peak learning rate",
     "min_lr_ratio": "final learning rate as a fraction of the peak (cosine decay)",
     "warmup": "linear warm-up steps",

@@ -1,6 +1,9 @@
 """``python -m speculant.demo`` (what ``make demo`` runs): the CLI end to end, then plain vs speculative decoding.
 
-Until trained models are bundled, the models are built here in seconds: a byte-level BPE tokenizer trained on a
+With the bundled models (``default-target`` and ``default-draft``, trained on the Python standard library) it
+runs ``speculant generate`` on a Python prompt, then measures plain decoding of the same target against the
+chain drafter, interleaved, and prints τ, tokens/s and the speed-up. Without them (a checkout that does not
+ship them), the models are built here in seconds: a byte-level BPE tokenizer trained on a
 few files of this interpreter's standard library, a small random-weight Llama target, and a draft that is the
 target with perturbed weights (:func:`speculant.testing.perturbed`). They are UNTRAINED: the text is gibberish
 and the speed-up says nothing about real models (the draft here costs as much as the target).
@@ -24,12 +27,16 @@ import torch
 from . import cli
 from .drafters.registry import build_drafter
 from .engine import generate
-from .loading import load_model_dir, tokenizers_match
+from .loading import bundled_dir, load_model_dir, tokenizers_match
 from .testing import perturbed, tiny_model
 
 __all__ = ["train_tokenizer", "stdlib_texts", "save_model_pair", "main", "PROMPT"]
 
 PROMPT = 'def moving_average(values: list[float], window: int) -> list[float]:\n    """Return the moving average'
+BUNDLED_PROMPT = (
+    'def parse_key_value_lines(text):\n    """Parse lines of the form ``key = value`` into a dict.\n\n'
+    '    Blank lines and lines starting with ``#`` are ignored.\n    """\n'
+)
 BOS, EOS = "<s>", "</s>"  # ids 0 and 1, the bos/eos ids of speculant.testing.tiny_config
 _STDLIB_FILES = ("textwrap.py", "string.py", "functools.py", "bisect.py", "heapq.py")
 _FALLBACK_TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 50  # stdlib sources not installed
@@ -90,10 +97,11 @@ def save_model_pair(
     return paths[0], paths[1]
 
 
-def _measure(target_dir: Path, draft_dir: Path, k: int, max_new_tokens: int, repeats: int) -> None:
+def _measure(target_dir: Path, draft_dir: Path, prompt: str, k: int, max_new_tokens: int, repeats: int,
+             tiny: bool) -> None:
     target, tok = load_model_dir(target_dir)
     draft, draft_tok = load_model_dir(draft_dir)
-    ids = tok(PROMPT)["input_ids"]
+    ids = tok(prompt)["input_ids"]
     specs = {"ar": "ar", "chain": f"chain:k={k}"}
     drafters = {
         name: build_drafter(spec, draft, tokenizers_match=tokenizers_match(tok, draft_tok))
@@ -114,7 +122,8 @@ def _measure(target_dir: Path, draft_dir: Path, k: int, max_new_tokens: int, rep
         print(f"  {spec:<10} τ = {tau:5.2f}   {tps:8.1f} tokens/s")
     ratios = [c.tokens_per_second / a.tokens_per_second for a, c in zip(runs["ar"], runs["chain"])]
     print(f"  speed-up (median of per-round ratios chain/ar): {statistics.median(ratios):.2f}x")
-    print("  Not representative: untrained random-weight models, and this draft is as large as the target, so "
+    if tiny:
+        print("  Not representative: untrained random-weight models, and this draft is as large as the target, so "
           "every draft token costs a full target-sized forward.")
 
 
@@ -124,14 +133,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per run (default: %(default)s)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step for chain (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per method (default: %(default)s)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads; models this small run fastest on one (default: %(default)s)")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
+    ap.add_argument("--tiny", action="store_true", help="use untrained in-process models even if bundled ones exist")
     args = ap.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    target_dir, draft_dir = bundled_dir("default-target"), bundled_dir("default-draft")
+    if not args.tiny and target_dir is not None and draft_dir is not None:
+        return _bundled(target_dir, draft_dir, args)
     print("speculant demo. NOTE: the models below are UNTRAINED random-weight models built in-process (no bundled "
           "models yet): the generated text is gibberish and the speed-up is not representative.\n")
     t0 = time.perf_counter()
@@ -149,7 +161,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         if code != 0:
             return code
-        _measure(target_dir, draft_dir, args.k, args.max_new_tokens, args.repeats)
+        _measure(target_dir, draft_dir, PROMPT, args.k, args.max_new_tokens, args.repeats, tiny=True)
+    print(f"\ndone in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _bundled(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    print("speculant demo: the bundled default target and draft (trained on the Python standard library; see "
+          f"{target_dir / 'MODEL_CARD.md'}).\n")
+    argv_cli = ["generate", BUNDLED_PROMPT, "--method", f"chain:k={args.k}", "--max-new-tokens",
+                str(args.max_new_tokens), "--threads", str(args.threads)]
+    print("$ speculant " + " ".join(repr(a) if (" " in a or "\n" in a) else a for a in argv_cli))
+    print(BUNDLED_PROMPT, end="")
+    sys.stdout.flush()
+    code = cli.main(argv_cli)
+    sys.stderr.flush()
+    if code != 0:
+        return code
+    _measure(target_dir, draft_dir, BUNDLED_PROMPT, args.k, args.max_new_tokens, args.repeats, tiny=False)
     print(f"\ndone in {time.perf_counter() - t0:.1f} s")
     return 0
 

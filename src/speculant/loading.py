@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-__all__ = ["check_model_dir", "load_model_dir", "tokenizers_match", "DTYPES"]
+__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "bundled_dir", "tokenizers_match", "DTYPES", "BUNDLED"]
 
 log = logging.getLogger(__name__)
 
@@ -86,3 +86,39 @@ def tokenizers_match(tok_a, tok_b) -> bool:
     if tok_a is tok_b:
         return True
     return tok_a.get_vocab() == tok_b.get_vocab()
+
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+BUNDLED = {"default-target": "default-target", "default-draft": "default-draft"}
+"""Names of the models shipped inside the package (directories under ``speculant/assets``)."""
+
+
+def bundled_dir(name: str) -> Path | None:
+    """The directory of bundled model ``name`` if the package ships it, else None."""
+    sub = BUNDLED.get(name)
+    if sub is None:
+        return None
+    d = ASSETS / sub
+    return d if (d / "config.json").is_file() else None
+
+
+def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = None):
+    """Load a bundled model by name (``"default-target"``, ``"default-draft"``) or a local model directory.
+
+    Returns ``(model, tokenizer)``, the model in eval mode. Raises a one-line ValueError for an unknown name,
+    a bundled model missing from this installation, or a directory with missing files. Nothing is downloaded.
+    """
+    key = str(name_or_path)
+    if key in BUNDLED:
+        d = bundled_dir(key)
+        if d is None:
+            raise ValueError(
+                f"bundled model {key!r} is not installed: {ASSETS / BUNDLED[key]} is missing "
+                "(reinstall speculant, or pass a model directory)"
+            )
+        return load_model_dir(d, dtype)
+    if not Path(key).expanduser().exists():
+        raise ValueError(
+            f"unknown model {key!r}: not a bundled name ({', '.join(BUNDLED)}) and no such directory"
+        )
+    return load_model_dir(key, dtype)

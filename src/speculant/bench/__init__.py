@@ -1,0 +1,1 @@
+"""Benchmarks: prompt sets, side-by-side speed runs, reports."""
