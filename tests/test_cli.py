@@ -27,12 +27,8 @@ MULTIBYTE = "héllo wörld ✓ naïve café 日本語"
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small run fastest on one thread (and two threads stall badly on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _threads(one_thread):
+    """Every test here runs on one thread."""
 
 
 @pytest.fixture(scope="session")
@@ -219,8 +215,18 @@ def test_chain_without_draft(dirs, capsys):
                           "needs a draft model", "--draft")
 
 
-def test_missing_target_argument(capsys):
+def test_missing_target_argument(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "default_model_dir", lambda role: None)  # an installation without bundled models
     assert_one_line_error(*run(capsys, PROMPT), "--target")
+
+
+def test_bundled_models_are_the_default(capsys):
+    if cli.default_model_dir("target") is None:
+        pytest.fail("the bundled models are missing from this checkout")
+    code, out, err = run(capsys, "def add(a, b):\n", "--max-new-tokens", "6", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["stats"]["new_tokens"] >= 1 and result["stats"]["draft_calls"] >= 1
 
 
 def test_mismatched_tokenizers(dirs, capsys):

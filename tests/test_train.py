@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -97,7 +96,7 @@ def test_few_steps_lower_the_loss_and_resume(data_dir, tmp_path):
 
 
 def test_load_pretrained_errors(tmp_path):
-    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+    with pytest.raises(ValueError, match="'no-such-model' does not exist, and it is not a bundled model name"):
         speculant.load_pretrained("no-such-model")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="is missing weights"):
@@ -107,11 +106,14 @@ def test_load_pretrained_errors(tmp_path):
 def test_bundled_models_load_offline_and_generate():
     from speculant.loading import bundled_dir
 
-    if bundled_dir("default-target") is None or bundled_dir("default-draft") is None:
-        pytest.skip("bundled models are not part of this checkout yet")
+    assert bundled_dir("default-target") is not None and bundled_dir("default-draft") is not None
     target, tok = speculant.load_pretrained("default-target")
     draft, dtok = speculant.load_pretrained("default-draft")
     assert tok.get_vocab() == dtok.get_vocab() and len(tok) == 16384
+    assert target.dtype == torch.float32  # bundled models load in fp32 by default (exact greedy equality)
+    n_target = sum(p.numel() for p in target.parameters())
+    n_draft = sum(p.numel() for p in draft.parameters())
+    assert 25e6 <= n_target <= 40e6 and 2e6 <= n_draft <= 5e6
     ids = tok("def add(a, b):\n").input_ids
     gen = speculant.generate(target, ids, drafter=speculant.DraftModelDrafter(draft, k=4), max_new_tokens=16)
     plain = speculant.generate(target, ids, max_new_tokens=16)

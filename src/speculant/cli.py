@@ -31,7 +31,7 @@ from . import __version__
 from .checks import check_positive_int
 from .drafters.registry import NO_DEFAULT, build_drafter, describe_methods, get_method, methods, parse_method
 from .engine import generate
-from .loading import DTYPES, bundled_dir, check_model_dir, load_model_dir, tokenizers_match
+from .loading import DTYPES, bundled_dir, check_model_dir, load_model_dir, resolve_model, tokenizers_match
 from .types import GenerationStats, SamplingParams
 
 __all__ = ["main", "build_parser", "default_model_dir", "COMMANDS", "Command"]
@@ -101,7 +101,7 @@ def _methods_with_k() -> str:
 
 def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     target_default = default_model_dir("target")
-    draft_default = default_model_dir("draft")
+    draft_default = default_model_dir("draft") if target_default is not None else None
     d = _GEN_DEFAULTS
     p.add_argument(
         "prompt",
@@ -115,15 +115,16 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
         metavar="DIR",
         required=target_default is None,
         default=target_default,
-        help="target model directory (Hugging Face save_pretrained output: config.json, weights, tokenizer); "
-        + ("required" if target_default is None else "default: %(default)s"),
+        help="target model: a directory (Hugging Face save_pretrained output: config.json, weights, tokenizer) "
+        "or a bundled name (default-target); " + ("required" if target_default is None else "default: the bundled default-target"),
     )
     p.add_argument(
         "--draft",
         metavar="DIR",
-        default=draft_default,
-        help="draft model directory, same format and the same tokenizer as the target; needed by methods that "
-        "draft with a model (chain); default: " + ("none" if draft_default is None else "%(default)s"),
+        default=None,
+        help="draft model directory (or default-draft), same format and the same tokenizer as the target; needed "
+        "by methods that draft with a model (chain); default: "
+        + ("none" if draft_default is None else "the bundled default-draft when the target is the bundled default"),
     )
     p.add_argument(
         "--method",
@@ -250,6 +251,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         if "k" not in method.keys:
             raise ValueError(f"--k: method {name!r} takes no k (methods with k: {_methods_with_k()})")
         options["k"] = args.k
+    bundled_target = default_model_dir("target")
+    if method.needs_draft and args.draft is None and bundled_target is not None:
+        if Path(resolve_model(args.target)).resolve() == bundled_target.resolve():
+            args.draft = default_model_dir("draft")
     if method.needs_draft and args.draft is None:
         raise ValueError(f"method {name!r} needs a draft model: pass --draft DIR (or --method ar for plain decoding)")
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -257,9 +262,9 @@ def _run_generate(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise ValueError("the prompt is empty: give some text")
-    check_model_dir(args.target)
+    args.target = check_model_dir(resolve_model(args.target))
     if method.needs_draft:
-        check_model_dir(args.draft)
+        args.draft = check_model_dir(resolve_model(args.draft))
     elif args.draft is not None:
         log.info("method %r drafts without a model: --draft is not used", name)
     if args.threads is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "bundled_dir", "tokenizers_match", "DTYPES", "BUNDLED"]
+__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None):
     Args:
         path: a directory written by ``save_pretrained`` (model and tokenizer).
         dtype: a ``torch.dtype``, one of ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"``, or ``None``
-            for transformers' default.
+            for transformers' default (float32 for the bundled models, see :func:`load_pretrained`).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -70,6 +70,8 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None):
     """
     d = check_model_dir(path)
     kwargs = {}
+    if dtype is None and d.resolve().parent == ASSETS:
+        dtype = torch.float32  # bundled models: exactness first (see load_pretrained)
     resolved = _resolve_dtype(dtype)
     if resolved is not None:
         kwargs["dtype"] = resolved
@@ -102,12 +104,9 @@ def bundled_dir(name: str) -> Path | None:
     return d if (d / "config.json").is_file() else None
 
 
-def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = None):
-    """Load a bundled model by name (``"default-target"``, ``"default-draft"``) or a local model directory.
-
-    Returns ``(model, tokenizer)``, the model in eval mode. Raises a one-line ValueError for an unknown name,
-    a bundled model missing from this installation, or a directory with missing files. Nothing is downloaded.
-    """
+def resolve_model(name_or_path: str | Path) -> Path:
+    """The directory of a bundled model name (``"default-target"``, ``"default-draft"``) or of a local path;
+    a one-line ValueError for an unknown name or a bundled model missing from this installation."""
     key = str(name_or_path)
     if key in BUNDLED:
         d = bundled_dir(key)
@@ -116,9 +115,22 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = 
                 f"bundled model {key!r} is not installed: {ASSETS / BUNDLED[key]} is missing "
                 "(reinstall speculant, or pass a model directory)"
             )
-        return load_model_dir(d, dtype)
+        return d
     if not Path(key).expanduser().exists():
         raise ValueError(
-            f"unknown model {key!r}: not a bundled name ({', '.join(BUNDLED)}) and no such directory"
+            f"model directory {key!r} does not exist, and it is not a bundled model name ({', '.join(BUNDLED)})"
         )
-    return load_model_dir(key, dtype)
+    return Path(key).expanduser()
+
+
+def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = None):
+    """Load a bundled model by name (``"default-target"``, ``"default-draft"``) or a local model directory.
+
+    Bundled models are stored in bfloat16 and load in float32 unless ``dtype`` says otherwise: in bf16 a
+    batched verification forward and a one-token forward can round a near-tie differently, so greedy output
+    could differ from plain decoding in rare tokens; in float32 such flips need a tie within ~1e-6.
+
+    Returns ``(model, tokenizer)``, the model in eval mode. Raises a one-line ValueError for an unknown name,
+    a bundled model missing from this installation, or a directory with missing files. Nothing is downloaded.
+    """
+    return load_model_dir(resolve_model(name_or_path), dtype)

@@ -1,0 +1,37 @@
+"""Shared test helpers."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats
+
+
+def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit of ``counts`` against ``probs`` (same shape, any dims).
+
+    Categories with probability 0 must never be observed (asserted). Categories whose expected count is below 5
+    are pooled into one bin; if that bin is still below 5 it is merged into the smallest other bin, so that
+    every bin the test sees has an expected count of at least 5 (the chi-square approximation needs it).
+    """
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    probs = probs / probs.sum()
+    impossible = probs <= 0
+    assert counts[impossible].sum() == 0, f"observed impossible outcomes: {np.flatnonzero(impossible & (counts > 0))}"
+    exp = probs * counts.sum()
+    big = exp >= 5
+    small = (~big) & (~impossible)
+    obs_bins, exp_bins = list(counts[big]), list(exp[big])
+    assert len(obs_bins) >= 2, "too few categories with an expected count >= 5 for a chi-square test"
+    if small.any():
+        o, e = counts[small].sum(), exp[small].sum()
+        if e < 5:
+            i = int(np.argmin(exp_bins))
+            obs_bins[i] += o
+            exp_bins[i] += e
+        else:
+            obs_bins.append(o)
+            exp_bins.append(e)
+    obs_bins, exp_bins = np.array(obs_bins), np.array(exp_bins)
+    exp_bins *= obs_bins.sum() / exp_bins.sum()
+    return float(stats.chisquare(obs_bins, exp_bins).pvalue)
