@@ -144,42 +144,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     target_dir, draft_dir = bundled_dir("default-target"), bundled_dir("default-draft")
     if not args.tiny and target_dir is not None and draft_dir is not None:
         return _bundled(target_dir, draft_dir, args)
-    print("speculant demo. NOTE: the models below are UNTRAINED random-weight models built in-process (no bundled "
-          "models yet): the generated text is gibberish and the speed-up is not representative.\n")
+    print("speculant demo. NOTE: the models below are UNTRAINED random-weight models built in-process (--tiny, or "
+          "no bundled models installed): the generated text is gibberish and the speed-up is not representative.\n")
     t0 = time.perf_counter()
     tokenizer = train_tokenizer()
     with tempfile.TemporaryDirectory(prefix="speculant-demo-") as tmp:
         target_dir, draft_dir = save_model_pair(tmp, tokenizer)
         print(f"built a {len(tokenizer)}-token BPE tokenizer and a random Llama target + perturbed draft "
               f"in {time.perf_counter() - t0:.1f} s\n")
-        argv_cli = ["generate", PROMPT, "--target", str(target_dir), "--draft", str(draft_dir), "--method", "chain",
-                    "--k", str(args.k), "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads)]
-        print("$ speculant " + " ".join(repr(a) if (" " in a or "\n" in a) else a for a in argv_cli))
-        print(PROMPT, end="")
-        sys.stdout.flush()
-        code = cli.main(argv_cli)
-        sys.stderr.flush()
+        extra = ["--target", str(target_dir), "--draft", str(draft_dir)]
+        code = _generate_then_measure(target_dir, draft_dir, PROMPT, extra, args, tiny=True)
         if code != 0:
             return code
-        _measure(target_dir, draft_dir, PROMPT, args.k, args.max_new_tokens, args.repeats, tiny=True)
     print(f"\ndone in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _generate_then_measure(target_dir: Path, draft_dir: Path, prompt: str, extra: list[str],
+                           args: argparse.Namespace, tiny: bool) -> int:
+    """Show and run ``speculant generate`` on ``prompt``, then time ar vs chain; returns the CLI's exit code."""
+    argv_cli = ["generate", prompt, *extra, "--method", f"chain:k={args.k}", "--max-new-tokens",
+                str(args.max_new_tokens), "--threads", str(args.threads)]
+    print("$ speculant " + " ".join(repr(a) if (" " in a or "\n" in a) else a for a in argv_cli))
+    print(prompt, end="")
+    sys.stdout.flush()
+    code = cli.main(argv_cli)
+    sys.stderr.flush()
+    if code == 0:
+        _measure(target_dir, draft_dir, prompt, args.k, args.max_new_tokens, args.repeats, tiny=tiny)
+    return code
 
 
 def _bundled(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     print("speculant demo: the bundled default target and draft (trained on the Python standard library; see "
           f"{target_dir / 'MODEL_CARD.md'}).\n")
-    argv_cli = ["generate", BUNDLED_PROMPT, "--method", f"chain:k={args.k}", "--max-new-tokens",
-                str(args.max_new_tokens), "--threads", str(args.threads)]
-    print("$ speculant " + " ".join(repr(a) if (" " in a or "\n" in a) else a for a in argv_cli))
-    print(BUNDLED_PROMPT, end="")
-    sys.stdout.flush()
-    code = cli.main(argv_cli)
-    sys.stderr.flush()
+    code = _generate_then_measure(target_dir, draft_dir, BUNDLED_PROMPT, [], args, tiny=False)
     if code != 0:
         return code
-    _measure(target_dir, draft_dir, BUNDLED_PROMPT, args.k, args.max_new_tokens, args.repeats, tiny=False)
     print(f"\ndone in {time.perf_counter() - t0:.1f} s")
     return 0
 
