@@ -30,11 +30,12 @@ def main() -> None:
     ap.add_argument("--target", default="default-target")
     ap.add_argument("--draft", default="default-draft")
     ap.add_argument("--dtype", default=None, help="load dtype (default: speculant.load_pretrained's)")
+    ap.add_argument("--draft-dtype", default=None, help="draft load dtype (default: --dtype)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/bundled_pair.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target, tok = speculant.load_pretrained(args.target, dtype=args.dtype)
-    draft, _ = speculant.load_pretrained(args.draft, dtype=args.dtype)
+    draft, _ = speculant.load_pretrained(args.draft, dtype=args.draft_dtype or args.dtype)
     prompts = code_prompts(n=args.prompts)
     ids = [tok(p["prompt"]).input_ids for p in prompts]
     methods = [MethodRun("ar", lambda: None),
