@@ -71,22 +71,18 @@ def test_greedy_chain_partial_acceptance():
     assert verify(tree, logits, GREEDY) == Verdict([0, 1], 4)
 
 
-def test_greedy_chain_full_acceptance_gives_bonus():
+@pytest.mark.parametrize(
+    "first_choice, verdict",
+    [(2, Verdict([0, 1], 0)), (4, Verdict([], 4))],  # full acceptance gives the bonus; first rejected
+    ids=["full-acceptance-bonus", "first-rejected"],
+)
+def test_greedy_chain_ends(first_choice, verdict):
     tree = DraftTree.chain([2, 3])
     logits = torch.zeros(3, 5)
-    logits[0, 2] = 1.0
+    logits[0, first_choice] = 1.0
     logits[1, 3] = 1.0
     logits[2, 0] = 1.0
-    assert verify(tree, logits, GREEDY) == Verdict([0, 1], 0)
-
-
-def test_greedy_chain_first_rejected():
-    tree = DraftTree.chain([2, 3])
-    logits = torch.zeros(3, 5)
-    logits[0, 4] = 1.0
-    logits[1, 3] = 1.0
-    logits[2, 0] = 1.0
-    assert verify(tree, logits, GREEDY) == Verdict([], 4)
+    assert verify(tree, logits, GREEDY) == verdict
 
 
 def test_greedy_branching_tree_follows_matching_branch():
