@@ -85,19 +85,29 @@ def exact_joint(target, params: SamplingParams, depth: int) -> np.ndarray:
     return joint
 
 
-def sample_joint(target, draft, params: SamplingParams, k: int, n: int, seed0: int):
-    """Empirical counts of the ``k + 1`` tokens of ``n`` seeded generations, and the draft acceptance rate."""
-    drafter = speculant.DraftModelDrafter(draft, k=k)
-    counts = np.zeros([VOCAB] * (k + 1))
-    drafted = accepted = 0
+def sample_counts(target, drafter, params: SamplingParams, n_tokens: int, n: int, seed0: int):
+    """Empirical counts ``[VOCAB] * n_tokens`` of the ``n_tokens`` new tokens of ``n`` seeded generations with
+    ``drafter`` (any drafter), the pooled accepted-length histogram (steps that accepted m drafts) and the number
+    of draft tokens proposed."""
+    counts = np.zeros([VOCAB] * n_tokens)
+    hist = np.zeros(n_tokens + 1)
+    drafted = 0
     for i in range(n):
-        gen = speculant.generate(target, PROMPT, drafter=drafter, max_new_tokens=k + 1,
+        gen = speculant.generate(target, PROMPT, drafter=drafter, max_new_tokens=n_tokens,
                                  temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                  seed=seed0 + i, eos_token_id=[])
-        assert len(gen.token_ids) == k + 1
+        assert len(gen.token_ids) == n_tokens
         counts[tuple(gen.token_ids)] += 1
+        hist[: len(gen.stats.accepted_hist)] += gen.stats.accepted_hist
         drafted += gen.stats.draft_tokens
-        accepted += sum(m * c for m, c in enumerate(gen.stats.accepted_hist))
+    return counts, hist, drafted
+
+
+def sample_joint(target, draft, params: SamplingParams, k: int, n: int, seed0: int, **drafter_options):
+    """Empirical counts of the ``k + 1`` tokens of ``n`` seeded generations, and the draft acceptance rate."""
+    drafter = speculant.DraftModelDrafter(draft, k=k, **drafter_options)
+    counts, hist, drafted = sample_counts(target, drafter, params, k + 1, n, seed0)
+    accepted = float((hist * np.arange(len(hist))).sum())
     return counts, accepted / max(drafted, 1)
 
 
@@ -133,6 +143,35 @@ def test_generate_matches_target_distribution(models, params, k, n):
     assert 0.15 < acceptance < 0.9, acceptance
     bad = {name: p for name, p in pvalues(counts, expected).items() if not p > PASS_P}
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.7, 0.8)], ids=["temp1", "temp0.7-topp0.8"])
+def test_vocab_trimmed_draft_matches_target_distribution(models, temperature, top_p):
+    """VocabTrim: the draft proposes only 3 of the 5 tokens (q = 0 elsewhere); the output is still the target's."""
+    target, draft = models
+    params = SamplingParams(temperature=temperature, top_p=top_p)
+    expected = exact_joint(target, params, 3)
+    counts, acceptance = sample_joint(target, draft, params, k=2, n=3000, seed0=555, vocab_trim=[3, 0, 2])
+    assert 0.15 < acceptance < 0.9, acceptance
+    bad = {name: p for name, p in pvalues(counts, expected).items() if not p > PASS_P}
+    assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
+
+
+def test_negative_control_trimmed_probs_on_wrong_ids_is_detected(models, monkeypatch):
+    """Lifting the trimmed draft distribution onto the wrong ids (so p(x) handed to the verifier is not the
+    probability x was drafted with) biases the output, and the test sees it."""
+    from speculant.drafters.vocab_trim import TrimmedHead
+
+    def shifted_lift(self, probs, vocab):
+        full = probs.new_zeros((*probs.shape[:-1], vocab))
+        return full.index_copy_(-1, self.keep.roll(1), probs)
+
+    monkeypatch.setattr(TrimmedHead, "lift", shifted_lift)
+    target, draft = models
+    params = SamplingParams(temperature=1.0)
+    counts, _ = sample_joint(target, draft, params, k=2, n=1500, seed0=77, vocab_trim=[3, 0, 2])
+    pvalue = _chisq_pvalue(counts, exact_joint(target, params, 3))
+    assert pvalue < FAIL_P, f"the bias went undetected (p = {pvalue:.3g})"
 
 
 def test_generate_plain_decoding_matches_target_distribution(models):

@@ -28,6 +28,7 @@ from typing import TextIO
 import torch
 
 from . import __version__
+from .bench import cli as bench_cli
 from .checks import check_positive_int
 from .drafters.registry import NO_DEFAULT, build_drafter, describe_methods, get_method, methods, parse_method
 from .engine import generate
@@ -81,14 +82,23 @@ class Command:
 # ---------------------------------------------------------------------------------------------- generate
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
+def _int_at_least(minimum: int):
+    """An argparse type for integers >= ``minimum``, with a one-line error."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    convert.__name__ = "int"
+    return convert
+
+
+_positive_int = _int_at_least(1)
 
 
 def _methods_with_k() -> str:
@@ -303,6 +313,19 @@ def _run_generate(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- train
 
 
+def _slash_list(item: type):
+    """An argparse type for ``a/b/c`` lists of ``item``."""
+
+    def convert(text: str) -> list:
+        try:
+            return [item(part) for part in text.split("/") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {item.__name__} values separated by '/', got {text!r}")
+
+    convert.__name__ = f"{item.__name__} list"
+    return convert
+
+
 def _add_dataclass_arguments(p: argparse.ArgumentParser, cls, skip: set[str], docs: dict[str, str]) -> None:
     """One ``--field-name`` option per dataclass field; the dataclass holds the defaults (not restated)."""
     import dataclasses
@@ -313,8 +336,16 @@ def _add_dataclass_arguments(p: argparse.ArgumentParser, cls, skip: set[str], do
         if f.name in skip:
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
-        types = [t for t in (typing.get_args(hints[f.name]) or (hints[f.name],)) if t is not type(None)]
-        kind = types[0] if types and types[0] in (int, float) else str
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        hint = hints[f.name]
+        if typing.get_origin(hint) is list:  # list[float] etc.: values separated by "/", as in method specs
+            (item,) = typing.get_args(hint)
+            kind = _slash_list(item)
+            default = "/".join(str(v) for v in default) if default is not None else None
+        else:
+            types = [t for t in (typing.get_args(hint) or (hint,)) if t is not type(None)]
+            kind = types[0] if types and types[0] in (int, float) else str
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         p.add_argument(
             "--" + f.name.replace("_", "-"),
@@ -348,10 +379,28 @@ _TRAIN_DOCS = {
     "kd_weight": "weight of the distillation loss (the rest is cross-entropy)",
     "kd_loss": "distillation loss: fkl, tvd or tvd++",
     "threads": "torch CPU threads",
+    "init": "start from this model directory instead of a random initialisation (fine-tuning a drafter)",
+    "train_split": "token stream to train on: train (the corpus) or a split made by 'train distill-data'",
+}
+
+_DISTILL_DATA_DOCS = {
+    "data": "data directory written by 'speculant train prepare' (the result is written there as SPLIT.npy)",
+    "teacher": "model directory of the target whose completions are collected",
+    "split": "name of the split to write",
+    "prompts": "number of training-split prompts (half signature + docstring, half random windows)",
+    "max_new_tokens": "tokens the target generates per prompt",
+    "min_prompt_tokens": "shortest prompt",
+    "max_prompt_tokens": "longest prompt",
+    "temperatures": "sampling temperatures cycled per batch, separated by '/' (0 = greedy)",
+    "batch_size": "prompts generated together (left-padded)",
+    "precision": "auto (bf16 on CPUs/GPUs with native bf16), fp32 or bf16; the teacher is re-run in training",
+    "seed": "prompt choice and sampling seed",
+    "threads": "torch CPU threads",
 }
 
 
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
+    from .train.distill_data import DistillDataConfig
     from .train.pretrain import TrainConfig
 
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
@@ -363,6 +412,18 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                            formatter_class=_Formatter)
     _add_dataclass_arguments(model, TrainConfig, skip={"extra"}, docs=_TRAIN_DOCS)
     model.add_argument("--name", default=None, help="model name for the model card (default: the preset)")
+    calibrate = sub.add_parser("calibrate", help="VocabTrim: store a split's token frequencies with a draft model",
+                               formatter_class=_Formatter)
+    calibrate.add_argument("--model", required=True, help="draft model directory (vocab_trim.json is written there)")
+    calibrate.add_argument("--data", required=True, help="data directory written by 'speculant train prepare'")
+    calibrate.add_argument("--split", default="distill",
+                           help="calibration split, best the target's own text from 'train distill-data' "
+                           "(default: %(default)s)")
+    calibrate.add_argument("--default-size", type=_positive_int, default=None,
+                           help="kept tokens drafters use by default (default: none, the full head)")
+    distill = sub.add_parser("distill-data", help="collect the target's completions of training prompts "
+                             "(distillation data for a drafter)", formatter_class=_Formatter)
+    _add_dataclass_arguments(distill, DistillDataConfig, skip=set(), docs=_DISTILL_DATA_DOCS)
 
 
 def _run_train(args: argparse.Namespace) -> int:
@@ -377,10 +438,24 @@ def _run_train(args: argparse.Namespace) -> int:
         out = prepare(args.out, vocab_size=args.vocab_size)
         print(out)
         return 0
+    if args.action == "calibrate":
+        from .train.calibrate import write_calibration
+
+        model_dir = check_model_dir(resolve_model(args.model))
+        print(write_calibration(model_dir, args.data, args.split, args.default_size))
+        return 0
+    if args.action == "distill-data":
+        from .train.distill_data import DistillDataConfig, generate_distill_data
+
+        args.teacher = str(check_model_dir(resolve_model(args.teacher)))
+        names = {f.name for f in dataclasses.fields(DistillDataConfig)}
+        print(generate_distill_data(DistillDataConfig(**{n: getattr(args, n) for n in names})))
+        return 0
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
-    if args.teacher:
-        check_model_dir(args.teacher)
+    for role in ("teacher", "init"):  # bundled names (default-target, ...) or directories
+        if getattr(args, role):
+            setattr(args, role, str(check_model_dir(resolve_model(getattr(args, role)))))
     fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
     cfg = TrainConfig(**{name: getattr(args, name) for name in fields})
     from .train.pretrain import train
@@ -413,6 +488,14 @@ COMMANDS: list[Command] = [
         "pydoc topics, split by module), trains the byte-level BPE tokenizer and tokenises the splits; 'model' "
         "pretrains a Llama model (optionally distilling from a teacher), with a progress bar and resumable "
         "checkpoints, then exports a Hugging Face directory with a MODEL_CARD.md.",
+    ),
+    Command(
+        name="bench",
+        help=bench_cli.HELP,
+        add_arguments=bench_cli.add_arguments,
+        run=bench_cli.run,
+        description=bench_cli.DESCRIPTION,
+        epilog=bench_cli.epilog(),
     ),
 ]
 

@@ -59,7 +59,7 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None):
     Args:
         path: a directory written by ``save_pretrained`` (model and tokenizer).
         dtype: a ``torch.dtype``, one of ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"``, or ``None``
-            for transformers' default (float32 for the bundled target, see :func:`load_pretrained`).
+            for transformers' default (float32 for the bundled models, see :func:`load_pretrained`).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -70,8 +70,8 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None):
     """
     d = check_model_dir(path)
     kwargs = {}
-    if dtype is None and d.resolve() == (ASSETS / BUNDLED["default-target"]).resolve():
-        dtype = torch.float32  # the bundled target: exactness first (see load_pretrained)
+    if dtype is None and any(d.resolve() == (ASSETS / sub).resolve() for sub in BUNDLED.values()):
+        dtype = torch.float32  # bundled models: exactness (target) and speed (draft) first, see load_pretrained
     resolved = _resolve_dtype(dtype)
     if resolved is not None:
         kwargs["dtype"] = resolved
@@ -126,10 +126,11 @@ def resolve_model(name_or_path: str | Path) -> Path:
 def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = None):
     """Load a bundled model by name (``"default-target"``, ``"default-draft"``) or a local model directory.
 
-    Bundled models are stored in bfloat16. The target loads in float32 unless ``dtype`` says otherwise: in bf16
-    a batched verification forward and a one-token forward can round a near-tie differently, so greedy output
-    could differ from plain decoding in rare tokens; in float32 such flips need a tie within ~1e-6. The draft
-    keeps bfloat16 (faster): its numerics only change what is proposed, never what is emitted.
+    Bundled models are stored in bfloat16 and load in float32 unless ``dtype`` says otherwise. The target: in
+    bf16 a batched verification forward and a one-token forward can round a near-tie differently, so greedy
+    output could differ from plain decoding in rare tokens; in float32 such flips need a tie within ~1e-6. The
+    draft: its numerics only change what is proposed, never what is emitted, and on CPUs float32 is faster than
+    bf16 for its small matrices (``benchmarks/results/draft_variants.json``).
 
     Returns ``(model, tokenizer)``, the model in eval mode. Raises a one-line ValueError for an unknown name,
     a bundled model missing from this installation, or a directory with missing files. Nothing is downloaded.

@@ -234,8 +234,9 @@ def _ar(draft_model: torch.nn.Module | None) -> None:
     return None
 
 
-def _chain(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, **options: Any) -> Drafter:
-    return DraftModelDrafter(draft_model, tokenizers_match=tokenizers_match, **options)
+def _chain(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
+           **options: Any) -> Drafter:
+    return DraftModelDrafter(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
 
 
 register("ar", _ar, needs_draft=False, doc="plain autoregressive decoding, no draft (the baseline)")
@@ -243,6 +244,10 @@ register(
     "chain",
     _chain,
     needs_draft=True,
-    keys={"k": Key(int, "draft tokens per step (gamma)", default_of(DraftModelDrafter, "k"))},
+    keys={
+        "k": Key(int, "draft tokens per step (gamma)", default_of(DraftModelDrafter, "k")),
+        "trim": Key(int, "VocabTrim: draft over the N most frequent tokens of the draft's calibration; 0 = full "
+                    "LM head; default: the size the draft ships with, if any"),
+    },
     doc="draft-model chain, speculative sampling (Leviathan et al. 2023; Chen et al. 2023)",
 )

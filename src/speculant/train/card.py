@@ -15,8 +15,54 @@ __all__ = ["SAMPLE_PROMPT", "write_model_card"]
 SAMPLE_PROMPT = 'def read_lines(path):\n    """Return the lines of the text file at *path*, without newlines."""\n'
 
 
-def write_model_card(run_dir: str | Path, model_dir: str | Path, name: str, command: str) -> Path:
-    """Write ``model_dir/MODEL_CARD.md`` from ``run_dir``'s config, metrics and the data split listing."""
+def _distill_section(data: Path, split: str) -> str:
+    """What the training stream was when it is not the corpus itself (the target's completions)."""
+    if split == "train":
+        return ""
+    info_path = data / f"{split}.json"
+    if not info_path.exists():
+        return f"\nTrained on the `{split}` token stream of the data directory.\n"
+    info = json.loads(info_path.read_text())
+    c = info["config"]
+    temps = "/".join(str(t) for t in c["temperatures"])
+    return (f"\nThe training stream (`{split}`, {info['tokens']:,} tokens) is the TARGET's own text: "
+            f"{info['samples']:,} train-split prompts (half a function's signature + docstring, half random "
+            f"windows of {c['min_prompt_tokens']}-{c['max_prompt_tokens']} tokens) completed by the target with up "
+            f"to {c['max_new_tokens']} new tokens each ({info['generated_tokens']:,} generated tokens; "
+            f"temperatures {temps} cycled per batch), the teacher re-run on the same windows for the distillation "
+            "loss (Direct Alignment, Goel et al. 2024).\n")
+
+
+def _vocab_trim_section(model_dir: Path) -> str:
+    path = model_dir / "vocab_trim.json"
+    if not path.exists():
+        return ""
+    cal = json.loads(path.read_text())
+    cover = ", ".join(f"top {n}: {float(v):.1%}" for n, v in cal["coverage"].items())
+    default = (f"Drafters use the {cal['default_size']:,} most frequent tokens by default (`chain:trim=N` picks "
+               "another size, `trim=0` the full head)." if cal.get("default_size") else "")
+    return (f"\n## VocabTrim calibration\n`vocab_trim.json` ranks the {cal['calibration']['distinct']:,} token ids "
+            f"seen in the `{cal['calibration']['split']}` stream ({cal['calibration']['tokens']:,} tokens) by "
+            f"frequency; coverage of that stream: {cover}. {default}\n")
+
+
+def _bench_section(results_path: str | Path | None) -> str:
+    if results_path is None:
+        return ""
+    from ..bench.report import readme_section
+
+    results = json.loads(Path(results_path).read_text())
+    return (f"## Speculative decoding with the bundled target\n`speculant bench` on held-out prompts "
+            f"(`{Path(results_path).as_posix()}`):\n\n{readme_section(results)}\n")
+
+
+def write_model_card(run_dir: str | Path, model_dir: str | Path, name: str, command: str,
+                     origin: str | None = None, bench_results: str | Path | None = None) -> Path:
+    """Write ``model_dir/MODEL_CARD.md`` from ``run_dir``'s config, metrics and the data split listing.
+
+    ``command`` is quoted under "Reproduce" (several lines for a multi-stage recipe); ``origin`` replaces the
+    "trained from scratch" / "fine-tuned from INIT" phrase of the first line. ``bench_results``: a
+    ``speculant bench`` results.json whose table is quoted (τ, speed-up of this model as a drafter)."""
     run_dir, model_dir = Path(run_dir), Path(model_dir)
     cfg = json.loads((run_dir / "train_config.json").read_text())
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -31,9 +77,12 @@ def write_model_card(run_dir: str | Path, model_dir: str | Path, name: str, comm
     c = model.config
     held_out = lambda s: ", ".join(m for m in splits[s]["modules"] if not m.startswith("pydoc:"))
     kd = f"distilled from `{cfg['teacher']}` ({cfg['kd_loss']}, weight {cfg['kd_weight']}) + " if cfg.get("teacher") else ""
+    split = cfg.get("train_split", "train")
+    if origin is None:
+        origin = "trained from scratch" if not cfg.get("init") else f"fine-tuned from `{cfg['init']}`"
     text = f"""# {name}
 
-A Llama-architecture causal LM trained from scratch by speculant's training pipeline on Python code.
+A Llama-architecture causal LM {origin} by speculant's training pipeline on Python code.
 
 | | |
 |---|---|
@@ -55,8 +104,9 @@ train {splits['train']['tokens']:,} tokens, validation {splits['validation']['to
 
 - validation modules: {held_out('validation')}
 - test modules (held out for benchmarks): {held_out('test')}
+{_distill_section(Path(cfg['data']), split)}{_vocab_trim_section(model_dir)}
 
-## Sample (greedy, 64 tokens)
+{_bench_section(bench_results)}## Sample (greedy, 64 tokens)
 ```python
 {SAMPLE_PROMPT}{sample}
 ```

@@ -6,7 +6,9 @@ validation loss / perplexity at the end. The result is exported as a Hugging Fac
 bf16, tokenizer, generation config) loadable with ``AutoModelForCausalLM.from_pretrained``.
 
 With ``teacher`` set, the loss is ``(1 - kd_weight) * CE + kd_weight * distill_loss(student, teacher)``,
-the teacher (the target) running teacher-forced on the same batch.
+the teacher (the target) running teacher-forced on the same batch. With ``init`` a trained model is fine-tuned
+instead (its architecture replaces the preset's), and ``train_split`` selects the token stream, e.g. the target's
+own completions written by :mod:`.distill_data` (the Direct Alignment recipe of Goel et al. 2024).
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class TrainConfig:
     kd_weight: float = 0.5
     kd_loss: str = "fkl"
     threads: int | None = None
+    init: str | None = None  # HF directory to start from (fine-tuning) instead of a random initialisation
+    train_split: str = "train"  # or a split written by ``distill_data`` (the target's own completions)
     extra: dict = field(default_factory=dict)
 
 
@@ -149,10 +153,17 @@ def train(cfg: TrainConfig, progress: bool = True) -> Path:
     device = _device(cfg)
     amp = _autocast_dtype(cfg, device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.data, local_files_only=True)
-    train_tokens = load_split(cfg.data, "train")
+    train_tokens = load_split(cfg.data, cfg.train_split)
     val_tokens = load_split(cfg.data, "validation")
     spec = PRESETS[cfg.preset]
-    model = build_model(spec, len(tokenizer), tokenizer.eos_token_id, cfg.seed).to(device)
+    if cfg.init:
+        model = AutoModelForCausalLM.from_pretrained(cfg.init, local_files_only=True, dtype=torch.float32)
+        if model.get_input_embeddings().num_embeddings != len(tokenizer):
+            raise ValueError(f"{cfg.init} has a vocabulary of {model.get_input_embeddings().num_embeddings} "
+                             f"tokens but the tokenizer in {cfg.data} has {len(tokenizer)}")
+        model.to(device)
+    else:
+        model = build_model(spec, len(tokenizer), tokenizer.eos_token_id, cfg.seed).to(device)
     model.train()
     teacher = None
     if cfg.teacher:

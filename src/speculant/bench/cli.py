@@ -1,0 +1,141 @@
+"""``speculant bench``: the benchmark harness on the command line (an entry of ``speculant.cli.COMMANDS``).
+
+Output conventions: a tqdm progress bar and warnings on stderr; stdout carries the results table and the files
+written, or with ``--json`` one JSON object on its LAST line: ``{"methods": {SPEC: summary}, "settings",
+"machine", "out", "files"}`` (methods keyed by the spec exactly as given, baselines by their names). Bad input is
+one line ``speculant: error: ...`` and exit code 2 (raised as ValueError, reported by ``speculant.cli.main``).
+
+Defaults are read from :func:`speculant.bench.run_bench`'s signature, never restated. The helpers of
+``speculant.cli`` are imported when the parser is built: that module imports this one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+
+import torch
+
+from ..drafters.registry import describe_methods
+from ..loading import DTYPES
+from .harness import REFERENCE, run_bench
+from .hf import describe_baselines
+from .prompts import BUILTIN_SETS
+
+__all__ = ["DEFAULT_OUT", "DESCRIPTION", "HELP", "add_arguments", "epilog", "run"]
+
+_DEFAULTS = {name: p.default for name, p in inspect.signature(run_bench).parameters.items()}
+DEFAULT_OUT = "bench-results"
+
+HELP = "benchmark drafting methods against plain decoding and transformers' generate"
+DESCRIPTION = (
+    "Run every method (registry specs) and every transformers baseline on each prompt, interleaved per prompt "
+    f"after a warm-up, with '{REFERENCE}' (plain decoding through the same engine) always as the reference. "
+    "Reports per method: τ (tokens per target call), accepted-length histogram, per-position acceptance, target "
+    "calls, median tokens/s, wall-clock speed-up vs ar (median of per-prompt ratios), MBSU, peak memory (model "
+    "parameters + KV caches), the time split, and at temperature 0 whether every output is token-identical to "
+    "ar's (mismatches are listed with their first differing position). Writes results.json, results.md and "
+    "plots (matplotlib) to --out."
+)
+
+
+def epilog() -> str:
+    """The help epilog: methods, baselines, prompt sets, outputs."""
+    sets = ", ".join(f"builtin:{name}" for name in BUILTIN_SETS)
+    return (
+        "methods (--methods SPEC[,SPEC...]):\n" + describe_methods() + "\n\n"
+        "baselines (--baselines NAME[,NAME...], or 'none'):\n" + describe_baselines() + "\n\n"
+        f"prompt sets (--prompts): {sets}, or a JSONL file with a 'prompt' field per line (other fields, e.g.\n"
+        "  'id', are kept in the results)\n\n"
+        "outputs (--out DIR): results.json (machine, versions, settings, per-run raw numbers, summary),\n"
+        "  results.md (tables), speedup.png and accepted_lengths.png\n\n"
+        "example:\n"
+        "  speculant bench --prompts builtin:grounded --num-prompts 8 --methods chain:k=4,chain:k=8 \\\n"
+        "      --baselines hf-ar,hf-assisted,hf-prompt-lookup:k=10 --max-new-tokens 64 --json"
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Declare ``speculant bench``'s options on ``p``."""
+    from ..cli import (  # lazy: speculant.cli imports this module
+        _int_at_least,
+        _positive_int,
+        default_model_dir,
+    )
+
+    d = _DEFAULTS
+    target_default = default_model_dir("target")
+    p.add_argument("--prompts", metavar="SOURCE", default=d["prompts"],
+                   help="builtin:NAME or a JSONL file (see below); default: %(default)s")
+    p.add_argument("--num-prompts", type=_positive_int, metavar="N", default=d["num_prompts"],
+                   help="use the first N prompts (a built-in set builds N); default: all (24 for a built-in set)")
+    p.add_argument("--methods", metavar="SPEC[,SPEC...]", default=",".join(d["methods"]),
+                   help=f"drafting methods, comma-separated registry specs; '{REFERENCE}' always runs as the "
+                   "reference; default: %(default)s")
+    p.add_argument("--baselines", metavar="NAME[,NAME...]", default=",".join(d["baselines"]),
+                   help="transformers baselines, comma-separated, or 'none'; default: %(default)s")
+    p.add_argument("--target", metavar="DIR", required=target_default is None, default=target_default,
+                   help="target model directory or bundled name; "
+                   + ("required" if target_default is None else "default: the bundled default-target"))
+    p.add_argument("--draft", metavar="DIR", default=d["draft"],
+                   help="draft model directory (same tokenizer), for chain and hf-assisted; default: the bundled "
+                   "default-draft when the target is the bundled default")
+    p.add_argument("--max-new-tokens", type=_positive_int, metavar="N", default=d["max_new_tokens"],
+                   help="at most N new tokens per generation; default: %(default)s")
+    p.add_argument("--temperature", type=float, metavar="T", default=d["temperature"],
+                   help="0 for greedy (outputs are then checked token-identical to ar); default: %(default)s")
+    p.add_argument("--top-k", type=int, metavar="K", default=d["top_k"], help="top-k filter; default: none")
+    p.add_argument("--top-p", type=float, metavar="P", default=d["top_p"], help="top-p filter; default: none")
+    p.add_argument("--seed", type=int, metavar="S", default=d["seed"], help="sampling seed; default: none")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="never stop at an end-of-sequence token (every generation has max-new-tokens tokens); "
+                   "default: stop at the target's eos token(s), the same for every method and baseline")
+    p.add_argument("--repeats", type=_positive_int, metavar="R", default=d["repeats"],
+                   help="rounds over the prompt set; default: %(default)s")
+    p.add_argument("--warmup", type=_int_at_least(0), metavar="W", default=d["warmup"],
+                   help="untimed warm-up rounds on the first prompt; default: %(default)s")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default=d["dtype"],
+                   help="load both models in this dtype; default: the loader's (float32 for the bundled models)")
+    p.add_argument("--threads", type=_positive_int, metavar="N", default=None,
+                   help="torch CPU threads (torch.set_num_threads); default: left to torch")
+    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT, help="output directory; default: %(default)s")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object on the last stdout line")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``speculant bench``; returns the exit code (bad input raises ValueError)."""
+    from .report import main_table
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    baselines = "" if args.baselines.strip().lower() == "none" else args.baselines
+    results = run_bench(
+        prompts=args.prompts,
+        methods=args.methods,
+        baselines=baselines,
+        target=args.target,
+        draft=args.draft,
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        eos_token_id=[] if args.ignore_eos else None,
+        dtype=args.dtype,
+        out=args.out,
+        progress=True,
+    )
+    if args.json:
+        keep = ("settings", "machine", "files")
+        print(json.dumps({"methods": results["methods"], **{k: results[k] for k in keep}, "out": str(args.out)}))
+    else:
+        print(main_table(results))
+        print("wrote " + ", ".join(results["files"]))
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,368 @@
+"""``run_bench``: our methods and transformers' baselines on one prompt set, side by side, with a report.
+
+One call loads the models (or takes loaded ones), builds every method from the ONE registry
+(:mod:`speculant.drafters.registry`) and every baseline from :mod:`speculant.bench.hf`, runs them interleaved per
+prompt after a warm-up (:func:`speculant.bench.speed.run_side_by_side`), and summarises. ``ar`` (plain decoding
+through our engine) always runs: it is the reference for speed-ups and, at temperature 0, for token identity.
+
+Per method (see :data:`DEFINITIONS`, also written into results.json): τ, accepted-length histogram, per-position
+acceptance, target calls, median tokens/s, speed-up vs ``ar``, MBSU, peak memory, time split, identity with ``ar``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checks import check_fits_context, check_positive_int, resolve_eos
+from ..drafters.registry import NO_DEFAULT, build_drafter, get_method, parse_method
+from ..engine import generate
+from ..loading import (
+    bundled_dir,
+    check_model_dir,
+    load_model_dir,
+    resolve_model,
+    tokenizers_match,
+)
+from ..types import SamplingParams
+from .cost import (
+    drafter_models,
+    drafter_params_per_forward,
+    mbsu,
+    param_bytes,
+    params_per_forward,
+)
+from .hf import BASELINES, hf_runner, parse_baseline
+from .probe import peak_kv_bytes, probing
+from .prompts import load_prompts
+from .speed import MethodRun, machine_info, run_side_by_side, summarise
+
+__all__ = ["DEFINITIONS", "REFERENCE", "run_bench", "split_specs"]
+
+log = logging.getLogger(__name__)
+
+REFERENCE = "ar"
+"""The method every speed-up and identity check is measured against."""
+
+DEFINITIONS = {
+    "acceptance_length": "τ: new tokens / target forward calls, pooled over all runs (bonus token included; for "
+    "transformers baselines the first call also processes the prompt, our prefill is not a call)",
+    "accepted_hist": "[m] = verification steps that accepted exactly m draft tokens, pooled over runs",
+    "position_acceptance": "[i] = P(draft at depth i+1 accepted | depth i accepted and depth i+1 drafted), pooled",
+    "tokens_per_second": "median over runs of new tokens / wall time of the whole generation (prefill included)",
+    "speedup_vs_ar": "median over prompts of (tokens/s of the method / tokens/s of ar on the same prompt and "
+    "repeat), methods interleaved per prompt after a warm-up; equals the wall-time ratio when both produced the "
+    "same number of tokens",
+    "mbsu": "memory-bound speed-up τ / (c·γ + 1): c = draft_cost_ratio, γ = draft_calls_per_step",
+    "draft_cost_ratio": "c: parameters one draft forward reads / parameters one target forward reads (input "
+    "embedding tables excluded unless tied to the LM head: a forward reads only its tokens' rows)",
+    "draft_calls_per_step": "γ: draft forwards / target forwards, measured",
+    "peak_memory_bytes": "param_bytes + kv_cache_peak_bytes. param_bytes: parameters and buffers of the models the "
+    "method runs (target, plus the draft if it drafts with one). kv_cache_peak_bytes: the largest total, over "
+    "the run, of the storage held by the KV caches passed to those models, sampled after every forward "
+    "(preallocated capacity counts in full). Activations, logits, allocator slack and transient copies are NOT "
+    "included: it is the model-state footprint, not the process's peak RSS; the maximum over runs is reported",
+    "overhead_share": "time outside target and draft forwards / decoding time (wall minus prefill), pooled; "
+    "target_forward_share and draft_forward_share likewise. transformers baselines: prefill = the first target "
+    "call, measured with forward hooks",
+    "speedup_vs_hf_assisted": "our methods, when hf-assisted ran: median over prompts of (tokens/s of the method / "
+    "tokens/s of hf-assisted on the same prompt and repeat)",
+    "identical_to_ar": "temperature 0 only: fraction of runs whose tokens equal ar's; mismatches lists "
+    "{prompt, repeat, first_diff} of every other run (first_diff = first differing position)",
+}
+
+
+def split_specs(specs: str | Sequence[str] | None) -> list[str]:
+    """``"a,b"`` or ``["a", "b"]`` -> ``["a", "b"]``, stripped; ``""``/None -> ``[]``. An empty entry or a spec
+    given twice raises a ValueError."""
+    if specs is None:
+        return []
+    items = specs.split(",") if isinstance(specs, str) else list(specs)
+    if isinstance(specs, str) and not specs.strip():
+        return []
+    out: list[str] = []
+    for s in items:
+        if not isinstance(s, str) or not s.strip():
+            raise ValueError(f"empty spec in {specs!r}")
+        if s.strip() in out:
+            raise ValueError(f"{s.strip()!r} is given twice")
+        out.append(s.strip())
+    return out
+
+
+def _load(model, dtype):
+    """``(model, tokenizer or None, description)`` from a loaded module or a directory / bundled name."""
+    if isinstance(model, torch.nn.Module):
+        return model.eval(), None, f"<in-process {type(model).__name__}>"
+    path = check_model_dir(resolve_model(model))
+    m, tok = load_model_dir(path, dtype)
+    return m, tok, str(path)
+
+
+def _prompt_records(prompts, num_prompts: int | None) -> tuple[str, list[dict]]:
+    if isinstance(prompts, (str, Path)):
+        return str(prompts), load_prompts(prompts, num_prompts)
+    records = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            records.append({"id": str(i), "prompt": p})
+        elif isinstance(p, dict) and ("prompt" in p or "input_ids" in p):
+            records.append({"id": str(i), **p})
+        else:
+            raise ValueError(f"prompt {i}: expected a string or a dict with 'prompt' or 'input_ids', got {p!r}")
+    records = records if num_prompts is None else records[:num_prompts]
+    if not records:
+        raise ValueError("no prompts given")
+    return "<in-process list>", records
+
+
+class _EngineMethod:
+    """``run(ids, max_new_tokens, **sampling)`` for one of our methods: a fresh drafter per generation (drafters
+    hold per-generation caches), every model it runs probed for KV-cache bytes. ``last_drafter`` is kept for
+    the cost figures (a drafter may size itself in ``begin``, e.g. a trimmed LM head)."""
+
+    def __init__(self, target, name: str, options: dict, draft, context: dict, stops: list[int]) -> None:
+        self.target, self.name, self.options, self.draft, self.context, self.stops = (
+            target, name, options, draft, context, stops)
+        self.last_drafter = build_drafter((name, options), draft, **context)
+        self.models = drafter_models(self.last_drafter, target)
+
+    def __call__(self, ids: list[int], max_new_tokens: int, **sampling) -> dict:
+        drafter = build_drafter((self.name, self.options), self.draft, **self.context)
+        # drafters may call a model's base (e.g. a VocabTrim head skips the full LM head): probe the bases, which
+        # see every forward either way
+        with probing(self.target, *(getattr(m, "base_model", m) for m in self.models)) as probes:
+            gen = generate(self.target, ids, drafter=drafter, max_new_tokens=max_new_tokens,
+                           eos_token_id=self.stops, **sampling)
+        self.last_drafter = drafter
+        return {"token_ids": gen.token_ids, **gen.stats.as_dict(), "depth_reached": list(gen.stats.depth_reached),
+                "depth_accepted": list(gen.stats.depth_accepted), "kv_cache_peak_bytes": peak_kv_bytes(*probes)}
+
+
+def _pad_id(model, stops: list[int]) -> int:
+    for source in (getattr(model, "generation_config", None), model.config):
+        pad = getattr(source, "pad_token_id", None)
+        if isinstance(pad, int) and not isinstance(pad, bool):
+            return pad
+    return stops[0] if stops else 0
+
+
+_FALLBACK_K = 4  # only if the registry states no default k for chain
+
+
+def _default_k(parsed: list[tuple[str, str, dict]]) -> int:
+    """The k of the first method that drafts with a model and has a k; else the chain drafter's default."""
+    for _, name, options in parsed:
+        method = get_method(name)
+        if method.needs_draft and "k" in method.keys:
+            k = options.get("k", method.keys["k"].default)
+            if k is not NO_DEFAULT:
+                return int(k)
+    k = get_method("chain").keys["k"].default
+    return _FALLBACK_K if k is NO_DEFAULT else int(k)
+
+
+def run_bench(
+    prompts: str | Path | Sequence[str | dict] = "builtin:code",
+    methods: str | Sequence[str] = ("chain:k=4",),
+    baselines: str | Sequence[str] = ("hf-ar", "hf-assisted"),
+    target: str | Path | torch.nn.Module = "default-target",
+    draft: str | Path | torch.nn.Module | None = None,
+    tokenizer: Any = None,
+    num_prompts: int | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    repeats: int = 1,
+    warmup: int = 1,
+    eos_token_id: int | list[int] | None = None,
+    dtype: str | torch.dtype | None = None,
+    out: str | Path | None = None,
+    progress: bool = True,
+) -> dict:
+    """Benchmark drafting methods and transformers baselines on one prompt set; optionally write a report.
+
+    Args:
+        prompts: ``builtin:code``, ``builtin:grounded``, the path of a JSONL file (one ``{"prompt": ...}`` per
+            line, other fields kept), or a list of strings / dicts with ``prompt`` (text) or ``input_ids``.
+        methods: registry specs (``NAME[:key=value...]``), a list or one comma-separated string; results are
+            keyed by the spec exactly as given. ``ar`` is added (first) when missing: it is the reference.
+        baselines: ``hf-ar``, ``hf-assisted[:k=N]``, ``hf-prompt-lookup[:k=N][:ngram=M]`` (list or
+            comma-separated; empty for none). The k of ``hf-assisted``/``hf-prompt-lookup`` defaults to the k of
+            the first draft-model method (``chain:k=4`` -> 4).
+        target, draft: a model directory, a bundled name (``default-target``/``default-draft``) or a loaded
+            model. The draft defaults to ``default-draft`` when the target is the bundled default and a method
+            needs one. Loaded models need ``tokenizer`` for text prompts.
+        num_prompts: use only the first N prompts (built-in sets build N).
+        max_new_tokens, temperature, top_k, top_p, seed: as :func:`speculant.generate`, for every method.
+        repeats: rounds over the prompt set; warmup: untimed warm-up rounds (first prompt, <= 32 tokens).
+        eos_token_id: stop token(s) for every method (``[]``: never stop early); None: the target's.
+        dtype: load dtype for both models (None: the loader's default; the bundled target loads in float32).
+        out: directory for results.json, results.md and the plots; None writes nothing.
+        progress: a tqdm bar on stderr.
+
+    Returns:
+        the results: ``machine``, ``settings``, ``definitions``, ``prompts``, ``methods`` (name -> summary) and
+        ``runs`` (name -> per-run rows), plus ``files`` when ``out`` is given.
+
+    Raises:
+        ValueError: one line, for any bad input (unknown method or baseline, missing files, a method that needs
+            a draft without one, a prompt too long for the context ...), before any generation runs.
+    """
+    SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    check_positive_int("max_new_tokens", max_new_tokens)
+    check_positive_int("repeats", repeats)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+
+    method_specs = split_specs(methods)
+    parsed = [(spec, *parse_method(spec)) for spec in method_specs]
+    if not any(spec == REFERENCE for spec, _, _ in parsed):
+        parsed.insert(0, (REFERENCE, *parse_method(REFERENCE)))
+    else:
+        parsed.sort(key=lambda p: p[0] != REFERENCE)  # the reference first, the rest in the given order
+    baseline_specs = split_specs(baselines)
+    parsed_baselines = [(spec, *parse_baseline(spec)) for spec in baseline_specs]
+    needs_draft = any(get_method(n).needs_draft for _, n, _ in parsed) or any(
+        BASELINES[n].needs_draft for _, n, _ in parsed_baselines
+    )
+    source, records = _prompt_records(prompts, num_prompts)
+
+    bundled_target = bundled_dir("default-target")
+    if (needs_draft and draft is None and isinstance(target, (str, Path)) and bundled_target is not None
+            and resolve_model(target).resolve() == bundled_target.resolve()):
+        draft = "default-draft"
+    if needs_draft and draft is None:
+        users = [s for s, n, _ in parsed if get_method(n).needs_draft] + [
+            s for s, n, _ in parsed_baselines if BASELINES[n].needs_draft
+        ]
+        raise ValueError(f"{', '.join(users)} need(s) a draft model: pass a draft (--draft DIR)")
+
+    target_model, target_tok, target_desc = _load(target, dtype)
+    tokenizer = tokenizer if tokenizer is not None else target_tok
+    draft_model, draft_desc, context = None, None, {}
+    if needs_draft:
+        draft_model, draft_tok, draft_desc = _load(draft, dtype)
+        if tokenizer is not None and draft_tok is not None:
+            context["tokenizers_match"] = tokenizers_match(tokenizer, draft_tok)
+            if not context["tokenizers_match"] and any(BASELINES[n].needs_draft for _, n, _ in parsed_baselines):
+                raise ValueError("hf-assisted needs a draft with the target's tokenizer (the tokenizers differ)")
+    elif draft is not None:
+        log.info("no method drafts with a model: the draft is not loaded")
+
+    prompt_ids: list[list[int]] = []
+    for r in records:
+        if "input_ids" in r:
+            ids = [int(t) for t in r["input_ids"]]
+        else:
+            if tokenizer is None:
+                raise ValueError("text prompts need a tokenizer: pass tokenizer= with an in-process target")
+            ids = tokenizer(r["prompt"])["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {r['id']!r} is empty after tokenization")
+        check_fits_context(target_model, len(ids), max_new_tokens)
+        if draft_model is not None:
+            check_fits_context(draft_model, len(ids), max_new_tokens, role="draft")
+        prompt_ids.append(ids)
+
+    stops = sorted(resolve_eos(target_model, eos_token_id))
+    pad = _pad_id(target_model, stops)
+    k_default = _default_k(parsed)
+    ours = {spec: _EngineMethod(target_model, name, options, draft_model, context, stops)
+            for spec, name, options in parsed}
+    runs = [MethodRun(spec, run=method) for spec, method in ours.items()]
+    runs += [MethodRun(spec, run=hf_runner(name, options, target_model, draft_model, k_default, stops, pad))
+             for spec, name, options in parsed_baselines]
+
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    rows = run_side_by_side(target_model, runs, prompt_ids, max_new_tokens=max_new_tokens, repeats=repeats,
+                            warmup=warmup, progress=progress, rotate=True, **sampling)
+    summary = summarise(rows, baseline=REFERENCE, check_identical=temperature == 0)
+
+    _compare_with_assisted(summary, rows, [spec for spec, _, _ in parsed],
+                           [spec for spec, name, _ in parsed_baselines if name == "hf-assisted"])
+    target_ppf = params_per_forward(target_model)
+    for spec, method in ours.items():
+        _add_costs(summary[spec], rows[spec], "speculant",
+                   drafter_params_per_forward(method.last_drafter, target_model), target_ppf,
+                   param_bytes(target_model, *method.models))
+    for spec, name, options in parsed_baselines:
+        uses_draft = BASELINES[name].needs_draft
+        draft_ppf = params_per_forward(draft_model) if uses_draft else 0
+        _add_costs(summary[spec], rows[spec], "transformers", draft_ppf, target_ppf,
+                   param_bytes(target_model, draft_model if uses_draft else None))
+        summary[spec]["k"] = int(options.get("k", k_default)) if name != "hf-ar" else None
+
+    results = {
+        "benchmark": "speculant bench",
+        "machine": machine_info(),
+        "settings": {
+            "prompts": source,
+            "num_prompts": len(records),
+            "methods": [spec for spec, _, _ in parsed],
+            "baselines": [spec for spec, _, _ in parsed_baselines],
+            "reference": REFERENCE,
+            "target": target_desc,
+            "draft": draft_desc,
+            "target_dtype": str(target_model.dtype),
+            "draft_dtype": None if draft_model is None else str(draft_model.dtype),
+            "target_params_per_forward": target_ppf,
+            "draft_params_per_forward": None if draft_model is None else params_per_forward(draft_model),
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_k": top_k,
+            "top_p": top_p,
+            "seed": seed,
+            "repeats": repeats,
+            "warmup": warmup,
+            "eos_token_id": stops,
+            "pad_token_id": pad,
+            "hf_default_k": k_default,
+        },
+        "definitions": DEFINITIONS,
+        "prompts": [{**{k: v for k, v in r.items() if k != "input_ids"}, "tokens": len(ids)}
+                    for r, ids in zip(records, prompt_ids)],
+        "methods": summary,
+        "runs": rows,
+    }
+    if out is not None:
+        from .report import write_results
+
+        results["files"] = [str(p) for p in write_results(results, out)]
+    return results
+
+
+def _compare_with_assisted(summary: dict, rows: dict, ours: list[str], assisted: list[str]) -> None:
+    """``speedup_vs_hf_assisted`` for each of our methods: the median over prompts of tokens/s ratios against the
+    first ``hf-assisted`` baseline of the run (same prompts, same round), and which baseline it was."""
+    if not assisted:
+        return
+    ref = {(r["prompt"], r["repeat"]): r["tokens_per_second"] for r in rows[assisted[0]]}
+    for spec in ours:
+        ratios = [r["tokens_per_second"] / ref[(r["prompt"], r["repeat"])] for r in rows[spec]
+                  if ref.get((r["prompt"], r["repeat"]), 0) > 0]
+        if ratios:
+            summary[spec]["speedup_vs_hf_assisted"] = statistics.median(ratios)
+            summary[spec]["hf_assisted_reference"] = assisted[0]
+
+
+def _add_costs(s: dict, rows: list[dict], kind: str, draft_ppf: int, target_ppf: int, nbytes: int) -> None:
+    c = draft_ppf / target_ppf if target_ppf else 0.0
+    gamma = s["draft_calls"] / s["target_calls"] if s["target_calls"] else 0.0
+    kv = max((r.get("kv_cache_peak_bytes", 0) for r in rows), default=0)
+    s.update(
+        kind=kind,
+        draft_cost_ratio=c,
+        draft_calls_per_step=gamma,
+        mbsu=mbsu(s["acceptance_length"], c, gamma),
+        param_bytes=nbytes,
+        kv_cache_peak_bytes=kv,
+        peak_memory_bytes=nbytes + kv,
+    )

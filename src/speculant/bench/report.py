@@ -1,0 +1,192 @@
+"""Reports from a ``run_bench`` results dict: results.json, results.md (tables), PNG plots, the README table.
+
+Every figure is read from the results; nothing is typed by hand. Plots need matplotlib (the ``plots`` / ``dev``
+extra); without it they are skipped with a one-line notice. The figures are drawn with the Agg canvas directly,
+so the process-wide matplotlib backend is left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+__all__ = ["main_table", "readme_section", "render_markdown", "write_plots", "write_results"]
+
+log = logging.getLogger(__name__)
+
+
+def _speedup(s: dict) -> str:
+    if "speedup_vs_ar" not in s:
+        return "–"
+    return f"{s['speedup_vs_ar']:.2f}× ({s['speedup_min']:.2f}–{s['speedup_max']:.2f})"
+
+
+def _identical(s: dict) -> str:
+    if "identical_to_ar" not in s:
+        return "not checked (sampling)"
+    runs = s["runs"]
+    same = runs - len(s["mismatches"])
+    return f"{same}/{runs}" + ("" if same == runs else " ✗")
+
+
+def main_table(results: dict) -> str:
+    """The Markdown table: method, τ, tokens/s, speed-up vs ar (median, min–max), MBSU, overhead, identical."""
+    assisted = any("speedup_vs_hf_assisted" in s for s in results["methods"].values())
+    extra_head, extra_rule = (" vs hf-assisted |", "---:|") if assisted else ("", "")
+    lines = [
+        "| method | τ | tokens/s | speed-up vs ar | MBSU | overhead | identical to ar |" + extra_head,
+        "|---|---:|---:|---:|---:|---:|---:|" + extra_rule,
+    ]
+    for name, s in results["methods"].items():
+        extra = ""
+        if assisted:
+            extra = f" {s['speedup_vs_hf_assisted']:.2f}× |" if "speedup_vs_hf_assisted" in s else " – |"
+        lines.append(
+            f"| `{name}` | {s['acceptance_length']:.2f} | {s['tokens_per_second']:.1f} | {_speedup(s)} | "
+            f"{s['mbsu']:.2f} | {100 * s['overhead_share']:.1f}% | {_identical(s)} |" + extra
+        )
+    return "\n".join(lines)
+
+
+def _fmt_list(values: list[float], fmt: str) -> str:
+    return "[" + ", ".join(format(v, fmt) for v in values) + "]" if values else "–"
+
+
+def _details_table(results: dict) -> str:
+    lines = [
+        "| method | runs on | target calls | γ (draft calls/step) | c | accepted-length histogram "
+        + "| per-position acceptance | target / draft / overhead | peak memory (MiB) |",
+        "|---|---|---:|---:|---:|---|---|---|---:|",
+    ]
+    for name, s in results["methods"].items():
+        split = (f"{100 * s['target_forward_share']:.0f}% / {100 * s['draft_forward_share']:.0f}% / "
+                 f"{100 * s['overhead_share']:.0f}%")
+        lines.append(
+            f"| `{name}` | {s.get('kind', '')} | {s['target_calls']} | {s.get('draft_calls_per_step', 0):.2f} | "
+            f"{s.get('draft_cost_ratio', 0):.3f} | {_fmt_list(s['accepted_hist'], 'd')} | "
+            f"{_fmt_list(s.get('position_acceptance', []), '.2f')} | {split} | "
+            f"{s.get('peak_memory_bytes', 0) / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def _mismatch_lines(results: dict) -> list[str]:
+    ids = [p.get("id", str(i)) for i, p in enumerate(results.get("prompts", []))]
+    out = []
+    for name, s in results["methods"].items():
+        mism = s.get("mismatches") or []
+        if not mism:
+            continue
+        where = "; ".join(
+            f"prompt {m['prompt']} ({ids[m['prompt']] if m['prompt'] < len(ids) else '?'}, repeat {m['repeat']}) "
+            f"first differs at token {m['first_diff']}"
+            for m in mism
+        )
+        out.append(f"- `{name}`: {len(mism)} of {s['runs']} runs differ from `ar`: {where}")
+    return out
+
+
+def _settings_line(results: dict) -> str:
+    st, mach = results["settings"], results["machine"]
+    sampling = "greedy" if st["temperature"] == 0 else (
+        f"temperature {st['temperature']}, top-k {st['top_k']}, top-p {st['top_p']}, seed {st['seed']}")
+    return (
+        f"{st['num_prompts']} prompts ({st['prompts']}), {st['max_new_tokens']} new tokens at most, {sampling}, "
+        f"{st['repeats']} repeat(s) after {st['warmup']} warm-up round(s); target {st['target_dtype']}, "
+        f"draft {st['draft_dtype']}; {mach['torch_threads']} torch threads on {mach['machine']} "
+        f"({mach['cpu_count']} CPUs), torch {mach['torch']}, transformers {mach['transformers']}, "
+        f"speculant {mach['speculant']}"
+    )
+
+
+def render_markdown(results: dict) -> str:
+    """results.md: settings, the main table, a details table, every mismatch, and the metric definitions."""
+    parts = [
+        "# speculant bench",
+        "",
+        _settings_line(results) + ".",
+        "",
+        main_table(results),
+        "",
+        "## Details",
+        "",
+        _details_table(results),
+        "",
+    ]
+    mism = _mismatch_lines(results)
+    if mism:
+        parts += ["## Outputs that differ from `ar`", "", *mism, ""]
+    parts += ["## Definitions", ""]
+    parts += [f"- **{k}**: {v}" for k, v in results.get("definitions", {}).items()]
+    return "\n".join(parts) + "\n"
+
+
+def readme_section(results: dict, source: str = "") -> str:
+    """The README's benchmark block: the main table and one line of settings (and where they come from)."""
+    origin = f" Source: `{source}`." if source else ""
+    return f"{main_table(results)}\n\n{_settings_line(results)}.{origin}\n"
+
+
+def write_plots(results: dict, out: str | Path) -> list[Path]:
+    """speedup.png (per-prompt speed-ups per method, median marked) and accepted_lengths.png (normalised
+    accepted-length histograms of the methods that draft). Returns the files written; [] without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        log.warning("matplotlib is not installed: plots skipped (pip install 'speculant[plots]')")
+        return []
+    out = Path(out)
+    written = []
+    methods = results["methods"]
+    names = [n for n, s in methods.items() if "speedup_per_run" in s]
+    if names:
+        fig = Figure(figsize=(max(4.0, 1.3 * len(names) + 1), 3.6), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        for x, name in enumerate(names):
+            ratios = methods[name]["speedup_per_run"]
+            n = len(ratios)
+            xs = [x + 0.25 * ((i + 0.5) / n - 0.5) for i in range(n)]
+            ax.scatter(xs, ratios, s=12, alpha=0.6, color="C0" if methods[name].get("kind") != "transformers"
+                       else "C1")
+            ax.hlines(methods[name]["speedup_vs_ar"], x - 0.3, x + 0.3, color="black", linewidth=2)
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xticks(range(len(names)), names, rotation=20, ha="right")
+        ax.set_ylabel("speed-up vs ar (tokens/s ratio)")
+        ax.set_title("per-prompt speed-up (dots), median (bar)")
+        path = out / "speedup.png"
+        fig.savefig(path, dpi=120)
+        written.append(path)
+    drafting = [n for n, s in methods.items() if len(s["accepted_hist"]) > 1]
+    if drafting:
+        fig = Figure(figsize=(6.4, 3.6), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        width = 0.8 / len(drafting)
+        for j, name in enumerate(drafting):
+            hist = methods[name]["accepted_hist"]
+            total = sum(hist) or 1
+            ax.bar([m - 0.4 + width * (j + 0.5) for m in range(len(hist))], [h / total for h in hist], width,
+                   label=name)
+        ax.set_xlabel("draft tokens accepted in a step")
+        ax.set_ylabel("fraction of steps")
+        ax.set_title("accepted-length histograms")
+        ax.legend(fontsize="small")
+        path = out / "accepted_lengths.png"
+        fig.savefig(path, dpi=120)
+        written.append(path)
+    return written
+
+
+def write_results(results: dict, out: str | Path) -> list[Path]:
+    """Write results.json, results.md and the plots into ``out`` (created); return the paths written."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "results.json", out / "results.md"]
+    files += write_plots(results, out)
+    body = {**results, "files": [str(p) for p in files]}
+    files[0].write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+    files[1].write_text(render_markdown(results), encoding="utf-8")
+    return files

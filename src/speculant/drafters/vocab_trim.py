@@ -1,0 +1,107 @@
+"""VocabTrim (Goel et al. 2025, "VocabTrim: Vocabulary Pruning for Efficient Speculative Decoding in LLMs").
+
+A drafter's LM head restricted to the ``M`` tokens the target uses most (counted on a calibration set, best text
+the target generated). The draft computes ``h · W[keep]ᵀ`` instead of ``h · Wᵀ`` — for a small drafter with a
+large vocabulary the head is most of a draft forward — drafts in the trimmed index space and maps back with the
+index table. Lifted to the full vocabulary, the draft distribution is 0 outside the kept set, so the one
+verifier is unchanged and decoding stays lossless; the price is a lower τ when the target wants a token the
+drafter cannot propose.
+
+Calibration files (``vocab_trim.json`` in a draft model's directory, written by ``speculant train calibrate``)
+list token ids from most to least frequent, and may recommend a ``default_size`` that drafters use unless told
+otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+__all__ = ["CALIBRATION_FILE", "TrimmedHead", "load_calibration", "resolve_keep_ids"]
+
+CALIBRATION_FILE = "vocab_trim.json"
+
+
+def load_calibration(model_dir: str | Path | None) -> dict | None:
+    """The calibration of the model in ``model_dir`` (``{"token_ids": [...], "default_size": N, ...}``) or None."""
+    if not model_dir:
+        return None
+    path = Path(model_dir) / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if not isinstance(data.get("token_ids"), list) or not data["token_ids"]:
+        raise ValueError(f"{path} has no token_ids list")
+    return data
+
+
+def resolve_keep_ids(model: torch.nn.Module, vocab_trim: int | Sequence[int] | None, vocab: int) -> list[int] | None:
+    """The kept token ids for ``vocab_trim``; None means the full head.
+
+    ``None``: the model's recommended size if its directory ships a calibration with a ``default_size``, else the
+    full head. ``0``: the full head. ``N > 0``: the N most frequent tokens of the model's calibration (an error if
+    it has none). A sequence: exactly those ids.
+    """
+    model_dir = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
+    if vocab_trim is None:
+        calibration = load_calibration(model_dir)
+        if calibration is None or not calibration.get("default_size"):
+            return None
+        ids = calibration["token_ids"][: int(calibration["default_size"])]
+    elif isinstance(vocab_trim, int):
+        if vocab_trim < 0:
+            raise ValueError(f"vocab_trim must be >= 0 (0 = the full LM head), got {vocab_trim}")
+        if vocab_trim == 0 or vocab_trim >= vocab:
+            return None
+        calibration = load_calibration(model_dir)
+        if calibration is None:
+            raise ValueError(
+                f"vocab_trim={vocab_trim} needs the draft's token frequencies ({CALIBRATION_FILE} in its model "
+                f"directory, {model_dir!r}): write them with `speculant train calibrate --model DIR --data DIR`, "
+                "or pass the kept token ids"
+            )
+        ids = calibration["token_ids"][:vocab_trim]
+    else:
+        ids = [int(i) for i in vocab_trim]
+    if not ids:
+        raise ValueError("vocab_trim keeps no tokens")
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) >= vocab:
+        raise ValueError(f"vocab_trim ids must be distinct token ids below the vocabulary size {vocab}")
+    return ids
+
+
+class TrimmedHead:
+    """``logits = h · W[keep]ᵀ (+ b[keep])``: the rows of an LM head for the kept tokens only.
+
+    Args:
+        lm_head: the drafter's output layer (``model.get_output_embeddings()``), weight ``[V, H]``.
+        keep: kept token ids of the full vocabulary ``[M]``.
+    """
+
+    def __init__(self, lm_head: torch.nn.Module, keep: Sequence[int]) -> None:
+        weight = lm_head.weight  # [V, H]
+        self.keep = torch.tensor(list(keep), dtype=torch.long, device=weight.device)  # [M]
+        self.weight = weight.detach()[self.keep].contiguous()  # [M, H]
+        bias = getattr(lm_head, "bias", None)
+        self.bias = None if bias is None else bias.detach()[self.keep].contiguous()  # [M]
+        self._keep_list = [int(i) for i in keep]
+
+    @property
+    def size(self) -> int:
+        return len(self._keep_list)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` hidden states → ``[..., M]`` trimmed logits."""
+        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+
+    def token(self, index: int) -> int:
+        """The full-vocabulary id of trimmed index ``index``."""
+        return self._keep_list[index]
+
+    def lift(self, probs: torch.Tensor, vocab: int) -> torch.Tensor:
+        """``[..., M]`` probabilities over the kept tokens → ``[..., vocab]``, zero elsewhere."""
+        full = probs.new_zeros((*probs.shape[:-1], vocab))
+        return full.index_copy_(-1, self.keep.to(probs.device), probs)

@@ -1,0 +1,349 @@
+"""The benchmark harness: ``speculant bench`` end to end, transformers baselines against our ``ar``, prompt sets,
+reports and the README table script.
+
+Models are tiny random Llamas (in-process, or saved as HF directories with a small BPE tokenizer, as in
+test_cli.py); float32 with well-separated logits, so greedy equality compares decisions, not float noise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from speculant import cli, generate
+from speculant.bench import load_prompts, run_bench
+from speculant.bench.hf import hf_runner, parse_baseline
+from speculant.bench.prompts import builtin_prompts, grounded_prompts
+from speculant.bench.report import render_markdown, write_plots
+from speculant.bench.speed import (
+    MethodRun,
+    first_difference,
+    run_side_by_side,
+    summarise,
+)
+from speculant.demo import save_model_pair, stdlib_texts, train_tokenizer
+from speculant.testing import perturbed, tiny_model
+from speculant.train.corpus import split_of
+
+ROOT = Path(__file__).resolve().parent.parent
+N = 12  # new tokens per generation
+SUMMARY_KEYS = {"acceptance_length", "tokens_per_second", "speedup_vs_ar", "mbsu", "overhead_share",
+                "identical_to_ar", "mismatches", "accepted_hist", "position_acceptance", "target_calls",
+                "peak_memory_bytes", "kv_cache_peak_bytes", "param_bytes", "target_forward_share",
+                "draft_forward_share", "draft_cost_ratio", "draft_calls_per_step"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads(one_thread):
+    """Every test here runs on one thread."""
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """An in-process target and a draft that agrees with it often (perturbed weights)."""
+    target = tiny_model("llama", vocab_size=96, hidden=32, layers=2, context=256, init_std=0.5)
+    return target, perturbed(target, scale=0.02)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    """Target and draft model directories with a BPE tokenizer, and a JSONL prompt file with ids."""
+    tok = train_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
+    root = tmp_path_factory.mktemp("bench-models")
+    target, draft = save_model_pair(root, tok, hidden=32, layers=2, context=128, init_std=0.5, draft_scale=0.02)
+    prompts = root / "prompts.jsonl"
+    lines = [{"id": "add", "prompt": "def add(a, b):\n    return a + b\n\n", "tag": "x"},
+             {"id": "wrap", "prompt": "def wrap(text, width=70):\n"}]
+    prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
+    return {"target": str(target), "draft": str(draft), "prompts": str(prompts)}
+
+
+def ids_prompts(n: int = 3) -> list[dict]:
+    return [{"id": f"p{i}", "input_ids": list(range(2 + 3 * i, 14 + 3 * i))} for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_json_end_to_end(dirs, capsys, tmp_path):
+    out = tmp_path / "res"
+    code = cli.main(["bench", "--prompts", dirs["prompts"], "--methods", "chain:k=3,chain",
+                     "--baselines", "hf-ar,hf-assisted:k=3,hf-prompt-lookup", "--target", dirs["target"],
+                     "--draft", dirs["draft"], "--max-new-tokens", str(N), "--out", str(out), "--json"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    obj = json.loads(stdout.strip().splitlines()[-1])
+    assert list(obj["methods"]) == ["ar", "chain:k=3", "chain", "hf-ar", "hf-assisted:k=3", "hf-prompt-lookup"]
+    for name, s in obj["methods"].items():
+        assert SUMMARY_KEYS <= set(s), (name, SUMMARY_KEYS - set(s))
+        assert s["identical_to_ar"] == 1.0 and s["mismatches"] == [], name
+        assert s["runs"] == 2
+    ar = obj["methods"]["ar"]
+    assert ar["speedup_vs_ar"] == 1.0 and ar["acceptance_length"] == 1.0 and ar["mbsu"] == 1.0
+    assert obj["methods"]["hf-ar"]["acceptance_length"] == 1.0
+    chain = obj["methods"]["chain:k=3"]
+    assert chain["acceptance_length"] > 1.0 and chain["draft_cost_ratio"] == pytest.approx(1.0)
+    assert 0 < chain["mbsu"] < chain["acceptance_length"]
+    # the same algorithm in transformers: drafts of 3, verified the same way
+    assert obj["methods"]["hf-assisted:k=3"]["acceptance_length"] > 1.0
+    assert obj["methods"]["hf-assisted:k=3"]["k"] == 3 and obj["methods"]["hf-prompt-lookup"]["k"] == 3
+    assert obj["settings"]["methods"] == ["ar", "chain:k=3", "chain"]
+    assert "bench" in stderr  # the progress bar is on stderr
+    files = {Path(f).name for f in obj["files"]}
+    assert files == {"results.json", "results.md", "speedup.png", "accepted_lengths.png"}
+    results = json.loads((out / "results.json").read_text())
+    assert [p["id"] for p in results["prompts"]] == ["add", "wrap"] and results["prompts"][0]["tag"] == "x"
+    assert {"machine", "settings", "definitions", "methods", "runs"} <= set(results)
+    assert results["machine"]["transformers"] and results["settings"]["max_new_tokens"] == N
+    assert len(results["runs"]["chain"]) == 2 and "token_ids" in results["runs"]["chain"][0]
+    md = (out / "results.md").read_text()
+    assert "| method | τ | tokens/s | speed-up vs ar | MBSU | overhead | identical to ar |" in md
+    for name in obj["methods"]:
+        assert f"| `{name}` |" in md
+    for png in ("speedup.png", "accepted_lengths.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_table_without_json(dirs, capsys, tmp_path):
+    code = cli.main(["bench", "--prompts", dirs["prompts"], "--num-prompts", "1", "--methods", "ar",
+                     "--baselines", "none", "--target", dirs["target"], "--max-new-tokens", "4", "--warmup", "0",
+                     "--out", str(tmp_path)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    assert "| `ar` | 1.00 |" in stdout and "wrote " in stdout and "hf-ar" not in stdout
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--prompts", "no/such/file.jsonl"], "prompt file 'no/such/file.jsonl' does not exist"),
+        (["--prompts", "builtin:nope"], "unknown built-in prompt set 'nope'; known: code, grounded"),
+        (["--methods", "nope"], "unknown method 'nope'"),
+        (["--methods", "chain:k=x"], "bad value 'x' for option 'k'"),
+        (["--methods", "chain,chain"], "'chain' is given twice"),
+        (["--baselines", "hf-nope"], "unknown baseline 'hf-nope'"),
+        (["--baselines", "hf-assisted:k=0"], "must be >= 1"),
+        (["--baselines", "hf-ar:k=2"], "unknown option 'k' for baseline 'hf-ar'"),
+        (["--max-new-tokens", "0"], "expected an integer >= 1"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+    ],
+)
+def test_cli_bad_input_one_line_exit_2(dirs, capsys, extra, needle):
+    args = ["bench", "--prompts", dirs["prompts"], "--target", dirs["target"], "--draft", dirs["draft"], *extra]
+    code = cli.main(args)
+    stdout, stderr = capsys.readouterr()
+    assert code == 2 and stdout == ""
+    assert stderr.count("\n") == 1 and stderr.startswith("speculant: error: ") and needle in stderr, stderr
+
+
+def test_cli_chain_without_draft(dirs, capsys):
+    code = cli.main(["bench", "--prompts", dirs["prompts"], "--target", dirs["target"], "--baselines", "hf-ar"])
+    _, stderr = capsys.readouterr()
+    assert code == 2 and "chain:k=4 need(s) a draft model" in stderr
+
+
+def test_bench_help_lists_methods_and_baselines(capsys):
+    assert cli.main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    for word in ("chain", "ar:", "hf-ar", "hf-assisted", "hf-prompt-lookup", "builtin:grounded", "--json"):
+        assert word in out
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+
+
+def test_hf_baselines_identical_to_ar_and_stop_at_eos(pair):
+    target, draft = pair
+    free = generate(target, ids_prompts(1)[0]["input_ids"], max_new_tokens=N, eos_token_id=[]).token_ids
+    eos = free[5]  # a token the greedy output really produces: every method must stop right there
+    res = run_bench(ids_prompts(3), methods=["chain:k=3"], baselines=["hf-ar", "hf-assisted", "hf-prompt-lookup"],
+                    target=target, draft=draft, max_new_tokens=N, eos_token_id=eos, progress=False)
+    runs = res["runs"]
+    assert runs["ar"][0]["token_ids"] == free[: free.index(eos) + 1]  # stopped early, stop token included
+    for name in ("chain:k=3", "hf-ar", "hf-assisted", "hf-prompt-lookup"):
+        assert [r["token_ids"] for r in runs[name]] == [r["token_ids"] for r in runs["ar"]], name
+        assert res["methods"][name]["identical_to_ar"] == 1.0 and res["methods"][name]["mismatches"] == []
+    assert res["methods"]["hf-assisted"]["k"] == 3  # the k of the first chain method
+
+
+def test_hf_assisted_runs_constant_k_without_confidence_threshold(pair):
+    """Same draft, same k, greedy, no early stop: transformers' assisted generation makes exactly our chain's
+    verification steps (its default confidence threshold 0.4 would cut drafts short)."""
+    target, draft = pair
+    res = run_bench(ids_prompts(2), methods=["chain:k=4"], baselines=["hf-assisted"], target=target, draft=draft,
+                    max_new_tokens=24, eos_token_id=[], progress=False, warmup=0)
+    ours, hf = res["methods"]["chain:k=4"], res["methods"]["hf-assisted"]
+    assert hf["accepted_hist"] == ours["accepted_hist"] and len(ours["accepted_hist"]) == 5
+    assert hf["target_calls"] == ours["target_calls"]
+    assert hf["position_acceptance"] == pytest.approx(ours["position_acceptance"])
+    assert hf["draft_cost_ratio"] == pytest.approx(1.0) and hf["mbsu"] == pytest.approx(ours["mbsu"], rel=0.05)
+    assert draft.generation_config.assistant_confidence_threshold != 0.0  # restored afterwards
+
+
+def test_mismatch_is_reported_with_first_difference(pair):
+    """hf-ar on a DIFFERENT model than our ar's target: the outputs differ and the report must say where."""
+    target, _ = pair
+    other = perturbed(target, scale=0.5, seed=7)
+    prompts = [p["input_ids"] for p in ids_prompts(3)]
+    methods = [MethodRun("ar", make=lambda: None),
+               MethodRun("hf-ar", run=hf_runner("hf-ar", {}, other, None, 4, stops=[], pad_token_id=1))]
+    rows = run_side_by_side(target, methods, prompts, max_new_tokens=N, warmup=0, progress=False, eos_token_id=[])
+    summary = summarise(rows)["hf-ar"]
+    expected = [first_difference(h["token_ids"], a["token_ids"]) for h, a in zip(rows["hf-ar"], rows["ar"])]
+    assert any(d is not None for d in expected)
+    assert summary["mismatches"] == [{"prompt": i, "repeat": 0, "first_diff": d}
+                                     for i, d in enumerate(expected) if d is not None]
+    assert summary["identical_to_ar"] == 1 - len(summary["mismatches"]) / 3
+    md = render_markdown({"settings": _settings(), "machine": _machine(), "methods": {
+        "hf-ar": {**summary, "mbsu": 1.0}}, "prompts": [{"id": f"p{i}"} for i in range(3)]})
+    assert f"first differs at token {summary['mismatches'][0]['first_diff']}" in md and "✗" in md
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_parse_baseline():
+    assert parse_baseline("hf-assisted:k=6") == ("hf-assisted", {"k": 6})
+    assert parse_baseline(" hf-prompt-lookup:k=10:ngram=3 ") == ("hf-prompt-lookup", {"k": 10, "ngram": 3})
+    with pytest.raises(ValueError, match="given twice"):
+        parse_baseline("hf-assisted:k=1:k=2")
+
+
+def test_sampling_skips_identity_check(pair):
+    target, draft = pair
+    res = run_bench(ids_prompts(1), methods=["chain:k=2"], baselines=["hf-ar"], target=target, draft=draft,
+                    max_new_tokens=6, temperature=0.8, seed=3, progress=False, warmup=0)
+    for s in res["methods"].values():
+        assert "identical_to_ar" not in s and s["new_tokens"] >= 1
+    assert "not checked (sampling)" in render_markdown(res)
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+def test_jsonl_prompts_keep_fields(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"id": "a", "prompt": "x", "lang": "py"}\n\n{"prompt": "y"}\n')
+    assert load_prompts(f) == [{"id": "a", "prompt": "x", "lang": "py"}, {"id": "3", "prompt": "y"}]
+    assert load_prompts(str(f), n=1) == [{"id": "a", "prompt": "x", "lang": "py"}]
+
+
+@pytest.mark.parametrize(
+    "content, needle",
+    [
+        ('{"id": "a"}\n', "p.jsonl:1: no 'prompt' field"),
+        ('{"prompt": "ok"}\n{"prompt": ""}\n', "p.jsonl:2: 'prompt' must be a non-empty string"),
+        ('{"prompt": "ok"}\nnot json\n', "p.jsonl:2: not a JSON object"),
+        ('["prompt"]\n', "p.jsonl:1: no 'prompt' field"),
+        ("\n\n", "no prompts in"),
+    ],
+)
+def test_jsonl_prompt_errors(tmp_path, content, needle):
+    f = tmp_path / "p.jsonl"
+    f.write_text(content)
+    with pytest.raises(ValueError, match=None) as exc:
+        load_prompts(f)
+    assert needle in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_prompt_source_errors(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_prompts(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="unknown built-in prompt set 'x'"):
+        load_prompts("builtin:x")
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
+        load_prompts("builtin:code", n=0)
+
+
+def test_grounded_prompts_copy_from_the_prompt():
+    rows = grounded_prompts(n=8)
+    assert rows == grounded_prompts(n=8) == builtin_prompts("grounded", n=8)  # deterministic
+    assert len(rows) == 8 and len({r["id"] for r in rows}) == 8
+    assert {r["task"] for r in rows} == {"rename", "type-hints"}
+    for r in rows:
+        module, name = r["id"].split(":")[0].rsplit(".", 1)
+        assert split_of(module.split(".")[0]) == "test"  # held out from training
+        src, prompt = r["source"], r["prompt"]
+        assert f"def {name}(" in src and src.count("\n") >= 4
+        assert prompt.startswith(src)  # the function to copy is in the prompt ...
+        new = name + "_v2" if r["task"] == "rename" else name
+        assert prompt.endswith(f"def {new}(")  # ... and the answer starts its copy
+        ask = prompt[len(src):]
+        assert name in ask and ask.count("\n") == 2  # blank line, the request, the def line
+
+
+# ---------------------------------------------------------------------------------------------- reports
+
+
+def _settings() -> dict:
+    return {"num_prompts": 3, "prompts": "x", "max_new_tokens": N, "temperature": 0.0, "top_k": None, "top_p": None,
+            "seed": None, "repeats": 1, "warmup": 0, "target_dtype": "float32", "draft_dtype": None}
+
+
+def _machine() -> dict:
+    return {"torch_threads": 1, "machine": "x86_64", "cpu_count": 2, "torch": "t", "transformers": "tf",
+            "speculant": "s"}
+
+
+def test_plots_skipped_without_matplotlib(pair, tmp_path, monkeypatch, caplog):
+    target, _ = pair
+    res = run_bench(ids_prompts(1), methods=["ar"], baselines=[], target=target, max_new_tokens=4, progress=False,
+                    warmup=0)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)  # import raises ImportError
+    with caplog.at_level("WARNING", logger="speculant"):
+        assert write_plots(res, tmp_path) == []
+    assert "matplotlib is not installed: plots skipped" in caplog.text
+    assert list(tmp_path.iterdir()) == []
+
+
+def _readme_table_module():
+    spec = importlib.util.spec_from_file_location("readme_table", ROOT / "benchmarks" / "readme_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_readme_table_rewrites_only_between_markers(pair, tmp_path, capsys):
+    target, _ = pair
+    run_bench(ids_prompts(2), methods=["ar"], baselines=["hf-ar"], target=target, max_new_tokens=4,
+              progress=False, warmup=0, out=tmp_path / "res")
+    mod = _readme_table_module()
+    head = "# Title\n\nintro text  \n<!-- bench:start -->"
+    tail = "<!-- bench:end -->\n\n## After\nmore text\n"
+    readme = tmp_path / "README.md"
+    readme.write_text(head + "\nstale | table\n" + tail)
+    args = ["--results", str(tmp_path / "res" / "results.json"), "--readme", str(readme)]
+    assert mod.main(args) == 0
+    text = readme.read_text()
+    assert text.startswith(head) and text.endswith(tail) and "stale" not in text
+    inner = text[len(head):-len(tail)]
+    assert "| `ar` | 1.00 |" in inner and "| `hf-ar` |" in inner and "res/results.json" in inner
+    assert mod.main(args) == 0 and readme.read_text() == text  # idempotent
+    assert "already up to date" in capsys.readouterr().out
+    readme.write_text("no markers here\n")
+    assert mod.main(args) == 2
+    assert readme.read_text() == "no markers here\n"
+    assert "needs exactly one <!-- bench:start -->" in capsys.readouterr().err
+
+
+def test_repo_readme_has_the_markers():
+    text = (ROOT / "README.md").read_text()
+    assert text.count("<!-- bench:start -->") == 1 and text.count("<!-- bench:end -->") == 1
+
+
+def test_run_bench_adds_reference_first(pair):
+    target, draft = pair
+    with pytest.raises(ValueError, match="unknown method 'hf-ar'"):
+        run_bench(ids_prompts(1), methods=["hf-ar"], target=target, progress=False)
+    with pytest.raises(ValueError, match="need\\(s\\) a draft model"):
+        run_bench(ids_prompts(1), methods=["ar"], baselines=["hf-assisted"], target=target, progress=False)
+    res = run_bench(ids_prompts(1), methods="chain:k=2, ar", baselines="", target=target, draft=draft,
+                    max_new_tokens=4, progress=False, warmup=0)
+    assert list(res["methods"]) == ["ar", "chain:k=2"]  # the reference first, specs as given (stripped)

@@ -1,0 +1,126 @@
+"""VocabTrim: a drafter whose LM head covers only some tokens stays lossless, and its calibration plumbing works.
+
+(The sampling-distribution test with a trimmed drafter, and its negative control, are in
+test_sampling_distribution.py next to the other distribution tests.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_greedy import hf_greedy, prompts
+
+import speculant
+from speculant.drafters.registry import build_drafter
+from speculant.drafters.vocab_trim import CALIBRATION_FILE, TrimmedHead
+from speculant.testing import perturbed, tiny_model
+from speculant.train.calibrate import token_ranking, write_calibration
+
+VOCAB = 96
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # base_model: .model and .transformer
+@pytest.mark.parametrize("kept", [VOCAB - 1, 48, 12])
+def test_trimmed_greedy_matches_transformers(arch, kept):
+    """Greedy output is identical whatever the kept set; a smaller set only lowers τ."""
+    target = tiny_model(arch, seed=0, vocab_size=VOCAB)
+    draft = perturbed(target, scale=0.08, seed=7)
+    rng = np.random.default_rng(kept)
+    keep = rng.permutation(VOCAB)[:kept].tolist()
+    for k, prompt in zip((2, 4), prompts(seed=3)):
+        ref = hf_greedy(target, prompt, 30)
+        gen = speculant.generate(target, prompt, drafter=speculant.DraftModelDrafter(draft, k=k, vocab_trim=keep),
+                                 max_new_tokens=30, eos_token_id=[])
+        assert gen.token_ids == ref, f"{arch} kept={kept} k={k}"
+        if kept == VOCAB - 1:
+            # the target as its own trimmed drafter, missing a token it never emits: every draft is accepted,
+            # so the trimmed head and the index mapping are right (not merely harmless)
+            unused = min(set(range(VOCAB)) - set(ref))
+            own = [t for t in range(VOCAB) if t != unused]
+            gen = speculant.generate(target, prompt, drafter=speculant.DraftModelDrafter(target, k=k, vocab_trim=own),
+                                     max_new_tokens=30, eos_token_id=[])
+            assert gen.token_ids == ref and gen.stats.acceptance_length >= 0.85 * (k + 1), gen.stats
+
+
+def test_trimmed_drafts_only_kept_tokens():
+    """Every proposed token is in the kept set, and the lifted draft distribution is zero elsewhere."""
+    from speculant.drafters.base import DecodeState  # noqa: F401 (documents what propose receives)
+
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    keep = list(range(0, VOCAB, 3))
+    drafter = speculant.DraftModelDrafter(perturbed(target, 0.3, seed=2), k=3, vocab_trim=keep)
+    seen = []
+    original = drafter.propose
+
+    def spy(state):
+        tree = original(state)
+        seen.append(tree)
+        return tree
+
+    drafter.propose = spy
+    speculant.generate(target, [5, 7, 9], drafter=drafter, max_new_tokens=20, temperature=1.0, seed=0,
+                       eos_token_id=[])
+    assert seen
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[keep] = False
+    for tree in seen:
+        assert all(t in keep for t in tree.tokens)
+        rows = tree.draft_probs[: len(tree.tokens)]  # [k, V]
+        assert torch.all(rows[:, outside] == 0)
+        assert torch.allclose(rows.sum(-1), torch.ones(len(tree.tokens)), atol=1e-5)
+
+
+def test_trimmed_head_logits_are_rows_of_the_full_head():
+    model = tiny_model("gpt2", seed=1, vocab_size=VOCAB)
+    keep = [5, 1, 90, 33]
+    head = TrimmedHead(model.get_output_embeddings(), keep)
+    hidden = torch.randn(3, model.config.n_embd)
+    full = model.get_output_embeddings()(hidden)  # [3, V]
+    assert torch.allclose(head.logits(hidden), full[:, keep], atol=1e-6)
+    lifted = head.lift(torch.tensor([0.1, 0.2, 0.3, 0.4]), VOCAB)
+    assert lifted[90] == pytest.approx(0.3) and lifted.sum() == pytest.approx(1.0) and head.token(2) == 90
+
+
+def test_calibration_ranking_and_default_size(tmp_path):
+    ranking, counts = token_ranking(np.array([3, 3, 3, 1, 1, 7, 2, 2], dtype=np.uint16), vocab=10)
+    assert ranking == [3, 1, 2, 7] and counts[3] == 3
+
+    # a draft directory with a calibration recommending 40 tokens: the drafter uses it unless told otherwise
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    draft_dir = tmp_path / "draft"
+    perturbed(target, 0.08, seed=7).save_pretrained(draft_dir)
+    data = tmp_path / "data"
+    data.mkdir()
+    stream = np.random.default_rng(0).zipf(1.3, 5000) % VOCAB
+    np.save(data / "distill.npy", stream.astype(np.uint16))
+    write_calibration(draft_dir, data, "distill", default_size=40)
+    saved = json.loads((draft_dir / CALIBRATION_FILE).read_text())
+    assert saved["token_ids"][:40] == token_ranking(stream, VOCAB)[0][:40] and saved["default_size"] == 40
+    draft = type(target).from_pretrained(draft_dir).eval()
+
+    for spec, size in [("chain:k=3", 40), ("chain:k=3:trim=10", 10), ("chain:k=3:trim=0", None)]:
+        drafter = build_drafter(spec, draft)
+        gen = speculant.generate(target, [4, 5, 6], drafter=drafter, max_new_tokens=12, eos_token_id=[])
+        assert gen.token_ids == hf_greedy(target, [4, 5, 6], 12)
+        assert (drafter._head.size if drafter._head is not None else None) == size, spec
+
+
+def test_vocab_trim_errors():
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    draft = perturbed(target, 0.1)  # built in memory: no directory, so no calibration
+    cases = [
+        ({"vocab_trim": 16}, "vocab_trim.json"),
+        ({"vocab_trim": -1}, "vocab_trim must be >= 0"),
+        ({"vocab_trim": [1, 2, 2]}, "distinct"),
+        ({"vocab_trim": [1, VOCAB]}, "below the vocabulary size"),
+        ({"vocab_trim": []}, "keeps no tokens"),
+    ]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            speculant.generate(target, [1, 2], drafter=speculant.DraftModelDrafter(draft, **options),
+                               max_new_tokens=4)
+    # no calibration and no explicit size: the full head, no error
+    speculant.generate(target, [1, 2], drafter=speculant.DraftModelDrafter(draft), max_new_tokens=4)
