@@ -120,3 +120,39 @@ def test_bundled_models_load_offline_and_generate():
     assert gen.token_ids == plain.token_ids and len(gen.token_ids) >= 1
     text = "    return a + b\n"
     assert tok.decode(tok(text).input_ids) == text
+
+
+def test_distill_data_then_fine_tune_and_calibrate(data_dir, tmp_path):
+    """The Direct Alignment path on a tiny model: the target's completions of training prompts become a split, a
+    draft fine-tunes on it from an existing model against the target, and VocabTrim calibrates on it."""
+    from speculant.train.calibrate import write_calibration
+    from speculant.train.distill_data import DistillDataConfig, generate_distill_data
+
+    cfg = dict(data=str(data_dir), preset="tiny", batch_size=4, seq_len=32, long_fraction=0.0, lr=3e-3,
+               warmup=2, ckpt_every=100, eval_batches=1, threads=1)
+    teacher = train(TrainConfig(out=str(tmp_path / "teacher"), steps=30, **cfg), progress=False)
+    tokens = np.load(data_dir / "train.npy")
+    # code_prompts() reads the real corpus (train split); keep this fast with few short prompts
+    path = generate_distill_data(DistillDataConfig(
+        data=str(data_dir), teacher=str(teacher), split="distill", prompts=8, max_new_tokens=12,
+        min_prompt_tokens=4, max_prompt_tokens=24, temperatures=[0.0, 1.0], batch_size=4, threads=1,
+        precision="fp32"), progress=False)
+    stream = np.load(path)
+    info = json.loads((data_dir / "distill.json").read_text())
+    assert info["samples"] == 8 and 0 < info["generated_tokens"] <= 8 * 12 and len(stream) == info["tokens"]
+    assert stream.max() < 400 and len(tokens) > len(stream)
+
+    tuned = train(TrainConfig(out=str(tmp_path / "draft"), steps=6, init=str(teacher), train_split="distill",
+                              teacher=str(teacher), kd_weight=0.9, **cfg), progress=False)
+    before = AutoModelForCausalLM.from_pretrained(teacher, local_files_only=True)
+    after = AutoModelForCausalLM.from_pretrained(tuned, local_files_only=True)
+    # started from the teacher's weights (not a fresh initialisation) and moved
+    with torch.no_grad():
+        diff = [float((a - b).abs().max()) for a, b in zip(after.parameters(), before.parameters())]
+    assert 0 < max(diff) < 0.5
+
+    out = write_calibration(tuned, data_dir, "distill", default_size=16)
+    cal = json.loads(out.read_text())
+    counts = np.bincount(stream.astype(np.int64), minlength=400)
+    assert cal["default_size"] == 16 and counts[cal["token_ids"][0]] == counts.max()
+    assert sorted(cal["token_ids"]) == sorted(np.flatnonzero(counts).tolist())
