@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 
-.PHONY: demo test test-all bench bench-readme bench-overhead clean-venv
+.PHONY: demo test test-all bench bench-readme bench-overhead kv-eval clean-venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,12 @@ bench-readme: $(STAMP)
 
 bench-overhead: $(STAMP)
 	$(PY) benchmarks/engine_overhead.py
+
+# KV eviction: every policy x budget on a held-out module, then kv_table.md and plots (benchmarks/results/kv).
+KV_POLICIES ?= keydiff,keydiff-raw,streaming,h2o,protect:h2o,tova,snapkv,knorm,random,caote:h2o,caote:protect:h2o,caote:tova,caote:snapkv,fastcaote:tova
+kv-eval: $(STAMP)
+	$(VENV)/bin/speculant kv-eval --policies $(KV_POLICIES) --budgets 128,256,512 --tail 128 --out benchmarks/results/kv
+	$(PY) benchmarks/kv_report.py benchmarks/results/kv/kv_results.json
 
 clean-venv:
 	rm -rf $(VENV)

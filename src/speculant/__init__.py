@@ -4,7 +4,15 @@
 >>> gen.token_ids, gen.stats.acceptance_length
 """
 
-from .drafters import DecodeState, Drafter, DraftModelDrafter
+from .drafters import (
+    DecodeState,
+    Drafter,
+    DraftModelDrafter,
+    DynamicTreeDrafter,
+    RSDCDrafter,
+    RSDSDrafter,
+    SpecInferDrafter,
+)
 from .engine import generate
 from .loading import load_pretrained
 from .types import DraftTree, Generation, GenerationStats, SamplingParams, Verdict
@@ -13,16 +21,20 @@ from .verify import verify
 __version__ = "0.1.0"
 
 __all__ = [
-    "generate",
-    "load_pretrained",
-    "Drafter",
     "DecodeState",
     "DraftModelDrafter",
     "DraftTree",
+    "Drafter",
+    "DynamicTreeDrafter",
     "Generation",
     "GenerationStats",
+    "RSDCDrafter",
+    "RSDSDrafter",
     "SamplingParams",
+    "SpecInferDrafter",
     "Verdict",
-    "verify",
     "__version__",
+    "generate",
+    "load_pretrained",
+    "verify",
 ]

@@ -29,6 +29,7 @@ import torch
 
 from . import __version__
 from .bench import cli as bench_cli
+from .kv import cli as kv_cli
 from .checks import check_positive_int
 from .drafters.registry import NO_DEFAULT, build_drafter, describe_methods, get_method, methods, parse_method
 from .engine import generate
@@ -203,6 +204,28 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
         help="torch CPU threads (torch.set_num_threads); default: left to torch",
     )
     p.add_argument(
+        "--kv-policy",
+        metavar="POLICY",
+        default=None,
+        help="evict the target's KV cache with this policy (keydiff, streaming, h2o, tova, snapkv, knorm, random, "
+        "wrappers caote:/fastcaote:/protect:, e.g. caote:h2o); needs --kv-budget",
+    )
+    p.add_argument(
+        "--kv-budget",
+        type=_positive_int,
+        metavar="N",
+        default=None,
+        help="keep at most N tokens per layer in the target's KV cache (block-wise prefill, then eviction after "
+        "each verified step); needs --kv-policy",
+    )
+    p.add_argument(
+        "--kv-block",
+        type=_positive_int,
+        metavar="B",
+        default=d["kv_block"],
+        help="prefill block size with --kv-budget (peak KV: N + B tokens per layer); default: %(default)s",
+    )
+    p.add_argument(
         "--json",
         action="store_true",
         help="print exactly one JSON object {text, token_ids, stats} to stdout instead of streaming the text and "
@@ -256,6 +279,12 @@ def _summary(method: str, stats: GenerationStats) -> str:
 def _run_generate(args: argparse.Namespace) -> int:
     # validate everything cheap before loading any model
     name, options = parse_method(args.method)
+    if (args.kv_policy is None) != (args.kv_budget is None):
+        raise ValueError("--kv-policy and --kv-budget go together (e.g. --kv-policy keydiff --kv-budget 256)")
+    if args.kv_policy is not None:
+        from .kv import parse_policy
+
+        parse_policy(args.kv_policy)
     method = get_method(name)
     if args.k is not None:
         if "k" not in method.keys:
@@ -299,6 +328,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stream=stream,
+        kv_policy=args.kv_policy,
+        kv_budget=args.kv_budget,
+        kv_block=args.kv_block,
     )
     if args.json:
         text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
@@ -496,6 +528,13 @@ COMMANDS: list[Command] = [
         run=bench_cli.run,
         description=bench_cli.DESCRIPTION,
         epilog=bench_cli.epilog(),
+    ),
+    Command(
+        name="kv-eval",
+        help=kv_cli.HELP,
+        add_arguments=kv_cli.add_arguments,
+        run=kv_cli.run,
+        description=kv_cli.DESCRIPTION,
     ),
 ]
 

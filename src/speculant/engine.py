@@ -11,12 +11,27 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
 from .cache import SpecCache
-from .checks import as_id_list, check_fits_context, check_positive_int, num_layers, resolve_eos
+from .checks import (
+    as_id_list,
+    check_fits_context,
+    check_positive_int,
+    num_layers,
+    resolve_eos,
+)
 from .drafters.base import DecodeState, Drafter, _sync
+from .kv import (
+    BudgetCache,
+    QueryCapture,
+    ScorePolicy,
+    evict,
+    observe,
+    prefill_blockwise,
+)
 from .sampling import make_generator
 from .tree import TreeAttention
 from .types import DraftTree, Generation, GenerationStats, SamplingParams
@@ -39,6 +54,9 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     stream: Callable[[list[int]], None] | None = None,
+    kv_policy: str | ScorePolicy | None = None,
+    kv_budget: int | None = None,
+    kv_block: int = 128,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` with ``target``, losslessly accelerated.
 
@@ -54,6 +72,12 @@ def generate(
         eos_token_id: stop token(s); ``None`` takes them from the model's generation config. The stop token
             is included in the output.
         stream: called with each list of newly committed token ids as soon as they are committed.
+        kv_policy, kv_budget: KV-cache eviction (:mod:`speculant.kv`): the target's cache keeps at most
+            ``kv_budget`` tokens per layer, chosen by the policy (a name such as ``"keydiff"`` or
+            ``"caote:h2o"``, or a policy object). The prompt is prefilled in blocks of ``kv_block`` tokens,
+            evicting back to the budget after each (peak ``kv_budget + kv_block`` tokens), and committed tokens
+            are evicted after every verification step (draft tokens are never evicted before they are
+            verified). The output is then exact given the evicted cache, not equal to full-cache decoding.
 
     Returns:
         :class:`speculant.types.Generation` with ``token_ids`` (new tokens only) and ``stats``.
@@ -67,11 +91,32 @@ def generate(
         log.warning("target model was in training mode (dropout active); switching it to eval mode")
         target.eval()
     device = target.device
+    budget = _check_kv(kv_policy, kv_budget, kv_block)
     with torch.inference_mode():
-        return _run(target, ids, drafter, max_new_tokens, params, stops, stream, device)
+        return _run(target, ids, drafter, max_new_tokens, params, stops, stream, device, budget)
 
 
-def _run(target, ids, drafter, max_new_tokens, params, stops, stream, device) -> Generation:
+def _check_kv(kv_policy, kv_budget, kv_block) -> tuple[ScorePolicy, int, int] | None:
+    """``(policy, budget, block)`` or None (no eviction); one-line errors for inconsistent settings."""
+    if kv_policy is None and kv_budget is None:
+        return None
+    if kv_policy is None or kv_budget is None:
+        raise ValueError("KV eviction needs both kv_policy and kv_budget (e.g. kv_policy='keydiff', kv_budget=256)")
+    from .kv import parse_policy
+
+    policy = parse_policy(kv_policy) if isinstance(kv_policy, str) else kv_policy
+    check_positive_int("kv_budget", kv_budget)
+    check_positive_int("kv_block", kv_block)
+    return policy, kv_budget, kv_block
+
+
+def _with_probes(target, inputs: torch.Tensor, probes) -> torch.Tensor:
+    """``[1, Q + P, H]``: the embeddings of ``inputs`` ``[1, Q]`` followed by the probe embeddings ``[P, H]``."""
+    embeds = target.get_input_embeddings()(inputs)  # [1, Q, H]
+    return torch.cat([embeds, probes.embeds.to(embeds.dtype).unsqueeze(0)], dim=1)
+
+
+def _run(target, ids, drafter, max_new_tokens, params, stops, stream, device, budget) -> Generation:
     stats = GenerationStats()
     state = DecodeState(
         target=target,
@@ -86,12 +131,18 @@ def _run(target, ids, drafter, max_new_tokens, params, stops, stream, device) ->
     t_start = time.perf_counter()
     if drafter is not None:
         drafter.begin(state)
-    cache = SpecCache(num_layers(target), capacity=state.max_length + 64)
     tree_attn = TreeAttention(target.dtype, device)
-
-    if prompt_len > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
-        target.base_model(input_ids=torch.tensor([ids[:-1]], device=device), past_key_values=cache, use_cache=True)
-        _sync(device)
+    if budget is None:
+        cache = SpecCache(num_layers(target), capacity=state.max_length + 64)
+        if prompt_len > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
+            target.base_model(input_ids=torch.tensor([ids[:-1]], device=device), past_key_values=cache,
+                              use_cache=True)
+    else:
+        policy, kv_budget, kv_block = budget
+        cache = BudgetCache(num_layers(target), capacity=kv_budget + kv_block + 64)
+        if prompt_len > 1:  # block-wise: at most kv_budget + kv_block tokens per layer at any time
+            prefill_blockwise(target, torch.tensor([ids[:-1]], device=device), cache, policy, kv_budget, kv_block)
+    _sync(device)
     stats.prefill_s = time.perf_counter() - t_start
 
     new: list[int] = []
@@ -100,19 +151,39 @@ def _run(target, ids, drafter, max_new_tokens, params, stops, stream, device) ->
         tree = drafter.propose(state) if drafter is not None and state.remaining > 1 else _EMPTY
         cache_len = cache.length
         inputs = torch.tensor([[state.ids[-1], *tree.tokens]], device=device)  # [1, Q]
-        if tree.is_chain():  # the causal mask is the tree mask: let the model build it (fast kernels)
+        feed = {"input_ids": inputs}
+        if tree.probes is not None:  # probe slots after the tree: one forward, see types.Probes
+            feed = {"inputs_embeds": _with_probes(target, inputs, tree.probes)}  # [1, Q + P, H]
+            extended = DraftTree(tokens=[0] * (len(tree) + len(tree.probes.embeds)),
+                                 parents=tree.parents + tree.probes.parents(len(tree)))
+            mask, positions = tree_attn.build(extended, cache_len)  # [1, 1, Q + P, L + Q + P], [1, Q + P]
+        elif tree.is_chain():  # the causal mask is the tree mask: let the model build it (fast kernels)
             mask = positions = None
         else:
             mask, positions = tree_attn.build(tree, cache_len)  # [1, 1, Q, L + Q], [1, Q]
+        capture = None
+        if budget is not None:  # evicted caches: positions are the original ones, not the cache length
+            positions = (cache.position_ids(len(tree) + 1, device) if positions is None
+                         else positions + (cache.next_position - cache_len))
+            if policy.needs_attention:
+                capture = QueryCapture(target)
         t0 = time.perf_counter()
-        out = target(
-            input_ids=inputs, past_key_values=cache, attention_mask=mask, position_ids=positions, use_cache=True
-        )
+        with capture if capture is not None else nullcontext():
+            out = target(**feed, past_key_values=cache, attention_mask=mask, position_ids=positions,
+                         use_cache=True)
         _sync(device)
         stats.target_forward_s += time.perf_counter() - t0
-        verdict = verify(tree, out.logits[0], params, state.generator)  # logits [Q, V]
+        logits = out.logits[0]  # [Q (+ P), V]
+        verdict = verify(tree, logits[: len(tree) + 1], params, state.generator)
+        state.last_logits, state.last_accepted = logits, verdict.accepted
 
         cache.keep(cache_len, [cache_len] + [cache_len + 1 + n for n in verdict.accepted])
+        if budget is not None:  # only verified tokens are in the cache now
+            attn = None
+            if capture is not None:
+                capture.keep_rows([0] + [1 + n for n in verdict.accepted])
+                attn = observe(cache, capture)
+            evict(cache, policy, kv_budget, attn=attn)
         accepted = [tree.tokens[n] for n in verdict.accepted]
         emitted = accepted + [verdict.bonus]
         if len(emitted) > state.remaining:

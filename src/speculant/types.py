@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "DraftTree", "Verdict", "GenerationStats", "Generation"]
+__all__ = ["SamplingParams", "Probes", "DraftTree", "Verdict", "GenerationStats", "Generation"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,33 @@ class SamplingParams:
 
 
 @dataclass
+class Probes:
+    """Extra inputs a drafter attaches to the target's verification forward (ESP mask tokens, Goel et al. 2026).
+
+    After the rows of ``anchors`` (0 = the root, ``n + 1`` = tree node n) the forward carries a chain of
+    ``length`` probe slots each, fed as input embeddings: probe j (1-based) of anchor a has position id
+    ``pos(a) + j`` and sees the cache, the path to a (a included) and the probes of a before it; tree nodes never
+    see probes, so verification is unaffected, and probes never stay in the cache. Their output logits are
+    handed back to the drafter (``DecodeState.last_logits``) in slot order: anchor 0's j = 1..length, then
+    anchor 1's, ...
+    """
+
+    anchors: list[int]
+    length: int
+    embeds: torch.Tensor  # [len(anchors) * length, H], in slot order
+
+    def parents(self, num_nodes: int) -> list[int]:
+        """Parent indices of the probe slots as extra tree nodes numbered after the ``num_nodes`` tree nodes
+        (the same convention as ``DraftTree.parents``: -1 is the root): each anchor's probes form a chain under
+        it, which gives exactly the visibility and position ids above."""
+        out: list[int] = []
+        for a in self.anchors:
+            out.append(a - 1)
+            out.extend(num_nodes + len(out) - 1 for _ in range(self.length - 1))
+        return out
+
+
+@dataclass
 class DraftTree:
     """A flattened draft tree proposed by a drafter for one verification step.
 
@@ -73,6 +100,7 @@ class DraftTree:
     draft_probs: torch.Tensor | None = None  # [N + 1, V] float
     replacement: bool = False
     draw_order: list[list[int]] | None = None
+    probes: Probes | None = None  # extra probe inputs for the same target forward (mask-token drafting)
     depths: list[int] = field(default_factory=list)
     children: list[list[int]] = field(default_factory=list)  # [N + 1]: row 0 = root's children
 

@@ -1,6 +1,23 @@
 """Drafters: everything that proposes draft trees for the one verifier."""
 
 from .base import DecodeState, Drafter
-from .model import DraftModelDrafter
+from .model import DraftModelBase, DraftModelDrafter
+from .trees import (
+    DynamicTreeDrafter,
+    RSDCDrafter,
+    RSDSDrafter,
+    SpecInferDrafter,
+    TreeDrafterBase,
+)
 
-__all__ = ["Drafter", "DecodeState", "DraftModelDrafter"]
+__all__ = [
+    "DecodeState",
+    "DraftModelBase",
+    "DraftModelDrafter",
+    "Drafter",
+    "DynamicTreeDrafter",
+    "RSDCDrafter",
+    "RSDSDrafter",
+    "SpecInferDrafter",
+    "TreeDrafterBase",
+]

@@ -7,15 +7,16 @@ verifies. The engine knows no drafter by name: everything method-specific lives 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..types import DraftTree, GenerationStats, SamplingParams
 
-__all__ = ["Drafter", "DecodeState"]
+__all__ = ["DecodeState", "Drafter"]
 
 
 def _sync(device: torch.device) -> None:
@@ -39,6 +40,9 @@ class DecodeState:
     max_length: int  # prompt + max_new_tokens: no position at or past it is ever needed
     remaining: int
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # the last verification forward: its logits [Q (+ P probe slots), V] and the accepted node indices
+    last_logits: torch.Tensor | None = None
+    last_accepted: list[int] = field(default_factory=list)
 
     @contextmanager
     def draft_forward(self, device: torch.device) -> Iterator[None]:

@@ -1,10 +1,17 @@
 """Drafting with a smaller causal LM that shares the target's tokenizer.
 
-:class:`DraftModelDrafter` drafts a chain of ``k`` tokens per step (Leviathan et al. 2023; Chen et al. 2023):
-greedy drafts under greedy decoding, samples from the warped draft distribution ``p`` otherwise, with ``p``
-handed to the verifier. The draft model keeps its own KV cache across steps: after verification it is cropped
-to the accepted prefix, and tokens it has not processed yet (the bonus, and the last draft token when every
-draft was accepted) are fed at the start of the next step, so nothing is ever re-prefilled.
+:class:`DraftModelBase` is the plumbing every draft-model drafter shares: its own KV cache, id clamping, the
+VocabTrim head (:mod:`.vocab_trim`), the cost figure for MBSU and the commit that keeps the draft cache equal to
+what was accepted. :class:`DraftModelDrafter` drafts a chain of ``k`` tokens per step on it (Leviathan et al.
+2023; Chen et al. 2023): greedy drafts under greedy decoding, samples from the warped draft distribution ``p``
+otherwise, with ``p`` handed to the verifier. The tree drafters (SpecInfer, RSD, dynamic trees) are in
+:mod:`.trees`.
+
+Cache invariant (all draft-model drafters): between steps the draft cache holds the first ``_n_cached`` committed
+tokens and nothing else. A proposal first feeds what the cache lacks (the root, plus the bonus and any accepted
+token it never fed), so the cache then holds every committed token; draft nodes fed after that sit in the slots
+behind them. On commit the slots of the accepted nodes that were fed are kept (compacted, like the target's
+cache) and the rest dropped, so nothing is ever re-prefilled.
 """
 
 from __future__ import annotations
@@ -14,48 +21,61 @@ from collections.abc import Sequence
 import torch
 
 from ..cache import SpecCache
-from ..checks import check_fits_context, check_positive_int, check_vocab_compatible, num_layers, vocab_size
+from ..checks import (
+    check_fits_context,
+    check_positive_int,
+    check_vocab_compatible,
+    num_layers,
+    vocab_size,
+)
 from ..sampling import sample, warp
 from ..types import DraftTree
 from .base import DecodeState
 from .vocab_trim import TrimmedHead, resolve_keep_ids
 
-__all__ = ["DraftModelDrafter"]
+__all__ = ["DraftModelBase", "DraftModelDrafter"]
 
 
-class DraftModelDrafter:
-    """Chain drafter over a draft model: ``k`` draft tokens per step.
+class DraftModelBase:
+    """Shared plumbing of the drafters that run a draft model (subclasses implement ``propose``).
 
     Args:
         draft_model: a transformers causal LM with the target's tokenizer (embedding matrices may differ by
             padding rows, as Qwen models' do).
-        k: draft tokens per step (γ), >= 1.
         tokenizers_match: set by callers that compared the two tokenizers (the CLI does); ``None`` checks the
             vocabulary sizes only.
         vocab_trim: VocabTrim (:mod:`.vocab_trim`): draft over the ``N`` most frequent tokens of the draft's
             calibration (an int), or over the given token ids (a sequence); ``0`` uses the full LM head. ``None``
             (default) uses the size the draft model's calibration recommends if it ships one (the bundled draft
             does), else the full head. Lossless either way; trimming trades τ for a cheaper draft forward.
+
+    A subclass's ``propose`` feeds :meth:`_catch_up` first, then its draft tokens, and ends with :meth:`_record`
+    (which of the tree's nodes it fed); :meth:`commit` then keeps the draft cache consistent.
     """
 
     def __init__(
         self,
         draft_model: torch.nn.Module,
-        k: int = 4,
         tokenizers_match: bool | None = None,
         vocab_trim: int | Sequence[int] | None = None,
     ) -> None:
         self.model = draft_model
-        self.k = check_positive_int("k", k)
         self.tokenizers_match = tokenizers_match
         self.vocab_trim = vocab_trim
         self._head: TrimmedHead | None = None
         self._head_for: tuple | None = None  # (vocab, weight version) the head was built for
         self._cache: SpecCache | None = None
         self._n_cached = 0  # committed tokens whose keys/values are in the draft cache
-        self._tail: list[int] = []  # draft tokens in the cache after those, from the last proposal
         self._vocab = 0
         self._max_input_id = 0
+        # the last proposal, for commit: its tree, the cache length before its nodes, and where each node was fed
+        self._tree: DraftTree | None = None
+        self._base = 0
+        self._fed: int | list[int] = 0  # an int n: nodes 0..n-1 fed in order; a list: fed position per node or -1
+
+    def _extra_slots(self) -> int:
+        """Most draft nodes one proposal feeds (sizes the draft cache; it grows past it if needed)."""
+        return 0
 
     def begin(self, state: DecodeState) -> None:
         self._vocab = check_vocab_compatible(
@@ -66,7 +86,7 @@ class DraftModelDrafter:
         check_fits_context(self.model, len(state.ids), state.remaining, role="draft")
         if self.model.training:
             self.model.eval()
-        self._cache = SpecCache(num_layers(self.model), capacity=state.max_length + self.k + 64)
+        self._cache = SpecCache(num_layers(self.model), capacity=state.max_length + self._extra_slots() + 64)
         lm_head = self.model.get_output_embeddings()
         key = (self._vocab, lm_head.weight.data_ptr(), lm_head.weight._version)
         if self._head_for != key:
@@ -74,7 +94,8 @@ class DraftModelDrafter:
             self._head = None if keep is None else TrimmedHead(lm_head, keep)
             self._head_for = key
         self._n_cached = 0
-        self._tail = []
+        self._tree = None
+        self._fed = 0
 
     def params_per_forward(self) -> int:
         """Parameters one draft forward reads (for MBSU's cost ratio): the transformer blocks and final norm,
@@ -88,8 +109,10 @@ class DraftModelDrafter:
         rows = head.weight.shape[0] if self._head is None else self._head.size
         return sum(p.numel() for p in counted.values()) + rows * head.weight.shape[1]
 
+    # ------------------------------------------------------------------------------------------ forwards
+
     def _next_logits(self, state: DecodeState, tokens: list[int]) -> torch.Tensor:
-        """Feed ``tokens`` to the draft model (appending to its cache); logits after the last one: ``[V_shared]``,
+        """Feed ``tokens`` causally (appending to the draft cache); logits after the last one: ``[V_shared]``,
         or ``[M]`` over the kept tokens with VocabTrim."""
         device = self.model.device
         inputs = torch.tensor([tokens], device=device).clamp_(max=self._max_input_id)  # [1, T]
@@ -100,37 +123,114 @@ class DraftModelDrafter:
             out = self.model(input_ids=inputs, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
         return out.logits[0, -1, : self._vocab]
 
+    def _all_logits(
+        self, state: DecodeState, tokens: list[int], mask: torch.Tensor | None, positions: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Feed ``tokens`` in one forward with an explicit attention mask ``[1, 1, T, L + T]`` and position ids
+        ``[1, T]`` (a tree level); logits after each of them: ``[T, V_shared]``, or ``[T, M]`` trimmed."""
+        device = self.model.device
+        inputs = torch.tensor([tokens], device=device).clamp_(max=self._max_input_id)  # [1, T]
+        kwargs = {"input_ids": inputs, "past_key_values": self._cache, "attention_mask": mask,
+                  "position_ids": positions, "use_cache": True}
+        with state.draft_forward(device):
+            if self._head is not None:
+                hidden = self.model.base_model(**kwargs)
+                return self._head.logits(hidden.last_hidden_state[0])  # [T, M]
+            out = self.model(**kwargs)
+        return out.logits[0, :, : self._vocab]
+
+    def _catch_up(self, state: DecodeState) -> torch.Tensor:
+        """Start a proposal: feed what the cache lacks (ending with the root); ``p``'s logits after the root."""
+        logits = self._next_logits(state, state.ids[self._n_cached :])
+        self._n_cached = len(state.ids)  # the cache now holds every committed token
+        return logits
+
+    # ------------------------------------------------------------------------------------ trimmed indices
+
+    def _token(self, index: int) -> int:
+        """The vocabulary id of a drafted index (a trimmed-head index with VocabTrim)."""
+        return index if self._head is None else self._head.token(index)
+
+    def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Batched :meth:`_token` over a LongTensor of indices."""
+        return indices if self._head is None else self._head.keep[indices]
+
+    def _lift(self, probs: torch.Tensor) -> torch.Tensor:
+        """Draft probabilities ``[..., V_shared]`` from ``[..., V_shared]`` or trimmed ``[..., M]``."""
+        return probs if self._head is None else self._head.lift(probs, self._vocab)
+
+    # --------------------------------------------------------------------------------------------- commit
+
+    def _record(self, state: DecodeState, tree: DraftTree, fed: int | list[int]) -> None:
+        """End a proposal: ``fed`` says which of ``tree``'s nodes are in the draft cache, in slots
+        ``len(state.ids) + position``: an int ``n`` for nodes ``0..n-1`` at positions ``0..n-1``, or a list with
+        each node's position (-1: not fed). Every fed node's parent must be fed before it."""
+        self._tree = tree
+        self._base = len(state.ids)
+        self._fed = fed
+
+    def commit(self, state: DecodeState, accepted: list[int]) -> None:
+        """Keep the fed nodes of the accepted path in the draft cache, drop the rest of the proposal's slots.
+
+        Siblings of a tree have distinct tokens, so the accepted tokens name the accepted nodes."""
+        tree, fed = self._tree, self._fed
+        slots: list[int] = []
+        if tree is not None:
+            node = -1
+            for tok in accepted:
+                nxt = next((c for c in tree.children[node + 1] if tree.tokens[c] == tok), None)
+                if nxt is None:
+                    break
+                pos = (nxt if nxt < fed else -1) if isinstance(fed, int) else fed[nxt]
+                if pos < 0:
+                    break
+                slots.append(self._base + pos)
+                node = nxt
+        self._cache.keep(self._base, slots)  # a crop when the kept slots are the first ones (chains)
+        self._n_cached = self._base + len(slots)
+        self._tree = None
+
+
+class DraftModelDrafter(DraftModelBase):
+    """Chain drafter over a draft model: ``k`` draft tokens per step.
+
+    Args:
+        draft_model: a transformers causal LM with the target's tokenizer.
+        k: draft tokens per step (γ), >= 1.
+        tokenizers_match, vocab_trim: see :class:`DraftModelBase`.
+    """
+
+    def __init__(
+        self,
+        draft_model: torch.nn.Module,
+        k: int = 4,
+        tokenizers_match: bool | None = None,
+        vocab_trim: int | Sequence[int] | None = None,
+    ) -> None:
+        super().__init__(draft_model, tokenizers_match=tokenizers_match, vocab_trim=vocab_trim)
+        self.k = check_positive_int("k", k)
+
+    def _extra_slots(self) -> int:
+        return self.k
+
     def propose(self, state: DecodeState) -> DraftTree:
         k = min(self.k, state.remaining - 1)
-        feed = state.ids[self._n_cached :]  # the root, plus anything committed the draft has not seen
+        logits = self._catch_up(state)  # [V_shared], or [M] trimmed
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        for _ in range(k):
-            logits = self._next_logits(state, feed)  # [V_shared], or [M] trimmed
+        for i in range(k):
+            if i:
+                logits = self._next_logits(state, [tokens[-1]])
             if state.params.greedy:
                 tok = int(logits.argmax())
             else:
                 p = warp(logits, state.params)
                 tok = sample(p, state.generator)
-                rows.append(p if self._head is None else self._head.lift(p, self._vocab))  # [V_shared]
-            if self._head is not None:
-                tok = self._head.token(tok)
-            tokens.append(tok)
-            feed = [tok]
-        # the cache now holds every committed token and the first k - 1 draft tokens
-        self._n_cached = len(state.ids)
-        self._tail = tokens[:-1]
+                rows.append(self._lift(p))  # [V_shared]
+            tokens.append(self._token(tok))
         probs = torch.stack(rows) if rows else None  # [k, V_shared]: row i = p(. | root, d_1..d_i)
         if probs is not None:
             probs = torch.cat([probs, probs.new_zeros((1, probs.shape[1]))])  # row k: leaf, never read
-        return DraftTree.chain(tokens, probs)
-
-    def commit(self, state: DecodeState, accepted: list[int]) -> None:
-        keep = 0
-        for drafted, acc in zip(self._tail, accepted):
-            if drafted != acc:
-                break
-            keep += 1
-        self._n_cached += keep
-        self._cache.crop(self._n_cached)
-        self._tail = []
+        tree = DraftTree.chain(tokens, probs)
+        self._record(state, tree, k - 1)  # the cache holds the first k - 1 draft tokens
+        return tree

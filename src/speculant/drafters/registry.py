@@ -2,7 +2,7 @@
 
 A method *spec* is ``NAME`` or ``NAME:key=value[:key=value...]``; list values are separated by ``/``::
 
-    chain            chain:k=8            rsd-c:branching=2/1/1
+    chain            chain:k=8            rsd-c:branching=2/1/1            specinfer:width=4:depth=3
 
 >>> drafter = build_drafter("chain:k=8", draft_model, tokenizers_match=True)
 
@@ -24,18 +24,19 @@ import torch
 
 from .base import Drafter
 from .model import DraftModelDrafter
+from .trees import DynamicTreeDrafter, RSDCDrafter, RSDSDrafter, SpecInferDrafter
 
 __all__ = [
+    "NO_DEFAULT",
     "Key",
     "Method",
-    "register",
+    "build_drafter",
+    "default_of",
+    "describe_methods",
     "get_method",
     "methods",
     "parse_method",
-    "build_drafter",
-    "describe_methods",
-    "default_of",
-    "NO_DEFAULT",
+    "register",
 ]
 
 NO_DEFAULT: Any = inspect.Parameter.empty
@@ -234,20 +235,108 @@ def _ar(draft_model: torch.nn.Module | None) -> None:
     return None
 
 
-def _chain(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
-           **options: Any) -> Drafter:
-    return DraftModelDrafter(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
+def _model_drafter(cls: type) -> Callable[..., Drafter]:
+    """The factory of a draft-model drafter class: ``trim`` is its ``vocab_trim``."""
+
+    def factory(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
+                **options: Any) -> Drafter:
+        return cls(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
+
+    return factory
+
+
+_TRIM = Key(int, "VocabTrim: draft over the N most frequent tokens of the draft's calibration; 0 = full LM head; "
+            "default: the size the draft ships with, if any")
+
+
+def _keys(cls: type, **docs: tuple[Any, str]) -> dict[str, Key]:
+    """Keys named like ``cls``'s parameters, their defaults read from its signature, plus ``trim``."""
+    keys = {}
+    for name, (typ, doc) in docs.items():
+        default = default_of(cls, name)
+        if isinstance(default, (list, tuple)):  # shown as a spec writes it
+            default = "/".join(map(str, default))
+        keys[name] = Key(typ, doc, default)
+    keys["trim"] = _TRIM
+    return keys
 
 
 register("ar", _ar, needs_draft=False, doc="plain autoregressive decoding, no draft (the baseline)")
 register(
     "chain",
-    _chain,
+    _model_drafter(DraftModelDrafter),
     needs_draft=True,
-    keys={
-        "k": Key(int, "draft tokens per step (gamma)", default_of(DraftModelDrafter, "k")),
-        "trim": Key(int, "VocabTrim: draft over the N most frequent tokens of the draft's calibration; 0 = full "
-                    "LM head; default: the size the draft ships with, if any"),
-    },
+    keys=_keys(DraftModelDrafter, k=(int, "draft tokens per step (gamma)")),
     doc="draft-model chain, speculative sampling (Leviathan et al. 2023; Chen et al. 2023)",
+)
+register(
+    "specinfer",
+    _model_drafter(SpecInferDrafter),
+    needs_draft=True,
+    keys=_keys(SpecInferDrafter, width=(int, "i.i.d. draft sequences W (nodes per level <= W)"),
+               depth=(int, "tokens per sequence L (draft forwards per step)")),
+    doc="SpecInfer token tree: W i.i.d. drafts merged into a prefix tree, multi-draft rejection sampling with "
+        "replacement (Miao et al. 2024); greedy: beam search",
+)
+register(
+    "rsd-c",
+    _model_drafter(RSDCDrafter),
+    needs_draft=True,
+    keys=_keys(RSDCDrafter, branching=(list[int], ("children per node at each level, b1/b2/...: Gumbel-top-b "
+                                                   "(without replacement); the depth is the list's length"))),
+    doc="Recursive Speculative Decoding, constant branching: Gumbel-top-b children, recursive rejection without "
+        "replacement (Jeon et al. 2024); greedy: top-b children",
+)
+register(
+    "rsd-s",
+    _model_drafter(RSDSDrafter),
+    needs_draft=True,
+    keys=_keys(RSDSDrafter, width=(int, "beam width W (nodes per level)"),
+               depth=(int, "levels L (draft forwards per step)")),
+    doc="Recursive Speculative Decoding, stochastic beam search (Jeon et al. 2024; Kool et al. 2019); greedy: "
+        "beam search",
+)
+register(
+    "tree",
+    _model_drafter(DynamicTreeDrafter),
+    needs_draft=True,
+    keys=_keys(DynamicTreeDrafter, budget=(int, "tree tokens per target call N (best cumulative log-prob)"),
+               topk=(int, "children per expanded node, and nodes expanded per level K"),
+               depth=(int, "levels L (draft forwards per step)")),
+    doc="greedy dynamic draft tree (EAGLE-2 style, Li et al. 2024); deterministic: exact at any temperature "
+        "(greedy / deterministic-draft verification)",
+)
+
+
+def _lookup(draft_model: torch.nn.Module | None = None, **options: Any) -> Drafter:
+    from .lookup import PromptLookupDrafter
+
+    return PromptLookupDrafter(**options)
+
+
+def _mask_probe(draft_model: torch.nn.Module | None = None, **options: Any) -> Drafter:
+    from .mask_probe import MaskProbeDrafter
+
+    return MaskProbeDrafter(**options)
+
+
+register(
+    "lookup",
+    _lookup,
+    needs_draft=False,
+    keys={"ngram": Key(int, "longest n-gram matched against earlier text", default=3),
+          "k": Key(int, "tokens copied per step", default=8)},
+    doc="prompt-lookup drafting: copy what followed the last n-gram's earlier occurrence (Saxena 2023); "
+        "deterministic draft",
+)
+register(
+    "mask-probe",
+    _mask_probe,
+    needs_draft=False,
+    keys={"masks": Key(int, "mask tokens after the root and after every tree node (tree depth)", default=2),
+          "tree": Key(list[int], "static tree widths K1/K2/... per depth (default 4/2)"),
+          "budget": Key(int, "dynamic tree instead: keep the best budget-i trajectories at depth i"),
+          "init": Key(str, "mask embedding: mean (EMA of committed tokens), last or random", default="mean")},
+    doc="ESP: training-free drafting by probing the target with mask tokens in the same forward (Goel et al. "
+        "2026); deterministic draft, no draft model",
 )

@@ -1,0 +1,58 @@
+"""KV-cache eviction under a memory budget: score policies, a bounded cache and block-wise prefill.
+
+Typical use::
+
+    from speculant.kv import BudgetCache, parse_policy, prefill_blockwise, evict
+    policy = parse_policy("caote:keydiff")
+    cache = BudgetCache(num_layers, capacity=budget + block)
+    last_logits = prefill_blockwise(model, input_ids, cache, policy, budget, block)
+
+In the speculative decoding loop (after ``cache.keep(...)`` of the accepted path; the cache then holds only
+verified tokens): position ids are ``cache.position_ids(Q)`` for a chain and the tree's positions shifted by
+``cache.next_position - cache.length`` for a tree; attention policies wrap the target forward in
+``QueryCapture(target)``, then ``cap.keep_rows([0] + [1 + n for n in accepted])`` and ``attn = observe(cache, cap)``;
+finally ``evict(cache, policy, budget, attn=attn)``.
+"""
+
+from .attention import QueryCapture, attention_probs
+from .budget import BudgetCache, BudgetLayer, evict, observe, prefill_blockwise
+from .caote import CAOTE, caote_scores
+from .policies import (
+    H2O,
+    TOVA,
+    KeyDiff,
+    KeyNorm,
+    Protect,
+    RandomScore,
+    ScoreContext,
+    ScorePolicy,
+    SnapKV,
+    Streaming,
+)
+from .registry import POLICIES, WRAPPERS, parse_policy, policy_names
+
+__all__ = [
+    "CAOTE",
+    "H2O",
+    "POLICIES",
+    "TOVA",
+    "WRAPPERS",
+    "BudgetCache",
+    "BudgetLayer",
+    "KeyDiff",
+    "KeyNorm",
+    "Protect",
+    "QueryCapture",
+    "RandomScore",
+    "ScoreContext",
+    "ScorePolicy",
+    "SnapKV",
+    "Streaming",
+    "attention_probs",
+    "caote_scores",
+    "evict",
+    "observe",
+    "parse_policy",
+    "policy_names",
+    "prefill_blockwise",
+]

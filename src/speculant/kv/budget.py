@@ -1,0 +1,237 @@
+"""A KV cache holding at most ``N`` tokens per layer, and block-wise prefill (../shared/ALGORITHMS.md).
+
+:class:`BudgetCache` is a :class:`speculant.cache.SpecCache` whose layers also store, per cached token, its
+ORIGINAL position (``[B, H_kv, T]``; never renumbered) and the attention it has accumulated (for H2O). Eviction
+really compacts the keys/values (per KV head: heads may keep different tokens) into the front of the buffer, so
+the live tensors shrink; the buffer itself never grows past its initial capacity when that is ``N + B``. After
+an eviction the slot index is no longer the position, so every forward must pass explicit position ids:
+:meth:`BudgetCache.position_ids` gives them. transformers builds the causal mask from slot counts
+(``get_seq_length``), which stays correct because every cached token precedes every new one.
+
+Block-wise prefill (KeyDiff, Park et al. 2025): feed the prompt in blocks of ``B``; each block attends to
+``[cache <= N ; block]``, then the cache is evicted back to ``N``: peak KV is ``N + B`` tokens per layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..cache import GrowingLayer, SpecCache
+from .attention import QueryCapture, attention_probs
+from .policies import ScoreContext, ScorePolicy
+
+__all__ = ["BudgetCache", "BudgetLayer", "evict", "observe", "prefill_blockwise"]
+
+
+class BudgetLayer(GrowingLayer):
+    """A :class:`GrowingLayer` that also keeps original positions and accumulated attention per token."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        super().__init__(capacity)
+        self.next_position = 0  # original position of the next appended token
+        self.peak_nbytes = 0  # largest live keys+values bytes seen
+        self._pos: torch.Tensor | None = None  # [B, H_kv, capacity] long
+        self._acc: torch.Tensor | None = None  # [B, H_kv, capacity] float32
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        b, h = key_states.shape[:2]
+        self._pos = torch.zeros((b, h, self.capacity), dtype=torch.long, device=key_states.device)
+        self._acc = torch.zeros((b, h, self.capacity), dtype=torch.float32, device=key_states.device)
+        super().lazy_initialization(key_states, value_states)
+
+    def _refresh(self) -> None:
+        super()._refresh()
+        self.positions = self._pos[:, :, : self.length]  # [B, H_kv, T]
+        self.accumulated = self._acc[:, :, : self.length]  # [B, H_kv, T]
+
+    def _reserve(self, needed: int) -> None:
+        super()._reserve(needed)
+        cap = self._k.shape[2]
+        if self._pos.shape[2] < cap:
+            pos = self._pos.new_zeros((*self._pos.shape[:2], cap))
+            acc = self._acc.new_zeros((*self._acc.shape[:2], cap))
+            pos[..., : self.length] = self._pos[..., : self.length]
+            acc[..., : self.length] = self._acc[..., : self.length]
+            self._pos, self._acc = pos, acc
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, n = self.length, key_states.shape[2]
+        self._reserve(start + n)
+        # provisional positions: exact for a chain; a tree's kept path is renumbered by keep()
+        new_pos = torch.arange(self.next_position, self.next_position + n, device=self._pos.device)
+        self._pos[..., start : start + n] = new_pos
+        self._acc[..., start : start + n] = 0.0
+        self.next_position += n
+        out = super().update(key_states, value_states, *args, **kwargs)
+        self.peak_nbytes = max(self.peak_nbytes, self.nbytes())
+        return out
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last slots; they must not have been evicted among (only appended, unverified tokens are)."""
+        before = self.length
+        super().crop(tokens_to_remove)
+        self.next_position -= before - self.length
+
+    def keep(self, start: int, slots: torch.Tensor) -> None:
+        """Keep slots ``[0, start)`` then ``slots``: the engine's root + accepted tree path, which are consecutive
+        tokens, so their positions are renumbered from the first appended slot's position."""
+        if not self.is_initialized:
+            return
+        base = int(self._pos[0, 0, start]) if start < self.length else self.next_position
+        self._acc[..., start : start + slots.numel()] = self._acc.index_select(2, slots)
+        super().keep(start, slots)
+        n = slots.numel()
+        self._pos[..., start : start + n] = torch.arange(base, base + n, device=self._pos.device)
+        self.next_position = base + n
+        self._refresh()
+
+    def reset(self) -> None:
+        super().reset()
+        self.next_position = 0
+
+    def compact(self, index: torch.Tensor) -> None:
+        """Keep per (batch, head) the slots ``index [B, H_kv, N]`` (ascending), moved to the front of the buffer."""
+        n = index.shape[-1]
+        idx = index.to(self._k.device)
+        # gather copies first, so writing back into the overlapping front of the buffer is safe
+        self._k[:, :, :n] = self.keys.gather(2, idx[..., None].expand(-1, -1, -1, self._k.shape[-1]))
+        self._v[:, :, :n] = self.values.gather(2, idx[..., None].expand(-1, -1, -1, self._v.shape[-1]))
+        self._pos[..., :n] = self.positions.gather(2, idx)
+        self._acc[..., :n] = self.accumulated.gather(2, idx)
+        self.length = n
+        self._refresh()
+
+
+class BudgetCache(SpecCache):
+    """A :class:`SpecCache` whose layers remember original positions; shrink it with :func:`evict`.
+
+    Give it ``capacity = budget + block`` (plus the largest draft tree when decoding) so that its buffers never
+    grow: then the allocated KV memory is bounded as well as the live one.
+    """
+
+    def __init__(self, num_layers: int, capacity: int = 256) -> None:
+        super().__init__(num_layers, capacity)
+        self.layers = [BudgetLayer(capacity) for _ in range(num_layers)]
+
+    @property
+    def next_position(self) -> int:
+        """Original position of the next token to append (= number of tokens ever committed)."""
+        return self.layers[0].next_position if self.layers else 0
+
+    def position_ids(self, n: int, device=None) -> torch.Tensor:
+        """``[1, n]`` position ids for the next ``n`` input tokens (a chain)."""
+        start = self.next_position
+        return torch.arange(start, start + n, device=device).unsqueeze(0)
+
+    def positions(self, layer: int = 0) -> torch.Tensor:
+        """``[B, H_kv, T]`` original positions of the tokens cached in ``layer``."""
+        return self.layers[layer].positions
+
+    @property
+    def peak_nbytes(self) -> int:
+        """Largest live KV bytes seen (sum of per-layer peaks; all layers have the same lengths)."""
+        return sum(layer.peak_nbytes for layer in self.layers)
+
+    def allocated_nbytes(self) -> int:
+        """Bytes of the key/value buffers (live or not)."""
+        return sum(
+            layer._k.numel() * layer._k.element_size() + layer._v.numel() * layer._v.element_size()
+            for layer in self.layers
+            if layer.is_initialized
+        )
+
+
+@torch.no_grad()
+def observe(cache: BudgetCache, capture: QueryCapture) -> dict[int, torch.Tensor]:
+    """Attention ``[B, H_q, Q, T]`` of the captured queries per layer; adds it to each layer's accumulated
+    attention (mean over the query heads of a KV head, summed over queries). Call once per forward."""
+    attn = {}
+    for i, layer in enumerate(cache.layers):
+        q = capture.queries.get(i)
+        if q is None or not layer.is_initialized:
+            continue
+        a = attention_probs(q, layer.keys, capture.scaling(i))  # [B, H_q, Q, T]
+        b, t = a.shape[0], a.shape[-1]
+        layer.accumulated += a.sum(2).reshape(b, layer.keys.shape[1], -1, t).mean(2)
+        attn[i] = a
+    return attn
+
+
+@torch.no_grad()
+def evict(
+    cache: BudgetCache,
+    policy: ScorePolicy,
+    budget: int,
+    protect_last: int = 0,
+    attn: dict[int, torch.Tensor] | None = None,
+) -> int:
+    """Shrink every layer to its ``budget`` best-scored tokens; return the number of tokens evicted per head.
+
+    ``protect_last`` latest slots (unverified or just committed tokens) are never evicted. ``attn`` is what
+    :func:`observe` returned for the latest forward; it is required when ``policy.needs_attention``.
+    """
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if protect_last > budget:
+        raise ValueError(f"cannot protect {protect_last} tokens within a budget of {budget}")
+    if policy.needs_attention and attn is None:
+        raise ValueError(f"policy {policy.name} needs attention: capture queries (kv.QueryCapture) and observe()")
+    evicted = 0
+    for i, layer in enumerate(cache.layers):
+        t = layer.length
+        if t <= budget:
+            continue
+        ctx = ScoreContext(layer.positions, accumulated=layer.accumulated, attn=(attn or {}).get(i), layer=i)
+        scores = policy.score(layer.keys, layer.values, ctx).float()  # [B, H_kv, T]
+        if scores.shape != layer.positions.shape:
+            raise ValueError(f"{policy.name} scored {tuple(scores.shape)}, expected {tuple(layer.positions.shape)}")
+        if protect_last:
+            scores = scores.clone()
+            scores[..., t - protect_last :] = math.inf
+        layer.compact(policy.select(scores, budget))
+        evicted = t - budget
+    return evicted
+
+
+@torch.no_grad()
+def prefill_blockwise(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cache: BudgetCache,
+    policy: ScorePolicy,
+    budget: int,
+    block: int = 128,
+    all_logits: bool = False,
+) -> torch.Tensor:
+    """Feed ``input_ids [1, T]`` block by block, evicting to ``budget`` after each; return the last logits
+    ``[1, V]`` (``all_logits``: every position's, ``[1, T, V]``).
+
+    Each block of ``block`` tokens attends to the (≤ budget) cache plus itself, with position ids equal to the
+    original positions; peak KV is ``budget + block`` tokens per layer. The cache may already hold tokens:
+    feeding continues from :attr:`BudgetCache.next_position` (``block=1`` is token-by-token decoding).
+    """
+    if block < 1:
+        raise ValueError(f"block must be >= 1, got {block}")
+    keep = 0 if all_logits else 1
+    logits = []
+    for s in range(0, input_ids.shape[1], block):
+        chunk = input_ids[:, s : s + block]
+        pos = cache.position_ids(chunk.shape[1], device=chunk.device)
+        attn = None
+        if policy.needs_attention:
+            with QueryCapture(model, last=policy.queries) as cap:
+                out = _block_forward(model, chunk, cache, pos, keep)
+            attn = observe(cache, cap)
+        else:
+            out = _block_forward(model, chunk, cache, pos, keep)
+        evict(cache, policy, budget, attn=attn)
+        logits.append(out.logits if all_logits else out.logits[:, -1])
+    return torch.cat(logits, 1) if all_logits else logits[-1]
+
+
+def _block_forward(model, chunk, cache, pos, keep):
+    return model(input_ids=chunk, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=keep)

@@ -1,0 +1,50 @@
+"""CAOTE (Goel et al. 2025, "CAOTE: KV Caching through Attention Output Error based Token Eviction").
+
+A meta-method over any base score: normalise the base score to ``alpha`` (sum 1 per head), the attention output
+is ``X = sum_i alpha_i v_i``; removing token ``j`` (and renormalising) changes it by
+``alpha_j (v_j - X) / (1 - alpha_j)``, so the score is ``c_j = alpha_j / (1 - alpha_j) * |X - v_j|_2`` and the
+smallest are evicted. FastCAOTE approximates ``X`` by the mean of the values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .policies import ScoreContext, WrapperPolicy
+
+__all__ = ["CAOTE", "caote_scores"]
+
+_EPS = 1e-6
+
+
+def caote_scores(alpha: torch.Tensor, values: torch.Tensor, fast: bool = False) -> torch.Tensor:
+    """``alpha [B, H, T]`` (non-negative, sums to 1 over T), ``values [B, H, T, Dv]`` -> ``c [B, H, T]``."""
+    alpha = alpha.float()
+    v = values.float()
+    x = v.mean(2, keepdim=True) if fast else (alpha.unsqueeze(-1) * v).sum(2, keepdim=True)  # [B, H, 1, Dv]
+    return alpha / (1 - alpha).clamp_min(_EPS) * (x - v).norm(dim=-1)
+
+
+@dataclass
+class CAOTE(WrapperPolicy):
+    """Wrapper: CAOTE (``fast=False``) or FastCAOTE (``fast=True``) on top of ``inner``'s scores.
+
+    ``inner`` scores are clamped at 0 before normalising (they are attention masses for H2O/TOVA/SnapKV);
+    tokens ``inner`` protects with ``+inf`` stay protected and are left out of ``alpha``.
+    """
+
+    fast: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{'fastcaote' if self.fast else 'caote'}:{self.inner.name}"
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
+        base = self.inner.score(keys, values, ctx).float()  # [B, H, T]
+        pinned = base == math.inf
+        mass = base.masked_fill(pinned, 0.0).nan_to_num(0.0).clamp_min(0.0)
+        alpha = mass / mass.sum(-1, keepdim=True).clamp_min(_EPS)
+        return caote_scores(alpha, values, self.fast).masked_fill(pinned, math.inf)

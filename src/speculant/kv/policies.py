@@ -1,0 +1,229 @@
+"""KV-cache eviction score policies (../shared/ALGORITHMS.md, KV-cache eviction).
+
+A policy is a small dataclass whose ``score(keys, values, ctx) -> [B, H_kv, T]`` rates every cached token of one
+layer (higher = more worth keeping). Selection of the top ``N`` is written once, in :meth:`ScorePolicy.select`;
+:func:`speculant.kv.budget.evict` applies it. Keys are cached *after* RoPE. Policies that read attention
+probabilities set ``needs_attention`` and ``queries`` (how many of the latest queries they look at, 0 = all of
+the latest forward); the budget code checks that flag in one place and fills ``ctx.attn``.
+
+Wrappers (:class:`Protect` here, CAOTE in :mod:`speculant.kv.caote`) hold the wrapped policy in the field
+``inner`` and forward the capability flags.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "H2O",
+    "TOVA",
+    "KeyDiff",
+    "KeyNorm",
+    "Protect",
+    "RandomScore",
+    "ScoreContext",
+    "ScorePolicy",
+    "SnapKV",
+    "Streaming",
+    "WrapperPolicy",
+]
+
+
+@dataclass
+class ScoreContext:
+    """What a policy may read besides keys and values, for one layer.
+
+    positions:   ``[B, H_kv, T]`` original position of every cached token (never renumbered).
+    accumulated: ``[B, H_kv, T]`` attention each token received from all queries observed so far (H2O), or None.
+    attn:        ``[B, H_q, Q, T]`` attention probabilities of the latest ``Q`` queries (causal), or None.
+    layer:       layer index (seeds :class:`RandomScore` per layer).
+    """
+
+    positions: torch.Tensor
+    accumulated: torch.Tensor | None = None
+    attn: torch.Tensor | None = None
+    layer: int = 0
+
+    def per_kv_head(self, x: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """``[B, H_q, ...] -> [B, H_kv, ...]``: mean over the query heads sharing a KV head (GQA groups)."""
+        b, hq = x.shape[:2]
+        return x.reshape(b, kv_heads, hq // kv_heads, *x.shape[2:]).mean(2)
+
+    def require_attn(self, who: str) -> torch.Tensor:
+        if self.attn is None:
+            raise ValueError(f"policy {who} needs attention probabilities: pass the queries (kv.QueryCapture)")
+        return self.attn
+
+
+class ScorePolicy:
+    """Base of all policies. Subclasses are dataclasses implementing :meth:`score`."""
+
+    needs_attention: bool = False
+    queries: int = 0  # how many latest queries' attention the policy reads (0 = all of the latest forward)
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__.lower()
+
+    def score(self, keys: torch.Tensor, values: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
+        """``keys [B, H_kv, T, D]`` (after RoPE), ``values [B, H_kv, T, Dv]`` -> scores ``[B, H_kv, T]``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def select(scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """Slots to keep: the ``budget`` highest scores per (batch, head), ascending slot order ``[B, H_kv, N]``.
+
+        Ties are deterministic: a stable sort keeps the earlier slot. NaN scores count as lowest.
+        """
+        scores = torch.nan_to_num(scores.float(), nan=-math.inf)
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :budget]
+        return order.sort(dim=-1).values
+
+
+def _broadcast_heads(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[B, T] -> [B, H_kv, T]`` shaped like ``like [B, H_kv, T, D]``."""
+    return x[:, None, :].expand(like.shape[0], like.shape[1], x.shape[-1])
+
+
+@dataclass
+class KeyDiff(ScorePolicy):
+    """KeyDiff (Park et al. 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction"): keep the most distinct keys.
+
+    Per KV head, anchor ``mu = mean_i k_i/|k_i|`` (or the mean of raw keys with ``raw_mean``), score
+    ``-cos(k_i, mu)``. Needs no attention weights, so the model keeps SDPA.
+    """
+
+    raw_mean: bool = False
+
+    def score(self, keys, values, ctx):
+        unit = F.normalize(keys.float(), dim=-1)  # [B, H, T, D]
+        anchor = (keys.float() if self.raw_mean else unit).mean(dim=2, keepdim=True)  # [B, H, 1, D]
+        return -(unit * F.normalize(anchor, dim=-1)).sum(-1)  # [B, H, T]
+
+
+@dataclass
+class Streaming(ScorePolicy):
+    """StreamingLLM (Xiao et al. 2024, "Efficient Streaming Language Models with Attention Sinks"): keep the first
+    ``sinks`` tokens (attention sinks) and the most recent ones."""
+
+    sinks: int = 4
+
+    def score(self, keys, values, ctx):
+        pos = ctx.positions.float()  # later = higher
+        return pos.masked_fill(ctx.positions < self.sinks, math.inf)
+
+
+@dataclass
+class KeyNorm(ScorePolicy):
+    """Key-norm eviction (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
+    Compression"): keys with a LOW L2 norm tend to receive high attention, so low-norm keys are kept
+    (score = -|k|)."""
+
+    def score(self, keys, values, ctx):
+        return -keys.float().norm(dim=-1)
+
+
+@dataclass
+class RandomScore(ScorePolicy):
+    """Random eviction (a baseline): i.i.d. uniform scores from a generator seeded by ``seed`` and the layer."""
+
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return "random"
+
+    def score(self, keys, values, ctx):
+        gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + ctx.layer)
+        return torch.rand(keys.shape[:3], generator=gen).to(keys.device)
+
+
+@dataclass
+class H2O(ScorePolicy):
+    """H2O (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle"): keep tokens with the largest attention accumulated
+    over all queries so far (per KV head, mean over its query heads). Combine with :class:`Protect` for the
+    recent window H2O also keeps."""
+
+    needs_attention = True
+    queries: int = 0
+
+    def score(self, keys, values, ctx):
+        if ctx.accumulated is None:
+            raise ValueError("h2o needs accumulated attention: pass the queries (kv.QueryCapture)")
+        return ctx.accumulated.float()
+
+
+@dataclass
+class TOVA(ScorePolicy):
+    """TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs"): keep the tokens the last query attends to
+    most, averaged over all heads of the layer (so every KV head keeps the same tokens)."""
+
+    needs_attention = True
+    queries: int = 1
+
+    def score(self, keys, values, ctx):
+        attn = ctx.require_attn("tova")  # [B, H_q, Q, T]
+        return _broadcast_heads(attn[:, :, -1].float().mean(1), keys)
+
+
+@dataclass
+class SnapKV(ScorePolicy):
+    """SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"): attention of the
+    last ``window`` queries, summed, max-pooled over ``kernel`` neighbouring tokens (per KV head); the window's
+    own tokens are always kept."""
+
+    needs_attention = True
+    window: int = 16
+    kernel: int = 5
+
+    @property
+    def queries(self) -> int:  # type: ignore[override]
+        return self.window
+
+    def score(self, keys, values, ctx):
+        attn = ctx.require_attn("snapkv")  # [B, H_q, Q, T]
+        votes = ctx.per_kv_head(attn.float().sum(2), keys.shape[1])  # [B, H_kv, T]
+        b, h, t = votes.shape
+        pooled = F.max_pool1d(votes.reshape(b * h, 1, t), self.kernel, stride=1, padding=self.kernel // 2)
+        pooled = pooled.reshape(b, h, -1)[..., :t]
+        pooled[..., max(0, t - attn.shape[2]) :] = math.inf  # the observation window itself
+        return pooled
+
+
+@dataclass
+class WrapperPolicy(ScorePolicy):
+    """A policy built on another one, held in ``inner``: it needs what the inner policy needs."""
+
+    inner: ScorePolicy
+
+    @property
+    def needs_attention(self) -> bool:  # type: ignore[override]
+        return self.inner.needs_attention
+
+    @property
+    def queries(self) -> int:  # type: ignore[override]
+        return self.inner.queries
+
+
+@dataclass
+class Protect(WrapperPolicy):
+    """Wrapper: always keep the first ``sinks`` positions and the ``recent`` latest cached tokens, rank the rest
+    with ``inner`` (the sink/recent protection of StreamingLLM and H2O on top of any score)."""
+
+    sinks: int = 4
+    recent: int = 16
+
+    @property
+    def name(self) -> str:
+        return f"protect:{self.inner.name}"
+
+    def score(self, keys, values, ctx):
+        s = self.inner.score(keys, values, ctx).float().clone()
+        s = s.masked_fill(ctx.positions < self.sinks, math.inf)
+        if self.recent > 0:
+            s[..., -self.recent :] = math.inf  # slots are in position order: the tail is the most recent
+        return s

@@ -1,0 +1,376 @@
+"""KV-cache eviction: policies, CAOTE, the budgeted cache and block-wise prefill (speculant.kv)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from speculant.kv import (
+    CAOTE,
+    H2O,
+    TOVA,
+    BudgetCache,
+    KeyDiff,
+    KeyNorm,
+    Protect,
+    QueryCapture,
+    ScoreContext,
+    ScorePolicy,
+    SnapKV,
+    Streaming,
+    attention_probs,
+    caote_scores,
+    evict,
+    parse_policy,
+    policy_names,
+    prefill_blockwise,
+)
+from speculant.kv.registry import POLICIES
+from speculant.testing import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ALL_SPECS = [*POLICIES, "caote:h2o", "fastcaote:snapkv", "caote:keydiff", "protect:tova", "caote:protect:snapkv"]
+
+
+@dataclass
+class Fixed(ScorePolicy):
+    """Test policy returning given scores."""
+
+    scores: torch.Tensor
+
+    def score(self, keys, values, ctx):
+        return self.scores
+
+
+def _ids(n: int, seed: int = 0, vocab: int = 96) -> torch.Tensor:
+    return torch.randint(2, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _filled_cache(t: int, heads: int = 3, dim: int = 4, layers: int = 2, seed: int = 0) -> BudgetCache:
+    gen = torch.Generator().manual_seed(seed)
+    cache = BudgetCache(layers, capacity=t)
+    for layer in range(layers):
+        cache.update(torch.randn(1, heads, t, dim, generator=gen), torch.randn(1, heads, t, dim, generator=gen), layer)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama", context=2048)
+
+
+# ---------------------------------------------------------------- selection and eviction
+
+
+def test_evict_keeps_exactly_the_top_scores_per_head():
+    t, n = 20, 7
+    cache = _filled_cache(t)
+    keys0, values0 = cache.layers[1].keys.clone(), cache.layers[1].values.clone()
+    scores = torch.randint(0, 5, (1, 3, t), generator=torch.Generator().manual_seed(1)).float()  # many ties
+    assert evict(cache, Fixed(scores), n) == t - n
+    layer = cache.layers[1]
+    assert layer.keys.shape == (1, 3, n, 4) and cache.length == n
+    for h in range(3):
+        kept = layer.positions[0, h].tolist()
+        assert kept == sorted(kept)
+        # exactly the top n, ties broken towards the earlier slot (stable, deterministic)
+        ranked = sorted(range(t), key=lambda i: (-scores[0, h, i].item(), i))[:n]
+        assert kept == sorted(ranked)
+        assert torch.equal(layer.keys[0, h], keys0[0, h, kept])
+        assert torch.equal(layer.values[0, h], values0[0, h, kept])
+
+
+def test_evict_protects_the_last_tokens_and_validates():
+    cache = _filled_cache(10)
+    scores = torch.arange(10, 0, -1).float().expand(1, 3, 10)  # prefers the earliest
+    evict(cache, Fixed(scores), 5, protect_last=2)
+    assert cache.positions(0)[0, 0].tolist() == [0, 1, 2, 8, 9]
+    with pytest.raises(ValueError, match="protect"):
+        evict(cache, Fixed(scores), 2, protect_last=3)
+    with pytest.raises(ValueError, match="needs attention"):
+        evict(_filled_cache(10), H2O(), 5)
+
+
+def test_budget_at_least_length_is_a_no_op():
+    cache = _filled_cache(12)
+    keys = cache.layers[0].keys.clone()
+    assert evict(cache, KeyDiff(), 12) == 0
+    assert torch.equal(cache.layers[0].keys, keys) and cache.positions(0)[0, 0].tolist() == list(range(12))
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_blockwise_prefill_with_large_budget_matches_full_prefill(llama, spec):
+    ids = _ids(150)
+    with torch.no_grad():
+        full = llama(input_ids=ids).logits[:, -1]
+    cache = BudgetCache(2, capacity=160)
+    last = prefill_blockwise(llama, ids, cache, parse_policy(spec), budget=160, block=32)
+    torch.testing.assert_close(last, full, rtol=1e-4, atol=1e-4)
+    assert cache.length == 150 and cache.next_position == 150
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])
+def test_budget_no_op_greedy_continuation_other_architectures(arch):
+    model = tiny_model(arch, context=2048)
+    ids = _ids(90, seed=3)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=8, do_sample=False)[0, 90:].tolist()
+        cache = BudgetCache(2, capacity=128)
+        logits = prefill_blockwise(model, ids, cache, KeyDiff(), budget=128, block=16)
+        out = []
+        for _ in range(8):
+            tok = int(logits.argmax(-1))
+            out.append(tok)
+            step = model(input_ids=torch.tensor([[tok]]), past_key_values=cache,
+                         position_ids=cache.position_ids(1), use_cache=True)
+            logits = step.logits[:, -1]
+            evict(cache, KeyDiff(), 128)
+    assert out == ref
+
+
+def test_evicted_cache_continues_with_original_positions(llama):
+    """One block, then StreamingLLM eviction: decoding the next token from the small cache must equal a full
+    forward in which the last query sees only the kept tokens (at their original positions)."""
+    t, n, nxt = 64, 20, 7
+    ids = _ids(t, seed=5)
+    cache = BudgetCache(2, capacity=t + 1)
+    prefill_blockwise(llama, ids, cache, Streaming(sinks=4), budget=n, block=t)
+    kept = list(range(4)) + list(range(t - n + 4, t))
+    assert cache.positions(1)[0, 1].tolist() == kept and cache.next_position == t
+    with torch.no_grad():
+        got = llama(input_ids=torch.tensor([[nxt]]), past_key_values=cache, position_ids=cache.position_ids(1)).logits
+        allowed = torch.ones(t + 1, t + 1).tril().bool()
+        allowed[t, :t] = False
+        allowed[t, kept] = True
+        mask = torch.zeros(1, 1, t + 1, t + 1).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        ref = llama(input_ids=torch.cat([ids, torch.tensor([[nxt]])], 1), attention_mask=mask).logits
+    torch.testing.assert_close(got[0, -1], ref[0, -1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", ["keydiff", "caote:h2o", "snapkv"])
+def test_peak_kv_bytes_bounded_by_budget_plus_block(llama, spec):
+    n, b = 32, 16
+    cache = BudgetCache(2, capacity=n + b)
+    prefill_blockwise(llama, _ids(8 * n, seed=2), cache, parse_policy(spec), budget=n, block=b)
+    per_token = 2 * 2 * 2 * 8 * 4  # layers * (k, v) * kv heads * head dim * fp32 bytes
+    assert cache.length == n and cache.next_position == 8 * n
+    assert cache.peak_nbytes <= (n + b) * per_token
+    assert cache.allocated_nbytes() <= (n + b) * per_token  # the buffers never grew
+    assert cache.nbytes() == n * per_token
+
+
+def test_engine_style_tree_step_keeps_path_positions_and_rollback():
+    cache = _filled_cache(10)
+    evict(cache, Streaming(sinks=2), 6)  # positions 0, 1, 6..9; next position 10
+    base = cache.length
+    for layer in range(2):  # root + a 4-node tree appended: slots 6..10
+        cache.update(torch.zeros(1, 3, 5, 4), torch.zeros(1, 3, 5, 4), layer)
+    cache.keep(base, [base, base + 2, base + 4])  # root, then accepted nodes 1 and 3 (a path)
+    assert cache.positions(0)[0, 0].tolist() == [0, 1, 6, 7, 8, 9, 10, 11, 12]
+    assert cache.next_position == 13
+    for layer in range(2):
+        cache.update(torch.zeros(1, 3, 3, 4), torch.zeros(1, 3, 3, 4), layer)
+    cache.crop(cache.length - 2)
+    assert cache.next_position == 14 and cache.positions(1)[0, 2].tolist()[-1] == 13
+
+
+# ---------------------------------------------------------------- CAOTE
+
+
+def test_caote_score_equals_brute_force_output_change():
+    gen = torch.Generator().manual_seed(0)
+    alpha = torch.rand(2, 3, 9, generator=gen)
+    alpha /= alpha.sum(-1, keepdim=True)
+    v = torch.randn(2, 3, 9, 5, generator=gen)
+    x = (alpha[..., None] * v).sum(2)  # [B, H, Dv]
+    brute = torch.empty_like(alpha)
+    for j in range(9):
+        a = alpha.clone()
+        a[..., j] = 0
+        x_minus = (a[..., None] * v).sum(2) / a.sum(-1, keepdim=True)  # output with j removed, renormalised
+        brute[..., j] = (x - x_minus).norm(dim=-1)
+    torch.testing.assert_close(caote_scores(alpha, v), brute)
+    # the wrapper normalises an unnormalised base score to alpha first
+    wrapped = CAOTE(Fixed(alpha * 7.0)).score(torch.zeros(2, 3, 9, 4), v, ScoreContext(positions=torch.zeros(2, 3, 9)))
+    torch.testing.assert_close(wrapped, brute)
+    fast = caote_scores(alpha, v, fast=True)
+    torch.testing.assert_close(fast, alpha / (1 - alpha) * (v.mean(2, keepdim=True) - v).norm(dim=-1))
+
+
+def test_caote_keeps_inner_protection():
+    s = torch.tensor([[[0.5, math.inf, 0.2, 0.3]]])
+    out = CAOTE(Fixed(s)).score(torch.zeros(1, 1, 4, 2), torch.randn(1, 1, 4, 2), ScoreContext(torch.zeros(1, 1, 4)))
+    assert out[0, 0, 1] == math.inf and torch.isfinite(out[0, 0, [0, 2, 3]]).all()
+
+
+# ---------------------------------------------------------------- policies
+
+
+def _ctx(t: int, heads: int = 2, attn=None, acc=None) -> ScoreContext:
+    return ScoreContext(positions=torch.arange(t).expand(1, heads, t), accumulated=acc, attn=attn)
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS)
+def test_every_policy_scores_have_the_right_shape(spec):
+    gen = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(1, 2, 11, 4, generator=gen), torch.randn(1, 2, 11, 6, generator=gen)
+    attn = torch.rand(1, 4, 3, 11, generator=gen).softmax(-1)  # 4 query heads over 2 KV heads
+    scores = parse_policy(spec).score(keys, values, _ctx(11, attn=attn, acc=torch.rand(1, 2, 11, generator=gen)))
+    assert scores.shape == (1, 2, 11) and not scores.isnan().any()
+
+
+def test_keydiff_prefers_the_outlier_key():
+    keys = torch.zeros(1, 2, 8, 3)
+    keys[..., 0] = torch.linspace(1, 3, 8)  # all along e1, different norms
+    keys[0, :, 5] = torch.tensor([0.0, 2.0, 0.0])  # the outlier
+    for policy in (KeyDiff(), KeyDiff(raw_mean=True)):
+        s = policy.score(keys, torch.zeros(1, 2, 8, 3), _ctx(8))
+        assert (s.argmax(-1) == 5).all()
+        assert torch.allclose(s[..., [0, 1, 2, 3, 4, 6, 7]], s[..., :1])  # same direction, same score
+
+
+def test_streaming_keeps_sinks_and_recent():
+    cache = _filled_cache(30, heads=2)
+    evict(cache, Streaming(sinks=3), 8)
+    assert cache.positions(0)[0, 1].tolist() == [0, 1, 2, 25, 26, 27, 28, 29]
+
+
+def test_knorm_keeps_low_norm_keys():
+    keys = torch.ones(1, 1, 5, 2) * torch.tensor([3.0, 0.5, 2.0, 0.1, 1.0])[None, None, :, None]
+    order = KeyNorm().score(keys, keys, _ctx(5, heads=1)).argsort(-1, descending=True)
+    assert order[0, 0].tolist() == [3, 1, 4, 2, 0]
+
+
+def test_attention_policies_rank_by_attention():
+    t = 6
+    attn = torch.full((1, 4, 2, t), 0.01)
+    attn[:, :, -1, 2] = 0.9  # the last query looks at token 2
+    attn[:, :, 0, 4] = 0.9  # an earlier query looks at token 4
+    keys = torch.zeros(1, 2, t, 4)
+    assert (TOVA().score(keys, keys, _ctx(t, attn=attn)).argmax(-1) == 2).all()
+    snap = SnapKV(window=2, kernel=1).score(keys, keys, _ctx(t, attn=attn))
+    assert (snap[..., -2:] == math.inf).all() and (snap[..., :4].argmax(-1) == 2).all()
+    acc = torch.tensor([0.1, 3.0, 0.2, 0.0, 1.0, 0.5]).expand(1, 2, t)
+    assert H2O().score(keys, keys, _ctx(t, acc=acc)).argmax(-1).eq(1).all()
+    prot = Protect(H2O(), sinks=1, recent=1).score(keys, keys, _ctx(t, acc=acc))
+    assert prot[0, 0, 0] == math.inf and prot[0, 0, -1] == math.inf and prot[0, 0, 3] == 0.0
+
+
+def test_random_is_seeded():
+    keys = torch.zeros(1, 2, 9, 4)
+    a = parse_policy("random").score(keys, keys, _ctx(9))
+    assert torch.equal(a, parse_policy("random").score(keys, keys, _ctx(9)))
+    assert a.shape == (1, 2, 9)
+
+
+def test_parse_policy_and_names():
+    p = parse_policy("caote:h2o")
+    assert isinstance(p, CAOTE) and isinstance(p.inner, H2O) and not p.fast and p.needs_attention
+    q = parse_policy("fastcaote:protect:keydiff")
+    assert q.fast and isinstance(q.inner, Protect) and isinstance(q.inner.inner, KeyDiff) and not q.needs_attention
+    assert q.name == "fastcaote:protect:keydiff"
+    assert "keydiff" in policy_names() and "caote:" in policy_names()
+    with pytest.raises(ValueError, match="unknown KV policy"):
+        parse_policy("nope")
+    with pytest.raises(ValueError, match="wrapper"):
+        parse_policy("bad:h2o")
+
+
+# ---------------------------------------------------------------- attention from captured queries
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_captured_queries_give_the_models_attention(arch):
+    model = tiny_model(arch, context=2048)
+    ids = _ids(24, seed=4)
+    cache = BudgetCache(2, capacity=24)
+    with torch.no_grad(), QueryCapture(model, last=5) as cap:
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad():
+            ref = model(input_ids=ids, output_attentions=True).attentions  # per layer [B, H_q, T, T]
+    finally:
+        model.config._attn_implementation = "sdpa"
+    for layer in range(2):
+        got = attention_probs(cap.queries[layer], cache.layers[layer].keys, cap.scaling(layer))
+        torch.testing.assert_close(got, ref[layer][:, :, -5:], rtol=1e-4, atol=1e-5)
+
+
+def test_attention_policies_reject_unsupported_architectures():
+    with pytest.raises(ValueError, match="attention-based KV policies"):
+        QueryCapture(tiny_model("gpt2"))
+
+
+# ---------------------------------------------------------------- evaluation and CLI
+
+
+class CharTokenizer:
+    """A stand-in tokenizer for the tiny models: one id per character."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [2 + ord(c) % 90 for c in text]}
+
+    def __len__(self):
+        return 96
+
+
+def _small_eval_config(**kw):
+    from speculant.kv.evaluate import EvalConfig
+
+    base = {"policies": "keydiff,caote:h2o", "seq_len": 96, "tail": 6, "retrieval_pairs": 3,
+            "retrieval_examples": 2, "memory_lengths": "64,256", "block": 16}
+    return EvalConfig(**{**base, **kw})
+
+
+def test_eval_with_budget_above_length_matches_the_full_cache(llama):
+    from speculant.kv.evaluate import run_eval
+
+    report = run_eval(llama, CharTokenizer(), _small_eval_config(budgets="512"))
+    assert [r["policy"] for r in report["results"]] == ["keydiff", "caote:h2o"]
+    for r in report["results"]:
+        assert r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-4 and abs(r["nll_ratio"] - 1) < 1e-4
+        assert r["retrieval_accuracy"] == r["full_retrieval_accuracy"]
+        assert abs(r["retrieval_answer_nll"] - r["full_retrieval_answer_nll"]) < 1e-3
+
+
+def test_eval_small_budget_bounds_memory(llama):
+    from speculant.kv.evaluate import run_eval
+
+    report = run_eval(llama, CharTokenizer(), _small_eval_config(policies="streaming", budget_fraction=0.25))
+    (r,) = report["results"]
+    assert r["budget"] == 24 and 0 <= r["top1_agreement"] <= 1 and r["kl"] >= -1e-6
+    per_token = 2 * 2 * 2 * 8 * 4
+    short, long = report["memory"]
+    assert short["budget"] == 16 and long["full_peak_kv_bytes"] == 256 * per_token
+    assert long["budget_peak_kv_bytes"] <= (16 + 16) * per_token
+
+
+def test_kv_eval_cli_json(llama, monkeypatch, capsys, tmp_path):
+    import argparse
+    import json
+
+    import speculant.loading
+    from speculant.kv import cli
+
+    monkeypatch.setattr(speculant.loading, "resolve_model", lambda name: name)
+    monkeypatch.setattr(speculant.loading, "load_model_dir", lambda path: (llama, CharTokenizer()))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--policies", "snapkv", "--budgets", "32,48", "--seq-len", "80", "--tail", "4",
+                              "--retrieval-pairs", "3", "--retrieval-examples", "1", "--memory-lengths", "64",
+                              "--block", "16", "--json", "--out", str(tmp_path)])
+    assert cli.run(args) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["policy"], r["budget"]) for r in report["results"]] == [("snapkv", 32), ("snapkv", 48)]
+    for key in ("top1_agreement", "kl", "nll_ratio", "retrieval_accuracy"):
+        assert key in report["results"][0]
+    assert set(report["memory"][0]) >= {"prompt_tokens", "full_peak_kv_bytes", "budget_peak_kv_bytes"}
+    assert json.loads((tmp_path / "kv_results.json").read_text())["results"] == report["results"]
+    for bad in (["--policies", "nope"], ["--budgets", "0"], ["--budget-fraction", "2"]):
+        with pytest.raises(ValueError):
+            cli.run(parser.parse_args(bad))

@@ -1,0 +1,71 @@
+"""KV eviction inside ``speculant.generate``: composes with every drafter, bounded memory, clear errors.
+
+(The policies, the budgeted cache and block-wise prefill themselves are tested in test_kv.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import speculant
+import speculant.engine
+from speculant.drafters.registry import build_drafter
+from speculant.kv import BudgetCache
+from speculant.testing import perturbed, tiny_model
+
+VOCAB = 96
+PROMPT = [(7 * i + 3) % VOCAB for i in range(40)]
+SPECS = ["ar", "chain:k=3", "rsd-c:branching=2/1", "mask-probe:masks=2:tree=2/1", "lookup:ngram=2:k=3"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    return target, perturbed(target, scale=0.05, seed=3)
+
+
+@pytest.mark.parametrize("policy", ["keydiff", "caote:h2o"])
+@pytest.mark.parametrize("spec", SPECS)
+def test_budget_above_length_changes_nothing(pair, spec, policy):
+    """With a budget the sequence never exceeds, eviction is a no-op: identical tokens to the full cache,
+    through block-wise prefill, explicit positions and (for attention policies) query capture."""
+    target, draft = pair
+    full = speculant.generate(target, PROMPT, drafter=build_drafter(spec, draft), max_new_tokens=20,
+                              eos_token_id=[])
+    kv = speculant.generate(target, PROMPT, drafter=build_drafter(spec, draft), max_new_tokens=20,
+                            eos_token_id=[], kv_policy=policy, kv_budget=100, kv_block=16)
+    assert kv.token_ids == full.token_ids
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_small_budget_bounds_the_cache_with_every_drafter(pair, spec, monkeypatch):
+    caches = []
+
+    class Recording(BudgetCache):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            caches.append(self)
+
+    monkeypatch.setattr(speculant.engine, "BudgetCache", Recording)
+    target, draft = pair
+    budget, block = 12, 8
+    gen = speculant.generate(target, PROMPT, drafter=build_drafter(spec, draft), max_new_tokens=24,
+                             eos_token_id=[], kv_policy="keydiff", kv_budget=budget, kv_block=block,
+                             temperature=1.0, seed=0)
+    assert len(gen.token_ids) == 24
+    (cache,) = caches
+    per_token = cache.layers[0].keys.shape[1] * cache.layers[0].keys.shape[-1] * 4 * 2 * len(cache.layers)
+    # the prompt (40 tokens) is > 3x the budget; live KV never exceeded budget + max(block, one step's inputs)
+    assert cache.layers[0].length <= budget
+    assert cache.peak_nbytes <= (budget + max(block, 1 + 8 + 8 * 2)) * per_token
+    assert cache.next_position == len(PROMPT) - 1 + 24  # original positions kept counting
+
+
+def test_kv_errors(pair):
+    target, _ = pair
+    with pytest.raises(ValueError, match="needs both kv_policy and kv_budget"):
+        speculant.generate(target, PROMPT, kv_policy="keydiff")
+    with pytest.raises(ValueError, match="kv_budget"):
+        speculant.generate(target, PROMPT, kv_policy="keydiff", kv_budget=0)
+    with pytest.raises(ValueError, match="unknown"):
+        speculant.generate(target, PROMPT, kv_policy="nope", kv_budget=8)
