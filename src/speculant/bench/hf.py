@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ..checks import resolve_eos
-from ..drafters.registry import Key
+from ..drafters.registry import Key, split_spec
 from ..types import GenerationStats
 from .probe import ForwardProbe, peak_kv_bytes, probing
 
@@ -74,23 +74,15 @@ BASELINES: dict[str, Baseline] = {
 
 def parse_baseline(spec: str) -> tuple[str, dict[str, Any]]:
     """Parse ``NAME[:key=value...]`` for a baseline of :data:`BASELINES`; a one-line ValueError otherwise."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"empty baseline spec; known baselines: {', '.join(BASELINES)}")
-    name, *parts = [p.strip() for p in spec.strip().split(":")]
+    name, raw = split_spec(spec, "baseline", list(BASELINES))
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; known baselines: {', '.join(BASELINES)}")
     base = BASELINES[name]
     options: dict[str, Any] = {}
-    for part in parts:
-        key, eq, value = part.partition("=")
-        key = key.strip()
-        if not eq or not key:
-            raise ValueError(f"bad baseline option {part!r} in {spec!r}: expected key=value")
+    for key, value in raw.items():
         if key not in base.keys:
             known = ", ".join(base.keys) or "none"
             raise ValueError(f"unknown option {key!r} for baseline {name!r}; its options: {known}")
-        if key in options:
-            raise ValueError(f"option {key!r} given twice in {spec!r}")
         options[key] = base.keys[key].convert(name, key, value)
         if isinstance(options[key], int) and options[key] < 1:
             raise ValueError(f"option {key!r} of baseline {name!r} must be >= 1, got {options[key]}")

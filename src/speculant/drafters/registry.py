@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import re
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +37,7 @@ __all__ = [
     "methods",
     "parse_method",
     "register",
+    "split_spec",
 ]
 
 NO_DEFAULT: Any = inspect.Parameter.empty
@@ -173,20 +174,27 @@ def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
         ValueError: empty spec, unknown method (the message lists the known ones), malformed ``key=value``,
             unknown or repeated key, or a value that does not convert.
     """
+    name, raw = split_spec(spec, "method", sorted(_REGISTRY))
+    return name, _check_options(get_method(name), raw)
+
+
+def split_spec(spec: str, kind: str, known: Sequence[str]) -> tuple[str, dict[str, str]]:
+    """``NAME[:key=value...]`` -> ``(name, {key: raw string value})``, the syntax shared by method specs and
+    benchmark baselines (``kind`` and ``known`` only word the errors). Raises a one-line ValueError for an empty
+    spec, a malformed ``key=value`` or a repeated key; the caller checks the name and converts the values."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"empty method spec; known methods: {', '.join(sorted(_REGISTRY))}")
+        raise ValueError(f"empty {kind} spec; known {kind}s: {', '.join(known)}")
     name, *parts = [p.strip() for p in spec.strip().split(":")]
-    method = get_method(name)
     raw: dict[str, str] = {}
     for part in parts:
         key, eq, value = part.partition("=")
         key = key.strip()
         if not eq or not key:
-            raise ValueError(f"bad method option {part!r} in {spec!r}: expected key=value")
+            raise ValueError(f"bad {kind} option {part!r} in {spec!r}: expected key=value")
         if key in raw:
             raise ValueError(f"option {key!r} given twice in {spec!r}")
         raw[key] = value
-    return name, _check_options(method, raw)
+    return name, raw
 
 
 def build_drafter(
