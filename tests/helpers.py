@@ -35,3 +35,17 @@ def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     obs_bins, exp_bins = np.array(obs_bins), np.array(exp_bins)
     exp_bins *= obs_bins.sum() / exp_bins.sum()
     return float(stats.chisquare(obs_bins, exp_bins).pvalue)
+
+
+def record_caches(monkeypatch, module, name: str) -> list:
+    """Replace the cache class ``module.name`` with a subclass that records every instance; returns the list."""
+    created: list = []
+    base = getattr(module, name)
+
+    class Recording(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(module, name, Recording)
+    return created

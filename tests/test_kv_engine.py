@@ -6,11 +6,11 @@
 from __future__ import annotations
 
 import pytest
+from helpers import record_caches
 
 import speculant
 import speculant.engine
 from speculant.drafters.registry import build_drafter
-from speculant.kv import BudgetCache
 from speculant.testing import perturbed, tiny_model
 
 VOCAB = 96
@@ -39,14 +39,7 @@ def test_budget_above_length_changes_nothing(pair, spec, policy):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_small_budget_bounds_the_cache_with_every_drafter(pair, spec, monkeypatch):
-    caches = []
-
-    class Recording(BudgetCache):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            caches.append(self)
-
-    monkeypatch.setattr(speculant.engine, "BudgetCache", Recording)
+    caches = record_caches(monkeypatch, speculant.engine, "BudgetCache")
     target, draft = pair
     budget, block = 12, 8
     gen = speculant.generate(target, PROMPT, drafter=build_drafter(spec, draft), max_new_tokens=24,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import record_caches
 from test_greedy import hf_greedy
 from test_sampling_distribution import (
     PASS_P,
@@ -91,14 +92,7 @@ def test_node_logits_unchanged_by_attached_masks(arch):
 def test_mask_slots_never_stay_in_the_cache(monkeypatch):
     """After a mask-probe generation the target cache equals a fresh prefill of the committed tokens (all but
     the last): probe slots and rejected nodes are gone, the accepted path is in place."""
-    caches = []
-
-    class Recording(SpecCache):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            caches.append(self)
-
-    monkeypatch.setattr(speculant.engine, "SpecCache", Recording)
+    caches = record_caches(monkeypatch, speculant.engine, "SpecCache")
     target = tiny_model("llama", seed=0, vocab_size=VOCAB)
     prompt = PROMPTS[1]
     gen = speculant.generate(target, prompt, drafter=MaskProbeDrafter(masks=2, tree=[3, 2]), max_new_tokens=20,

@@ -82,25 +82,23 @@ def test_deeper_trees_match_target_distribution(models, spec, params):  # noqa: 
 # -------------------------------------------------------------------------------------- negative controls
 
 
-def _with_replacement_rule(cls, monkeypatch):
+def _with_replacement_rule(tree):
     """Biased: the siblings were drawn without replacement, the verifier is told they were i.i.d."""
-    original = cls.propose
-
-    def propose(self, state):
-        tree = original(self, state)
-        tree.replacement = True
-        return tree
-
-    monkeypatch.setattr(cls, "propose", propose)
+    tree.replacement = True
 
 
-def _duplicates_dropped(cls, monkeypatch):
+def _duplicates_dropped(tree):
     """Biased: SpecInfer's repeated i.i.d. draws are forgotten (each child verified once, as if drawn once)."""
+    tree.draw_order = None
+
+
+def _corrupt_proposals(cls, monkeypatch, bug):
+    """Every tree ``cls`` proposes is altered by ``bug`` before the verifier sees it."""
     original = cls.propose
 
     def propose(self, state):
         tree = original(self, state)
-        tree.draw_order = None
+        bug(tree)
         return tree
 
     monkeypatch.setattr(cls, "propose", propose)
@@ -113,7 +111,7 @@ def _duplicates_dropped(cls, monkeypatch):
 ], ids=["rsd-c-with-replacement", "rsd-s-with-replacement", "specinfer-duplicates-dropped"])
 def test_negative_control_wrong_rule_is_detected(models, monkeypatch, spec, cls, bug):  # noqa: F811
     target, draft = models
-    bug(cls, monkeypatch)
+    _corrupt_proposals(cls, monkeypatch, bug)
     counts, _, _ = sample_counts(target, build_drafter(spec, draft), T1, 3, 1500, seed0=77)
     p = pvalues(counts, exact_joint(target, T1, 3))
     assert min(p.values()) < FAIL_P, f"the bias went undetected (p-values {p})"
