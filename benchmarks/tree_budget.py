@@ -19,55 +19,40 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
 
 import speculant
+from speculant.bench.budget import at_budget, shape
 from speculant.bench.cost import drafter_params_per_forward, mbsu, params_per_forward
 from speculant.bench.prompts import builtin_prompts
 from speculant.bench.speed import MethodRun, machine_info, run_side_by_side, summarise
-from speculant.drafters.registry import build_drafter, parse_method
+from speculant.drafters.registry import build_drafter
 from speculant.loading import tokenizers_match
 
 
-def _ones(first: int, depth: int) -> str:
-    return "/".join([str(first)] + ["1"] * (depth - 1))
+def _late(b: int) -> str:
+    """A chain with two siblings at its last level: b - 2 single children, then 2 (b nodes, depth b - 1)."""
+    return f"rsd-c:branching={'/'.join(['1'] * (b - 2) + ['2'])}"
 
 
-def _two_levels(b: int) -> str | None:
-    """b1/b2 with b1 + b1·b2 = b nodes (b1 = 2 up to 8 nodes, else 4)."""
-    b1 = 2 if b <= 8 else 4
-    return f"rsd-c:branching={b1}/{b // b1 - 1}" if b % b1 == 0 and b // b1 > 1 else None
-
-
-# family -> spec at budget B (None: the family has no configuration with exactly B nodes)
+# label -> family (speculant.bench.budget sizes it to each budget) or a function of the budget. The two-level
+# RSD-C shapes (4/1, 2/3, 4/3) and the width-4 trees at budget 8 (depth 2) were measured before: far behind.
 FAMILIES = {
-    "chain": lambda b: f"chain:k={b}",
-    "specinfer W=2": lambda b: f"specinfer:width=2:depth={b // 2}" if b % 2 == 0 else None,
-    "specinfer W=4": lambda b: f"specinfer:width=4:depth={b // 4}" if b % 4 == 0 else None,
-    "rsd-c 2/1/…/1": lambda b: f"rsd-c:branching={_ones(2, b // 2)}" if b % 2 == 0 else None,
-    "rsd-c 4/1/…/1": lambda b: f"rsd-c:branching={_ones(4, b // 4)}" if b % 4 == 0 else None,
-    "rsd-c two levels": _two_levels,
-    "rsd-s W=2": lambda b: f"rsd-s:width=2:depth={b // 2}" if b % 2 == 0 else None,
-    "rsd-s W=4": lambda b: f"rsd-s:width=4:depth={b // 4}" if b % 4 == 0 else None,
+    "chain": "chain",
+    "specinfer W=2": "specinfer:width=2",
+    "specinfer W=4": lambda b: at_budget("specinfer:width=4", b) if b >= 16 else None,
+    "rsd-c 2/1/…/1": "rsd-c:branching=2",
+    "rsd-c 4/1/…/1": "rsd-c:branching=4",
+    "rsd-c 1/…/1/2": _late,
+    "rsd-s W=2": "rsd-s:width=2",
+    "rsd-s W=4": lambda b: at_budget("rsd-s:width=4", b) if b >= 16 else None,
 }
 
 
-def shape(spec: str) -> tuple[int, int]:
-    """(maximum tree nodes, depth) of a method spec."""
-    name, opts = parse_method(spec)
-    if name == "chain":
-        return opts["k"], opts["k"]
-    if name in ("specinfer", "rsd-s"):
-        return opts["width"] * opts["depth"], opts["depth"]
-    if name == "rsd-c":
-        b = opts["branching"]
-        return sum(math.prod(b[: i + 1]) for i in range(len(b))), len(b)
-    if name == "tree":
-        return opts["budget"], opts["depth"]
-    raise ValueError(f"no shape for {spec!r}")
+def _sized(family, b: int) -> str | None:
+    return family(b) if callable(family) else at_budget(family, b)
 
 
 def _run(target, draft, match, specs, prompts, args, temperature, seed):
@@ -130,7 +115,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--budgets", default="8,16", help="tree tokens per target call, comma-separated")
     ap.add_argument("--temperatures", default="1.0,0.6")
-    ap.add_argument("--greedy", default="chain:k=4,tree:budget=8:topk=4:depth=4,tree:budget=16:topk=4:depth=5",
+    ap.add_argument("--greedy", default="chain:k=4,tree:budget=8:topk=2:depth=5,tree:budget=12:topk=2:depth=8,"
+                    "tree:budget=12:topk=2:depth=8:calibrate=0,tree:budget=16:topk=4:depth=5",
                     help="methods compared at temperature 0 (empty: skip)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=1)
@@ -150,7 +136,7 @@ def main() -> None:
     match = tokenizers_match(tok, draft_tok)
     records = builtin_prompts("code", args.prompts)
     prompts = [tok(r["prompt"])["input_ids"] for r in records]
-    families = {name: [f(b) for b in budgets] for name, f in FAMILIES.items()}
+    families = {name: [_sized(f, b) for b in budgets] for name, f in FAMILIES.items()}
     specs = [s for b_specs in zip(*families.values()) for s in b_specs if s is not None]
     for name, fam in families.items():
         for b, s in zip(budgets, fam):

@@ -130,6 +130,8 @@ def test_cli_table_without_json(dirs, capsys, tmp_path):
         (["--baselines", "hf-ar:k=2"], "unknown option 'k' for baseline 'hf-ar'"),
         (["--max-new-tokens", "0"], "expected an integer >= 1"),
         (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--budgets", "8,0"], "comma-separated integers >= 1"),
+        (["--methods", "mask-probe", "--depths", "2"], "mask-probe has no tree size to match"),
     ],
 )
 def test_cli_bad_input_one_line_exit_2(dirs, capsys, extra, needle):
@@ -347,3 +349,60 @@ def test_run_bench_adds_reference_first(pair):
     res = run_bench(ids_prompts(1), methods="chain:k=2, ar", baselines="", target=target, draft=draft,
                     max_new_tokens=4, progress=False, warmup=0)
     assert list(res["methods"]) == ["ar", "chain:k=2"]  # the reference first, specs as given (stripped)
+
+
+# -------------------------------------------------------------------------------------- budget-matched trees
+
+
+def test_families_are_sized_to_a_budget_or_a_depth():
+    from speculant.bench.budget import at_budget, at_depth, shape
+
+    cases = {  # family: (at budget 8, at depth 3)
+        "chain": ("chain:k=8", "chain:k=3"),
+        "lookup:ngram=2": ("lookup:ngram=2:k=8", "lookup:ngram=2:k=3"),
+        "specinfer:width=2": ("specinfer:width=2:depth=4", "specinfer:width=2:depth=3"),
+        "specinfer:width=3": (None, "specinfer:width=3:depth=3"),  # 3 does not divide 8
+        "rsd-s:width=4:trim=0": ("rsd-s:width=4:trim=0:depth=2", "rsd-s:width=4:trim=0:depth=3"),
+        "rsd-c:branching=2": ("rsd-c:branching=2/1/1/1", "rsd-c:branching=2/1/1"),
+        "rsd-c:branching=2/2": (None, "rsd-c:branching=2/2/1"),  # 2 + 4 = 6 nodes, then +4 per level
+        "rsd-c:branching=3": (None, "rsd-c:branching=3/1/1"),  # 3, 6, 9 nodes: never 8
+        "tree:topk=2:depth=5": ("tree:topk=2:depth=5:budget=8", "tree:topk=2:depth=3"),
+    }
+    for family, (b8, d3) in cases.items():
+        assert at_budget(family, 8) == b8, family
+        assert at_depth(family, 3) == d3, family
+        if b8 is not None:
+            assert shape(b8)[0] == 8, b8
+        assert shape(d3)[1] == 3, d3
+    assert at_budget("rsd-c:branching=2/2", 10) == "rsd-c:branching=2/2/1" and shape("rsd-c:branching=2/2/1") == (10, 3)
+    assert at_depth("rsd-c:branching=2/2/2", 2) is None
+    assert shape("ar") is None
+    with pytest.raises(ValueError, match="no tree size"):
+        at_budget("mask-probe", 8)
+
+
+def test_budget_matched_run_reports_each_family_at_each_size(pair, tmp_path):
+    target, draft = pair
+    res = run_bench(ids_prompts(1), methods=["chain", "rsd-c:branching=2", "specinfer:width=3"], baselines=[],
+                    target=target, draft=draft, max_new_tokens=8, temperature=1.0, seed=0, progress=False,
+                    warmup=0, budgets=[4, 6], depths=[2], out=tmp_path)
+    matched = res["budget_matched"]
+    assert matched["budgets"] == {
+        "4": {"chain": "chain:k=4", "rsd-c:branching=2": "rsd-c:branching=2/1", "specinfer:width=3": None},
+        "6": {"chain": "chain:k=6", "rsd-c:branching=2": "rsd-c:branching=2/1/1",
+              "specinfer:width=3": "specinfer:width=3:depth=2"},
+    }
+    assert matched["depths"]["2"] == {"chain": "chain:k=2", "rsd-c:branching=2": "rsd-c:branching=2/1",
+                                      "specinfer:width=3": "specinfer:width=3:depth=2"}
+    # each sized spec runs once, after the reference
+    assert list(res["methods"]) == ["ar", "chain:k=4", "rsd-c:branching=2/1", "chain:k=6", "rsd-c:branching=2/1/1",
+                                    "specinfer:width=3:depth=2", "chain:k=2"]
+    s = res["methods"]["rsd-c:branching=2/1/1"]
+    assert (s["tree_nodes"], s["tree_depth"]) == (6, 3) and 0 < s["tree_tokens_per_call"] <= 6
+    md = (tmp_path / "results.md").read_text()
+    assert "### At equal tree tokens per target call" in md and "### At equal draft depth" in md
+    assert "| `specinfer:width=3` | – |" in md
+    assert (tmp_path / "budget.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no method family"):
+        run_bench(ids_prompts(1), methods=["specinfer:width=3"], baselines=[], target=target, draft=draft,
+                  budgets=[4], progress=False)

@@ -25,6 +25,7 @@ from speculant.drafters import (
     RSDSDrafter,
     SpecInferDrafter,
 )
+from speculant.drafters.calibration import AcceptanceCalibrator
 from speculant.drafters.registry import build_drafter, describe_methods, parse_method
 from speculant.drafters.trees import gumbel_keys, truncated_gumbel
 from speculant.sampling import make_generator, warp
@@ -261,7 +262,7 @@ def test_rsd_s_tree(temperature):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_dynamic_tree(temperature):
     params = SamplingParams(temperature=temperature)
-    tree, model, ids = _propose("tree:budget=10:topk=3:depth=4", temperature)
+    tree, model, ids = _propose("tree:budget=10:topk=3:depth=4:calibrate=0", temperature)
     assert tree.draft_probs is None and len(tree) == 10 and tree.max_depth <= 4
     _check_common(tree, model, ids, params)
 
@@ -279,6 +280,48 @@ def test_dynamic_tree(temperature):
     assert kids == root_top.indices.tolist()[: len(kids)]
     for t, s in zip(root_top.indices.tolist(), root_top.values.tolist()):
         assert t in kids or s <= min(score) + 1e-4
+
+
+def test_calibrator_learns_acceptance_rates_and_ranks_by_them():
+    cal = AcceptanceCalibrator(bins=4, ranks=2, prior_weight=2.0)
+    q = [[0.3, 0.3]]  # same draft probability, sibling ranks 0 and 1
+    assert cal.log_accept(q) == [[pytest.approx(math.log(0.375))] * 2]  # the prior: the bin centre
+    cal.update([0.3] * 8 + [0.3] * 8, [0] * 8 + [1] * 8, [True] * 8 + [False] * 8)
+    after = [math.exp(x) for x in cal.log_accept(q)[0]]
+    assert after == pytest.approx([(0.75 + 8) / 10, 0.75 / 10])
+    assert cal.table()[0][1] == pytest.approx(after[0])
+
+
+def test_calibrated_tree_learns_from_accepted_paths():
+    """_learn records every child of each accepted node (root included): one hit per accepted node, misses for
+    its siblings and for all children of the deepest accepted node. A calibration that trusts only the draft's
+    favourite turns the tree into the greedy chain."""
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    drafter = build_drafter("tree:budget=9:topk=3:depth=3", target)
+    state = _state(target, _prefix(), SamplingParams(temperature=0.0))
+    with torch.inference_mode():
+        drafter.begin(state)
+        tree = drafter.propose(state)
+        first = tree.children[0][0]
+        below = tree.children[first + 1]
+        bonus = next(t for t in range(VOCAB) if t not in [tree.tokens[c] for c in below])
+        accepted = [tree.tokens[first], bonus]  # the first child accepted, then a bonus no child of it matches
+        before = drafter.calibrator.trials.sum().item()
+        drafter.commit(state, accepted)
+        assert drafter.calibrator.trials.sum().item() - before == len(tree.children[0]) + len(below)
+        assert drafter.calibrator.hits.sum().item() == pytest.approx(
+            AcceptanceCalibrator().hits.sum().item() + 1)
+        cal = drafter.calibrator
+        cal.update([i / 100 for i in range(100)] * 2, [0] * 100 + [1] * 100, [True] * 100 + [False] * 100)
+        cal.trials[1] += 1e6  # rank >= 1: accepted with probability ~0
+        cal._log = None
+        state.ids += accepted
+        state.remaining -= 2
+        drafter.budget = 3  # the three most likely nodes: the favourite path, not the siblings near the root
+        chain = drafter.propose(state)
+    assert chain.parents == [-1, 0, 1]
+    assert [chain.tokens[i] for i in range(3)] == [
+        int(_last_logits(target, state.ids + [chain.tokens[i] for i in range(j)]).argmax()) for j in range(3)]
 
 
 def test_depth_is_capped_by_remaining_tokens():

@@ -22,6 +22,7 @@ METHODS = {
     "rsd-c:branching=3/2/1": 3,
     "rsd-s:width=2:depth=4": 4,
     "tree:budget=10:topk=3:depth=4": 4,
+    "tree:budget=10:topk=3:depth=4:calibrate=0": 4,
 }
 
 

@@ -107,6 +107,19 @@ def test_calibration_ranking_and_default_size(tmp_path):
         assert gen.token_ids == hf_greedy(target, [4, 5, 6], 12)
         assert (drafter._head.size if drafter._head is not None else None) == size, spec
 
+    # a separate recommendation for sampling: 60 kept tokens at temperature > 0, 40 when greedy, on one drafter
+    write_calibration(draft_dir, data, "distill", default_size=40, default_size_sampling=60)
+    drafter = build_drafter("chain:k=3", draft)
+    for temperature, size in [(0.8, 60), (0.0, 40), (0.8, 60)]:
+        speculant.generate(target, [4, 5, 6], drafter=drafter, max_new_tokens=6, temperature=temperature, seed=0)
+        assert drafter._head.size == size, temperature
+    write_calibration(draft_dir, data, "distill", default_size=40, default_size_sampling=0)  # 0: the full head
+    drafter = build_drafter("chain:k=3", draft)
+    speculant.generate(target, [4, 5, 6], drafter=drafter, max_new_tokens=6, temperature=0.8, seed=0)
+    assert drafter._head is None
+    with pytest.raises(ValueError, match="default_size_sampling"):
+        write_calibration(draft_dir, data, "distill", default_size=40, default_size_sampling=10**6)
+
 
 def test_vocab_trim_errors():
     target = tiny_model("llama", seed=0, vocab_size=VOCAB)

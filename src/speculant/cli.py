@@ -100,6 +100,7 @@ def _int_at_least(minimum: int):
 
 
 _positive_int = _int_at_least(1)
+_nonnegative_int = _int_at_least(0)
 
 
 def _methods_with_k() -> str:
@@ -453,6 +454,10 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                            "(default: %(default)s)")
     calibrate.add_argument("--default-size", type=_positive_int, default=None,
                            help="kept tokens drafters use by default (default: none, the full head)")
+    calibrate.add_argument("--default-size-sampling", type=_nonnegative_int, default=None,
+                           help="kept tokens drafters use by default when sampling (temperature > 0), where the "
+                           "target's mass outside the kept set costs acceptance; 0 = the full head (default: "
+                           "--default-size)")
     distill = sub.add_parser("distill-data", help="collect the target's completions of training prompts "
                              "(distillation data for a drafter)", formatter_class=_Formatter)
     _add_dataclass_arguments(distill, DistillDataConfig, skip=set(), docs=_DISTILL_DATA_DOCS)
@@ -474,7 +479,7 @@ def _run_train(args: argparse.Namespace) -> int:
         from .train.calibrate import write_calibration
 
         model_dir = check_model_dir(resolve_model(args.model))
-        print(write_calibration(model_dir, args.data, args.split, args.default_size))
+        print(write_calibration(model_dir, args.data, args.split, args.default_size, args.default_size_sampling))
         return 0
     if args.action == "distill-data":
         from .train.distill_data import DistillDataConfig, generate_distill_data

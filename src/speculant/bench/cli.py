@@ -51,10 +51,24 @@ def epilog() -> str:
         "  'id', are kept in the results)\n\n"
         "outputs (--out DIR): results.json (machine, versions, settings, per-run raw numbers, summary),\n"
         "  results.md (tables), speedup.png and accepted_lengths.png\n\n"
+        "budget-matched trees (sampling; every family at 8 and 16 tree tokens per target call):\n"
+        "  speculant bench --temperature 1 --budgets 8,16 --baselines none \\\n"
+        "      --methods chain,specinfer:width=2,rsd-c:branching=2,rsd-s:width=2\n\n"
         "example:\n"
         "  speculant bench --prompts builtin:grounded --num-prompts 8 --methods chain:k=4,chain:k=8 \\\n"
         "      --baselines hf-ar,hf-assisted,hf-prompt-lookup:k=10 --max-new-tokens 64 --json"
     )
+
+
+def _int_list(text: str) -> list[int]:
+    """``"8,16"`` -> ``[8, 16]`` (each >= 1), with a one-line error."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -76,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "reference; default: %(default)s")
     p.add_argument("--baselines", metavar="NAME[,NAME...]", default=",".join(d["baselines"]),
                    help="transformers baselines, comma-separated, or 'none'; default: %(default)s")
+    p.add_argument("--budgets", metavar="B[,B...]", type=_int_list, default=None,
+                   help="budget-matched comparison: every --methods entry is a family (a spec without its size: "
+                   "chain, specinfer:width=2, rsd-c:branching=2, rsd-s:width=2, tree:topk=2:depth=8 ...) run at "
+                   "each number B of tree tokens per target call; adds a table and budget.png")
+    p.add_argument("--depths", metavar="D[,D...]", type=_int_list, default=None,
+                   help="the same at equal draft depth (draft levels per step); may be combined with --budgets")
     p.add_argument("--target", metavar="DIR", required=target_default is None, default=target_default,
                    help="target model directory or bundled name; "
                    + ("required" if target_default is None else "default: the bundled default-target"))
@@ -130,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         out=args.out,
         progress=True,
+        budgets=args.budgets,
+        depths=args.depths,
     )
     if args.json:
         keep = ("settings", "machine", "files")

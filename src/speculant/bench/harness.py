@@ -30,6 +30,7 @@ from ..loading import (
     tokenizers_match,
 )
 from ..types import SamplingParams
+from .budget import at_budget, at_depth, shape
 from .cost import (
     drafter_models,
     drafter_params_per_forward,
@@ -62,6 +63,11 @@ DEFINITIONS = {
     "draft_cost_ratio": "c: parameters one draft forward reads / parameters one target forward reads (input "
     "embedding tables excluded unless tied to the LM head: a forward reads only its tokens' rows)",
     "draft_calls_per_step": "γ: draft forwards / target forwards, measured",
+    "tree_nodes": "the most tree tokens one target call verifies (the root excluded), from the spec; None for "
+    "methods without a fixed tree",
+    "tree_depth": "draft levels per step (draft forwards of a tree drafter), from the spec",
+    "tree_tokens_per_call": "draft tokens / target calls, measured (merged duplicates and shortened drafts near "
+    "the end make it smaller than tree_nodes)",
     "peak_memory_bytes": "param_bytes + kv_cache_peak_bytes. param_bytes: parameters and buffers of the models the "
     "method runs (target, plus the draft if it drafts with one). kv_cache_peak_bytes: the largest total, over "
     "the run, of the storage held by the KV caches passed to those models, sampled after every forward "
@@ -186,6 +192,8 @@ def run_bench(
     dtype: str | torch.dtype | None = None,
     out: str | Path | None = None,
     progress: bool = True,
+    budgets: Sequence[int] | None = None,
+    depths: Sequence[int] | None = None,
 ) -> dict:
     """Benchmark drafting methods and transformers baselines on one prompt set; optionally write a report.
 
@@ -207,6 +215,11 @@ def run_bench(
         dtype: load dtype for both models (None: the loader's default; the bundled target loads in float32).
         out: directory for results.json, results.md and the plots; None writes nothing.
         progress: a tqdm bar on stderr.
+        budgets, depths: budget-matched comparison (:mod:`speculant.bench.budget`): every entry of ``methods``
+            is then a family (a spec without its size, e.g. ``chain``, ``rsd-s:width=2``) run at each number of
+            tree tokens per target call in ``budgets`` and at each draft depth in ``depths``; results are keyed
+            by the sized specs, and ``budget_matched`` maps each axis value and family to its spec (None when
+            the family has no configuration of that size). ``report.write_results`` adds a table and a plot.
 
     Returns:
         the results: ``machine``, ``settings``, ``definitions``, ``prompts``, ``methods`` (name -> summary) and
@@ -223,6 +236,9 @@ def run_bench(
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
 
     method_specs = split_specs(methods)
+    matched = None
+    if budgets or depths:
+        method_specs, matched = _budget_matched(method_specs, budgets or [], depths or [])
     parsed = [(spec, *parse_method(spec)) for spec in method_specs]
     if not any(spec == REFERENCE for spec, _, _ in parsed):
         parsed.insert(0, (REFERENCE, *parse_method(REFERENCE)))
@@ -293,6 +309,7 @@ def run_bench(
         _add_costs(summary[spec], rows[spec], "speculant",
                    drafter_params_per_forward(method.last_drafter, target_model), target_ppf,
                    param_bytes(target_model, *method.models))
+        _add_shape(summary[spec], rows[spec], spec)
     for spec, name, options in parsed_baselines:
         uses_draft = BASELINES[name].needs_draft
         draft_ppf = params_per_forward(draft_model) if uses_draft else 0
@@ -332,11 +349,42 @@ def run_bench(
         "methods": summary,
         "runs": rows,
     }
+    if matched is not None:
+        results["budget_matched"] = matched
     if out is not None:
         from .report import write_results
 
         results["files"] = [str(p) for p in write_results(results, out)]
     return results
+
+
+def _budget_matched(families: list[str], budgets: Sequence[int], depths: Sequence[int]) -> tuple[list[str], dict]:
+    """The sized specs to run (each once, in order) and ``{"families", "budgets": {B: {family: spec | None}},
+    "depths": {D: {...}}}``."""
+    for axis, values in (("budgets", budgets), ("depths", depths)):
+        for v in values:
+            check_positive_int(axis[:-1], v)
+    specs: list[str] = []
+    matched: dict = {"families": [f for f in families if f != REFERENCE], "budgets": {}, "depths": {}}
+    for axis, values, size in (("budgets", budgets, at_budget), ("depths", depths, at_depth)):
+        for v in values:
+            row = matched[axis][str(v)] = {}
+            for family in matched["families"]:
+                spec = row[family] = size(family, int(v))
+                if spec is not None and spec not in specs:
+                    specs.append(spec)
+    if not specs:
+        raise ValueError(f"no method family has a configuration at budgets {list(budgets)} / depths {list(depths)}")
+    return specs, matched
+
+
+def _add_shape(s: dict, rows: list[dict], spec: str) -> None:
+    """Most tree tokens per call and draft depth of the spec, and the tree tokens per call actually verified."""
+    nodes_depth = shape(spec)
+    calls = sum(r["target_calls"] for r in rows)
+    s.update(tree_nodes=None if nodes_depth is None else nodes_depth[0],
+             tree_depth=None if nodes_depth is None else nodes_depth[1],
+             tree_tokens_per_call=sum(r.get("draft_tokens", 0) for r in rows) / calls if calls else 0.0)
 
 
 def _compare_with_assisted(summary: dict, rows: dict, ours: list[str], assisted: list[str]) -> None:

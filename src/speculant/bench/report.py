@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-__all__ = ["main_table", "readme_section", "render_markdown", "write_plots", "write_results"]
+__all__ = ["budget_tables", "main_table", "readme_section", "render_markdown", "write_plots", "write_results"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +71,34 @@ def _details_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+_AXES = (("budgets", "tree tokens per target call"), ("depths", "draft depth (levels per step)"))
+
+
+def budget_tables(results: dict) -> str:
+    """With ``budget_matched``: per axis (budget, depth), a table of family × size with τ, MBSU and tokens/s."""
+    matched = results.get("budget_matched")
+    if not matched:
+        return ""
+    methods, parts = results["methods"], []
+    for axis, label in _AXES:
+        sizes = list(matched[axis])
+        if not sizes:
+            continue
+        note = "τ / MBSU / tokens/s of each family at each size (– : no configuration of that size)."
+        parts += [f"### At equal {label}", "", note, "",
+                  "| family | " + " | ".join(sizes) + " |", "|---|" + "---:|" * len(sizes)]
+        for family in matched["families"]:
+            cells = []
+            for size in sizes:
+                spec = matched[axis][size].get(family)
+                s = methods.get(spec) if spec else None
+                cells.append("–" if s is None else
+                             f"{s['acceptance_length']:.2f} / {s['mbsu']:.2f} / {s['tokens_per_second']:.1f}")
+            parts.append(f"| `{family}` | " + " | ".join(cells) + " |")
+        parts.append("")
+    return "\n".join(parts)
+
+
 def _mismatch_lines(results: dict) -> list[str]:
     ids = [p.get("id", str(i)) for i, p in enumerate(results.get("prompts", []))]
     out = []
@@ -114,6 +142,9 @@ def render_markdown(results: dict) -> str:
         _details_table(results),
         "",
     ]
+    budget = budget_tables(results)
+    if budget:
+        parts += ["## Budget-matched comparison", "", budget]
     mism = _mismatch_lines(results)
     if mism:
         parts += ["## Outputs that differ from `ar`", "", *mism, ""]
@@ -130,7 +161,8 @@ def readme_section(results: dict, source: str = "") -> str:
 
 def write_plots(results: dict, out: str | Path) -> list[Path]:
     """speedup.png (per-prompt speed-ups per method, median marked) and accepted_lengths.png (normalised
-    accepted-length histograms of the methods that draft). Returns the files written; [] without matplotlib."""
+    accepted-length histograms of the methods that draft), and with a budget-matched run budget.png (τ and MBSU
+    of each family against the budget and/or the depth). Returns the files written; [] without matplotlib."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -175,6 +207,29 @@ def write_plots(results: dict, out: str | Path) -> list[Path]:
         ax.set_title("accepted-length histograms")
         ax.legend(fontsize="small")
         path = out / "accepted_lengths.png"
+        fig.savefig(path, dpi=120)
+        written.append(path)
+    matched = results.get("budget_matched")
+    axes = [(axis, label) for axis, label in _AXES if matched and matched[axis]]
+    if axes:
+        fig = Figure(figsize=(5.2 * len(axes), 6.4), layout="constrained")
+        FigureCanvasAgg(fig)
+        grid = fig.subplots(2, len(axes), squeeze=False)
+        for col, (axis, label) in enumerate(axes):
+            for i, family in enumerate(matched["families"]):
+                pts = [(int(size), methods[spec]) for size, row in matched[axis].items()
+                       if (spec := row.get(family)) and spec in methods]
+                for row_i, key in enumerate(("acceptance_length", "mbsu")):
+                    grid[row_i][col].plot([x for x, _ in pts], [s[key] for _, s in pts], marker="o",
+                                          color=f"C{i % 10}", linestyle="-" if i < 10 else "--", label=family)
+            for row_i, ylabel in enumerate(("τ (tokens per target call)", "MBSU")):
+                ax = grid[row_i][col]
+                ax.set_xticks([int(x) for x in matched[axis]])
+                ax.set_xlabel(label)
+                ax.set_ylabel(ylabel)
+                ax.grid(alpha=0.3)
+        grid[0][-1].legend(fontsize="small")
+        path = out / "budget.png"
         fig.savefig(path, dpi=120)
         written.append(path)
     return written

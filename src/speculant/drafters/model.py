@@ -31,6 +31,7 @@ from ..checks import (
 from ..sampling import sample, warp
 from ..types import DraftTree
 from .base import DecodeState
+from .lean import LeanLlama
 from .vocab_trim import TrimmedHead, resolve_keep_ids
 
 __all__ = ["DraftModelBase", "DraftModelDrafter"]
@@ -49,9 +50,14 @@ class DraftModelBase:
             (default) uses the size the draft model's calibration recommends if it ships one (the bundled draft
             does), else the full head. Lossless either way; trimming trades τ for a cheaper draft forward.
 
+    Small Llama-architecture drafts run through :class:`~.lean.LeanLlama` (the same layers without transformers'
+    per-module overhead); set ``lean_forward = False`` on a drafter to use the model's own forward.
+
     A subclass's ``propose`` feeds :meth:`_catch_up` first, then its draft tokens, and ends with :meth:`_record`
     (which of the tree's nodes it fed); :meth:`commit` then keeps the draft cache consistent.
     """
+
+    lean_forward: bool = True
 
     def __init__(
         self,
@@ -60,6 +66,8 @@ class DraftModelBase:
         vocab_trim: int | Sequence[int] | None = None,
     ) -> None:
         self.model = draft_model
+        self._lean: LeanLlama | None = None
+        self._lean_key: tuple | None = None  # (enabled, model, weight versions) the lean forward was built for
         self.tokenizers_match = tokenizers_match
         self.vocab_trim = vocab_trim
         self._head: TrimmedHead | None = None
@@ -88,14 +96,19 @@ class DraftModelBase:
             self.model.eval()
         self._cache = SpecCache(num_layers(self.model), capacity=state.max_length + self._extra_slots() + 64)
         lm_head = self.model.get_output_embeddings()
-        key = (self._vocab, lm_head.weight.data_ptr(), lm_head.weight._version)
+        sampling = not state.params.greedy
+        key = (self._vocab, lm_head.weight.data_ptr(), lm_head.weight._version, sampling)
         if self._head_for != key:
-            keep = resolve_keep_ids(self.model, self.vocab_trim, self._vocab)
+            keep = resolve_keep_ids(self.model, self.vocab_trim, self._vocab, sampling=sampling)
             self._head = None if keep is None else TrimmedHead(lm_head, keep)
             self._head_for = key
         self._n_cached = 0
         self._tree = None
         self._fed = 0
+        lean_key = (self.lean_forward, id(self.model), tuple(p._version for p in self.model.parameters()))
+        if self._lean_key != lean_key:
+            self._lean = LeanLlama.build(self.model) if self.lean_forward else None
+            self._lean_key = lean_key
 
     def params_per_forward(self) -> int:
         """Parameters one draft forward reads (for MBSU's cost ratio): the transformer blocks and final norm,
@@ -117,6 +130,8 @@ class DraftModelBase:
         device = self.model.device
         inputs = torch.tensor([tokens], device=device).clamp_(max=self._max_input_id)  # [1, T]
         with state.draft_forward(device):
+            if self._lean is not None:
+                return self._head_logits(self._lean(inputs, self._cache)[0, -1])  # [V_shared] or [M]
             if self._head is not None:  # the base model, then only the kept rows of the head
                 hidden = self.model.base_model(input_ids=inputs, past_key_values=self._cache, use_cache=True)
                 return self._head.logits(hidden.last_hidden_state[0, -1])  # [M]
@@ -133,11 +148,19 @@ class DraftModelBase:
         kwargs = {"input_ids": inputs, "past_key_values": self._cache, "attention_mask": mask,
                   "position_ids": positions, "use_cache": True}
         with state.draft_forward(device):
+            if self._lean is not None:
+                return self._head_logits(self._lean(inputs, self._cache, positions, mask)[0])  # [T, V_shared | M]
             if self._head is not None:
                 hidden = self.model.base_model(**kwargs)
                 return self._head.logits(hidden.last_hidden_state[0])  # [T, M]
             out = self.model(**kwargs)
         return out.logits[0, :, : self._vocab]
+
+    def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H]`` final hidden states -> logits ``[..., M]`` (VocabTrim) or ``[..., V_shared]``."""
+        if self._head is not None:
+            return self._head.logits(hidden)
+        return self.model.get_output_embeddings()(hidden)[..., : self._vocab]
 
     def _catch_up(self, state: DecodeState) -> torch.Tensor:
         """Start a proposal: feed what the cache lacks (ending with the root); ``p``'s logits after the root."""

@@ -310,7 +310,9 @@ register(
     needs_draft=True,
     keys=_keys(DynamicTreeDrafter, budget=(int, "tree tokens per target call N (best cumulative log-prob)"),
                topk=(int, "children per expanded node, and nodes expanded per level K"),
-               depth=(int, "levels L (draft forwards per step)")),
+               depth=(int, "levels L (draft forwards per step)"),
+               calibrate=(bool, "rank nodes by acceptance rates learned online from verification (0: by raw "
+                                "draft probability, as EAGLE-2)")),
     doc="greedy dynamic draft tree (EAGLE-2 style, Li et al. 2024); deterministic: exact at any temperature "
         "(greedy / deterministic-draft verification)",
 )

@@ -39,6 +39,7 @@ from ..sampling import warp
 from ..tree import TreeAttention
 from ..types import DraftTree
 from .base import DecodeState
+from .calibration import AcceptanceCalibrator
 from .model import DraftModelBase
 
 __all__ = ["DynamicTreeDrafter", "RSDCDrafter", "RSDSDrafter", "SpecInferDrafter", "TreeDrafterBase"]
@@ -305,14 +306,21 @@ class DynamicTreeDrafter(TreeDrafterBase):
         budget: tree tokens per target call N.
         topk: children per expanded node, and nodes expanded per level K.
         depth: levels L (draft forwards per step).
+        calibrate: rank nodes by learned acceptance probabilities (:mod:`.calibration`) instead of raw draft
+            probabilities: the tree keeps the nodes most likely to be accepted even when the draft is
+            over- or under-confident. Learned across generations from what verification accepted; it never
+            changes the output.
     """
 
     def __init__(self, draft_model: torch.nn.Module, budget: int = 16, topk: int = 4, depth: int = 4,
-                 tokenizers_match: bool | None = None, vocab_trim: int | Sequence[int] | None = None) -> None:
+                 calibrate: bool = True, tokenizers_match: bool | None = None,
+                 vocab_trim: int | Sequence[int] | None = None) -> None:
         super().__init__(draft_model, tokenizers_match=tokenizers_match, vocab_trim=vocab_trim)
         self.budget = check_positive_int("budget", budget)
         self.topk = check_positive_int("topk", topk)
         self.depth = check_positive_int("depth", depth)
+        self.calibrator = AcceptanceCalibrator() if calibrate else None
+        self._node_q: list[tuple[float, int]] = []  # (draft probability, sibling rank) of the proposed nodes
 
     def _extra_slots(self) -> int:
         return self.topk * (self.depth - 1)
@@ -327,6 +335,7 @@ class DynamicTreeDrafter(TreeDrafterBase):
         score: list[float] = []
         dep: list[int] = []
         fed: list[int] = []
+        local: list[tuple[float, int]] = []  # (draft probability, sibling rank)
         frontier, frontier_score = [-1], [0.0]
         for level in range(depth):
             if state.params.greedy:
@@ -334,12 +343,16 @@ class DynamicTreeDrafter(TreeDrafterBase):
             else:
                 logp = warp(logits, state.params).log()
             vals, idx = logp.topk(min(k, logp.shape[-1]), dim=-1)  # [F, K]
-            cum = (torch.tensor(frontier_score, dtype=torch.float64, device=vals.device)[:, None]
-                   + vals.double()).tolist()
+            vals = vals.tolist()
+            qs = [[math.exp(v) for v in row] for row in vals]  # [F][K] draft probabilities
+            if self.calibrator is not None:  # log a(q, rank) in place of log q (-inf stays: never drafted)
+                vals = [[c if v > -math.inf else v for v, c in zip(row, cal)]
+                        for row, cal in zip(vals, self.calibrator.log_accept(qs))]
+            cum = [[base + v for v in row] for base, row in zip(frontier_score, vals)]
             ids = self._token_ids(idx).tolist()
             new: list[int] = []
             for r, parent in enumerate(frontier):
-                for t, s in zip(ids[r], cum[r]):
+                for rank, (t, s) in enumerate(zip(ids[r], cum[r])):
                     if s > -math.inf:
                         new.append(len(tok))
                         tok.append(t)
@@ -347,6 +360,7 @@ class DynamicTreeDrafter(TreeDrafterBase):
                         score.append(s)
                         dep.append(level + 1)
                         fed.append(-1)
+                        local.append((qs[r][rank], rank))
             if level + 1 == depth:
                 break
             frontier = sorted(new, key=lambda i: -score[i])[:k]  # stable: earlier candidates win ties
@@ -362,4 +376,29 @@ class DynamicTreeDrafter(TreeDrafterBase):
         node_of = {i: n for n, i in enumerate(best)}
         tokens = [tok[i] for i in best]
         parents = [node_of[par[i]] if par[i] >= 0 else -1 for i in best]
+        self._node_q = [local[i] for i in best]
         return self._finish(state, tokens, parents, [], [fed[i] for i in best])
+
+    def commit(self, state: DecodeState, accepted: list[int]) -> None:
+        if self.calibrator is not None and self._tree is not None:
+            self._learn(self._tree, accepted)
+        super().commit(state, accepted)
+
+    def _learn(self, tree: DraftTree, accepted: list[int]) -> None:
+        """Every child of an accepted node (the root included) was tried: a hit if it is the next accepted one."""
+        q: list[float] = []
+        rank: list[int] = []
+        hits: list[bool] = []
+        node = -1
+        for tok in [*accepted, None]:
+            nxt = None
+            for c in tree.children[node + 1]:
+                hit = tok is not None and tree.tokens[c] == tok
+                q.append(self._node_q[c][0])
+                rank.append(self._node_q[c][1])
+                hits.append(hit)
+                nxt = c if hit else nxt
+            if nxt is None:
+                break
+            node = nxt
+        self.calibrator.update(q, rank, hits)

@@ -38,19 +38,25 @@ def load_calibration(model_dir: str | Path | None) -> dict | None:
     return data
 
 
-def resolve_keep_ids(model: torch.nn.Module, vocab_trim: int | Sequence[int] | None, vocab: int) -> list[int] | None:
+def resolve_keep_ids(model: torch.nn.Module, vocab_trim: int | Sequence[int] | None, vocab: int,
+                     sampling: bool = False) -> list[int] | None:
     """The kept token ids for ``vocab_trim``; None means the full head.
 
-    ``None``: the model's recommended size if its directory ships a calibration with a ``default_size``, else the
-    full head. ``0``: the full head. ``N > 0``: the N most frequent tokens of the model's calibration (an error if
-    it has none). A sequence: exactly those ids.
+    ``None``: the model's recommended size if its directory ships a calibration with one, else the full head.
+    The calibration may recommend a larger ``default_size_sampling`` for ``sampling`` (temperature > 0): greedy
+    acceptance only needs the target's argmax in the kept set, sampled acceptance ``sum(min(p, q))`` loses the
+    target's whole mass outside it. ``0``: the full head. ``N > 0``: the N most frequent tokens of the model's
+    calibration (an error if it has none). A sequence: exactly those ids.
     """
     model_dir = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
     if vocab_trim is None:
-        calibration = load_calibration(model_dir)
-        if calibration is None or not calibration.get("default_size"):
+        calibration = load_calibration(model_dir) or {}
+        size = calibration.get("default_size")
+        if sampling and "default_size_sampling" in calibration:
+            size = calibration["default_size_sampling"]  # null / 0: the full head
+        if not size or size >= vocab:
             return None
-        ids = calibration["token_ids"][: int(calibration["default_size"])]
+        ids = calibration["token_ids"][: int(size)]
     elif isinstance(vocab_trim, int):
         if vocab_trim < 0:
             raise ValueError(f"vocab_trim must be >= 0 (0 = the full LM head), got {vocab_trim}")

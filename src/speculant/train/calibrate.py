@@ -27,8 +27,11 @@ def token_ranking(tokens: np.ndarray, vocab: int) -> tuple[list[int], np.ndarray
 
 
 def write_calibration(model_dir: str | Path, data: str | Path, split: str = "distill",
-                      default_size: int | None = None) -> Path:
-    """Write ``vocab_trim.json`` for the model in ``model_dir`` from the ``split`` stream of ``data``."""
+                      default_size: int | None = None, default_size_sampling: int | None = None) -> Path:
+    """Write ``vocab_trim.json`` for the model in ``model_dir`` from the ``split`` stream of ``data``.
+
+    ``default_size`` is the kept-token count drafters use by default, ``default_size_sampling`` the one they use
+    when sampling (None: the same; 0: the full head)."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     vocab = int(config["vocab_size"])
@@ -41,12 +44,17 @@ def write_calibration(model_dir: str | Path, data: str | Path, split: str = "dis
             coverage[str(n)] = round(float(counts[ranking[:n]].sum()) / total, 5)
     if default_size is not None and not 0 < default_size <= len(ranking):
         raise ValueError(f"default_size must be between 1 and the {len(ranking)} tokens seen, got {default_size}")
+    if default_size_sampling is not None and not 0 <= default_size_sampling <= len(ranking):
+        raise ValueError(f"default_size_sampling must be between 0 (the full head) and the {len(ranking)} tokens "
+                         f"seen, got {default_size_sampling}")
+    sampling = {} if default_size_sampling is None else {"default_size_sampling": default_size_sampling}
     out = model_dir / CALIBRATION_FILE
     out.write_text(json.dumps({
         "method": "VocabTrim (Goel et al. 2025): token ids by frequency on the calibration split",
         "calibration": {"split": split, "tokens": total, "distinct": len(ranking)},
         "coverage": coverage,
         "default_size": default_size,
+        **sampling,
         "token_ids": ranking,
     }))
     return out

@@ -41,6 +41,11 @@ def _vocab_trim_section(model_dir: Path) -> str:
     cover = ", ".join(f"top {n}: {float(v):.1%}" for n, v in cal["coverage"].items())
     default = (f"Drafters use the {cal['default_size']:,} most frequent tokens by default (`chain:trim=N` picks "
                "another size, `trim=0` the full head)." if cal.get("default_size") else "")
+    if "default_size_sampling" in cal:
+        n = cal["default_size_sampling"]
+        default += (f" When sampling they use {f'the {n:,} most frequent' if n else 'all'} tokens: a sampled draft "
+                    "token is accepted with probability sum(min(p, q)), and the target's mass outside the kept set "
+                    "is lost to it.")
     return (f"\n## VocabTrim calibration\n`vocab_trim.json` ranks the {cal['calibration']['distinct']:,} token ids "
             f"seen in the `{cal['calibration']['split']}` stream ({cal['calibration']['tokens']:,} tokens) by "
             f"frequency; coverage of that stream: {cover}. {default}\n")
