@@ -41,8 +41,8 @@ bench-readme: $(STAMP)
 bench-overhead: $(STAMP)
 	$(PY) benchmarks/engine_overhead.py
 
-# KV eviction: every policy x budget on a held-out module, then kv_table.md and plots (benchmarks/results/kv).
-KV_POLICIES ?= keydiff,keydiff-raw,streaming,h2o,protect:h2o,tova,snapkv,knorm,random,caote:h2o,caote:protect:h2o,caote:tova,caote:snapkv,fastcaote:tova
+# KV eviction: every policy x budget on the 4 longest held-out modules, then kv_table.md and plots (benchmarks/results/kv).
+KV_POLICIES ?= keydiff,keydiff-raw,protect:keydiff,streaming,h2o,h2o-acc,tova,snapkv,knorm,random,caote:h2o,caote:h2o-acc,caote:tova,caote:snapkv,fastcaote:h2o,fastcaote:tova,fastcaote:snapkv
 kv-eval: $(STAMP)
 	$(VENV)/bin/speculant kv-eval --policies $(KV_POLICIES) --budgets 128,256,512 --tail 128 --out benchmarks/results/kv
 	$(PY) benchmarks/kv_report.py benchmarks/results/kv/kv_results.json

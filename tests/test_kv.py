@@ -15,6 +15,7 @@ from speculant.kv import (
     BudgetCache,
     KeyDiff,
     KeyNorm,
+    MassPolicy,
     Protect,
     QueryCapture,
     ScoreContext,
@@ -25,6 +26,7 @@ from speculant.kv import (
     caote_scores,
     evict,
     parse_policy,
+    pin_window,
     policy_names,
     prefill_blockwise,
 )
@@ -33,7 +35,8 @@ from speculant.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ALL_SPECS = [*POLICIES, "caote:h2o", "fastcaote:snapkv", "caote:keydiff", "protect:tova", "caote:protect:snapkv"]
+ALL_SPECS = [*POLICIES, "caote:h2o", "fastcaote:snapkv", "caote:keydiff", "protect:tova", "caote:protect:snapkv",
+             "caote:h2o-acc"]
 
 
 @dataclass
@@ -44,6 +47,20 @@ class Fixed(ScorePolicy):
 
     def score(self, keys, values, ctx):
         return self.scores
+
+
+@dataclass
+class FixedMass(MassPolicy):
+    """Test policy with a given base score and given pinned tokens."""
+
+    base: torch.Tensor
+    pins: torch.Tensor
+
+    def mass(self, keys, values, ctx):
+        return self.base
+
+    def pinned(self, ctx):
+        return self.pins
 
 
 def _ids(n: int, seed: int = 0, vocab: int = 96) -> torch.Tensor:
@@ -199,6 +216,17 @@ def test_caote_score_equals_brute_force_output_change():
     torch.testing.assert_close(wrapped, brute)
     fast = caote_scores(alpha, v, fast=True)
     torch.testing.assert_close(fast, alpha / (1 - alpha) * (v.mean(2, keepdim=True) - v).norm(dim=-1))
+    # pinned tokens (a recent window) stay in alpha and in X: the unpinned scores are still the exact output
+    # change of removing that token from the full attention, and the pinned ones are kept (+inf)
+    pins = torch.zeros(2, 3, 9, dtype=torch.bool)
+    pins[..., -3:] = True
+    ctx = ScoreContext(positions=torch.arange(9).expand(2, 3, 9))
+    got = CAOTE(FixedMass(alpha * 3.0, pins)).score(torch.zeros(2, 3, 9, 4), v, ctx)
+    torch.testing.assert_close(got[..., :6], brute[..., :6])
+    assert (got[..., 6:] == math.inf).all()
+    # ... which differs from leaving the pinned tokens' mass out of alpha
+    rest = alpha.masked_fill(pins, 0.0)
+    assert not torch.allclose(got[..., :6], caote_scores(rest / rest.sum(-1, keepdim=True), v)[..., :6])
 
 
 def test_caote_keeps_inner_protection():
@@ -207,11 +235,24 @@ def test_caote_keeps_inner_protection():
     assert out[0, 0, 1] == math.inf and torch.isfinite(out[0, 0, [0, 2, 3]]).all()
 
 
+def test_caote_over_h2o_uses_the_recent_windows_attention():
+    """caote:h2o: alpha is the accumulated attention of every token, the pinned recent window's included."""
+    t, budget = 8, 4
+    gen = torch.Generator().manual_seed(3)
+    acc = torch.rand(1, 2, t, generator=gen)
+    v = torch.randn(1, 2, t, 3, generator=gen)
+    ctx = ScoreContext(positions=torch.arange(t).expand(1, 2, t), accumulated=acc, budget=budget)
+    got = CAOTE(H2O()).score(torch.zeros(1, 2, t, 3), v, ctx)
+    want = caote_scores(acc / acc.sum(-1, keepdim=True), v)
+    torch.testing.assert_close(got[..., :6], want[..., :6])
+    assert (got[..., 6:] == math.inf).all()  # recent window: int(0.5 * 4) = 2 tokens
+
+
 # ---------------------------------------------------------------- policies
 
 
-def _ctx(t: int, heads: int = 2, attn=None, acc=None) -> ScoreContext:
-    return ScoreContext(positions=torch.arange(t).expand(1, heads, t), accumulated=acc, attn=attn)
+def _ctx(t: int, heads: int = 2, attn=None, acc=None, budget=None) -> ScoreContext:
+    return ScoreContext(positions=torch.arange(t).expand(1, heads, t), accumulated=acc, attn=attn, budget=budget)
 
 
 @pytest.mark.parametrize("spec", ALL_SPECS)
@@ -219,8 +260,13 @@ def test_every_policy_scores_have_the_right_shape(spec):
     gen = torch.Generator().manual_seed(0)
     keys, values = torch.randn(1, 2, 11, 4, generator=gen), torch.randn(1, 2, 11, 6, generator=gen)
     attn = torch.rand(1, 4, 3, 11, generator=gen).softmax(-1)  # 4 query heads over 2 KV heads
-    scores = parse_policy(spec).score(keys, values, _ctx(11, attn=attn, acc=torch.rand(1, 2, 11, generator=gen)))
+    ctx = _ctx(11, attn=attn, acc=torch.rand(1, 2, 11, generator=gen), budget=6)
+    policy = parse_policy(spec)
+    scores = policy.score(keys, values, ctx)
     assert scores.shape == (1, 2, 11) and not scores.isnan().any()
+    base, pinned = policy.parts(keys, values, ctx)
+    assert base.shape == pinned.shape == (1, 2, 11) and pinned.dtype == torch.bool and torch.isfinite(base).all()
+    torch.testing.assert_close(base.masked_fill(pinned, math.inf), scores.float())
 
 
 def test_keydiff_prefers_the_outlier_key():
@@ -255,9 +301,40 @@ def test_attention_policies_rank_by_attention():
     snap = SnapKV(window=2, kernel=1).score(keys, keys, _ctx(t, attn=attn))
     assert (snap[..., -2:] == math.inf).all() and (snap[..., :4].argmax(-1) == 2).all()
     acc = torch.tensor([0.1, 3.0, 0.2, 0.0, 1.0, 0.5]).expand(1, 2, t)
-    assert H2O().score(keys, keys, _ctx(t, acc=acc)).argmax(-1).eq(1).all()
-    prot = Protect(H2O(), sinks=1, recent=1).score(keys, keys, _ctx(t, acc=acc))
+    pure = H2O(recent_fraction=0.0).score(keys, keys, _ctx(t, acc=acc))
+    torch.testing.assert_close(pure, acc)  # h2o-acc: the accumulated attention alone
+    assert torch.equal(parse_policy("h2o-acc").score(keys, keys, _ctx(t, acc=acc)), pure)
+    h2o = H2O().score(keys, keys, _ctx(t, acc=acc, budget=4))  # recent window int(0.5 * 4) = 2
+    assert (h2o[..., -2:] == math.inf).all() and torch.equal(h2o[..., :4], acc[..., :4])
+    with pytest.raises(ValueError, match="budget"):
+        H2O().score(keys, keys, _ctx(t, acc=acc))
+    prot = Protect(H2O(recent_fraction=0.0), sinks=1, recent=1).score(keys, keys, _ctx(t, acc=acc))
     assert prot[0, 0, 0] == math.inf and prot[0, 0, -1] == math.inf and prot[0, 0, 3] == 0.0
+    # Protect's parts keep the inner base (the attention mass) of the tokens it pins
+    base, pinned = Protect(H2O(), sinks=1, recent=1).parts(keys, keys, _ctx(t, acc=acc, budget=2))
+    torch.testing.assert_close(base, acc)
+    assert pinned[0, 0].tolist() == [True, False, False, False, False, True]
+
+
+def test_pin_window():
+    pos = torch.tensor([[[0, 1, 5, 9, 12, 13]]])
+    assert pin_window(pos, sinks=2, recent=2)[0, 0].tolist() == [True, True, False, False, True, True]
+    assert not pin_window(pos).any()
+
+
+def test_h2o_keeps_the_recent_half_of_the_budget_and_the_heavy_hitters():
+    """Evicted through evict() (which passes the budget): budget 6 = 3 recent tokens + the 3 heaviest older
+    ones. Without the window (h2o-acc) the fresh tokens, which have accumulated little, are evicted."""
+    t = 12
+    acc = torch.tensor([5.0, 0.1, 4.0, 0.2, 0.3, 3.0, 0.1, 2.5, 0.2, 0.0, 0.1, 0.0])
+    for policy, kept in ((H2O(), [0, 2, 5, 9, 10, 11]), (H2O(recent_fraction=0.0), [0, 2, 3, 4, 5, 7])):
+        cache = _filled_cache(t, heads=2)
+        for layer in cache.layers:
+            layer.accumulated.copy_(acc.expand(1, 2, t))
+        evict(cache, policy, 6, attn={})
+        assert cache.positions(0)[0, 1].tolist() == kept
+    with pytest.raises(ValueError, match="recent_fraction"):
+        H2O(recent_fraction=1.5)
 
 
 def test_random_is_seeded():
@@ -323,7 +400,7 @@ def _small_eval_config(**kw):
     from speculant.kv.evaluate import EvalConfig
 
     base = {"policies": "keydiff,caote:h2o", "seq_len": 96, "tail": 6, "retrieval_pairs": 3,
-            "retrieval_examples": 2, "memory_lengths": "64,256", "block": 16}
+            "retrieval_examples": 2, "memory_lengths": "64,256", "block": 16, "files": 2}
     return EvalConfig(**{**base, **kw})
 
 
@@ -334,6 +411,8 @@ def test_eval_with_budget_above_length_matches_the_full_cache(llama):
     assert [r["policy"] for r in report["results"]] == ["keydiff", "caote:h2o"]
     for r in report["results"]:
         assert r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-4 and abs(r["nll_ratio"] - 1) < 1e-4
+        assert r["files"] == 2 and len(r["per_file"]) == 2 and r["positions"] == 12
+        assert len({f["name"] for f in r["per_file"]}) == 2  # two different held-out modules
         assert r["retrieval_accuracy"] == r["full_retrieval_accuracy"]
         assert abs(r["retrieval_answer_nll"] - r["full_retrieval_answer_nll"]) < 1e-3
 
@@ -350,6 +429,43 @@ def test_eval_small_budget_bounds_memory(llama):
     assert long["budget_peak_kv_bytes"] <= (16 + 16) * per_token
 
 
+def test_eval_reports_the_mean_over_texts_and_each_text(llama):
+    from speculant.kv.evaluate import fidelity, run_eval
+
+    texts = {"a": "def f(x):\n    return x + 1\n" * 5, "b": "import os\nprint(os.getcwd())\n" * 4}
+    report = run_eval(llama, CharTokenizer(), _small_eval_config(policies="streaming", budgets="20", tail=10), texts)
+    (r,) = report["results"]
+    assert [f["name"] for f in r["per_file"]] == ["a", "b"] and r["positions"] == 20
+    for f in r["per_file"]:  # each text's numbers are fidelity() on that text alone
+        ids = torch.tensor([CharTokenizer()(texts[f["name"]])["input_ids"][:96]])
+        one = fidelity(llama, ids, parse_policy("streaming"), 20, tail=10, block=16)
+        assert f["top1_agreement"] == one.top1_agreement and f["kl"] == pytest.approx(one.kl, rel=1e-5)
+    for key in ("kl", "top1_agreement", "nll_ratio"):
+        assert r[key] == pytest.approx(sum(f[key] for f in r["per_file"]) / 2)
+    assert r["kl"] > 0 and r["kl_se"] > 0 and r["top1_agreement_se"] >= 0
+
+
+@pytest.mark.parametrize("fmt", ["repeat", "lookup"])
+def test_retrieval_prompts_ask_for_one_entry(fmt):
+    import re
+
+    from speculant.kv.evaluate import retrieval_prompts
+
+    examples = retrieval_prompts(n_pairs=10, n_examples=5, seed=1, fmt=fmt)
+    assert examples == retrieval_prompts(n_pairs=10, n_examples=5, seed=1, fmt=fmt)  # seeded
+    for prompt, answer in examples:
+        table = dict(re.findall(r'^    "(\w+)": "(\d+)",$', prompt.split("}")[0], flags=re.MULTILINE))
+        assert len(table) == 10
+        key = re.findall(r'"(\w+)"', prompt.splitlines()[-1])[-1]
+        assert answer == table[key] + '"'
+        if fmt == "repeat":  # the query line is the entry's exact prefix
+            assert prompt.endswith(f'    "{key}": "') and f'    "{key}": "{answer},' in prompt
+        else:
+            assert prompt.endswith(f'assert table["{key}"] == "')
+    with pytest.raises(ValueError, match="retrieval format"):
+        retrieval_prompts(fmt="nope")
+
+
 def test_kv_eval_cli_json(llama, monkeypatch, capsys, tmp_path):
     import argparse
     import json
@@ -362,15 +478,16 @@ def test_kv_eval_cli_json(llama, monkeypatch, capsys, tmp_path):
     parser = argparse.ArgumentParser()
     cli.add_arguments(parser)
     args = parser.parse_args(["--policies", "snapkv", "--budgets", "32,48", "--seq-len", "80", "--tail", "4",
-                              "--retrieval-pairs", "3", "--retrieval-examples", "1", "--memory-lengths", "64",
-                              "--block", "16", "--json", "--out", str(tmp_path)])
+                              "--files", "2", "--retrieval-pairs", "3", "--retrieval-examples", "1",
+                              "--memory-lengths", "64", "--block", "16", "--json", "--out", str(tmp_path)])
     assert cli.run(args) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [(r["policy"], r["budget"]) for r in report["results"]] == [("snapkv", 32), ("snapkv", 48)]
-    for key in ("top1_agreement", "kl", "nll_ratio", "retrieval_accuracy"):
+    for key in ("top1_agreement", "kl", "nll_ratio", "retrieval_accuracy", "per_file", "top1_agreement_se"):
         assert key in report["results"][0]
     assert set(report["memory"][0]) >= {"prompt_tokens", "full_peak_kv_bytes", "budget_peak_kv_bytes"}
     assert json.loads((tmp_path / "kv_results.json").read_text())["results"] == report["results"]
-    for bad in (["--policies", "nope"], ["--budgets", "0"], ["--budget-fraction", "2"]):
+    for bad in (["--policies", "nope"], ["--budgets", "0"], ["--budget-fraction", "2"], ["--files", "0"],
+                ["--retrieval-format", "nope"]):
         with pytest.raises(ValueError):
             cli.run(parser.parse_args(bad))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import record_caches
 
 import speculant
@@ -62,3 +63,20 @@ def test_kv_errors(pair):
         speculant.generate(target, PROMPT, kv_policy="keydiff", kv_budget=0)
     with pytest.raises(ValueError, match="unknown"):
         speculant.generate(target, PROMPT, kv_policy="nope", kv_budget=8)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "caote:h2o"])
+def test_h2o_keeps_its_recent_window_inside_generate(pair, policy, monkeypatch):
+    """The engine's evictions pass the budget to the policy: H2O keeps the latest half of it (int(0.5 * 12) = 6
+    consecutive positions ending at the last committed token) next to its heavy hitters."""
+    caches = record_caches(monkeypatch, speculant.engine, "BudgetCache")
+    target, draft = pair
+    gen = speculant.generate(target, PROMPT, drafter=build_drafter("chain:k=3", draft), max_new_tokens=16,
+                             eos_token_id=[], kv_policy=policy, kv_budget=12, kv_block=8)
+    assert len(gen.token_ids) == 16
+    (cache,) = caches
+    end = cache.next_position
+    for layer in range(len(cache.layers)):
+        pos = cache.positions(layer)
+        assert pos.shape[-1] == 12
+        assert (pos[..., -6:] == torch.arange(end - 6, end)).all()

@@ -22,12 +22,14 @@ from .policies import (
     TOVA,
     KeyDiff,
     KeyNorm,
+    MassPolicy,
     Protect,
     RandomScore,
     ScoreContext,
     ScorePolicy,
     SnapKV,
     Streaming,
+    pin_window,
 )
 from .registry import POLICIES, WRAPPERS, parse_policy, policy_names
 
@@ -41,6 +43,7 @@ __all__ = [
     "BudgetLayer",
     "KeyDiff",
     "KeyNorm",
+    "MassPolicy",
     "Protect",
     "QueryCapture",
     "RandomScore",
@@ -53,6 +56,7 @@ __all__ = [
     "evict",
     "observe",
     "parse_policy",
+    "pin_window",
     "policy_names",
     "prefill_blockwise",
 ]

@@ -185,7 +185,8 @@ def evict(
         t = layer.length
         if t <= budget:
             continue
-        ctx = ScoreContext(layer.positions, accumulated=layer.accumulated, attn=(attn or {}).get(i), layer=i)
+        ctx = ScoreContext(layer.positions, accumulated=layer.accumulated, attn=(attn or {}).get(i), layer=i,
+                           budget=budget)
         scores = policy.score(layer.keys, layer.values, ctx).float()  # [B, H_kv, T]
         if scores.shape != layer.positions.shape:
             raise ValueError(f"{policy.name} scored {tuple(scores.shape)}, expected {tuple(layer.positions.shape)}")

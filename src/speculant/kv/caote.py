@@ -4,6 +4,12 @@ A meta-method over any base score: normalise the base score to ``alpha`` (sum 1 
 is ``X = sum_i alpha_i v_i``; removing token ``j`` (and renormalising) changes it by
 ``alpha_j (v_j - X) / (1 - alpha_j)``, so the score is ``c_j = alpha_j / (1 - alpha_j) * |X - v_j|_2`` and the
 smallest are evicted. FastCAOTE approximates ``X`` by the mean of the values.
+
+``alpha`` is the inner policy's base score over *every* cached token, its pinned tokens included
+(:meth:`speculant.kv.policies.ScorePolicy.parts`): for ``caote:h2o`` it is the normalised accumulated attention of
+all tokens, the recent window's too, so ``X`` is the attention output the paper defines; the pinned tokens are then
+kept whatever their CAOTE score. (Policies without a separate base, e.g. StreamingLLM's ``+inf`` sinks, give their
+pinned tokens mass 0.)
 """
 
 from __future__ import annotations
@@ -32,8 +38,9 @@ def caote_scores(alpha: torch.Tensor, values: torch.Tensor, fast: bool = False) 
 class CAOTE(WrapperPolicy):
     """Wrapper: CAOTE (``fast=False``) or FastCAOTE (``fast=True``) on top of ``inner``'s scores.
 
-    ``inner`` scores are clamped at 0 before normalising (they are attention masses for H2O/TOVA/SnapKV);
-    tokens ``inner`` protects with ``+inf`` stay protected and are left out of ``alpha``.
+    ``alpha`` is ``inner``'s base score (:meth:`ScorePolicy.parts`; the attention mass for H2O/TOVA/SnapKV),
+    clamped at 0 and normalised over all cached tokens, pinned ones included; ``inner``'s pinned tokens stay
+    pinned (score ``+inf``).
     """
 
     fast: bool = False
@@ -43,8 +50,7 @@ class CAOTE(WrapperPolicy):
         return f"{'fastcaote' if self.fast else 'caote'}:{self.inner.name}"
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
-        base = self.inner.score(keys, values, ctx).float()  # [B, H, T]
-        pinned = base == math.inf
-        mass = base.masked_fill(pinned, 0.0).nan_to_num(0.0).clamp_min(0.0)
+        base, pinned = self.inner.parts(keys, values, ctx)  # [B, H, T] each
+        mass = base.float().nan_to_num(0.0, posinf=0.0).clamp_min(0.0)
         alpha = mass / mass.sum(-1, keepdim=True).clamp_min(_EPS)
         return caote_scores(alpha, values, self.fast).masked_fill(pinned, math.inf)

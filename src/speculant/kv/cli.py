@@ -1,7 +1,7 @@
 """``speculant kv-eval``: fidelity, retrieval accuracy and peak KV memory of eviction policies under a budget.
 
 Output: a table on stdout, or with ``--json`` one JSON object on its LAST line:
-``{"results": [{"policy", "budget", "top1_agreement", "kl", "nll_ratio", "retrieval_accuracy", ...}],
+``{"results": [{"policy", "budget", "top1_agreement", "kl", "nll_ratio", "retrieval_accuracy", "per_file", ...}],
 "memory": [{"prompt_tokens", "full_peak_kv_bytes", "budget_peak_kv_bytes", ...}], "settings": {...}}``.
 With ``--out DIR`` the same object is written to ``DIR/kv_results.json``. Bad input raises ValueError (reported
 as one line by ``speculant.cli.main``). Defaults come from :class:`speculant.kv.evaluate.EvalConfig`.
@@ -15,7 +15,7 @@ import logging
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from .evaluate import EvalConfig, run_eval
+from .evaluate import RETRIEVAL_FORMATS, EvalConfig, run_eval
 from .registry import parse_policy, policy_names
 
 __all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
@@ -24,9 +24,10 @@ log = logging.getLogger(__name__)
 
 HELP = "evaluate KV-cache eviction policies under a memory budget"
 DESCRIPTION = (
-    "For each policy and budget: teacher-forced fidelity to the full cache on a token sequence (mean next-token "
-    "KL, top-1 agreement, NLL ratio; block-wise prefill then token-by-token decoding with eviction), accuracy on "
-    "a synthetic dict-lookup retrieval task, and peak KV bytes of a full vs a block-wise budgeted prefill. "
+    "For each policy and budget: teacher-forced fidelity to the full cache on held-out token sequences (mean "
+    "next-token KL, top-1 agreement, NLL ratio, averaged over the sequences; block-wise prefill then token-by-token "
+    "decoding with eviction), accuracy on a synthetic dict retrieval task, and peak KV bytes of a full vs a "
+    "block-wise budgeted prefill. "
     f"Policies: {', '.join(policy_names())} (wrappers prefix a base policy, e.g. caote:h2o)."
 )
 _DEFAULTS = EvalConfig()
@@ -35,8 +36,10 @@ _HELPS = {
     "budgets": "comma-separated token budgets per layer (default: --budget-fraction of each prompt)",
     "budget_fraction": "budget as a fraction of each prompt's length when --budgets is not given",
     "block": "block size B of the block-wise prefill",
-    "seq_len": "tokens of the fidelity sequence",
-    "tail": "next-token predictions scored at the end of the fidelity sequence (decoded one by one)",
+    "files": "held-out stdlib modules (the longest) for the fidelity sequences when --text is not given",
+    "seq_len": "tokens of each fidelity sequence (the start of each text)",
+    "tail": "next-token predictions scored at the end of each fidelity sequence (decoded one by one)",
+    "retrieval_format": f"retrieval query: {' or '.join(RETRIEVAL_FORMATS)} (see speculant.kv.evaluate)",
     "retrieval_pairs": "key/value pairs in each retrieval prompt",
     "retrieval_examples": "retrieval prompts",
     "memory_lengths": "comma-separated prompt lengths for the memory profile",
@@ -47,7 +50,8 @@ _HELPS = {
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``kv-eval``; defaults are :class:`EvalConfig`'s."""
     p.add_argument("--target", default="default-target", help="model directory or bundled name (%(default)s)")
-    p.add_argument("--text", default=None, help="text file for the fidelity sequence (default: the longest held-out stdlib module)")
+    p.add_argument("--text", nargs="+", default=None,
+                   help="text file(s) for the fidelity sequences (default: the --files longest held-out modules)")
     p.add_argument("--out", default=None, help="directory to write kv_results.json into")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
     for f in fields(EvalConfig):
@@ -67,7 +71,10 @@ def _config(args: argparse.Namespace) -> EvalConfig:
             raise ValueError(f"--{name.replace('_', '-')} must be comma-separated positive integers, got {value!r}")
     if not 0 < cfg.budget_fraction <= 1:
         raise ValueError(f"--budget-fraction must be in (0, 1], got {cfg.budget_fraction}")
-    for name in ("block", "seq_len", "tail", "retrieval_pairs", "retrieval_examples"):
+    if cfg.retrieval_format not in RETRIEVAL_FORMATS:
+        known = ", ".join(RETRIEVAL_FORMATS)
+        raise ValueError(f"--retrieval-format must be one of {known}, got {cfg.retrieval_format!r}")
+    for name in ("block", "files", "seq_len", "tail", "retrieval_pairs", "retrieval_examples"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     return cfg
@@ -79,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = _config(args)
     model, tokenizer = load_model_dir(resolve_model(args.target))
-    text = Path(args.text).read_text() if args.text else None
+    text = {str(f): Path(f).read_text() for f in args.text} if args.text else None
     report = run_eval(model, tokenizer, cfg, text, progress=lambda r: log.info("kv-eval %s", r))
     report["settings"] = {**asdict(cfg), "target": str(args.target)}
     if args.out:
@@ -89,10 +96,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"{'policy':<22}{'budget':>8}{'top1':>8}{'KL':>10}{'NLL ratio':>11}{'retrieval':>11}")
+    print(f"{'policy':<22}{'budget':>8}{'top1':>8}{'± se':>7}{'KL':>10}{'± se':>8}{'NLL ratio':>11}{'retrieval':>11}")
     for r in report["results"]:
-        print(f"{r['policy']:<22}{r['budget']:>8}{r['top1_agreement']:>8.3f}{r['kl']:>10.4f}{r['nll_ratio']:>11.3f}"
-              f"{r['retrieval_accuracy']:>11.2f}")
+        print(f"{r['policy']:<22}{r['budget']:>8}{r['top1_agreement']:>8.3f}{r['top1_agreement_se']:>7.3f}"
+              f"{r['kl']:>10.4f}{r['kl_se']:>8.4f}{r['nll_ratio']:>11.3f}{r['retrieval_accuracy']:>11.2f}")
     if report["results"]:
         r = report["results"][0]
         print(f"full cache: retrieval accuracy {r['full_retrieval_accuracy']:.2f}, answer NLL "

@@ -6,6 +6,13 @@ layer (higher = more worth keeping). Selection of the top ``N`` is written once,
 probabilities set ``needs_attention`` and ``queries`` (how many of the latest queries they look at, 0 = all of
 the latest forward); the budget code checks that flag in one place and fills ``ctx.attn``.
 
+Every score is two parts, exposed by :meth:`ScorePolicy.parts`: a finite base score (for the attention policies
+H2O, TOVA and SnapKV the attention mass each token received) and a boolean mask of *pinned* tokens the policy
+always keeps (H2O's recent window, SnapKV's observation window, StreamingLLM's sinks, :class:`Protect`'s
+window); ``score`` is the base with the pinned tokens set to ``+inf``. CAOTE reads the parts, so that its
+attention distribution includes the pinned tokens' mass. :func:`pin_window` is the one place that pins sinks
+and a recent window.
+
 Wrappers (:class:`Protect` here, CAOTE in :mod:`speculant.kv.caote`) hold the wrapped policy in the field
 ``inner`` and forward the capability flags.
 """
@@ -23,6 +30,7 @@ __all__ = [
     "TOVA",
     "KeyDiff",
     "KeyNorm",
+    "MassPolicy",
     "Protect",
     "RandomScore",
     "ScoreContext",
@@ -30,6 +38,7 @@ __all__ = [
     "SnapKV",
     "Streaming",
     "WrapperPolicy",
+    "pin_window",
 ]
 
 
@@ -41,12 +50,15 @@ class ScoreContext:
     accumulated: ``[B, H_kv, T]`` attention each token received from all queries observed so far (H2O), or None.
     attn:        ``[B, H_q, Q, T]`` attention probabilities of the latest ``Q`` queries (causal), or None.
     layer:       layer index (seeds :class:`RandomScore` per layer).
+    budget:      the number of tokens per layer the eviction keeps (:func:`speculant.kv.budget.evict` sets it;
+                 policies that split the budget, like H2O's recent window, read it), or None.
     """
 
     positions: torch.Tensor
     accumulated: torch.Tensor | None = None
     attn: torch.Tensor | None = None
     layer: int = 0
+    budget: int | None = None
 
     def per_kv_head(self, x: torch.Tensor, kv_heads: int) -> torch.Tensor:
         """``[B, H_q, ...] -> [B, H_kv, ...]``: mean over the query heads sharing a KV head (GQA groups)."""
@@ -73,6 +85,15 @@ class ScorePolicy:
         """``keys [B, H_kv, T, D]`` (after RoPE), ``values [B, H_kv, T, Dv]`` -> scores ``[B, H_kv, T]``."""
         raise NotImplementedError
 
+    def parts(self, keys: torch.Tensor, values: torch.Tensor, ctx: ScoreContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(base [B, H_kv, T] float, pinned [B, H_kv, T] bool)`` with ``score == base.masked_fill(pinned, inf)``.
+
+        This default derives them from :meth:`score` (pinned = scored ``+inf``, whose base is then unknown and
+        set to 0); :class:`MassPolicy` and :class:`Protect` return the real base of their pinned tokens."""
+        s = self.score(keys, values, ctx).float()
+        pinned = s == math.inf
+        return s.masked_fill(pinned, 0.0), pinned
+
     @staticmethod
     def select(scores: torch.Tensor, budget: int) -> torch.Tensor:
         """Slots to keep: the ``budget`` highest scores per (batch, head), ascending slot order ``[B, H_kv, N]``.
@@ -82,6 +103,34 @@ class ScorePolicy:
         scores = torch.nan_to_num(scores.float(), nan=-math.inf)
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :budget]
         return order.sort(dim=-1).values
+
+
+class MassPolicy(ScorePolicy):
+    """A policy defined by a base score (:meth:`mass`) and the tokens it always keeps (:meth:`pinned`)."""
+
+    def mass(self, keys: torch.Tensor, values: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
+        """``[B, H_kv, T]`` finite base score (the attention mass for H2O, TOVA, SnapKV)."""
+        raise NotImplementedError
+
+    def pinned(self, ctx: ScoreContext) -> torch.Tensor:
+        """``[B, H_kv, T]`` bool: tokens always kept (default: none)."""
+        return torch.zeros_like(ctx.positions, dtype=torch.bool)
+
+    def parts(self, keys, values, ctx):
+        return self.mass(keys, values, ctx).float(), self.pinned(ctx)
+
+    def score(self, keys, values, ctx):
+        base, pinned = self.parts(keys, values, ctx)
+        return base.masked_fill(pinned, math.inf)
+
+
+def pin_window(positions: torch.Tensor, sinks: int = 0, recent: int = 0) -> torch.Tensor:
+    """``positions [B, H_kv, T]`` -> bool ``[B, H_kv, T]``: the first ``sinks`` original positions and the ``recent``
+    latest cached tokens (slots are in position order, so the most recent are the last slots)."""
+    pinned = positions < sinks
+    if recent > 0:
+        pinned[..., -recent:] = True
+    return pinned
 
 
 def _broadcast_heads(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -114,7 +163,7 @@ class Streaming(ScorePolicy):
 
     def score(self, keys, values, ctx):
         pos = ctx.positions.float()  # later = higher
-        return pos.masked_fill(ctx.positions < self.sinks, math.inf)
+        return pos.masked_fill(pin_window(ctx.positions, self.sinks), math.inf)
 
 
 @dataclass
@@ -143,35 +192,57 @@ class RandomScore(ScorePolicy):
 
 
 @dataclass
-class H2O(ScorePolicy):
-    """H2O (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle"): keep tokens with the largest attention accumulated
-    over all queries so far (per KV head, mean over its query heads). Combine with :class:`Protect` for the
-    recent window H2O also keeps."""
+class H2O(MassPolicy):
+    """H2O (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle"): the budget is split between the most recent tokens
+    and the heavy hitters, the older tokens with the largest attention accumulated over all queries so far (per
+    KV head, mean over its query heads).
+
+    The recent window is ``int(recent_fraction * budget)`` tokens (``ctx.budget``); the default 0.5 is the
+    paper's equal split (its experiments keep e.g. 10% heavy hitters + 10% recent tokens for a 20% budget).
+    A fresh token has had few queries to accumulate attention from, so without the window it would be evicted
+    almost at once. ``recent_fraction=0`` (registry name ``h2o-acc``) ranks by accumulated attention alone.
+    """
 
     needs_attention = True
     queries: int = 0
+    recent_fraction: float = 0.5
 
-    def score(self, keys, values, ctx):
+    def __post_init__(self) -> None:
+        if not 0 <= self.recent_fraction <= 1:
+            raise ValueError(f"h2o recent_fraction must be in [0, 1], got {self.recent_fraction}")
+
+    def mass(self, keys, values, ctx):
         if ctx.accumulated is None:
             raise ValueError("h2o needs accumulated attention: pass the queries (kv.QueryCapture)")
         return ctx.accumulated.float()
 
+    def recent(self, budget: int | None) -> int:
+        """Tokens of the recent window for a budget."""
+        if self.recent_fraction == 0:
+            return 0
+        if budget is None:
+            raise ValueError("h2o's recent window is a fraction of the budget: ScoreContext.budget is required")
+        return int(self.recent_fraction * budget)
+
+    def pinned(self, ctx):
+        return pin_window(ctx.positions, recent=self.recent(ctx.budget))
+
 
 @dataclass
-class TOVA(ScorePolicy):
+class TOVA(MassPolicy):
     """TOVA (Oren et al. 2024, "Transformers are Multi-State RNNs"): keep the tokens the last query attends to
     most, averaged over all heads of the layer (so every KV head keeps the same tokens)."""
 
     needs_attention = True
     queries: int = 1
 
-    def score(self, keys, values, ctx):
+    def mass(self, keys, values, ctx):
         attn = ctx.require_attn("tova")  # [B, H_q, Q, T]
         return _broadcast_heads(attn[:, :, -1].float().mean(1), keys)
 
 
 @dataclass
-class SnapKV(ScorePolicy):
+class SnapKV(MassPolicy):
     """SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"): attention of the
     last ``window`` queries, summed, max-pooled over ``kernel`` neighbouring tokens (per KV head); the window's
     own tokens are always kept."""
@@ -184,14 +255,15 @@ class SnapKV(ScorePolicy):
     def queries(self) -> int:  # type: ignore[override]
         return self.window
 
-    def score(self, keys, values, ctx):
+    def mass(self, keys, values, ctx):
         attn = ctx.require_attn("snapkv")  # [B, H_q, Q, T]
         votes = ctx.per_kv_head(attn.float().sum(2), keys.shape[1])  # [B, H_kv, T]
         b, h, t = votes.shape
         pooled = F.max_pool1d(votes.reshape(b * h, 1, t), self.kernel, stride=1, padding=self.kernel // 2)
-        pooled = pooled.reshape(b, h, -1)[..., :t]
-        pooled[..., max(0, t - attn.shape[2]) :] = math.inf  # the observation window itself
-        return pooled
+        return pooled.reshape(b, h, -1)[..., :t]
+
+    def pinned(self, ctx):
+        return pin_window(ctx.positions, recent=ctx.require_attn("snapkv").shape[2])  # the observation window
 
 
 @dataclass
@@ -221,9 +293,10 @@ class Protect(WrapperPolicy):
     def name(self) -> str:
         return f"protect:{self.inner.name}"
 
+    def parts(self, keys, values, ctx):
+        base, pinned = self.inner.parts(keys, values, ctx)
+        return base, pinned | pin_window(ctx.positions, self.sinks, self.recent)
+
     def score(self, keys, values, ctx):
-        s = self.inner.score(keys, values, ctx).float().clone()
-        s = s.masked_fill(ctx.positions < self.sinks, math.inf)
-        if self.recent > 0:
-            s[..., -self.recent :] = math.inf  # slots are in position order: the tail is the most recent
-        return s
+        base, pinned = self.parts(keys, values, ctx)
+        return base.masked_fill(pinned, math.inf)

@@ -27,7 +27,8 @@ POLICIES: dict[str, Callable[[], ScorePolicy]] = {
     "keydiff": KeyDiff,
     "keydiff-raw": lambda: KeyDiff(raw_mean=True),
     "streaming": Streaming,
-    "h2o": H2O,
+    "h2o": H2O,  # heavy hitters + a recent window of half the budget (the paper's split)
+    "h2o-acc": lambda: H2O(recent_fraction=0.0),  # accumulated attention alone, no recent window
     "tova": TOVA,
     "snapkv": SnapKV,
     "knorm": KeyNorm,
