@@ -427,3 +427,16 @@ def test_cli_generate_and_bench_with_tree_methods(tmp_path, capsys):
         assert s["identical_to_ar"] == 1.0 and s["acceptance_length"] > 1.0, spec
         assert s["draft_cost_ratio"] > 0 and 0 < s["mbsu"] < s["acceptance_length"]
         assert s["draft_calls_per_step"] <= 3.0  # one draft forward per level
+
+
+def test_calibration_restarts_when_the_sampling_settings_change():
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    drafter = build_drafter("tree:budget=6:topk=2:depth=3", perturbed(target, 0.1))
+    speculant.generate(target, _prefix(), drafter=drafter, max_new_tokens=12, eos_token_id=[])
+    learned = drafter.calibrator
+    assert learned.trials.sum() > AcceptanceCalibrator().trials.sum()
+    speculant.generate(target, _prefix(), drafter=drafter, max_new_tokens=12, eos_token_id=[])
+    assert drafter.calibrator is learned  # same settings: it keeps learning
+    speculant.generate(target, _prefix(), drafter=drafter, max_new_tokens=12, temperature=0.8, seed=0,
+                       eos_token_id=[])
+    assert drafter.calibrator is not learned

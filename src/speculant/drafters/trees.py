@@ -308,8 +308,8 @@ class DynamicTreeDrafter(TreeDrafterBase):
         depth: levels L (draft forwards per step).
         calibrate: rank nodes by learned acceptance probabilities (:mod:`.calibration`) instead of raw draft
             probabilities: the tree keeps the nodes most likely to be accepted even when the draft is
-            over- or under-confident. Learned across generations from what verification accepted; it never
-            changes the output.
+            over- or under-confident. Learned across generations from what verification accepted (and started
+            afresh when the temperature, top-k or top-p change); it never changes the output.
     """
 
     def __init__(self, draft_model: torch.nn.Module, budget: int = 16, topk: int = 4, depth: int = 4,
@@ -320,7 +320,15 @@ class DynamicTreeDrafter(TreeDrafterBase):
         self.topk = check_positive_int("topk", topk)
         self.depth = check_positive_int("depth", depth)
         self.calibrator = AcceptanceCalibrator() if calibrate else None
+        self._calibrated_for: tuple | None = None  # the sampling settings the calibration was learned under
         self._node_q: list[tuple[float, int]] = []  # (draft probability, sibling rank) of the proposed nodes
+
+    def begin(self, state: DecodeState) -> None:
+        super().begin(state)
+        settings = (state.params.temperature, state.params.top_k, state.params.top_p)
+        if self.calibrator is not None and settings != self._calibrated_for:  # acceptance rates depend on them
+            self.calibrator = AcceptanceCalibrator()
+            self._calibrated_for = settings
 
     def _extra_slots(self) -> int:
         return self.topk * (self.depth - 1)
