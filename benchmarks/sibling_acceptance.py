@@ -44,8 +44,8 @@ def _sequences(target, prompts, max_new, temperature, seed):
 
 
 @torch.no_grad()
-def _dists(model, ids, new, temperature):
-    """``[len(new), V]`` next-token probabilities at the positions that predicted ``new``."""
+def _logits(model, ids, new):
+    """``[len(new), V]`` next-token logits at the positions that predicted ``new``."""
     x = torch.tensor([ids + new])
     logits = model(input_ids=x).logits[0, len(ids) - 1 : -1].float()
     return logits
@@ -129,8 +129,8 @@ def main() -> None:
               "temperatures": {}}
     for temp in [float(t) for t in args.temperatures.split(",")]:
         seqs = _sequences(target, prompts, args.max_new_tokens, temp, args.seed)
-        p = torch.cat([(_dists(target, i, n, temp) / temp).softmax(-1) for i, n in seqs])  # [N, V]
-        q_logits = torch.cat([_dists(draft, i, n, temp) / temp for i, n in seqs])[:, : p.shape[1]]
+        p = torch.cat([(_logits(target, i, n) / temp).softmax(-1) for i, n in seqs])  # [N, V]
+        q_logits = torch.cat([_logits(draft, i, n) / temp for i, n in seqs])[:, : p.shape[1]]
         row = {"positions": p.shape[0], "trims": {}}
         for trim in trims:
             logits = q_logits

@@ -25,7 +25,10 @@ __all__ = ["LeanLlama"]
 
 class LeanLlama:
     """``hidden = lean(input_ids [1, T], cache, positions [1, T] | None, mask [1, 1, T, L + T] | None)``: the final
-    normed hidden states ``[1, T, H]`` of a Llama model, appending the new keys/values to ``cache``."""
+    normed hidden states ``[1, T, H]`` of a Llama model, appending the new keys/values to ``cache``.
+
+    The fused q/k/v and gate/up weights are copies: rebuild after the model's weights change (the drafter keys
+    its instance on the parameters' versions, :meth:`~speculant.drafters.model.DraftModelBase.begin`)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         cfg = model.config
@@ -54,7 +57,6 @@ class LeanLlama:
         emb = torch.cat([freqs, freqs], -1)  # [P, D]
         self.cos = (emb.cos() * rotary.attention_scaling).to(self.embed.dtype)
         self.sin = (emb.sin() * rotary.attention_scaling).to(self.embed.dtype)
-        self._versions = self._weight_versions()
 
     @classmethod
     def build(cls, model: torch.nn.Module) -> LeanLlama | None:
@@ -69,13 +71,6 @@ class LeanLlama:
                 or getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None)):
             return None
         return cls(model)
-
-    def _weight_versions(self) -> tuple[int, ...]:
-        return tuple(p._version for p in self.model.parameters())
-
-    def is_current(self) -> bool:
-        """False once the model's weights were modified in place (the fused copies are then stale)."""
-        return self._weight_versions() == self._versions
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         h = x.float()
