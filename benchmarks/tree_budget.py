@@ -1,7 +1,7 @@
-"""Token trees at a matched budget on the bundled pair: τ, MBSU and wall clock of chains, SpecInfer and RSD.
+"""Token trees at a matched budget on the bundled pair: τ, MBSU and wall clock of chains, SpecInfer, SpecTr and RSD.
 
 For each budget B (tree tokens per target call, default 8 and 16) every method drafts at most B nodes: the chain
-(k = B), SpecInfer (W i.i.d. sequences of B/W), RSD-C (several branching vectors with exactly B nodes) and RSD-S
+(k = B), SpecInfer and SpecTr (W i.i.d. sequences of B/W), RSD-C (several branching vectors with exactly B nodes) and RSD-S
 (width W, depth B/W). Sampling at each temperature (default 1.0 and 0.6), every method interleaved per prompt
 with plain decoding (``ar``, the speed reference) after a warm-up; held-out ``code`` prompts. Equal draft depth is
 the other axis of ALGORITHMS.md's comparison: every row records its depth (draft forwards per step), its node
@@ -43,6 +43,8 @@ FAMILIES = {
     "chain": "chain",
     "specinfer W=2": "specinfer:width=2",
     "specinfer W=4": lambda b: at_budget("specinfer:width=4", b) if b >= 16 else None,
+    "spectr W=2": "spectr:width=2",
+    "spectr W=4": lambda b: at_budget("spectr:width=4", b) if b >= 16 else None,
     "rsd-c 2/1/…/1": "rsd-c:branching=2",
     "rsd-c 4/1/…/1": "rsd-c:branching=4",
     "rsd-c 1/…/1/2": _late,

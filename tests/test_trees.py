@@ -24,6 +24,7 @@ from speculant.drafters import (
     RSDCDrafter,
     RSDSDrafter,
     SpecInferDrafter,
+    SpecTrDrafter,
 )
 from speculant.drafters.calibration import AcceptanceCalibrator
 from speculant.drafters.registry import build_drafter, describe_methods, parse_method
@@ -376,6 +377,7 @@ def test_registry_builds_every_tree_method():
     assert parse_method("rsd-c:branching=2/1/1") == ("rsd-c", {"branching": [2, 1, 1]})
     cases = {
         "specinfer:width=2:depth=5": (SpecInferDrafter, {"width": 2, "depth": 5}),
+        "spectr:width=3:depth=2": (SpecTrDrafter, {"width": 3, "depth": 2, "coupling": "kseq"}),
         "rsd-c:branching=4/1": (RSDCDrafter, {"branching": [4, 1]}),
         "rsd-s:width=5:depth=2:trim=0": (RSDSDrafter, {"width": 5, "depth": 2, "vocab_trim": 0}),
         "tree:budget=12:topk=2:depth=6": (DynamicTreeDrafter, {"budget": 12, "topk": 2, "depth": 6}),
@@ -386,7 +388,7 @@ def test_registry_builds_every_tree_method():
         for key, value in attrs.items():
             assert getattr(drafter, key) == value, (spec, key)
     text = describe_methods()
-    for needle in ("specinfer:", "rsd-c:", "rsd-s:", "tree:", "branching (int/int/...", "default 2/2/1",
+    for needle in ("specinfer:", "spectr:", "rsd-c:", "rsd-s:", "tree:", "branching (int/int/...", "default 2/2/1",
                    "budget (int, default 16)"):
         assert needle in text, needle
     for bad, needle in [("rsd-c:branching=2/x", "bad value"), ("rsd-c:branching=2/0", "branching factor"),

@@ -1,10 +1,10 @@
-"""Tree drafting is lossless: SpecInfer, RSD-C, RSD-S and the dynamic tree sample exactly the target's joint.
+"""Tree drafting is lossless: SpecInfer, SpecTr, RSD-C, RSD-S and the dynamic tree sample exactly the target's joint.
 
 The setting and the helpers are test_sampling_distribution.py's: a tiny random target over 5 tokens, a perturbed
 draft, thousands of seeded ``speculant.generate`` runs of 3 new tokens (a full first step of a depth-2 tree plus
 its bonus, or a rejection and the steps after it: draft and target cache compaction), compared with the exact
 target joint by chi-square tests of the joint, every pair of positions and the first token (p > 1e-4 to pass).
-Siblings are drawn as each rule assumes (i.i.d. for SpecInfer, without replacement for RSD); the dynamic tree is a
+Siblings are drawn as each rule assumes (i.i.d. for SpecInfer and SpecTr, without replacement for RSD); the dynamic tree is a
 deterministic draft (deterministic-draft rule). Negative controls: RSD's without-replacement siblings verified
 with the with-replacement rule, and SpecInfer's duplicate draws dropped, must be detected (p < 1e-6).
 """
@@ -51,6 +51,8 @@ def _check(target, drafter, params: SamplingParams, n_tokens: int, n: int, seed0
 CASES = [
     pytest.param("specinfer:width=3:depth=2", T1, 1, id="specinfer-temp1"),
     pytest.param("specinfer:width=3:depth=2", TOP_P, 2, id="specinfer-topp0.8"),
+    pytest.param("spectr:width=3:depth=2", T1, 9, id="spectr-temp1"),
+    pytest.param("spectr:width=3:depth=2", TOP_P, 10, id="spectr-topp0.8"),
     pytest.param("rsd-c:branching=3/2", T1, 3, id="rsd-c-temp1"),
     pytest.param("rsd-c:branching=3/2", TOP_P, 4, id="rsd-c-topp0.8"),
     pytest.param("rsd-s:width=3:depth=2", T1, 5, id="rsd-s-temp1"),

@@ -19,6 +19,7 @@ N = 24
 # spec -> depth (levels)
 METHODS = {
     "specinfer:width=3:depth=3": 3,
+    "spectr:width=2:depth=3": 3,
     "rsd-c:branching=3/2/1": 3,
     "rsd-s:width=2:depth=4": 4,
     "tree:budget=10:topk=3:depth=4": 4,

@@ -9,21 +9,23 @@ negative controls) leave a wide margin either way.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
 import pytest
 import torch
-
 from helpers import chisq_pvalue
+
 from speculant.sampling import make_generator, warp
 from speculant.types import DraftTree, SamplingParams, Verdict
-from speculant.verify import residual, verify
+from speculant.verify import kseq_rho, residual, verify
 
 SAMPLE = SamplingParams(temperature=1.0)  # warp == plain softmax
 GREEDY = SamplingParams(temperature=0.0)
 PASS_P = 1e-4  # a correct verifier passes (fixed seeds: not flaky)
 FAIL_P = 1e-6  # a wrong rule must be rejected at least this clearly
+verify_module = importlib.import_module("speculant.verify")  # the module (``speculant.verify`` is the function)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -243,7 +245,8 @@ PM = np.array([0.35, 0.05, 0.30, 0.10, 0.05, 0.15])
 QM_LEAF = np.full(6, 1.0 / 6)
 
 
-def _root_children_tree(draws: list[int], p: np.ndarray, replacement: bool, merge: bool) -> DraftTree:
+def _root_children_tree(draws: list[int], p: np.ndarray, replacement: bool, merge: bool,
+                        coupling: str = "recursive") -> DraftTree:
     """Root with one child per draw (``merge=False``) or one per distinct token plus ``draw_order``."""
     if merge:
         tokens = list(dict.fromkeys(draws))
@@ -252,10 +255,11 @@ def _root_children_tree(draws: list[int], p: np.ndarray, replacement: bool, merg
         tokens, draw_order = list(draws), None
     rows = np.stack([p] + [QM_LEAF] * len(tokens))
     return DraftTree(tokens=tokens, parents=[-1] * len(tokens), draft_probs=torch.tensor(rows, dtype=torch.float32),
-                     replacement=replacement, draw_order=draw_order)
+                     replacement=replacement, draw_order=draw_order, coupling=coupling)
 
 
-def _first_token_counts(n: int, seed: int, draw, replacement: bool, merge: bool, k: int, q=QM, p=PM):
+def _first_token_counts(n: int, seed: int, draw, replacement: bool, merge: bool, k: int, q=QM, p=PM,
+                        coupling: str = "recursive"):
     rng = np.random.default_rng(seed)
     gen = make_generator(seed)
     counts = np.zeros(len(q))
@@ -263,7 +267,7 @@ def _first_token_counts(n: int, seed: int, draw, replacement: bool, merge: bool,
     for _ in range(n):
         draws = draw(rng, p, k)
         n_dups += len(set(draws)) < len(draws)
-        tree = _root_children_tree(draws, p, replacement, merge)
+        tree = _root_children_tree(draws, p, replacement, merge, coupling)
         logits = _logits(q, *([QM_LEAF] * len(tree)))
         v = verify(tree, logits, SAMPLE, gen)
         assert len(v.accepted) <= 1
@@ -327,6 +331,67 @@ def test_draw_order_duplicate_is_rejected_but_updates_residual():
     assert _chisq_pvalue(rejected, r2) < FAIL_P
 
 
+# ------------------------------------------------------------------------------- SpecTr's K-SEQ coupling
+
+
+def _g(beta: float, k: int) -> float:
+    return k if beta == 0 else (1 - (1 - beta) ** k) / beta
+
+
+def _beta(p: np.ndarray, q: np.ndarray, rho: float) -> float:
+    return float(np.minimum(p, q / rho).sum())
+
+
+@pytest.mark.parametrize("k", [2, 3, 5])
+def test_kseq_rho_is_valid_and_near_the_root(k):
+    rho = kseq_rho(torch.tensor(PM), torch.tensor(QM), k)
+    assert 1.0 <= rho <= k
+    assert _g(_beta(PM, QM, rho), k) <= rho + 1e-12  # valid: the residual is non-negative
+    assert _g(_beta(PM, QM, rho), k) > rho - 1e-4 * k  # and the root of g(beta(rho)) = rho, not merely k
+    assert kseq_rho(torch.tensor(PM), torch.tensor(QM), 1) == 1.0  # one draft: plain speculative sampling
+    # p = q: the root is rho = 1 (every draw accepted), where g(beta(rho)) - rho is flat to order (rho - 1)^k
+    assert kseq_rho(torch.tensor(QM), torch.tensor(QM), k) == pytest.approx(1.0, abs=1e-3)
+    disjoint = kseq_rho(torch.tensor([0.5, 0.5, 0.0, 0.0]), torch.tensor([0.0, 0.0, 0.3, 0.7]), k)
+    assert disjoint == pytest.approx(k)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_kseq_marginal_is_q_and_acceptance_is_p_acc(k):
+    """K i.i.d. draws merged with duplicates: the emitted token is distributed as q, and some draw is accepted
+    with probability p_acc = 1 - (1 - beta(rho))^K, as the K-SEQ rule says."""
+    n = 15000
+    rng = np.random.default_rng(900 + k)
+    gen = make_generator(900 + k)
+    counts, accepted, n_dups = np.zeros(len(QM)), 0, 0
+    for _ in range(n):
+        draws = _iid(rng, PM, k)
+        n_dups += len(set(draws)) < len(draws)
+        tree = _root_children_tree(draws, PM, replacement=True, merge=True, coupling="kseq")
+        v = verify(tree, _logits(QM, *([QM_LEAF] * len(tree))), SAMPLE, gen)
+        accepted += len(v.accepted)
+        counts[_emitted(tree, v)[0]] += 1
+    assert n_dups > 1000
+    assert _chisq_pvalue(counts, QM) > PASS_P
+    rho = kseq_rho(torch.tensor(PM), torch.tensor(QM), k)
+    p_acc = 1 - (1 - _beta(PM, QM, rho)) ** k
+    assert abs(accepted / n - p_acc) < 4.5 * math.sqrt(p_acc * (1 - p_acc) / n)
+
+
+def test_kseq_tree_needs_iid_siblings():
+    with pytest.raises(ValueError, match="replacement"):
+        DraftTree(tokens=[1], parents=[-1], draft_probs=torch.ones(2, 4) / 4, coupling="kseq")
+    with pytest.raises(ValueError, match="coupling"):
+        DraftTree(tokens=[1], parents=[-1], draft_probs=torch.ones(2, 4) / 4, replacement=True, coupling="optimal")
+
+
+def test_negative_control_kseq_with_too_small_rho_is_detected(monkeypatch):
+    """K-SEQ with rho = 1 for K = 3 drafts (g(beta) > rho, so the residual would be negative and is clipped):
+    biased, and detected."""
+    monkeypatch.setattr(verify_module, "kseq_rho", lambda p, q, k, **kw: 1.0)
+    counts, _ = _first_token_counts(15000, 950, _iid, replacement=True, merge=True, k=3, coupling="kseq")
+    assert _chisq_pvalue(counts, QM) < FAIL_P
+
+
 # Markov test tables for depth-2 trees: p(.|path) and q(.|path) depend on the last token only.
 def _tables(seed: int, V: int):
     rng = np.random.default_rng(seed)
@@ -335,7 +400,8 @@ def _tables(seed: int, V: int):
 
 
 def _build_tree(rng, branching, rule, p0, pc):
-    """Draw a tree level by level: each node's children from p(.|node) as ``rule`` says."""
+    """Draw a tree level by level: each node's children from p(.|node) as ``rule`` says (``kseq``: i.i.d. and
+    merged, as ``with_merged``, verified by SpecTr's K-SEQ)."""
     tokens: list[int] = []
     parents: list[int] = []
     draw_order: list[list[int]] = [[]]
@@ -348,7 +414,7 @@ def _build_tree(rng, branching, rule, p0, pc):
             ids: dict[int, int] = {}
             order = []
             for t in draws:
-                if rule == "with_merged" and t in ids:
+                if rule in ("with_merged", "kseq") and t in ids:
                     order.append(ids[t])
                     continue
                 ids[t] = len(tokens)
@@ -362,10 +428,11 @@ def _build_tree(rng, branching, rule, p0, pc):
     V = len(p0)
     rows = [p0] + [pc[t] for t in tokens]
     return DraftTree(tokens=tokens, parents=parents, draft_probs=torch.tensor(np.stack(rows), dtype=torch.float32),
-                     replacement=rule != "without", draw_order=draw_order if rule == "with_merged" else None), V
+                     replacement=rule != "without", draw_order=draw_order if rule in ("with_merged", "kseq") else None,
+                     coupling="kseq" if rule == "kseq" else "recursive"), V
 
 
-@pytest.mark.parametrize("rule", ["without", "with", "with_merged"])
+@pytest.mark.parametrize("rule", ["without", "with", "with_merged", "kseq"])
 def test_rejection_tree_depth2_joint_equals_target(rule):
     q0, qc, p0, pc = _tables(42, 5)
     rng = np.random.default_rng(17)

@@ -12,6 +12,7 @@ from .drafters import (
     RSDCDrafter,
     RSDSDrafter,
     SpecInferDrafter,
+    SpecTrDrafter,
 )
 from .engine import generate
 from .loading import load_pretrained
@@ -32,6 +33,7 @@ __all__ = [
     "RSDSDrafter",
     "SamplingParams",
     "SpecInferDrafter",
+    "SpecTrDrafter",
     "Verdict",
     "__version__",
     "generate",

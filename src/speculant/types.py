@@ -93,6 +93,8 @@ class DraftTree:
     ``draw_order`` (with-replacement rule only) lists, per row (0 = root, n+1 = node n), the child node indices
     in the order their i.i.d. draws came, duplicates repeated (a later duplicate is certainly rejected but still
     updates the residual, so order and count matter); by default each child once, in ``children`` order.
+    ``coupling`` picks the rule for i.i.d. siblings: ``"recursive"`` (recursive rejection sampling with
+    replacement, SpecInfer) or ``"kseq"`` (SpecTr's K-SEQ over the node's draws; needs ``replacement``).
     """
 
     tokens: list[int]
@@ -100,6 +102,7 @@ class DraftTree:
     draft_probs: torch.Tensor | None = None  # [N + 1, V] float
     replacement: bool = False
     draw_order: list[list[int]] | None = None
+    coupling: str = "recursive"  # "recursive" | "kseq"
     probes: Probes | None = None  # extra probe inputs for the same target forward (mask-token drafting)
     depths: list[int] = field(default_factory=list)
     children: list[list[int]] = field(default_factory=list)  # [N + 1]: row 0 = root's children
@@ -117,6 +120,10 @@ class DraftTree:
             children[par + 1].append(i)
         self.depths = depths
         self.children = children
+        if self.coupling not in ("recursive", "kseq"):
+            raise ValueError(f"DraftTree: coupling must be 'recursive' or 'kseq', got {self.coupling!r}")
+        if self.coupling == "kseq" and not self.replacement:
+            raise ValueError("DraftTree: the K-SEQ coupling is for i.i.d. siblings (replacement=True)")
         if self.draw_order is not None and len(self.draw_order) != n + 1:
             raise ValueError("DraftTree: draw_order must have one list per node plus one for the root")
 

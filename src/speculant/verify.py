@@ -6,19 +6,23 @@ Rules, chosen from the tree and the sampling settings, never from the drafter's 
 * deterministic draft (``tree.draft_probs is None``), sampling: y ~ q at each node, descend if a child is y;
 * stochastic draft, sampling: recursive rejection sampling over the children of each node, ``p`` updated
   without replacement (``tree.replacement == False``: chains, Gumbel-top-k / RSD) or kept (with replacement:
-  i.i.d. siblings, SpecInfer). A chain is the single-child case, i.e. Leviathan/Chen speculative sampling.
+  i.i.d. siblings, SpecInfer). A chain is the single-child case, i.e. Leviathan/Chen speculative sampling;
+* i.i.d. siblings with ``tree.coupling == "kseq"``: SpecTr's K-SEQ rule (Sun et al. 2023) at each node instead.
 
 All of them preserve the target distribution exactly (greedy: token-identical output).
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from .sampling import sample, uniform, warp
 from .types import DraftTree, SamplingParams, Verdict
 
-__all__ = ["verify", "residual"]
+__all__ = ["kseq_rho", "residual", "verify"]
 
 
 def residual(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -79,6 +83,7 @@ def _verify_deterministic(tree, target_logits, params, generator) -> Verdict:
 def _verify_rejection(tree, target_logits, params, generator) -> Verdict:
     device = target_logits.device
     q_all = warp(target_logits, params)  # [N + 1, V]: one batched warp for every node
+    step = _kseq_step if tree.coupling == "kseq" else _recursive_step
     path: list[int] = []
     node = -1
     while True:
@@ -91,23 +96,92 @@ def _verify_rejection(tree, target_logits, params, generator) -> Verdict:
         p = tree.draft_probs[node + 1].to(device=device, dtype=torch.float32)  # [V]
         if p.shape[0] < q.shape[0]:  # draft vocabulary smaller than the target's padded one
             p = torch.nn.functional.pad(p, (0, q.shape[0] - p.shape[0]))
-        chosen = None
         for c in kids:
-            x = tree.tokens[c]
-            px, qx = float(p[x]), float(q[x])
-            if px <= 0.0:
-                raise ValueError(f"draft token {x} has draft probability 0: the drafter's p is inconsistent")
-            if uniform(generator, device) * px < qx:  # accept with probability min(1, q/p)
-                chosen = c
-                break
-            q = residual(q, p)
-            if not tree.replacement:
-                p = p.clone()
-                p[x] = 0.0
-                total = p.sum()
-                if float(total) > 0.0:
-                    p = p / total
+            if float(p[tree.tokens[c]]) <= 0.0:
+                raise ValueError(f"draft token {tree.tokens[c]} has draft probability 0: the drafter's p is "
+                                 "inconsistent")
+        chosen, q = step(tree, kids, p, q, generator)
         if chosen is None:
             return Verdict(path, sample(q, generator))
         path.append(chosen)
         node = chosen
+
+
+def _recursive_step(tree, kids, p, q, generator) -> tuple[int | None, torch.Tensor]:
+    """Recursive rejection sampling over ``kids`` (in verification order): the accepted child, or None and the
+    distribution to sample the correction from."""
+    for c in kids:
+        x = tree.tokens[c]
+        if uniform(generator, q.device) * float(p[x]) < float(q[x]):  # accept with probability min(1, q/p)
+            return c, q
+        q = residual(q, p)
+        if not tree.replacement:
+            p = p.clone()
+            p[x] = 0.0
+            total = p.sum()
+            if float(total) > 0.0:
+                p = p / total
+    return None, q
+
+
+def kseq_rho(p: torch.Tensor, q: torch.Tensor, k: int, iterations: int = 60) -> float:
+    """SpecTr's ``rho`` for ``k`` i.i.d. drafts from ``p`` (target ``q``): a root of ``g(beta(rho)) = rho`` in
+    ``[1, k]``, approached from the side where ``g(beta(rho)) <= rho``, with ``beta(rho) = sum_x min(p(x), q(x) / rho)``
+    and ``g(beta) = (1 - (1 - beta)^k) / beta`` (``k`` at ``beta = 0``).
+
+    The K-SEQ rule is exact for every ``rho`` with ``g(beta(rho)) <= rho`` (its residual is then non-negative;
+    ``rho = k`` always qualifies) and accepts most at the root. ``beta`` is evaluated in O(log V) from the sorted
+    ratios ``q/p`` in ``[1, k)`` and their cumulative masses (``min(p, q/rho)`` is ``q/rho`` exactly where
+    ``q/p < rho``), so the bisection costs one host transfer and a sort of those few ratios."""
+    if k <= 1:
+        return 1.0
+    p64 = p.detach().double().cpu().numpy()
+    q64 = q.detach().double().cpu().numpy()
+    drafted = p64 > 0  # tokens with p = 0 add nothing to beta
+    p64, q64 = p64[drafted], q64[drafted]
+    ratio = q64 / p64
+    below, above = ratio < 1.0, ratio >= k  # for rho in [1, k]: always q/rho, always p
+    mid = ~(below | above)
+    order = np.argsort(ratio[mid], kind="stable")
+    ratio = ratio[mid][order]  # only these ratios can fall on either side of rho
+    cum_q = float(q64[below].sum()) + np.concatenate([[0.0], np.cumsum(q64[mid][order])])
+    cum_p = np.concatenate([[0.0], np.cumsum(p64[mid][order])])
+    p_above = float(p64[above].sum())
+
+    def excess(rho: float) -> float:  # g(beta(rho)) - rho
+        i = int(np.searchsorted(ratio, rho, side="left"))  # ratios below rho: those tokens give q/rho
+        beta = cum_q[i] / rho + (cum_p[-1] - cum_p[i]) + p_above
+        g = float(k) if beta <= 0.0 else -math.expm1(k * math.log1p(-min(beta, 1.0))) / beta
+        return g - rho
+
+    lo, hi = 1.0, float(k)
+    if excess(lo) <= 0.0:
+        return lo
+    for _ in range(iterations):
+        mid = 0.5 * (lo + hi)
+        if excess(mid) <= 0.0:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _kseq_step(tree, kids, p, q, generator) -> tuple[int | None, torch.Tensor]:
+    """SpecTr's K-SEQ over the ``K = len(kids)`` i.i.d. draws at a node (duplicates included, in draw order):
+    accept draw ``x`` with probability ``min(1, q(x) / (rho p(x)))``, the first acceptance wins; if none, the
+    correction comes from ``(q - min(p, q / rho) * p_acc / beta) / (1 - p_acc)``, ``p_acc = 1 - (1 - beta)^K``."""
+    k = len(kids)
+    rho = kseq_rho(p, q, k)
+    for c in kids:
+        x = tree.tokens[c]
+        if uniform(generator, q.device) * rho * float(p[x]) < float(q[x]):
+            return c, q
+    q64, p64 = q.double(), p.double()
+    accepted = torch.minimum(p64, q64 / rho)  # [V]
+    beta = float(accepted.sum())
+    p_acc = 1.0 - (1.0 - beta) ** k
+    if beta <= 0.0 or p_acc >= 1.0:
+        return None, q  # nothing could be accepted (disjoint supports) / every draw is always accepted
+    left = (q64 - accepted * (p_acc / beta)).clamp_min_(0.0)
+    total = float(left.sum())
+    return None, (q if total <= 0.0 else (left / total).to(q.dtype))

@@ -4,14 +4,14 @@
 ``chain``, ``specinfer:width=2``, ``rsd-c:branching=2`` (a branching prefix, continued with 1s),
 ``rsd-s:width=4`` or ``tree:topk=2:depth=8``; :func:`at_budget` and :func:`at_depth` size it:
 
-==========================  ==============================  ==========================
-family                      at budget B (tree tokens)       at depth D (draft levels)
-==========================  ==============================  ==========================
-``chain``, ``lookup``       ``k=B``                         ``k=D``
-``specinfer``, ``rsd-s``    ``depth=B/W`` (W divides B)     ``depth=D``
-``rsd-c:branching=b1/..``   the prefix then 1s, B nodes     the prefix then 1s, D levels
-``tree``                    ``budget=B``                    ``depth=D``
-==========================  ==============================  ==========================
+====================================  ==============================  ==========================
+family                                at budget B (tree tokens)       at depth D (draft levels)
+====================================  ==============================  ==========================
+``chain``, ``lookup``                 ``k=B``                         ``k=D``
+``specinfer``, ``spectr``, ``rsd-s``  ``depth=B/W`` (W divides B)     ``depth=D``
+``rsd-c:branching=b1/..``             the prefix then 1s, B nodes     the prefix then 1s, D levels
+``tree``                              ``budget=B``                    ``depth=D``
+====================================  ==============================  ==========================
 
 A family with no configuration of exactly that size gives None (the comparison skips it). :func:`shape` gives
 the ``(nodes, depth)`` of a fully specified spec: the most tree tokens one target call verifies and the draft
@@ -56,7 +56,7 @@ def shape(spec: str) -> tuple[int, int] | None:
     if name in ("chain", "lookup"):
         k = _option(name, options, "k")
         return k, k
-    if name in ("specinfer", "rsd-s"):
+    if name in ("specinfer", "spectr", "rsd-s"):
         width, depth = _option(name, options, "width"), _option(name, options, "depth")
         return width * depth, depth
     if name == "rsd-c":
@@ -72,7 +72,7 @@ def _sized(family: str, budget: int | None, depth: int | None) -> str | None:
     options = dict(options)
     if name in ("chain", "lookup"):
         options["k"] = budget if budget is not None else depth
-    elif name in ("specinfer", "rsd-s"):
+    elif name in ("specinfer", "spectr", "rsd-s"):
         if budget is not None:
             width = _option(name, options, "width")
             if budget % width:
@@ -96,7 +96,7 @@ def _sized(family: str, budget: int | None, depth: int | None) -> str | None:
         options["budget" if budget is not None else "depth"] = budget if budget is not None else depth
     else:
         raise ValueError(f"{family!r}: {name} has no tree size to match (families: chain, lookup, specinfer, "
-                         "rsd-c, rsd-s, tree)")
+                         "spectr, rsd-c, rsd-s, tree)")
     return format_spec(name, options)
 
 

@@ -7,6 +7,7 @@ from .trees import (
     RSDCDrafter,
     RSDSDrafter,
     SpecInferDrafter,
+    SpecTrDrafter,
     TreeDrafterBase,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "RSDCDrafter",
     "RSDSDrafter",
     "SpecInferDrafter",
+    "SpecTrDrafter",
     "TreeDrafterBase",
 ]

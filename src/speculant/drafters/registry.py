@@ -24,7 +24,13 @@ import torch
 
 from .base import Drafter
 from .model import DraftModelDrafter
-from .trees import DynamicTreeDrafter, RSDCDrafter, RSDSDrafter, SpecInferDrafter
+from .trees import (
+    DynamicTreeDrafter,
+    RSDCDrafter,
+    RSDSDrafter,
+    SpecInferDrafter,
+    SpecTrDrafter,
+)
 
 __all__ = [
     "NO_DEFAULT",
@@ -285,6 +291,15 @@ register(
                depth=(int, "tokens per sequence L (draft forwards per step)")),
     doc="SpecInfer token tree: W i.i.d. drafts merged into a prefix tree, multi-draft rejection sampling with "
         "replacement (Miao et al. 2024); greedy: beam search",
+)
+register(
+    "spectr",
+    _model_drafter(SpecTrDrafter),
+    needs_draft=True,
+    keys=_keys(SpecTrDrafter, width=(int, "i.i.d. draft sequences K (nodes per level <= K)"),
+               depth=(int, "tokens per sequence L (draft forwards per step)")),
+    doc="SpecTr: SpecInfer's tree of K i.i.d. drafts verified by the K-SEQ coupling at each node (Sun et al. "
+        "2023); greedy: beam search",
 )
 register(
     "rsd-c",

@@ -1,4 +1,4 @@
-"""Token trees drafted by a draft model: SpecInfer, RSD-C, RSD-S and the greedy dynamic tree.
+"""Token trees drafted by a draft model: SpecInfer, SpecTr, RSD-C, RSD-S and the greedy dynamic tree.
 
 (../shared/ALGORITHMS.md, Tree drafting.) Every drafter here builds its tree level by level with ONE batched draft
 forward per level: the nodes of a level are fed together with tree attention (a node sees the committed tokens,
@@ -12,6 +12,7 @@ What the one verifier gets, per method and sampling mode:
 * ``specinfer`` (Miao et al. 2024): ``width`` i.i.d. draft sequences merged into a prefix tree;
   ``replacement=True`` with ``draw_order`` listing, at each node, the child reached by each sequence through it,
   in sequence order, duplicates repeated (the with-replacement rule needs every i.i.d. draw).
+* ``spectr`` (Sun et al. 2023): the same tree, ``coupling="kseq"``: the K-SEQ rule over each node's draws.
 * ``rsd-c`` (Jeon et al. 2024, constant branching): the children of a node at depth ``l - 1`` are the
   Gumbel-top-``b_l`` of ``p``, in descending Gumbel order (sampling without replacement, in draw order);
   ``replacement=False``.
@@ -42,7 +43,8 @@ from .base import DecodeState
 from .calibration import AcceptanceCalibrator
 from .model import DraftModelBase
 
-__all__ = ["DynamicTreeDrafter", "RSDCDrafter", "RSDSDrafter", "SpecInferDrafter", "TreeDrafterBase"]
+__all__ = ["DynamicTreeDrafter", "RSDCDrafter", "RSDSDrafter", "SpecInferDrafter", "SpecTrDrafter",
+           "TreeDrafterBase"]
 
 _LN2 = math.log(2.0)
 
@@ -187,6 +189,8 @@ class SpecInferDrafter(_WidthDepthDrafter):
         depth: tokens per sequence L (draft forwards per step).
     """
 
+    coupling = "recursive"  # the rule for the i.i.d. siblings (SpecTr: "kseq")
+
     def propose(self, state: DecodeState) -> DraftTree:
         depth = self._depth(state, self.depth)
         logits = self._start(state)
@@ -220,7 +224,21 @@ class SpecInferDrafter(_WidthDepthDrafter):
             at = torch.tensor(where, device=logits.device)
             logits = self._feed(state, tokens[level_start:], parents[level_start:])
         return self._finish(state, tokens, parents, rows, len(tokens) - len(frontier), replacement=True,
-                            draw_order=draw_order)
+                            draw_order=draw_order, coupling=self.coupling)
+
+
+class SpecTrDrafter(SpecInferDrafter):
+    """SpecTr (Sun et al. 2023): SpecInfer's tree of ``width`` i.i.d. draft sequences, verified node by node by
+    the K-SEQ rule over the draws at each node (an optimal-transport coupling that accepts at least as often as
+    plain rejection sampling of one draft). At temperature 0: beam search of ``width``, as SpecInfer.
+
+    Args:
+        draft_model, tokenizers_match, vocab_trim: see :class:`~speculant.drafters.model.DraftModelBase`.
+        width: draft sequences K (at most K nodes per level).
+        depth: tokens per sequence L (draft forwards per step).
+    """
+
+    coupling = "kseq"
 
 
 class RSDCDrafter(TreeDrafterBase):
