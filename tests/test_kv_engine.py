@@ -16,7 +16,8 @@ from speculant.testing import perturbed, tiny_model
 
 VOCAB = 96
 PROMPT = [(7 * i + 3) % VOCAB for i in range(40)]
-SPECS = ["ar", "chain:k=3", "rsd-c:branching=2/1", "mask-probe:masks=2:tree=2/1", "lookup:ngram=2:k=3"]
+SPECS = ["ar", "chain:k=3", "specinfer:width=2:depth=2", "spectr:width=2:depth=2", "rsd-c:branching=2/1",
+         "rsd-s:width=2:depth=2", "tree:budget=4:topk=2:depth=2", "mask-probe:masks=2:tree=2/1", "lookup:ngram=2:k=3"]
 
 
 @pytest.fixture(scope="module")
