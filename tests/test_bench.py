@@ -362,6 +362,7 @@ def test_families_are_sized_to_a_budget_or_a_depth():
         "lookup:ngram=2": ("lookup:ngram=2:k=8", "lookup:ngram=2:k=3"),
         "specinfer:width=2": ("specinfer:width=2:depth=4", "specinfer:width=2:depth=3"),
         "specinfer:width=3": (None, "specinfer:width=3:depth=3"),  # 3 does not divide 8
+        "spectr:width=4": ("spectr:width=4:depth=2", "spectr:width=4:depth=3"),
         "rsd-s:width=4:trim=0": ("rsd-s:width=4:trim=0:depth=2", "rsd-s:width=4:trim=0:depth=3"),
         "rsd-c:branching=2": ("rsd-c:branching=2/1/1/1", "rsd-c:branching=2/1/1"),
         "rsd-c:branching=2/2": (None, "rsd-c:branching=2/2/1"),  # 2 + 4 = 6 nodes, then +4 per level
