@@ -614,3 +614,12 @@ def test_residual_properties():
     # the identity behind speculative sampling: min(p, q) + (1 - sum min(p, q)) * residual == q
     beta = torch.minimum(p, q).sum()
     assert torch.allclose(torch.minimum(p, q) + (1 - beta) * residual(q, p), q, atol=1e-6)
+
+
+@pytest.mark.parametrize("coupling", ["recursive", "kseq"])
+def test_draft_token_with_zero_draft_probability_is_an_error(coupling):
+    """A drafted token must have p > 0 (it was drawn from p): otherwise the drafter is inconsistent."""
+    p = np.array([0.0, 0.5, 0.5, 0.0, 0.0, 0.0])
+    tree = _root_children_tree([0, 1], p, replacement=True, merge=False, coupling=coupling)
+    with pytest.raises(ValueError, match="draft probability 0"):
+        verify(tree, _logits(QM_LEAF, QM_LEAF, QM_LEAF), SAMPLE, make_generator(0))

@@ -96,10 +96,6 @@ def _verify_rejection(tree, target_logits, params, generator) -> Verdict:
         p = tree.draft_probs[node + 1].to(device=device, dtype=torch.float32)  # [V]
         if p.shape[0] < q.shape[0]:  # draft vocabulary smaller than the target's padded one
             p = torch.nn.functional.pad(p, (0, q.shape[0] - p.shape[0]))
-        for c in kids:
-            if float(p[tree.tokens[c]]) <= 0.0:
-                raise ValueError(f"draft token {tree.tokens[c]} has draft probability 0: the drafter's p is "
-                                 "inconsistent")
         chosen, q = step(tree, kids, p, q, generator)
         if chosen is None:
             return Verdict(path, sample(q, generator))
@@ -107,12 +103,20 @@ def _verify_rejection(tree, target_logits, params, generator) -> Verdict:
         node = chosen
 
 
+def _draft_prob(p: torch.Tensor, x: int) -> float:
+    """``p(x)`` of a drafted token, which must be positive (the drafter drew it from ``p``)."""
+    px = float(p[x])
+    if px <= 0.0:
+        raise ValueError(f"draft token {x} has draft probability 0: the drafter's p is inconsistent")
+    return px
+
+
 def _recursive_step(tree, kids, p, q, generator) -> tuple[int | None, torch.Tensor]:
     """Recursive rejection sampling over ``kids`` (in verification order): the accepted child, or None and the
     distribution to sample the correction from."""
     for c in kids:
         x = tree.tokens[c]
-        if uniform(generator, q.device) * float(p[x]) < float(q[x]):  # accept with probability min(1, q/p)
+        if uniform(generator, q.device) * _draft_prob(p, x) < float(q[x]):  # accept with probability min(1, q/p)
             return c, q
         q = residual(q, p)
         if not tree.replacement:
@@ -158,11 +162,11 @@ def kseq_rho(p: torch.Tensor, q: torch.Tensor, k: int, iterations: int = 60) -> 
     if excess(lo) <= 0.0:
         return lo
     for _ in range(iterations):
-        mid = 0.5 * (lo + hi)
-        if excess(mid) <= 0.0:
-            hi = mid
+        centre = 0.5 * (lo + hi)
+        if excess(centre) <= 0.0:
+            hi = centre
         else:
-            lo = mid
+            lo = centre
     return hi
 
 
@@ -174,7 +178,7 @@ def _kseq_step(tree, kids, p, q, generator) -> tuple[int | None, torch.Tensor]:
     rho = kseq_rho(p, q, k)
     for c in kids:
         x = tree.tokens[c]
-        if uniform(generator, q.device) * rho * float(p[x]) < float(q[x]):
+        if uniform(generator, q.device) * rho * _draft_prob(p, x) < float(q[x]):
             return c, q
     q64, p64 = q.double(), p.double()
     accepted = torch.minimum(p64, q64 / rho)  # [V]
