@@ -12,7 +12,7 @@ Writes the JSON (machine info, settings, per-method summaries with nodes, depth,
 PNG of τ and MBSU against the budget.
 
     python benchmarks/tree_budget.py [--threads 2] [--prompts 16] [--max-new-tokens 128] [--budgets 8,16]
-        [--temperatures 1.0,0.6] [--out benchmarks/results/tree_budget.json]
+        [--temperatures 1.0,0.6] [--out benchmarks/results/tree_budget.json] [--plot-only]
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _plot(result: dict, path: Path) -> None:
     from matplotlib.figure import Figure
 
     temps = list(result["sampling"])
-    fig = Figure(figsize=(5.2 * len(temps), 7.0), layout="constrained")
+    fig = Figure(figsize=(5.2 * len(temps) + 1.6, 7.0), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, len(temps), squeeze=False)
     budgets = result["settings"]["budgets"]
@@ -96,7 +96,8 @@ def _plot(result: dict, path: Path) -> None:
         summary = result["sampling"][temp]["summary"]
         for i, (family, specs) in enumerate(result["settings"]["families"].items()):
             pts = [(b, summary[s]) for b, s in zip(budgets, specs) if s is not None]
-            style = {"marker": "o", "color": f"C{i % 10}", "linestyle": "-" if i < 10 else "--", "label": family}
+            style = {"marker": "osD^v<>ph*"[i % 10], "color": f"C{i % 10}", "linestyle": "-" if i < 10 else "--",
+                     "label": family, "fillstyle": "none" if i % 2 else "full"}  # overlapping points stay visible
             for row, key in enumerate(("acceptance_length", "mbsu")):
                 axes[row][col].plot([b for b, _ in pts], [s[key] for _, s in pts], **style)
         for row, label in enumerate(("τ (tokens per target call)", "MBSU")):
@@ -106,7 +107,8 @@ def _plot(result: dict, path: Path) -> None:
             ax.set_ylabel(label)
             ax.set_title(f"temperature {temp}")
             ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="best")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="outside right center")
     fig.savefig(path, dpi=120)
 
 
@@ -127,7 +129,14 @@ def main() -> None:
     ap.add_argument("--draft", default="default-draft")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tree_budget.json"))
     ap.add_argument("--quiet", action="store_true", help="no progress bars")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from an existing --out JSON, run nothing")
     args = ap.parse_args()
+    if args.plot_only:
+        if not args.out.exists():
+            ap.error(f"--plot-only: {args.out} does not exist")
+        _plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        print(f"wrote {args.out.with_suffix('.png')}")
+        return
     torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budgets.split(",")]
     temperatures = [float(t) for t in args.temperatures.split(",")]
