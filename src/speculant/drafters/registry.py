@@ -283,12 +283,14 @@ register(
     keys=_keys(DraftModelDrafter, k=(int, "draft tokens per step (gamma)")),
     doc="draft-model chain, speculative sampling (Leviathan et al. 2023; Chen et al. 2023)",
 )
+# SpecInfer and SpecTr draft the same tree of i.i.d. sequences (they differ in the verification rule only)
+_IID_TREE = {"width": (int, "i.i.d. draft sequences W (nodes per level <= W)"),
+             "depth": (int, "tokens per sequence L (draft forwards per step)")}
 register(
     "specinfer",
     _model_drafter(SpecInferDrafter),
     needs_draft=True,
-    keys=_keys(SpecInferDrafter, width=(int, "i.i.d. draft sequences W (nodes per level <= W)"),
-               depth=(int, "tokens per sequence L (draft forwards per step)")),
+    keys=_keys(SpecInferDrafter, **_IID_TREE),
     doc="SpecInfer token tree: W i.i.d. drafts merged into a prefix tree, multi-draft rejection sampling with "
         "replacement (Miao et al. 2024); greedy: beam search",
 )
@@ -296,9 +298,8 @@ register(
     "spectr",
     _model_drafter(SpecTrDrafter),
     needs_draft=True,
-    keys=_keys(SpecTrDrafter, width=(int, "i.i.d. draft sequences K (nodes per level <= K)"),
-               depth=(int, "tokens per sequence L (draft forwards per step)")),
-    doc="SpecTr: SpecInfer's tree of K i.i.d. drafts verified by the K-SEQ coupling at each node (Sun et al. "
+    keys=_keys(SpecTrDrafter, **_IID_TREE),
+    doc="SpecTr: SpecInfer's tree of W i.i.d. drafts verified by the K-SEQ coupling at each node (Sun et al. "
         "2023); greedy: beam search",
 )
 register(

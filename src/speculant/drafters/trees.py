@@ -229,12 +229,13 @@ class SpecInferDrafter(_WidthDepthDrafter):
 
 class SpecTrDrafter(SpecInferDrafter):
     """SpecTr (Sun et al. 2023): SpecInfer's tree of ``width`` i.i.d. draft sequences, verified node by node by
-    the K-SEQ rule over the draws at each node (an optimal-transport coupling that accepts at least as often as
-    plain rejection sampling of one draft). At temperature 0: beam search of ``width``, as SpecInfer.
+    the K-SEQ rule over the draws at each node (a coupling whose acceptance probability is within a factor
+    1 - 1/e of the best any rule achieves with K i.i.d. drafts). At temperature 0: beam search of ``width``, as
+    SpecInfer.
 
     Args:
         draft_model, tokenizers_match, vocab_trim: see :class:`~speculant.drafters.model.DraftModelBase`.
-        width: draft sequences K (at most K nodes per level).
+        width: draft sequences W = K (at most W nodes per level).
         depth: tokens per sequence L (draft forwards per step).
     """
 
