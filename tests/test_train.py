@@ -96,7 +96,7 @@ def test_few_steps_lower_the_loss_and_resume(data_dir, tmp_path):
 
 
 def test_load_pretrained_errors(tmp_path):
-    with pytest.raises(ValueError, match="'no-such-model' does not exist, and it is not a bundled model name"):
+    with pytest.raises(ValueError, match="'no-such-model' does not exist, and it is not a .gguf file, a bundled name"):
         speculant.load_pretrained("no-such-model")
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="is missing weights"):

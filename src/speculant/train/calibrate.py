@@ -16,7 +16,7 @@ import numpy as np
 from ..drafters.vocab_trim import CALIBRATION_FILE
 from .data import load_split
 
-__all__ = ["token_ranking", "write_calibration"]
+__all__ = ["token_ranking", "write_calibration", "write_calibration_tokens"]
 
 
 def token_ranking(tokens: np.ndarray, vocab: int) -> tuple[list[int], np.ndarray]:
@@ -32,10 +32,16 @@ def write_calibration(model_dir: str | Path, data: str | Path, split: str = "dis
 
     ``default_size`` is the kept-token count drafters use by default, ``default_size_sampling`` the one they use
     when sampling (None: the same; 0: the full head)."""
+    return write_calibration_tokens(model_dir, load_split(data, split), split, default_size, default_size_sampling)
+
+
+def write_calibration_tokens(model_dir: str | Path, tokens: np.ndarray, source: str,
+                             default_size: int | None = None, default_size_sampling: int | None = None) -> Path:
+    """Write ``vocab_trim.json`` for the model in ``model_dir`` from the calibration tokens ``[T]`` (``source``
+    names where they come from); the sizes as in :func:`write_calibration`."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     vocab = int(config["vocab_size"])
-    tokens = load_split(data, split)
     ranking, counts = token_ranking(tokens, vocab)
     total = int(counts.sum())
     coverage = {}
@@ -51,7 +57,7 @@ def write_calibration(model_dir: str | Path, data: str | Path, split: str = "dis
     out = model_dir / CALIBRATION_FILE
     out.write_text(json.dumps({
         "method": "VocabTrim (Goel et al. 2025): token ids by frequency on the calibration split",
-        "calibration": {"split": split, "tokens": total, "distinct": len(ranking)},
+        "calibration": {"split": source, "tokens": total, "distinct": len(ranking)},
         "coverage": coverage,
         "default_size": default_size,
         **sampling,

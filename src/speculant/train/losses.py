@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["distill_loss", "LOSSES"]
+__all__ = ["distill_loss", "distill_loss_probs", "LOSSES"]
 
 LOSSES = ("fkl", "tvd", "tvd++")
 
 
 def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str = "fkl") -> torch.Tensor:
     """Mean per-token loss; logits ``[..., V]`` (the teacher's are treated as constants)."""
+    return distill_loss_probs(student_logits, teacher_logits.detach().float().softmax(-1), kind)
+
+
+def distill_loss_probs(student_logits: torch.Tensor, q: torch.Tensor, kind: str = "fkl") -> torch.Tensor:
+    """Mean per-token loss from the teacher's probabilities ``q`` ``[..., V]`` (constants).
+
+    ``q`` may be known on part of the vocabulary only (zeros elsewhere, e.g. the teacher's top-k restricted to
+    the drafter's VocabTrim set): each loss then uses ``q``'s exact values where known, which is what the
+    acceptance rate ``Σ min(p_θ, q)`` of the deployed (trimmed) drafter depends on."""
     logp = student_logits.float().log_softmax(-1)  # [..., V]
-    q = teacher_logits.detach().float().softmax(-1)
+    q = q.detach().float()
     if kind == "fkl":  # Σ q log(q / p_θ), up to the teacher's entropy (a constant)
         return -(q * logp).sum(-1).mean()
     p = logp.exp()

@@ -103,9 +103,15 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 
 def _autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
-    if cfg.precision == "fp32":
+    return autocast_dtype(cfg.precision, device)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for ``precision`` (auto | fp32 | bf16) on ``device``: auto is bf16 where the
+    hardware computes it natively, else None (fp32)."""
+    if precision == "fp32":
         return None
-    if cfg.precision == "bf16":
+    if precision == "bf16":
         return torch.bfloat16
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16

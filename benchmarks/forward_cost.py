@@ -1,0 +1,73 @@
+"""What one target forward over T new tokens costs, in float32 and bfloat16, on this machine.
+
+This ratio decides which methods pay off: a verification forward over a chain of k draft tokens or a tree of n
+nodes costs ``cost(n + 1) / cost(1)`` one-token forwards. The model's own (transformers) forward is timed after
+a prompt of ``--context`` tokens is in its cache; each measured forward is cropped away again, the dtypes and
+token counts are interleaved per repeat, and the median of ``--repeats`` is reported.
+
+    python benchmarks/forward_cost.py --target smollm2-135m-instruct --out benchmarks/results/forward_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from speculant.bench.speed import machine_info
+from speculant.loading import load_pretrained
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--tokens", default="1,2,4,8,16,32")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/forward_cost.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    counts = [int(t) for t in args.tokens.split(",")]
+    dtypes = args.dtypes.split(",")
+    models = {dt: load_pretrained(args.target, dtype=dt)[0] for dt in dtypes}
+    gen = torch.Generator().manual_seed(0)
+    vocab = models[dtypes[0]].config.vocab_size
+    prompt = torch.randint(100, vocab, (1, args.context), generator=gen)
+    new = torch.randint(100, vocab, (1, max(counts)), generator=gen)
+    caches = {}
+    with torch.inference_mode():
+        for dt, m in models.items():
+            caches[dt] = DynamicCache(config=m.config)
+            m(input_ids=prompt, past_key_values=caches[dt], use_cache=True)
+        times: dict[str, dict[int, list[float]]] = {dt: {t: [] for t in counts} for dt in dtypes}
+        for rep in range(args.repeats + 2):  # the first two rounds are warm-up
+            for t in counts:
+                for dt, m in models.items():
+                    pos = torch.arange(args.context, args.context + t)[None]
+                    start = time.perf_counter()
+                    m(input_ids=new[:, :t], past_key_values=caches[dt], position_ids=pos, use_cache=True)
+                    elapsed = time.perf_counter() - start
+                    caches[dt].crop(-t)  # drop the t tokens just added
+                    if rep >= 2:
+                        times[dt][t].append(elapsed)
+    result = {"settings": vars(args), "machine": machine_info(), "ms": {}, "ratio_to_one_token": {}}
+    for dt in dtypes:
+        med = {t: 1000 * statistics.median(v) for t, v in times[dt].items()}
+        result["ms"][dt] = med
+        result["ratio_to_one_token"][dt] = {t: med[t] / med[1] for t in counts} if 1 in med else {}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    for dt in dtypes:
+        print(dt, " ".join(f"T={t}: {result['ms'][dt][t]:.1f} ms" for t in counts))
+    print("written", args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Attached drafters: small draft models that share the target's token embedding and LM head.
+
+A real target's embedding is a large part of a small drafter (SmolLM2: 49,152 x 576 = 28M parameters, against
+3.5M per transformer layer). EAGLE/MTP heads and Direct Alignment drafters reuse the target's embedding and
+LM head instead of carrying copies: the drafter's own file holds only its transformer layers and final norm, and
+when it is loaded next to its target it takes the target's ``embed_tokens`` and ``lm_head`` modules themselves
+(the same tensors: no copy in memory, and they stay frozen in training).
+
+An attached drafter directory holds ``config.json`` (the target's architecture with fewer layers),
+``model.safetensors`` (own parameters only), ``attached.json`` (what it shares, and a fingerprint of the
+target's embedding so it is never attached to a different model) and usually ``vocab_trim.json`` and
+``MODEL_CARD.md``. It has no tokenizer: it reads and writes the target's token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["ATTACHED_FILE", "is_attached", "build_attached", "own_state", "save_attached", "load_attached",
+           "embedding_fingerprint"]
+
+ATTACHED_FILE = "attached.json"
+_SHARED = ("model.embed_tokens.", "lm_head.")
+
+
+def is_attached(path: str | Path) -> bool:
+    """True for a directory that holds an attached drafter."""
+    return (Path(path) / ATTACHED_FILE).is_file()
+
+
+@torch.no_grad()
+def embedding_fingerprint(model: torch.nn.Module) -> list[float]:
+    """A few float32 statistics of the input embedding that identify a model (robust to fp32/bf16 loading)."""
+    w = model.get_input_embeddings().weight.detach().float()
+    rows = w[: min(64, w.shape[0])]
+    return [round(float(rows.abs().mean()), 4), round(float(rows.pow(2).mean().sqrt()), 4), float(w.shape[0]),
+            float(w.shape[1])]
+
+
+def _attach(draft: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
+    draft.model.embed_tokens = target.model.embed_tokens
+    draft.lm_head = target.lm_head
+    return draft
+
+
+def build_attached(target: torch.nn.Module, layers: list[int]) -> torch.nn.Module:
+    """A drafter made of the target's layers ``layers`` (copied, in that order) and final norm, sharing the
+    target's embedding and LM head. Works for decoder models laid out as ``model.layers`` / ``model.norm``
+    (Llama, Qwen2/3, Mistral, SmolLM2, ...)."""
+    base = getattr(target, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
+        raise ValueError(f"{type(target).__name__} is not laid out as model.layers / model.norm: an attached "
+                         "drafter cannot be built from it")
+    n = len(base.layers)
+    if not layers or any(not 0 <= i < n for i in layers):
+        raise ValueError(f"layers must be indices of the target's {n} layers, got {layers}")
+    config = type(target.config).from_dict(target.config.to_dict())
+    config.num_hidden_layers = len(layers)
+    if hasattr(config, "layer_types") and getattr(config, "layer_types", None):
+        config.layer_types = [target.config.layer_types[i] for i in layers]
+    draft = type(target)(config).to(target.dtype)
+    for j, i in enumerate(layers):
+        draft.model.layers[j].load_state_dict(base.layers[i].state_dict())
+    draft.model.norm.load_state_dict(base.norm.state_dict())
+    draft.eval()
+    return _attach(draft, target)
+
+
+def own_state(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The drafter's own parameters (everything but the shared embedding and LM head)."""
+    return {k: v for k, v in draft.state_dict().items() if not k.startswith(_SHARED)}
+
+
+def save_attached(draft: torch.nn.Module, target: torch.nn.Module, out: str | Path, target_name: str,
+                  dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
+    """Write an attached drafter directory: config, own weights in ``dtype``, ``attached.json``."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    draft.config.save_pretrained(out)
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in own_state(draft).items()},
+              str(out / "model.safetensors"))
+    (out / ATTACHED_FILE).write_text(json.dumps({
+        "shares": ["model.embed_tokens", "lm_head"],
+        "target": target_name,
+        "target_fingerprint": embedding_fingerprint(target),
+        **(extra or {}),
+    }, indent=1))
+    return out
+
+
+def load_attached(path: str | Path, target: torch.nn.Module) -> torch.nn.Module:
+    """Load the attached drafter in ``path`` onto ``target`` (in the target's dtype and device), sharing its
+    embedding and LM head. A one-line ValueError when the drafter was made for another model."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    path = Path(path)
+    meta = json.loads((path / ATTACHED_FILE).read_text())
+    expected, got = meta.get("target_fingerprint"), embedding_fingerprint(target)
+    if expected is not None and (expected[2:] != got[2:]
+                                 or any(abs(a - b) > 2e-3 * max(abs(a), 1e-6) + 1e-4
+                                        for a, b in zip(expected[:2], got[:2]))):
+        raise ValueError(f"the drafter in {str(path)!r} was made for {meta.get('target')!r}, and the given target "
+                         "is a different model (its embedding differs)")
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if config.model_type != target.config.model_type or config.hidden_size != target.config.hidden_size:
+        raise ValueError(f"the drafter in {str(path)!r} is a {config.model_type} of hidden size "
+                         f"{config.hidden_size}; the target is a {target.config.model_type} of hidden size "
+                         f"{target.config.hidden_size}")
+    draft = type(target)(config)
+    state = load_file(str(path / "model.safetensors"))
+    missing, unexpected = draft.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.startswith(_SHARED)]
+    if missing or unexpected:
+        raise ValueError(f"the drafter in {str(path)!r} does not match its config: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+    _attach(draft, target)
+    draft.to(device=target.device, dtype=target.dtype)
+    draft.eval()
+    return draft

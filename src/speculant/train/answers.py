@@ -1,0 +1,158 @@
+"""The target's own answers to instruction prompts, with its top-k distribution at every answer token.
+
+Step (2) of Direct Alignment (Goel et al. 2024): the drafter learns what the TARGET writes, so the target answers
+the training prompts (chat template applied), sampled at several temperatures. While it writes, the target's
+log-probabilities at each answer position are at hand, so the top ``k`` of them are stored: the teacher ``q`` of
+step (3) without a second pass of the target over the data (on a CPU that pass would cost as much as the
+generation). The mass outside the top ``k`` is not stored; the losses use ``q`` on those ids only (its exact
+values, not renormalised), which changes the acceptance reward ``1[q > p]`` only where ``q`` is below the k-th
+largest probability.
+
+Answers are written as numbered shards (``answers/shard-00000.npz``), one per generation batch, each renamed into
+place when complete, so an interrupted run resumes at the next shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+__all__ = ["AnswerShard", "generate_answers", "load_shards"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AnswerShard:
+    """Answers of one batch, ragged arrays with offsets.
+
+    ``prompt_ids[prompt_offsets[i]:prompt_offsets[i + 1]]`` is sample i's prompt and likewise its answer (stop
+    token included); ``topk_ids`` / ``topk_logprobs`` ``[A, k]`` hold the target's top-k at each of the ``A``
+    answer tokens, in answer order."""
+
+    prompt_ids: np.ndarray  # [P] int32
+    prompt_offsets: np.ndarray  # [N + 1] int64
+    answer_ids: np.ndarray  # [A] int32
+    answer_offsets: np.ndarray  # [N + 1] int64
+    topk_ids: np.ndarray  # [A, k] int32
+    topk_logprobs: np.ndarray  # [A, k] float16
+    temperature: np.ndarray  # [N] float32
+    prompt_index: np.ndarray  # [N] int64: row of the prompts file
+
+    def __len__(self) -> int:
+        return len(self.temperature)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray, slice]:
+        """Prompt ids, answer ids and the slice of answer positions in the top-k arrays of sample ``i``."""
+        p0, p1 = self.prompt_offsets[i], self.prompt_offsets[i + 1]
+        a0, a1 = self.answer_offsets[i], self.answer_offsets[i + 1]
+        return self.prompt_ids[p0:p1], self.answer_ids[a0:a1], slice(int(a0), int(a1))
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_name(path.stem + ".tmp.npz")
+        np.savez(tmp, **{k: getattr(self, k) for k in self.__dataclass_fields__})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> AnswerShard:
+        with np.load(path) as z:
+            return cls(**{k: z[k] for k in cls.__dataclass_fields__})
+
+
+def load_shards(folder: str | Path) -> list[AnswerShard]:
+    """Every complete shard in ``folder``, in order."""
+    return [AnswerShard.load(p) for p in sorted(Path(folder).glob("shard-*.npz")) if ".tmp" not in p.name]
+
+
+@torch.inference_mode()
+def _answer_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                  stop_ids: list[int], topk: int, generator: torch.Generator) -> tuple[list[list[int]], list]:
+    """Answers (stop token included when reached) and per-answer ``(topk ids [a, k], logprobs [a, k])``."""
+    device = next(model.parameters()).device
+    b, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((b, width), stop_ids[0], dtype=torch.long, device=device)
+    mask = torch.zeros((b, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):  # left padding: every row's next token sits at the same column
+        ids[i, width - len(p):] = torch.tensor(p, device=device)
+        mask[i, width - len(p):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache(config=model.config)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+    stop = torch.tensor(stop_ids, device=device)
+    done = torch.zeros(b, dtype=torch.bool, device=device)
+    answers: list[list[int]] = [[] for _ in range(b)]
+    tops: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(b)]
+    position = positions[:, -1:]
+    for _ in range(max_new_tokens):
+        logp = logits.float().log_softmax(-1)
+        top = logp.topk(topk, dim=-1)
+        if temperature == 0:
+            nxt = logits.argmax(-1)
+        else:
+            nxt = torch.multinomial((logp / temperature).softmax(-1), 1, generator=generator)[:, 0]
+        for i in torch.nonzero(~done).flatten().tolist():
+            answers[i].append(int(nxt[i]))
+            tops[i].append((top.indices[i], top.values[i]))
+        done |= torch.isin(nxt, stop)
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], 1)
+        position = position + 1
+        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position, past_key_values=cache,
+                       use_cache=True).logits[:, -1]
+    packed = []
+    for row in tops:
+        packed.append((torch.stack([t[0] for t in row]).cpu().numpy().astype(np.int32),
+                       torch.stack([t[1] for t in row]).cpu().numpy().astype(np.float16)))
+    return answers, packed
+
+
+def generate_answers(model, prompts: list[list[int]], out: str | Path, *, stop_ids: list[int],
+                     max_new_tokens: int = 128, temperatures: tuple[float, ...] = (0.0, 0.7, 1.0),
+                     batch_size: int = 16, topk: int = 32, seed: int = 0, max_batches: int | None = None,
+                     progress: bool = True) -> Path:
+    """Write the target's answers to ``prompts`` (token ids, chat template applied) as shards in ``out``,
+    batches of ``batch_size`` prompts of similar length, temperatures cycled per batch. Resumes after the
+    shards already there (the batches and their seeds are a function of the arguments only). ``max_batches``
+    stops after that many batches (a prefix of the shuffled batch order: a random subset of the prompts)."""
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))  # similar lengths: little padding
+    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    rng = np.random.default_rng(seed)
+    rng.shuffle(batches)  # so that any prefix of the shards mixes prompt lengths and kinds
+    batches = batches[:max_batches] if max_batches is not None else batches
+    bar = tqdm(total=len(batches), desc="target answers", unit="batch", disable=not progress)
+    for n, rows in enumerate(batches):
+        path = out / f"shard-{n:05d}.npz"
+        if path.exists():
+            bar.update(1)
+            continue
+        temperature = float(temperatures[n % len(temperatures)])
+        gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed * 100003 + n)
+        answers, tops = _answer_batch(model, [prompts[i] for i in rows], max_new_tokens, temperature, stop_ids,
+                                      topk, gen)
+        shard = AnswerShard(
+            prompt_ids=np.concatenate([np.asarray(prompts[i], np.int32) for i in rows]),
+            prompt_offsets=np.cumsum([0] + [len(prompts[i]) for i in rows]).astype(np.int64),
+            answer_ids=np.concatenate([np.asarray(a, np.int32) for a in answers]),
+            answer_offsets=np.cumsum([0] + [len(a) for a in answers]).astype(np.int64),
+            topk_ids=np.concatenate([t[0] for t in tops]),
+            topk_logprobs=np.concatenate([t[1] for t in tops]),
+            temperature=np.full(len(rows), temperature, np.float32),
+            prompt_index=np.asarray(rows, np.int64),
+        )
+        shard.save(path)
+        bar.update(1)
+        bar.set_postfix(tokens=int(shard.answer_offsets[-1]), T=temperature)
+    bar.close()
+    return out

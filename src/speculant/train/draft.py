@@ -1,0 +1,210 @@
+"""``speculant train draft``: a drafter for any Hugging Face or GGUF target, the Direct Alignment way.
+
+Goel et al. 2024, "Direct Alignment of Draft Model for Speculative Decoding with Chat-Fine-Tuned LLMs":
+
+1. **prompts**: instruction prompts (:mod:`.instructions`, or the user's ``--prompts FILE.jsonl``), written to
+   ``RUN/prompts.jsonl``;
+2. **answers**: the target answers them through its chat template at several temperatures, and its top-k
+   distribution at every answer token is kept (:mod:`.answers`, ``RUN/answers/``);
+3. **fine-tune**: a small drafter, initialised from a few of the target's own layers and sharing its embedding and
+   LM head (frozen), learns the target's answers with a distillation loss (FKL, TVD or TVD++,
+   :mod:`.losses`) over the VocabTrim kept set it will draft from (:mod:`.draft_train`);
+4. **export**: the drafter's own layers and norm (``model.safetensors``), its config, ``attached.json`` (what
+   it shares with which target), ``vocab_trim.json`` from the target's answers, the training history and a
+   ``MODEL_CARD.md``.
+
+Every stage writes its result before the next starts and is skipped when that result exists, so an interrupted
+run resumes where it stopped (the training stage from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["DraftRunConfig", "read_prompt_rows", "tokenize_prompts", "run_answers"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftRunConfig:
+    """Settings of one drafter run (saved as ``RUN/run_config.json``)."""
+
+    target: str  # model name, directory or .gguf file
+    out: str  # run directory
+    prompts: str | None = None  # JSONL of {"messages": [...]} or {"prompt": "..."} rows; default: built-in
+    num_prompts: int = 1600
+    prompt_seed: int = 0
+    max_prompt_tokens: int = 512
+    max_new_tokens: int = 128
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
+    gen_batch: int = 32
+    answer_batches: int | None = None  # answer only the first N batches (the batch order is shuffled)
+    gen_dtype: str = "bfloat16"  # the dtype the target answers in (speed only; its top-k becomes the teacher)
+    topk: int = 32
+    layers: list[int] = field(default_factory=lambda: [0, 1])  # target layers the drafter starts from
+    loss: str = "tvd++"
+    steps: int = 600
+    batch_size: int = 16
+    lr: float = 5e-4
+    warmup: int = 30
+    precision: str = "auto"  # drafter training: auto (bf16 autocast where the CPU has native bf16) | fp32 | bf16
+    keep: int = 8192  # VocabTrim kept set trained over (the most frequent tokens of the answers)
+    validation_fraction: float = 0.05
+    seed: int = 0
+    threads: int | None = None
+
+
+def read_prompt_rows(path: str | Path) -> list[dict]:
+    """Rows of a prompts JSONL file: ``{"messages": [...]}`` (chat) or ``{"prompt": "..."}`` (raw text)."""
+    rows = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not ("messages" in row or "prompt" in row):
+            raise ValueError(f"{path}:{n}: a row needs 'messages' (a chat) or 'prompt' (raw text)")
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"{path} holds no prompts")
+    return rows
+
+
+def tokenize_prompts(tokenizer, rows: list[dict], max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Token ids of each row (chat template for ``messages`` rows) and the indices of the rows kept (those of
+    at most ``max_tokens`` tokens)."""
+    from ..chat import chat_ids
+
+    ids, kept = [], []
+    for i, row in enumerate(rows):
+        t = chat_ids(tokenizer, row["messages"]) if "messages" in row else tokenizer(row["prompt"])["input_ids"]
+        if 0 < len(t) <= max_tokens:
+            ids.append(t)
+            kept.append(i)
+    return ids, kept
+
+
+def _prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
+    path = run / "prompts.jsonl"
+    if not path.exists():
+        if cfg.prompts:
+            rows = read_prompt_rows(cfg.prompts)
+        else:
+            from .instructions import instruction_prompts
+
+            rows = instruction_prompts(cfg.num_prompts, seed=cfg.prompt_seed)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        tmp.replace(path)
+    return read_prompt_rows(path)
+
+
+def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
+    """Stages 1 and 2: ``RUN/prompts.jsonl`` and the target's answers in ``RUN/answers`` (resumable)."""
+    from ..chat import stop_ids
+    from ..loading import load_pretrained
+    from .answers import generate_answers
+
+    run = Path(cfg.out)
+    run.mkdir(parents=True, exist_ok=True)
+    saved = run / "run_config.json"
+    if not saved.exists():
+        saved.write_text(json.dumps(asdict(cfg), indent=1))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    rows = _prompt_rows(cfg, run)
+    done = run / "answers" / "DONE"
+    if done.exists():
+        return run / "answers"
+    model, tokenizer = load_pretrained(cfg.target, dtype=cfg.gen_dtype)
+    prompts, _ = tokenize_prompts(tokenizer, rows, cfg.max_prompt_tokens)
+    start = time.perf_counter()
+    folder = generate_answers(model, prompts, run / "answers", stop_ids=stop_ids(tokenizer, model),
+                              max_new_tokens=cfg.max_new_tokens, temperatures=tuple(cfg.temperatures),
+                              batch_size=cfg.gen_batch, topk=cfg.topk, seed=cfg.seed,
+                              max_batches=cfg.answer_batches, progress=progress)
+    done.write_text(json.dumps({"prompts": len(prompts), "seconds_this_session": time.perf_counter() - start}))
+    return folder
+
+
+def _split_samples(cfg: DraftRunConfig, run: Path):
+    from .answers import load_shards
+    from .draft_train import collect_samples
+
+    samples = collect_samples(load_shards(run / "answers"), context=_CONTEXT)
+    rng = np.random.default_rng(cfg.seed)
+    order = rng.permutation(len(samples))
+    n_val = max(1, int(round(cfg.validation_fraction * len(samples))))
+    return [samples[i] for i in order[n_val:]], [samples[i] for i in order[:n_val]]
+
+
+_GREEDY_KEEP = 4096  # VocabTrim size used by default under greedy decoding (the target's top token is rarely rarer)
+_CONTEXT = 96  # prompt tokens before each answer seen in training (a 2-layer drafter looks little further back)
+
+
+def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = True) -> Path:
+    """Stage 3: fine-tune the attached drafter with ``loss`` (default ``cfg.loss``; ``"none"`` exports the
+    untrained initialisation) and export it to ``RUN/<loss>/draft``; returns that directory."""
+    from ..attached import build_attached, save_attached
+    from ..chat import stop_ids
+    from ..loading import load_pretrained
+    from .calibrate import write_calibration_tokens
+    from .draft_train import kept_ids, train_attached
+    from .pretrain import autocast_dtype
+
+    loss = loss or cfg.loss
+    run = Path(cfg.out)
+    out = run / loss.replace("+", "p")
+    export = out / "draft"
+    if (export / "model.safetensors").exists():
+        return export
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target, tokenizer = load_pretrained(cfg.target, dtype="float32")
+    stops = stop_ids(tokenizer, target)
+    train, validation = _split_samples(cfg, run)
+    vocab = target.get_input_embeddings().weight.shape[0]
+    kept = kept_ids(train, vocab, cfg.keep, stops)
+    draft = build_attached(target, cfg.layers)
+    start = time.perf_counter()
+    if loss == "none":
+        from .draft_train import evaluate, make_batch
+
+        index = torch.full((vocab,), -1, dtype=torch.long)
+        index[torch.tensor(kept)] = torch.arange(len(kept))
+        head = target.get_output_embeddings().weight.detach()[torch.tensor(kept)].float()
+        batches = [make_batch(validation[i:i + cfg.batch_size], index, stops[0])
+                   for i in range(0, len(validation), cfg.batch_size)]
+        history = [{"step": 0, **evaluate(draft, batches, head)}]
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "history.json").write_text(json.dumps(history, indent=1))
+    else:
+        history = train_attached(draft, train, validation, kept, out, loss=loss, steps=cfg.steps,
+                                 batch_size=cfg.batch_size, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
+                                 pad=stops[0], amp=autocast_dtype(cfg.precision, torch.device("cpu")),
+                                 progress=progress)
+    seconds = time.perf_counter() - start
+    tmp = out / "draft.tmp"
+    save_attached(draft, target, tmp, target_name=cfg.target, extra={
+        "layers_from_target": cfg.layers, "loss": loss, "steps": cfg.steps if loss != "none" else 0,
+        "train_seconds": round(seconds, 1), "validation": history[-1]})
+    answers = np.concatenate([s.answer for s in train])
+    seen = int((np.bincount(answers.astype(np.int64)) > 0).sum())
+    write_calibration_tokens(tmp, answers, "the target's answers (distillation data)",
+                             default_size=min(cfg.keep, _GREEDY_KEEP, seen), default_size_sampling=min(cfg.keep, seen))
+    if export.exists():
+        import shutil
+
+        shutil.rmtree(export)
+    tmp.rename(export)
+    return export

