@@ -9,23 +9,28 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from speculant import cli, generate
-from speculant.bench import load_prompts, run_bench
+from speculant.bench import harness, load_prompts, run_bench
+from speculant.bench import models as bench_models
 from speculant.bench.hf import hf_runner, parse_baseline
 from speculant.bench.prompts import builtin_prompts, grounded_prompts
-from speculant.bench.report import render_markdown, write_plots
+from speculant.bench.report import category_table, render_markdown, write_plots
 from speculant.bench.speed import (
     MethodRun,
     first_difference,
     run_side_by_side,
     summarise,
 )
+from speculant.chat import chat_ids
 from speculant.demo import save_model_pair, stdlib_texts, train_tokenizer
+from speculant.loading import load_model_dir
 from speculant.testing import perturbed, tiny_model
 from speculant.train.corpus import split_of
 
@@ -60,6 +65,23 @@ def dirs(tmp_path_factory):
              {"id": "wrap", "prompt": "def wrap(text, width=70):\n"}]
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
     return {"target": str(target), "draft": str(draft), "prompts": str(prompts)}
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+@pytest.fixture(scope="module")
+def chat_dirs(tmp_path_factory):
+    """A target/draft pair whose tokenizer has a chat template, with a context long enough for MT-Bench."""
+    tok = train_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
+    tok.chat_template = CHAT_TEMPLATE
+    root = tmp_path_factory.mktemp("bench-chat-models")
+    target, draft = save_model_pair(root, tok, hidden=32, layers=2, context=1024, init_std=0.5, draft_scale=0.02)
+    return {"target": str(target), "draft": str(draft)}
 
 
 def ids_prompts(n: int = 3) -> list[dict]:
@@ -121,7 +143,7 @@ def test_cli_table_without_json(dirs, capsys, tmp_path):
     "extra, needle",
     [
         (["--prompts", "no/such/file.jsonl"], "prompt file 'no/such/file.jsonl' does not exist"),
-        (["--prompts", "builtin:nope"], "unknown built-in prompt set 'nope'; known: code, grounded"),
+        (["--prompts", "builtin:nope"], "unknown built-in prompt set 'nope'; known: code, grounded, mt-bench"),
         (["--methods", "nope"], "unknown method 'nope'"),
         (["--methods", "chain:k=x"], "bad value 'x' for option 'k'"),
         (["--methods", "chain,chain"], "'chain' is given twice"),
@@ -132,6 +154,11 @@ def test_cli_table_without_json(dirs, capsys, tmp_path):
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--budgets", "8,0"], "comma-separated integers >= 1"),
         (["--methods", "mask-probe", "--depths", "2"], "mask-probe has no tree size to match"),
+        (["--methods", "chain:k=4", "--budgets", "8"],
+         "'chain:k=4' already sets k, the size that --budgets sets: give the family without it ('chain')"),
+        (["--methods", "chain,tree:topk=2:depth=5", "--depths", "3"],
+         "'tree:topk=2:depth=5' already sets depth, the size that --depths sets"),
+        (["--methods", "specinfer:width=2:depth=2", "--budgets", "8", "--depths", "2"], "already sets depth"),
     ],
 )
 def test_cli_bad_input_one_line_exit_2(dirs, capsys, extra, needle):
@@ -148,10 +175,142 @@ def test_cli_chain_without_draft(dirs, capsys):
     assert code == 2 and "chain:k=4 need(s) a draft model" in stderr
 
 
+def test_out_that_is_a_file_is_refused_before_any_model_loads(dirs, capsys, tmp_path, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before --out was checked")
+
+    monkeypatch.setattr(bench_models, "load_model_dir", no_loading)
+    monkeypatch.setattr(bench_models, "load_draft", no_loading)
+    taken = tmp_path / "results"
+    taken.write_text("not a folder")
+    for out, needle in ((taken, "is a file: give a directory"), (taken / "sub", "cannot be created")):
+        code = cli.main(["bench", "--prompts", dirs["prompts"], "--target", dirs["target"], "--draft", dirs["draft"],
+                         "--out", str(out)])
+        stdout, stderr = capsys.readouterr()
+        assert code == 2 and stdout == "" and stderr.count("\n") == 1 and needle in stderr, stderr
+    assert taken.read_text() == "not a folder"
+
+
+def test_default_out_is_ignored_by_git():
+    from speculant.bench.cli import DEFAULT_OUT
+
+    assert f"{DEFAULT_OUT}/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_draft_defaults_to_the_one_shipped_for_the_target(dirs, monkeypatch):
+    monkeypatch.setattr(harness, "default_draft_for", lambda t: dirs["draft"] if str(t) == dirs["target"] else None)
+    res = run_bench(dirs["prompts"], methods=["chain:k=2"], baselines=[], target=dirs["target"], num_prompts=1,
+                    max_new_tokens=4, warmup=0, progress=False)
+    assert res["settings"]["draft"] == dirs["draft"] and res["methods"]["chain:k=2"]["identical_to_ar"] == 1.0
+
+
+def test_attached_draft_runs_our_chain_and_hf_assisted(dirs, tmp_path):
+    """An attached drafter (no tokenizer, the target's embedding and head) is loaded with load_draft."""
+    from speculant.attached import build_attached, save_attached
+
+    target, _ = load_model_dir(dirs["target"])
+    attached = save_attached(build_attached(target, [0]), target, tmp_path / "attached", "test-target",
+                             dtype=torch.float32)
+    res = run_bench(dirs["prompts"], methods=["chain:k=2"], baselines=["hf-assisted"], target=dirs["target"],
+                    draft=str(attached), max_new_tokens=6, warmup=0, progress=False)
+    assert res["settings"]["draft"] == str(attached)
+    for name in ("chain:k=2", "hf-assisted"):
+        assert res["methods"][name]["identical_to_ar"] == 1.0, name
+
+
+# ---------------------------------------------------------------------------------------------- chat workloads
+
+
+def test_cli_mt_bench_chat_template_and_per_category_table(chat_dirs, capsys, tmp_path):
+    out = tmp_path / "res"
+    code = cli.main(["bench", "--prompts", "builtin:mt-bench", "--num-prompts", "8", "--methods", "chain:k=3",
+                     "--baselines", "hf-ar", "--target", chat_dirs["target"], "--draft", chat_dirs["draft"],
+                     "--max-new-tokens", "4", "--warmup", "0", "--out", str(out), "--json"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    obj = json.loads(stdout.strip().splitlines()[-1])
+    assert set(obj["categories"]) == MT_BENCH_CATEGORIES and obj["settings"]["chat_prompts"] == 8
+    results = json.loads((out / "results.json").read_text())
+    _, tok = load_model_dir(chat_dirs["target"])
+    for p in results["prompts"]:  # tokenised through the chat template
+        assert p["tokens"] == len(chat_ids(tok, p["messages"])) and p["category"] in MT_BENCH_CATEGORIES
+    for category, per_method in results["categories"].items():
+        assert set(per_method) == {"ar", "chain:k=3", "hf-ar"} and per_method["ar"]["runs"] == 1, category
+        assert per_method["ar"]["acceptance_length"] == 1.0 and per_method["ar"]["speedup_vs_ar"] == 1.0
+    md = (out / "results.md").read_text()
+    assert "## Per category" in md and "median over the category's runs of the per-run tokens/s ratio" in md
+    assert "| category | `chain:k=3` | `hf-ar` |" in md and "| **overall** |" in md
+    for category in MT_BENCH_CATEGORIES:
+        assert f"| {category} (1) |" in md
+
+
+def test_chat_prompts_stop_at_the_end_of_the_turn(chat_dirs):
+    """Chat prompts stop every method and baseline at the tokenizer's end-of-turn token (here a token greedy
+    decoding really produces), raw prompts at the model's EOS only, and --ignore-eos (``[]``) at neither."""
+    target, tok = load_model_dir(chat_dirs["target"])
+    draft, _ = load_model_dir(chat_dirs["draft"])
+    chat = {"id": "c", "messages": [{"role": "user", "content": "Wrap the text to 70 columns."}]}
+    free = generate(target, chat_ids(tok, chat["messages"]), max_new_tokens=N, eos_token_id=[]).token_ids
+    model_eos = target.generation_config.eos_token_id
+    turn_end = next(t for t in free[3:] if t != model_eos)
+    tok.eos_token = tok.convert_ids_to_tokens(turn_end)
+    stops = {model_eos, turn_end}
+    expected = free[: next(i for i, t in enumerate(free) if t in stops) + 1]
+    common = dict(methods=["chain:k=3"], baselines=["hf-ar", "hf-assisted"], target=target, draft=draft,
+                  tokenizer=tok, max_new_tokens=N, warmup=0, progress=False)
+    res = run_bench([chat], **common)
+    assert res["settings"]["eos_token_id"] == sorted(stops) and res["settings"]["chat_prompts"] == 1
+    for name in ("ar", "chain:k=3", "hf-ar", "hf-assisted"):
+        assert res["runs"][name][0]["token_ids"] == expected, name
+    raw = run_bench([{"id": "r", "prompt": "def wrap(text):\n"}], **common)
+    assert raw["settings"]["eos_token_id"] == [model_eos] and raw["settings"]["chat_prompts"] == 0
+    ignored = run_bench([chat], **{**common, "eos_token_id": []})
+    assert ignored["settings"]["eos_token_id"] == [] and ignored["runs"]["ar"][0]["token_ids"] == free
+
+
+def test_chat_prompts_need_a_chat_template(dirs):
+    with pytest.raises(ValueError, match="prompt '0' is a chat \\('messages'\\) but the target's tokenizer has no "
+                       "chat template"):
+        run_bench([{"messages": [{"role": "user", "content": "Hi"}]}], methods=["ar"], baselines=[],
+                  target=dirs["target"], progress=False)
+
+
+def test_per_category_figures(pair, tmp_path):
+    """τ pooled over a category's runs; speed-up = median of that category's per-prompt ratios (the main
+    table's statistic); prompts without a category are grouped as 'other'."""
+    target, draft = pair
+    prompts = ids_prompts(5)
+    for p, category in zip(prompts, ["a", "b", "a", "b"]):
+        p["category"] = category
+    res = run_bench(prompts, methods=["chain:k=2"], baselines=[], target=target, draft=draft, max_new_tokens=N,
+                    eos_token_id=[], progress=False, warmup=0, out=tmp_path)
+    cats = res["categories"]
+    assert list(cats) == ["a", "b", "other"]
+    ratios = res["methods"]["chain:k=2"]["speedup_per_run"]
+    runs = res["runs"]["chain:k=2"]
+    for category, members in (("a", [0, 2]), ("b", [1, 3]), ("other", [4])):
+        s = cats[category]["chain:k=2"]
+        assert s["runs"] == len(members)
+        assert s["speedup_vs_ar"] == pytest.approx(statistics.median(ratios[i] for i in members))
+        tokens = sum(runs[i]["new_tokens"] for i in members)
+        assert s["acceptance_length"] == pytest.approx(tokens / sum(runs[i]["target_calls"] for i in members))
+    table = category_table(res)
+    assert table.splitlines()[0] == "| category | `chain:k=2` |"
+    a = cats["a"]["chain:k=2"]
+    assert f"| a (2) | {a['acceptance_length']:.2f} / {a['speedup_vs_ar']:.2f}× |" in table
+    overall = res["methods"]["chain:k=2"]
+    assert table.splitlines()[-1] == (f"| **overall** | {overall['acceptance_length']:.2f} / "
+                                      f"{overall['speedup_vs_ar']:.2f}× |")
+    assert table in (tmp_path / "results.md").read_text()
+    assert "categories" not in run_bench(ids_prompts(1), methods=["ar"], baselines=[], target=target,
+                                         max_new_tokens=2, progress=False, warmup=0)
+
+
 def test_bench_help_lists_methods_and_baselines(capsys):
     assert cli.main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
-    for word in ("chain", "ar:", "hf-ar", "hf-assisted", "hf-prompt-lookup", "builtin:grounded", "--json"):
+    for word in ("chain", "ar:", "hf-ar", "hf-assisted", "hf-prompt-lookup", "builtin:grounded", "builtin:mt-bench",
+                 "messages", "--json"):
         assert word in out
 
 
@@ -240,10 +399,10 @@ def test_jsonl_prompts_keep_fields(tmp_path):
 @pytest.mark.parametrize(
     "content, needle",
     [
-        ('{"id": "a"}\n', "p.jsonl:1: no 'prompt' field"),
+        ('{"id": "a"}\n', "p.jsonl:1: no 'prompt' or 'messages' field"),
         ('{"prompt": "ok"}\n{"prompt": ""}\n', "p.jsonl:2: 'prompt' must be a non-empty string"),
         ('{"prompt": "ok"}\nnot json\n', "p.jsonl:2: not a JSON object"),
-        ('["prompt"]\n', "p.jsonl:1: no 'prompt' field"),
+        ('["prompt"]\n', "p.jsonl:1: no 'prompt' or 'messages' field"),
         ("\n\n", "no prompts in"),
     ],
 )
@@ -367,7 +526,7 @@ def test_families_are_sized_to_a_budget_or_a_depth():
         "rsd-c:branching=2": ("rsd-c:branching=2/1/1/1", "rsd-c:branching=2/1/1"),
         "rsd-c:branching=2/2": (None, "rsd-c:branching=2/2/1"),  # 2 + 4 = 6 nodes, then +4 per level
         "rsd-c:branching=3": (None, "rsd-c:branching=3/1/1"),  # 3, 6, 9 nodes: never 8
-        "tree:topk=2:depth=5": ("tree:topk=2:depth=5:budget=8", "tree:topk=2:depth=3"),
+        "tree:topk=2": ("tree:topk=2:budget=8", "tree:topk=2:depth=3"),
     }
     for family, (b8, d3) in cases.items():
         assert at_budget(family, 8) == b8, family
@@ -407,3 +566,20 @@ def test_budget_matched_run_reports_each_family_at_each_size(pair, tmp_path):
     with pytest.raises(ValueError, match="no method family"):
         run_bench(ids_prompts(1), methods=["specinfer:width=3"], baselines=[], target=target, draft=draft,
                   budgets=[4], progress=False)
+
+
+def test_budget_matching_refuses_sized_specs_and_defaults_to_the_chain_family(pair):
+    """``--budgets 8 --methods chain:k=4`` used to run chain:k=8 labelled chain:k=4."""
+    from speculant.bench.budget import at_budget, at_depth
+
+    with pytest.raises(ValueError, match="'chain:k=4' already sets k, the size that --budgets sets"):
+        at_budget("chain:k=4", 8)
+    with pytest.raises(ValueError, match="'rsd-s:width=2:depth=3' already sets depth"):
+        at_depth("rsd-s:width=2:depth=3", 2)
+    with pytest.raises(ValueError, match="'tree:budget=8' already sets budget"):
+        at_budget("tree:budget=8", 8)
+    assert at_budget("tree:depth=4", 8) == "tree:depth=4:budget=8"  # depth is not what a budget sizes
+    target, draft = pair
+    res = run_bench(ids_prompts(1), baselines=[], target=target, draft=draft, max_new_tokens=4, progress=False,
+                    warmup=0, budgets=[2])
+    assert list(res["methods"]) == ["ar", "chain:k=2"]  # default methods under budget matching: the family chain

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["chat_ids", "has_chat_template", "stop_ids", "Message"]
+__all__ = ["chat_ids", "check_messages", "has_chat_template", "stop_ids", "Message"]
 
 Message = Mapping[str, str]
 """``{"role": "system" | "user" | "assistant", "content": str}``, as in the OpenAI and transformers APIs."""
@@ -27,7 +27,8 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def _check_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+def check_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
+    """The messages as plain ``{"role", "content"}`` dicts, or a one-line ValueError naming the first bad one."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("messages must be a list of {'role', 'content'} dicts")
     if not messages:
@@ -58,7 +59,7 @@ def chat_ids(tokenizer, messages: str | Sequence[Message], system: str | None = 
     """
     if not has_chat_template(tokenizer):
         raise ValueError("this tokenizer has no chat template: tokenize plain text instead (the CLI's --raw)")
-    msgs = [{"role": "user", "content": messages}] if isinstance(messages, str) else _check_messages(messages)
+    msgs = [{"role": "user", "content": messages}] if isinstance(messages, str) else check_messages(messages)
     if system is not None:
         if msgs[0]["role"] == "system":
             raise ValueError("system is given twice: as an argument and as the first message")

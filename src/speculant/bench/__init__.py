@@ -7,9 +7,9 @@
 
 from .harness import DEFINITIONS, REFERENCE, run_bench
 from .hf import BASELINES, describe_baselines, parse_baseline
-from .prompts import BUILTIN_SETS, builtin_prompts, load_prompts
-from .report import render_markdown, write_results
-from .speed import MethodRun, machine_info, run_side_by_side, summarise
+from .prompts import BUILTIN_SETS, builtin_prompts, load_prompts, prompt_ids
+from .report import category_table, render_markdown, write_results
+from .speed import MethodRun, machine_info, run_side_by_side, summarise, summarise_by
 
 __all__ = [
     "BASELINES",
@@ -18,13 +18,16 @@ __all__ = [
     "REFERENCE",
     "MethodRun",
     "builtin_prompts",
+    "category_table",
     "describe_baselines",
     "load_prompts",
     "machine_info",
     "parse_baseline",
+    "prompt_ids",
     "render_markdown",
     "run_bench",
     "run_side_by_side",
     "summarise",
+    "summarise_by",
     "write_results",
 ]

@@ -13,19 +13,22 @@ family                                at budget B (tree tokens)       at depth D
 ``tree``                              ``budget=B``                    ``depth=D``
 ====================================  ==============================  ==========================
 
-A family with no configuration of exactly that size gives None (the comparison skips it). :func:`shape` gives
-the ``(nodes, depth)`` of a fully specified spec: the most tree tokens one target call verifies and the draft
-levels per step.
+A family with no configuration of exactly that size gives None (the comparison skips it). A family that already
+sets the key the sizing sets (``chain:k=4`` at a budget, ``tree:depth=5`` at a depth) is refused with a ValueError
+rather than silently resized. :func:`shape` gives the ``(nodes, depth)`` of a fully specified spec: the most tree
+tokens one target call verifies and the draft levels per step.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
+from ..checks import check_positive_int
 from ..drafters.registry import NO_DEFAULT, get_method, parse_method
 
-__all__ = ["at_budget", "at_depth", "format_spec", "shape"]
+__all__ = ["at_budget", "at_depth", "format_spec", "matched_specs", "shape"]
 
 
 def _option(name: str, options: dict[str, Any], key: str) -> Any:
@@ -67,9 +70,31 @@ def shape(spec: str) -> tuple[int, int] | None:
     return None
 
 
+_SIZE_KEYS = {  # family: (the key sizing to a budget sets, the key sizing to a depth sets)
+    "chain": ("k", "k"),
+    "lookup": ("k", "k"),
+    "specinfer": ("depth", "depth"),
+    "spectr": ("depth", "depth"),
+    "rsd-s": ("depth", "depth"),
+    "tree": ("budget", "depth"),
+}  # rsd-c: its branching is a prefix that sizing continues with 1s, not overwritten
+
+
+def _check_unsized(name: str, options: dict[str, Any], family: str, budget: int | None) -> None:
+    """A family must not set the key that sizing sets: ``chain:k=4`` at budget 8 would silently run ``k=8``."""
+    keys = _SIZE_KEYS.get(name)
+    key = None if keys is None else keys[0 if budget is not None else 1]
+    if key in options:
+        axis = "--budgets" if budget is not None else "--depths"
+        bare = format_spec(name, {k: v for k, v in options.items() if k != key})
+        raise ValueError(f"{family!r} already sets {key}, the size that {axis} sets: give the family without it "
+                         f"({bare!r})")
+
+
 def _sized(family: str, budget: int | None, depth: int | None) -> str | None:
     name, options = parse_method(family)
     options = dict(options)
+    _check_unsized(name, options, family, budget)
     if name in ("chain", "lookup"):
         options["k"] = budget if budget is not None else depth
     elif name in ("specinfer", "spectr", "rsd-s"):
@@ -108,3 +133,26 @@ def at_budget(family: str, budget: int) -> str | None:
 def at_depth(family: str, depth: int) -> str | None:
     """``family`` sized to ``depth`` draft levels per step, or None if it has no such size."""
     return _sized(family, None, depth)
+
+
+def matched_specs(families: Sequence[str], budgets: Sequence[int], depths: Sequence[int],
+                  skip: Sequence[str] = ()) -> tuple[list[str], dict]:
+    """Every family (but those in ``skip``, e.g. the reference) sized to each budget and each depth: the sized
+    specs to run (each once, in order) and ``{"families", "budgets": {B: {family: spec | None}}, "depths":
+    {D: {...}}}``. A one-line ValueError for a size < 1, a family that sets its size already or has none, or
+    when no family has a configuration of any of the sizes."""
+    for axis, values in (("budgets", budgets), ("depths", depths)):
+        for v in values:
+            check_positive_int(axis[:-1], v)
+    specs: list[str] = []
+    matched: dict = {"families": [f for f in families if f not in skip], "budgets": {}, "depths": {}}
+    for axis, values, size in (("budgets", budgets, at_budget), ("depths", depths, at_depth)):
+        for v in values:
+            row = matched[axis][str(v)] = {}
+            for family in matched["families"]:
+                spec = row[family] = size(family, int(v))
+                if spec is not None and spec not in specs:
+                    specs.append(spec)
+    if not specs:
+        raise ValueError(f"no method family has a configuration at budgets {list(budgets)} / depths {list(depths)}")
+    return specs, matched

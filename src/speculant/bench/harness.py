@@ -6,7 +6,11 @@ prompt after a warm-up (:func:`speculant.bench.speed.run_side_by_side`), and sum
 through our engine) always runs: it is the reference for speed-ups and, at temperature 0, for token identity.
 
 Per method (see :data:`DEFINITIONS`, also written into results.json): τ, accepted-length histogram, per-position
-acceptance, target calls, median tokens/s, speed-up vs ``ar``, MBSU, peak memory, time split, identity with ``ar``.
+acceptance, target calls, median tokens/s, speed-up vs ``ar``, MBSU, peak memory, time split, identity with ``ar``;
+and when the prompts carry a ``category`` (MT-Bench does), τ and speed-up per category.
+
+Chat prompts (``messages``) are tokenised with the target tokenizer's chat template and, unless stop tokens are
+given, every method and baseline stops at the end of the assistant's turn (:func:`speculant.chat.stop_ids`).
 """
 
 from __future__ import annotations
@@ -19,18 +23,13 @@ from typing import Any
 
 import torch
 
+from ..chat import stop_ids
 from ..checks import check_fits_context, check_positive_int, resolve_eos
 from ..drafters.registry import NO_DEFAULT, build_drafter, get_method, parse_method
 from ..engine import generate
-from ..loading import (
-    bundled_dir,
-    check_model_dir,
-    load_model_dir,
-    resolve_model,
-    tokenizers_match,
-)
+from ..loading import default_draft_for
 from ..types import SamplingParams
-from .budget import at_budget, at_depth, shape
+from .budget import matched_specs, shape
 from .cost import (
     drafter_models,
     drafter_params_per_forward,
@@ -39,16 +38,24 @@ from .cost import (
     params_per_forward,
 )
 from .hf import BASELINES, hf_runner, parse_baseline
+from .models import load_bench_draft, load_bench_target
 from .probe import peak_kv_bytes, probing
-from .prompts import load_prompts
-from .speed import MethodRun, machine_info, run_side_by_side, summarise
+from .prompts import check_record, is_chat, load_prompts, prompt_ids
+from .speed import MethodRun, machine_info, run_side_by_side, summarise, summarise_by
 
-__all__ = ["DEFINITIONS", "REFERENCE", "run_bench", "split_specs"]
+__all__ = ["DEFAULT_FAMILIES", "DEFAULT_METHODS", "DEFINITIONS", "REFERENCE", "check_out_dir", "run_bench",
+           "split_specs"]
 
 log = logging.getLogger(__name__)
 
 REFERENCE = "ar"
 """The method every speed-up and identity check is measured against."""
+
+DEFAULT_METHODS = ("chain:k=4",)
+"""The methods :func:`run_bench` compares with the reference when none are given."""
+
+DEFAULT_FAMILIES = ("chain",)
+"""The same for a budget-matched comparison (families, sized by the budgets and depths)."""
 
 DEFINITIONS = {
     "acceptance_length": "τ: new tokens / target forward calls, pooled over all runs (bonus token included; for "
@@ -80,6 +87,9 @@ DEFINITIONS = {
     "tokens/s of hf-assisted on the same prompt and repeat)",
     "identical_to_ar": "temperature 0 only: fraction of runs whose tokens equal ar's; mismatches lists "
     "{prompt, repeat, first_diff} of every other run (first_diff = first differing position)",
+    "categories": "when prompts carry a 'category': per category and method, acceptance_length (τ pooled over "
+    "the category's runs) and speedup_vs_ar (median over the category's runs of per-run tokens/s ratios, the "
+    "statistic of speedup_vs_ar above); the overall figures are the methods' own",
 }
 
 
@@ -101,13 +111,19 @@ def split_specs(specs: str | Sequence[str] | None) -> list[str]:
     return out
 
 
-def _load(model, dtype):
-    """``(model, tokenizer or None, description)`` from a loaded module or a directory / bundled name."""
-    if isinstance(model, torch.nn.Module):
-        return model.eval(), None, f"<in-process {type(model).__name__}>"
-    path = check_model_dir(resolve_model(model))
-    m, tok = load_model_dir(path, dtype)
-    return m, tok, str(path)
+def check_out_dir(out: str | Path | None) -> None:
+    """A one-line ValueError when ``out`` cannot be the output directory: it, or the nearest existing folder
+    above it, is not a directory. Called before any model is loaded."""
+    if out is None:
+        return
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {str(path)!r} is a file: give a directory (it is created if missing)")
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out {str(path)!r} cannot be created: {str(parent)!r} is a file")
+            return
 
 
 def _prompt_records(prompts, num_prompts: int | None) -> tuple[str, list[dict]]:
@@ -115,12 +131,8 @@ def _prompt_records(prompts, num_prompts: int | None) -> tuple[str, list[dict]]:
         return str(prompts), load_prompts(prompts, num_prompts)
     records = []
     for i, p in enumerate(prompts):
-        if isinstance(p, str):
-            records.append({"id": str(i), "prompt": p})
-        elif isinstance(p, dict) and ("prompt" in p or "input_ids" in p):
-            records.append({"id": str(i), **p})
-        else:
-            raise ValueError(f"prompt {i}: expected a string or a dict with 'prompt' or 'input_ids', got {p!r}")
+        p = {"prompt": p} if isinstance(p, str) else p
+        records.append({"id": str(i), **check_record(p, f"prompt {i}", allow_ids=True)})
     records = records if num_prompts is None else records[:num_prompts]
     if not records:
         raise ValueError("no prompts given")
@@ -150,6 +162,15 @@ class _EngineMethod:
                 "depth_accepted": list(gen.stats.depth_accepted), "kv_cache_peak_bytes": peak_kv_bytes(*probes)}
 
 
+def _stops(model: torch.nn.Module, tokenizer: Any, eos_token_id, chat: bool) -> list[int]:
+    """The stop tokens of every method: ``eos_token_id`` when given (``[]``: none), else the model's EOS, plus
+    for chat prompts the end-of-turn tokens (the tokenizer's and the generation config's EOS)."""
+    stops = set(resolve_eos(model, eos_token_id))
+    if eos_token_id is None and chat and tokenizer is not None:
+        stops.update(stop_ids(tokenizer, model))
+    return sorted(stops)
+
+
 def _pad_id(model, stops: list[int]) -> int:
     for source in (getattr(model, "generation_config", None), model.config):
         pad = getattr(source, "pad_token_id", None)
@@ -175,7 +196,7 @@ def _default_k(parsed: list[tuple[str, str, dict]]) -> int:
 
 def run_bench(
     prompts: str | Path | Sequence[str | dict] = "builtin:code",
-    methods: str | Sequence[str] = ("chain:k=4",),
+    methods: str | Sequence[str] | None = None,
     baselines: str | Sequence[str] = ("hf-ar", "hf-assisted"),
     target: str | Path | torch.nn.Module = "default-target",
     draft: str | Path | torch.nn.Module | None = None,
@@ -198,22 +219,29 @@ def run_bench(
     """Benchmark drafting methods and transformers baselines on one prompt set; optionally write a report.
 
     Args:
-        prompts: ``builtin:code``, ``builtin:grounded``, the path of a JSONL file (one ``{"prompt": ...}`` per
-            line, other fields kept), or a list of strings / dicts with ``prompt`` (text) or ``input_ids``.
+        prompts: ``builtin:code``, ``builtin:grounded``, ``builtin:mt-bench``, the path of a JSONL file (one
+            ``{"prompt": TEXT}`` or ``{"messages": [...]}`` per line, other fields kept), or a list of strings /
+            dicts with ``prompt`` (text), ``messages`` (a chat: the target tokenizer's chat template is applied)
+            or ``input_ids``. Records with a ``category`` get a per-category table.
         methods: registry specs (``NAME[:key=value...]``), a list or one comma-separated string; results are
             keyed by the spec exactly as given. ``ar`` is added (first) when missing: it is the reference.
+            None: :data:`DEFAULT_METHODS`, or :data:`DEFAULT_FAMILIES` with ``budgets``/``depths``.
         baselines: ``hf-ar``, ``hf-assisted[:k=N]``, ``hf-prompt-lookup[:k=N][:ngram=M]`` (list or
             comma-separated; empty for none). The k of ``hf-assisted``/``hf-prompt-lookup`` defaults to the k of
             the first draft-model method (``chain:k=4`` -> 4).
-        target, draft: a model directory, a bundled name (``default-target``/``default-draft``) or a loaded
-            model. The draft defaults to ``default-draft`` when the target is the bundled default and a method
-            needs one. Loaded models need ``tokenizer`` for text prompts.
-        num_prompts: use only the first N prompts (built-in sets build N).
+        target, draft: anything :func:`speculant.loading.resolve_model` takes (a model directory, a bundled or
+            packaged name, a ``.gguf`` file, a cached Hub id) or a loaded model; the draft may be an attached
+            drafter (:func:`speculant.loading.load_draft`). When a method needs a draft and none is given, the
+            drafter speculant ships for the target (:func:`speculant.loading.default_draft_for`). Loaded models
+            need ``tokenizer`` for text and chat prompts.
+        num_prompts: use only N prompts: the first N of a list or file, N stratified picks of a built-in set.
         max_new_tokens, temperature, top_k, top_p, seed: as :func:`speculant.generate`, for every method.
         repeats: rounds over the prompt set; warmup: untimed warm-up rounds (first prompt, <= 32 tokens).
-        eos_token_id: stop token(s) for every method (``[]``: never stop early); None: the target's.
+        eos_token_id: stop token(s) for every method (``[]``: never stop early); None: the target's, plus the
+            end-of-turn tokens (:func:`speculant.chat.stop_ids`) when any prompt is a chat.
         dtype: load dtype for both models (None: the loader's default; the bundled target loads in float32).
-        out: directory for results.json, results.md and the plots; None writes nothing.
+        out: directory for results.json, results.md and the plots (an existing file is refused before any
+            model is loaded); None writes nothing.
         progress: a tqdm bar on stderr.
         budgets, depths: budget-matched comparison (:mod:`speculant.bench.budget`): every entry of ``methods``
             is then a family (a spec without its size, e.g. ``chain``, ``rsd-s:width=2``) run at each number of
@@ -223,7 +251,8 @@ def run_bench(
 
     Returns:
         the results: ``machine``, ``settings``, ``definitions``, ``prompts``, ``methods`` (name -> summary) and
-        ``runs`` (name -> per-run rows), plus ``files`` when ``out`` is given.
+        ``runs`` (name -> per-run rows), plus ``categories`` (category -> method -> τ and speed-up) when the
+        prompts carry one, and ``files`` when ``out`` is given.
 
     Raises:
         ValueError: one line, for any bad input (unknown method or baseline, missing files, a method that needs
@@ -234,11 +263,13 @@ def run_bench(
     check_positive_int("repeats", repeats)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    check_out_dir(out)
 
-    method_specs = split_specs(methods)
+    matching = bool(budgets or depths)
+    method_specs = split_specs(methods if methods is not None else DEFAULT_FAMILIES if matching else DEFAULT_METHODS)
     matched = None
-    if budgets or depths:
-        method_specs, matched = _budget_matched(method_specs, budgets or [], depths or [])
+    if matching:
+        method_specs, matched = matched_specs(method_specs, budgets or [], depths or [], skip=(REFERENCE,))
     parsed = [(spec, *parse_method(spec)) for spec in method_specs]
     if not any(spec == REFERENCE for spec, _, _ in parsed):
         parsed.insert(0, (REFERENCE, *parse_method(REFERENCE)))
@@ -251,44 +282,34 @@ def run_bench(
     )
     source, records = _prompt_records(prompts, num_prompts)
 
-    bundled_target = bundled_dir("default-target")
-    if (needs_draft and draft is None and isinstance(target, (str, Path)) and bundled_target is not None
-            and resolve_model(target).resolve() == bundled_target.resolve()):
-        draft = "default-draft"
+    if needs_draft and draft is None and isinstance(target, (str, Path)):
+        draft = default_draft_for(target)
+        if draft is not None:
+            log.info("draft: %s (the drafter speculant ships for %s)", draft, target)
     if needs_draft and draft is None:
         users = [s for s, n, _ in parsed if get_method(n).needs_draft] + [
             s for s, n, _ in parsed_baselines if BASELINES[n].needs_draft
         ]
-        raise ValueError(f"{', '.join(users)} need(s) a draft model: pass a draft (--draft DIR)")
+        raise ValueError(f"{', '.join(users)} need(s) a draft model and speculant ships none for this target: "
+                         "pass a draft (--draft DIR)")
 
-    target_model, target_tok, target_desc = _load(target, dtype)
+    target_model, target_tok, target_desc = load_bench_target(target, dtype)
     tokenizer = tokenizer if tokenizer is not None else target_tok
+    ids_per_prompt = [prompt_ids(r, tokenizer) for r in records]  # before the draft loads: chat-template errors
     draft_model, draft_desc, context = None, None, {}
     if needs_draft:
-        draft_model, draft_tok, draft_desc = _load(draft, dtype)
-        if tokenizer is not None and draft_tok is not None:
-            context["tokenizers_match"] = tokenizers_match(tokenizer, draft_tok)
-            if not context["tokenizers_match"] and any(BASELINES[n].needs_draft for _, n, _ in parsed_baselines):
-                raise ValueError("hf-assisted needs a draft with the target's tokenizer (the tokenizers differ)")
+        draft_model, context, draft_desc = load_bench_draft(draft, target_model, tokenizer, dtype)
+        if context.get("tokenizers_match") is False and any(BASELINES[n].needs_draft for _, n, _ in parsed_baselines):
+            raise ValueError("hf-assisted needs a draft with the target's tokenizer (the tokenizers differ)")
     elif draft is not None:
         log.info("no method drafts with a model: the draft is not loaded")
-
-    prompt_ids: list[list[int]] = []
-    for r in records:
-        if "input_ids" in r:
-            ids = [int(t) for t in r["input_ids"]]
-        else:
-            if tokenizer is None:
-                raise ValueError("text prompts need a tokenizer: pass tokenizer= with an in-process target")
-            ids = tokenizer(r["prompt"])["input_ids"]
-        if not ids:
-            raise ValueError(f"prompt {r['id']!r} is empty after tokenization")
+    for ids in ids_per_prompt:
         check_fits_context(target_model, len(ids), max_new_tokens)
         if draft_model is not None:
             check_fits_context(draft_model, len(ids), max_new_tokens, role="draft")
-        prompt_ids.append(ids)
 
-    stops = sorted(resolve_eos(target_model, eos_token_id))
+    chats = sum(is_chat(r) for r in records)
+    stops = _stops(target_model, tokenizer, eos_token_id, chat=chats > 0)
     pad = _pad_id(target_model, stops)
     k_default = _default_k(parsed)
     ours = {spec: _EngineMethod(target_model, name, options, draft_model, context, stops)
@@ -298,7 +319,7 @@ def run_bench(
              for spec, name, options in parsed_baselines]
 
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
-    rows = run_side_by_side(target_model, runs, prompt_ids, max_new_tokens=max_new_tokens, repeats=repeats,
+    rows = run_side_by_side(target_model, runs, ids_per_prompt, max_new_tokens=max_new_tokens, repeats=repeats,
                             warmup=warmup, progress=progress, rotate=True, **sampling)
     summary = summarise(rows, baseline=REFERENCE, check_identical=temperature == 0)
 
@@ -340,15 +361,19 @@ def run_bench(
             "repeats": repeats,
             "warmup": warmup,
             "eos_token_id": stops,
+            "chat_prompts": chats,
             "pad_token_id": pad,
             "hf_default_k": k_default,
         },
         "definitions": DEFINITIONS,
         "prompts": [{**{k: v for k, v in r.items() if k != "input_ids"}, "tokens": len(ids)}
-                    for r, ids in zip(records, prompt_ids)],
+                    for r, ids in zip(records, ids_per_prompt)],
         "methods": summary,
         "runs": rows,
     }
+    if any("category" in r for r in records):
+        groups = [str(r.get("category", "other")) for r in records]
+        results["categories"] = summarise_by(rows, groups, baseline=REFERENCE)
     if matched is not None:
         results["budget_matched"] = matched
     if out is not None:
@@ -356,26 +381,6 @@ def run_bench(
 
         results["files"] = [str(p) for p in write_results(results, out)]
     return results
-
-
-def _budget_matched(families: list[str], budgets: Sequence[int], depths: Sequence[int]) -> tuple[list[str], dict]:
-    """The sized specs to run (each once, in order) and ``{"families", "budgets": {B: {family: spec | None}},
-    "depths": {D: {...}}}``."""
-    for axis, values in (("budgets", budgets), ("depths", depths)):
-        for v in values:
-            check_positive_int(axis[:-1], v)
-    specs: list[str] = []
-    matched: dict = {"families": [f for f in families if f != REFERENCE], "budgets": {}, "depths": {}}
-    for axis, values, size in (("budgets", budgets, at_budget), ("depths", depths, at_depth)):
-        for v in values:
-            row = matched[axis][str(v)] = {}
-            for family in matched["families"]:
-                spec = row[family] = size(family, int(v))
-                if spec is not None and spec not in specs:
-                    specs.append(spec)
-    if not specs:
-        raise ValueError(f"no method family has a configuration at budgets {list(budgets)} / depths {list(depths)}")
-    return specs, matched
 
 
 def _add_shape(s: dict, rows: list[dict], spec: str) -> None:

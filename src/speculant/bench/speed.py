@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from ..drafters.base import Drafter
 from ..engine import generate
 
-__all__ = ["MethodRun", "first_difference", "machine_info", "run_side_by_side", "summarise"]
+__all__ = ["MethodRun", "first_difference", "machine_info", "run_side_by_side", "summarise", "summarise_by"]
 
 
 @dataclass
@@ -165,4 +165,18 @@ def summarise(rows: dict[str, list[dict]], baseline: str = "ar", check_identical
                 s["identical_to_ar"] = 1 - len(mismatches) / len(rs)
                 s["mismatches"] = mismatches
         out[name] = s
+    return out
+
+
+def summarise_by(rows: dict[str, list[dict]], groups: Sequence[str], baseline: str = "ar") -> dict[str, dict]:
+    """Per group (e.g. an MT-Bench category; ``groups[i]`` is prompt i's), per method: ``acceptance_length`` (τ
+    pooled over the group's runs), ``speedup_vs_ar`` (median over the group's runs of per-prompt tokens/s ratios
+    against ``baseline``: :func:`summarise` on the group's rows), ``tokens_per_second`` (median) and ``runs``.
+    Groups in order of first appearance."""
+    out: dict[str, dict] = {}
+    for group in dict.fromkeys(groups):
+        mine = {name: [r for r in rs if groups[r["prompt"]] == group] for name, rs in rows.items()}
+        summary = summarise(mine, baseline=baseline, check_identical=False)
+        keep = ("acceptance_length", "speedup_vs_ar", "tokens_per_second", "runs")
+        out[group] = {name: {k: s[k] for k in keep if k in s} for name, s in summary.items()}
     return out

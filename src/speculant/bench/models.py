@@ -1,0 +1,51 @@
+"""The models a benchmark runs: the target (and its tokenizer) and the draft, by name or in process.
+
+Names are anything :func:`speculant.loading.resolve_model` takes (model directories, bundled and packaged names,
+``.gguf`` files, cached Hub ids). A draft is loaded with :func:`speculant.loading.load_draft`, so an attached
+drafter (:mod:`speculant.attached`: no tokenizer, the target's embedding and LM head) works like any other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..attached import is_attached
+from ..loading import check_model_dir, load_draft, load_model_dir, resolve_model, tokenizers_match
+
+__all__ = ["load_bench_draft", "load_bench_target"]
+
+
+def _in_process(model: torch.nn.Module) -> str:
+    return f"<in-process {type(model).__name__}>"
+
+
+def load_bench_target(model: str | Path | torch.nn.Module,
+                      dtype: torch.dtype | str | None = None) -> tuple[torch.nn.Module, Any, str]:
+    """``(model, tokenizer or None, description)`` from a loaded module or any name :func:`resolve_model` takes."""
+    if isinstance(model, torch.nn.Module):
+        return model.eval(), None, _in_process(model)
+    path = check_model_dir(resolve_model(model))
+    m, tok = load_model_dir(path, dtype)
+    return m, tok, str(path)
+
+
+def load_bench_draft(draft: str | Path | torch.nn.Module, target: torch.nn.Module, target_tok: Any = None,
+                     dtype: torch.dtype | str | None = None) -> tuple[torch.nn.Module, dict, str]:
+    """``(draft model, drafter context, description)``: a loaded module, or a name / directory loaded with
+    :func:`speculant.loading.load_draft` (an attached drafter shares the target's embedding and tokenizer).
+    The context says whether the tokenizers match when both are known."""
+    if isinstance(draft, torch.nn.Module):
+        return draft.eval(), {}, _in_process(draft)
+    path = check_model_dir(resolve_model(draft))
+    model = load_draft(path, target, dtype)
+    if is_attached(path):
+        return model, {"tokenizers_match": True}, str(path)
+    if target_tok is None:
+        return model, {}, str(path)
+    from transformers import AutoTokenizer
+
+    draft_tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return model, {"tokenizers_match": tokenizers_match(target_tok, draft_tok)}, str(path)

