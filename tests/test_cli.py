@@ -14,6 +14,8 @@ import shutil
 import pytest
 import torch
 
+import speculant.checks
+import speculant.loading
 from speculant import DraftModelDrafter, GenerationStats, cli, generate
 from speculant.demo import save_model_pair, stdlib_texts, train_tokenizer
 from speculant.drafters import registry
@@ -190,6 +192,8 @@ def assert_one_line_error(code, out, err, *needles):
         (["--k", "two"], ["--k"]),
         (["--dtype", "int8"], ["--dtype"]),
         (["--threads", "0"], ["--threads"]),
+        (["--seed", str(2**70)], [f"seed {2**70} is out of range"]),
+        (["--device", "nope"], ["unknown device 'nope': expected auto, cpu, cuda, cuda:N or mps"]),
     ],
 )
 def test_bad_options_one_line_exit_2(dirs, capsys, extra, needles):
@@ -379,3 +383,146 @@ def test_verbose_logs_info_to_stderr(dirs, capsys):
     assert "speculant: INFO: loading model and tokenizer from" in err and "--draft is not used" in err
     assert cli.main(["generate", *args]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_verbose_after_the_subcommand(dirs, capsys):
+    args = [PROMPT, "--target", dirs["target"], "--method", "ar", "--max-new-tokens", "2", "--json"]
+    assert cli.main(["generate", *args, "-v"]) == 0
+    assert "speculant: INFO: loading model and tokenizer from" in capsys.readouterr().err
+    assert cli.main(["-v", "generate", *args, "--verbose"]) == 0
+    assert "speculant: INFO:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- devices
+
+
+def unusable_cuda() -> tuple[str, str]:
+    """A CUDA device torch cannot use on this machine, and what the error says about it."""
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        return f"cuda:{n}", f"device 'cuda:{n}' is not available: {n} CUDA GPU(s) visible"
+    if torch.version.cuda is None:
+        return "cuda", f"device 'cuda' is not available: this torch build has no CUDA support (torch {torch.__version__})"
+    return "cuda", "device 'cuda' is not available: torch finds no CUDA GPU"
+
+
+def test_resolve_device():
+    from speculant.checks import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    best = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    assert resolve_device(None) == resolve_device("auto") == torch.device(best)
+    device, message = unusable_cuda()
+    with pytest.raises(ValueError) as err:
+        resolve_device(device)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    for bad in ("nope", "cuda:x", ""):
+        with pytest.raises(ValueError, match="unknown device"):
+            resolve_device(bad)
+
+
+def test_device_cpu_gives_the_same_output(dirs, capsys):
+    code, out, err = run(capsys, *base_args(dirs, "chain:k=3", "--json", "--device", "cpu"))
+    assert code == 0, err
+    code, default, _ = run(capsys, *base_args(dirs, "chain:k=3", "--json"))
+    assert code == 0
+    assert json.loads(out)["token_ids"] == json.loads(default)["token_ids"]
+
+
+def _no_loading(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad option was reported")
+
+    monkeypatch.setattr(speculant.loading, "load_model_dir", refuse)
+
+
+@pytest.mark.parametrize("command", ["generate", "kv-eval", "train"])
+def test_unusable_device_is_one_line_before_any_work(dirs, capsys, monkeypatch, tmp_path, command):
+    device, message = unusable_cuda()
+    _no_loading(monkeypatch)
+    argv = {
+        "generate": ["generate", *base_args(dirs)],
+        "kv-eval": ["kv-eval", "--target", dirs["target"]],
+        "train": ["train", "model", "--data", str(tmp_path), "--out", str(tmp_path / "run"), "--preset", "tiny"],
+    }[command]
+    code = cli.main([*argv, "--device", device])
+    assert_one_line_error(code, *capsys.readouterr(), message)
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------------- no-op settings
+
+
+@pytest.mark.parametrize(
+    "extra, warning",
+    [
+        (["--top-k", "5"], "top_k / top_p have no effect with greedy decoding (temperature 0)"),
+        (["--top-p", "0.5"], "top_k / top_p have no effect with greedy decoding (temperature 0)"),
+        (["--kv-block", "8"], "--kv-block has no effect without eviction (--kv-policy and --kv-budget)"),
+        (["--method", "lookup"], "method 'lookup' drafts without a model: --draft is not used"),
+        (["--method", "chain:trim=1000"], "vocab_trim (trim) = 1000 is not below the vocabulary size (300 tokens)"),
+        (["--kv-policy", "caote:caote:keydiff", "--kv-budget", "16"], "'caote:caote:keydiff' nests CAOTE 2 times"),
+    ],
+)
+def test_settings_without_effect_warn(dirs, capsys, monkeypatch, extra, warning):
+    monkeypatch.setattr(speculant.checks, "_WARNED", set())
+    code, out, err = run(capsys, *base_args(dirs, "chain", "--json", "--max-new-tokens", "4"), *extra)
+    assert code == 0, err
+    assert json.loads(out)["token_ids"]
+    (line,) = err.strip().splitlines()
+    assert line.startswith("speculant: WARNING: ") and warning in line, line
+
+
+def test_settings_with_effect_do_not_warn(dirs, capsys, monkeypatch):
+    monkeypatch.setattr(speculant.checks, "_WARNED", set())
+    extra = ["--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--seed", "1", "--kv-policy", "caote:keydiff",
+             "--kv-budget", "16", "--kv-block", "8", "--method", "chain:trim=0"]
+    code, _, err = run(capsys, *base_args(dirs, "chain", "--json", "--max-new-tokens", "4"), *extra)
+    assert code == 0 and err == ""
+
+
+# ---------------------------------------------------------------------------------------------- pipes
+
+
+def test_closed_stdout_exits_quietly(dirs, capsys, monkeypatch):
+    """``speculant generate ... | head -c 1``: the reader goes away; no traceback, no error line, exit 141."""
+
+    class Closed(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", Closed())
+    assert cli.main(["generate", *base_args(dirs, "ar")]) == cli.EXIT_BROKEN_PIPE == 141
+    assert capsys.readouterr().err == ""
+
+
+# ---------------------------------------------------------------------------------------------- kv-eval
+
+
+def kv_eval_args(dirs, tmp_path, *extra):
+    text = tmp_path / "text.py"
+    text.write_text(PROMPT * 30)
+    return ["kv-eval", "--target", dirs["target"], "--text", str(text), "--policies", "keydiff,streaming",
+            "--budgets", "8", "--seq-len", "64", "--tail", "4", "--block", "8", "--retrieval-pairs", "2",
+            "--retrieval-examples", "1", "--memory-lengths", "32", *extra]
+
+
+def test_kv_eval_progress_threads_and_device(dirs, capsys, monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    code = cli.main(kv_eval_args(dirs, tmp_path, "--json", "--threads", "1", "--device", "cpu"))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert calls == [1]
+    report = json.loads(out.strip().splitlines()[-1])
+    assert [r["policy"] for r in report["results"]] == ["keydiff", "streaming"]
+    assert "kv-eval" in err and "2/2" in err  # the progress bar over the policy x budget grid, on stderr
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--seq-len", "200"], f"--seq-len 200 exceeds the target model's context of {CONTEXT} tokens"),
+    (["--memory-lengths", "32,512"], f"--memory-lengths: 512 tokens exceed the target model's context of {CONTEXT}"),
+    (["--threads", "0"], "--threads"),
+])
+def test_kv_eval_refuses_what_the_model_cannot_take(dirs, capsys, tmp_path, extra, needle):
+    assert_one_line_error(cli.main(kv_eval_args(dirs, tmp_path, *extra)), *capsys.readouterr(), needle)

@@ -2,25 +2,53 @@
 
 >>> gen = speculant.generate(target, input_ids, drafter=speculant.DraftModelDrafter(draft, k=4))
 >>> gen.token_ids, gen.stats.acceptance_length
+
+Every drafting method of the registry (``speculant generate --method``) has a Python entry point:
+``speculant.build_drafter(spec, draft_model)`` builds any of them from its spec, and each has its class here
+(chain: :class:`DraftModelDrafter`, specinfer / spectr / rsd-c / rsd-s / tree: the tree drafters, lookup:
+:class:`PromptLookupDrafter`, mask-probe: :class:`MaskProbeDrafter`; ar is ``drafter=None``).
+
+The public names are imported on first use (PEP 562), so ``import speculant`` and ``speculant --help`` do not
+import torch.
 """
 
-from .drafters import (
-    DecodeState,
-    Drafter,
-    DraftModelDrafter,
-    DynamicTreeDrafter,
-    RSDCDrafter,
-    RSDSDrafter,
-    SpecInferDrafter,
-    SpecTrDrafter,
-)
-from .engine import generate
-from .loading import load_pretrained
-from .types import DraftTree, Generation, GenerationStats, SamplingParams, Verdict
-from .verify import verify
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# public name -> the module that defines it (relative to this package)
+_EXPORTS: dict[str, str] = {
+    "DecodeState": ".drafters.base",
+    "Drafter": ".drafters.base",
+    "DraftModelDrafter": ".drafters.model",
+    "DynamicTreeDrafter": ".drafters.trees",
+    "RSDCDrafter": ".drafters.trees",
+    "RSDSDrafter": ".drafters.trees",
+    "SpecInferDrafter": ".drafters.trees",
+    "SpecTrDrafter": ".drafters.trees",
+    "PromptLookupDrafter": ".drafters.lookup",
+    "MaskProbeDrafter": ".drafters.mask_probe",
+    "build_drafter": ".drafters.registry",
+    "generate": ".engine",
+    "load_pretrained": ".loading",
+    "load_draft": ".loading",
+    "chat_ids": ".chat",
+    "stop_ids": ".chat",
+    "DraftTree": ".types",
+    "Generation": ".types",
+    "GenerationStats": ".types",
+    "SamplingParams": ".types",
+    "Verdict": ".types",
+    "verify": ".verify",
+}
+
+# a literal list, as static type checkers read it (this package ships py.typed); the same names as _EXPORTS
 __all__ = [
     "DecodeState",
     "DraftModelDrafter",
@@ -29,6 +57,8 @@ __all__ = [
     "DynamicTreeDrafter",
     "Generation",
     "GenerationStats",
+    "MaskProbeDrafter",
+    "PromptLookupDrafter",
     "RSDCDrafter",
     "RSDSDrafter",
     "SamplingParams",
@@ -36,7 +66,54 @@ __all__ = [
     "SpecTrDrafter",
     "Verdict",
     "__version__",
+    "build_drafter",
+    "chat_ids",
     "generate",
+    "load_draft",
     "load_pretrained",
+    "stop_ids",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name (or a submodule such as ``speculant.engine``) on first access."""
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module, __name__), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+class _Package(types.ModuleType):
+    """The package module. Why: importing a submodule sets it as an attribute of its package, and the submodule
+    ``speculant.verify`` shares its name with the function ``speculant.verify``; the public function must win (as it
+    did when this file imported everything eagerly), so a submodule is not stored under an exported name."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+if TYPE_CHECKING:  # what static type checkers and IDEs see
+    from .drafters.base import DecodeState, Drafter
+    from .drafters.lookup import PromptLookupDrafter
+    from .drafters.mask_probe import MaskProbeDrafter
+    from .drafters.model import DraftModelDrafter
+    from .drafters.registry import build_drafter
+    from .drafters.trees import DynamicTreeDrafter, RSDCDrafter, RSDSDrafter, SpecInferDrafter, SpecTrDrafter
+    from .chat import chat_ids, stop_ids
+    from .engine import generate
+    from .loading import load_draft, load_pretrained
+    from .types import DraftTree, Generation, GenerationStats, SamplingParams, Verdict
+    from .verify import verify

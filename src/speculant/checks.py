@@ -1,7 +1,9 @@
-"""Input validation with one-line, specific errors (ValueError), shared by the API and the CLI."""
+"""Input validation with one-line, specific errors (ValueError), shared by the API and the CLI, and the
+once-per-process warnings for settings that have no effect."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
@@ -9,6 +11,10 @@ import torch
 __all__ = [
     "as_id_list",
     "check_positive_int",
+    "check_token_ids",
+    "resolve_device",
+    "warn_once",
+    "warn_policy_nesting",
     "context_length",
     "check_fits_context",
     "resolve_eos",
@@ -48,6 +54,7 @@ def as_id_list(input_ids) -> list[int]:
 
 
 def check_positive_int(name: str, value) -> int:
+    """``value`` if it is an int >= 1, else a one-line ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
     return value
@@ -140,3 +147,86 @@ def check_vocab_compatible(target_vocab: int, draft_vocab: int, tokenizers_match
 def num_layers(model: torch.nn.Module) -> int:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     return int(cfg.num_hidden_layers)
+
+
+def check_token_ids(ids: Iterable[int], vocab: int, what: str = "input_ids", role: str = "target") -> None:
+    """Every id must be a token of the model: in ``[0, vocab)``; else a ValueError naming the first offending id
+    (an out-of-range id would otherwise end in a bare IndexError inside the embedding)."""
+    for t in ids:
+        if not 0 <= t < vocab:
+            raise ValueError(
+                f"{what}: token id {t} is outside the {role} model's vocabulary of {vocab} tokens (ids 0..{vocab - 1})"
+            )
+
+
+def _no_device(text: str, why: str) -> ValueError:
+    return ValueError(f"device {text!r} is not available: {why} (torch {torch.__version__})")
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """The torch device for ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"``...), checked usable here.
+
+    ``None`` or ``"auto"``: the best available one, CUDA if torch sees a GPU, else Apple's MPS, else the CPU.
+    Raises a one-line ValueError for a string torch does not parse and for a device this torch build or machine
+    cannot use (a CPU-only build asked for ``cuda``, a GPU index past the last one...), before any work is done.
+    """
+    if device is None or device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    text = str(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"unknown device {text!r}: expected auto, cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            raise _no_device(text, "this torch build has no CUDA support")
+        if not torch.cuda.is_available():
+            raise _no_device(text, "torch finds no CUDA GPU (check the driver and CUDA_VISIBLE_DEVICES)")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise _no_device(text, f"{count} CUDA GPU(s) visible, cuda:0 to cuda:{count - 1}")
+        return dev
+    if dev.type == "mps":
+        if not torch.backends.mps.is_built():
+            raise _no_device(text, "this torch build has no MPS support")
+        if not torch.backends.mps.is_available():
+            raise _no_device(text, "MPS needs Apple silicon and macOS 12.3 or later")
+        return dev
+    backend = getattr(torch, dev.type, None)
+    if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+        raise _no_device(text, f"torch has no usable {dev.type} backend here")
+    return dev
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(logger: logging.Logger, message: str) -> None:
+    """Log ``message`` as a warning the first time it comes up in this process (a setting with no effect is
+    reported once, not on every generation of a benchmark)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
+def warn_policy_nesting(policy) -> None:
+    """Warn (once) about a KV policy that wraps CAOTE in CAOTE (``caote:caote:h2o``, ``fastcaote:caote:...``):
+    the outer CAOTE reads the inner one's eviction-error scores as attention weights, which is not what either
+    method defines; one CAOTE level over the base policy is meant."""
+    from .kv.caote import CAOTE
+
+    levels, node = 0, policy
+    while node is not None:
+        levels += isinstance(node, CAOTE)
+        node = getattr(node, "inner", None)  # wrappers hold the wrapped policy in ``inner``
+    if levels > 1:
+        name = getattr(policy, "name", type(policy).__name__)
+        warn_once(logging.getLogger(__name__),
+                  f"KV policy {name!r} nests CAOTE {levels} times: the outer level reads CAOTE scores as attention "
+                  "weights, which is not a meaningful policy; use one level over the base policy (e.g. caote:h2o)")

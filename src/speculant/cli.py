@@ -7,60 +7,56 @@ Output conventions (``generate``):
     library warnings, and errors.
   * Every bad input is one line ``speculant: error: <message>`` on stderr and exit code 2, never a traceback.
 
-Subcommands are entries of :data:`COMMANDS` (name, help, argument builder, runner), so ``bench``, ``kv-eval``,
-``train`` and ``serve`` plug in the same way. Defaults are read from the library (``generate``'s signature, the
-method registry), never restated here.
+Subcommands are entries of :data:`COMMANDS` (name, one-line help, and a loader of the parts that need torch:
+argument builder, runner, description), so ``bench``, ``kv-eval``, ``train`` and ``serve`` plug in the same way.
+A subcommand's options are declared only when it is chosen, so ``speculant --help`` and ``speculant --version``
+answer without importing torch. Defaults are read from the library (``generate``'s signature, the method
+registry), never restated here. ``-v`` goes before or after the subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import inspect
 import json
 import logging
+import os
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
-
-import torch
+from typing import TYPE_CHECKING, Any, TextIO
 
 from . import __version__
-from .bench import cli as bench_cli
-from .kv import cli as kv_cli
-from .checks import check_positive_int
-from .drafters.registry import NO_DEFAULT, build_drafter, describe_methods, get_method, methods, parse_method
-from .engine import generate
-from .attached import is_attached
-from .chat import chat_ids, has_chat_template, stop_ids
-from .loading import (
-    DTYPES,
-    bundled_dir,
-    check_model_dir,
-    default_draft_for,
-    load_draft,
-    load_model_dir,
-    load_tokenizer,
-    resolve_model,
-    tokenizers_match,
-)
-from .sources import PACKAGED
-from .types import GenerationStats, SamplingParams
 
-__all__ = ["main", "build_parser", "default_model_dir", "COMMANDS", "Command"]
+if TYPE_CHECKING:
+    from .types import GenerationStats
+
+__all__ = ["main", "build_parser", "default_model_dir", "COMMANDS", "Command", "Subcommand"]
 
 PROG = "speculant"
 log = logging.getLogger(__name__)
 
-# generate()'s defaults are the single definition of max_new_tokens, temperature, top_k, top_p and seed.
-_GEN_DEFAULTS = {name: p.default for name, p in inspect.signature(generate).parameters.items()}
+EXIT_BROKEN_PIPE = 141
+"""Exit code when stdout's reader went away (``speculant ... | head``): 128 + SIGPIPE, as a shell reports it."""
+
+
+@functools.cache
+def _gen_defaults() -> dict[str, Any]:
+    """generate()'s defaults: the single definition of max_new_tokens, temperature, top_k, top_p, seed, kv_block."""
+    from .engine import generate
+
+    return {name: p.default for name, p in inspect.signature(generate).parameters.items()}
 
 
 def default_model_dir(role: str) -> Path | None:
     """The bundled default model directory for ``role`` (``"target"`` or ``"draft"``), or None when this
     installation ships none (then ``--target`` is required)."""
+    from .loading import bundled_dir
+
     return bundled_dir(f"default-{role}")
 
 
@@ -81,16 +77,36 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
 
 
 @dataclass(frozen=True)
-class Command:
-    """One subcommand: ``add_arguments(parser)`` declares its options, ``run(args)`` returns the exit code and
-    may raise ValueError for bad input."""
+class Subcommand:
+    """What a subcommand needs torch for: ``add_arguments(parser)`` declares its options, ``run(args)`` returns
+    the exit code and may raise ValueError for bad input; ``description`` and ``epilog`` are its help texts."""
 
-    name: str
-    help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
     description: str = ""
     epilog: str = ""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``help`` is its line in ``speculant --help``; ``load()`` imports and returns the rest
+    (:class:`Subcommand`), called only when the subcommand is chosen."""
+
+    name: str
+    help: str
+    load: Callable[[], Subcommand]
+
+
+def _module_command(module: str) -> Callable[[], Subcommand]:
+    """A loader for a subcommand defined by a module with ``add_arguments``, ``run``, ``DESCRIPTION`` and
+    optionally ``epilog()`` (``speculant.bench.cli``, ``speculant.kv.cli``)."""
+
+    def load() -> Subcommand:
+        m = importlib.import_module(module)
+        epilog = getattr(m, "epilog", None)
+        return Subcommand(m.add_arguments, m.run, m.DESCRIPTION, epilog() if epilog is not None else "")
+
+    return load
 
 
 # ---------------------------------------------------------------------------------------------- generate
@@ -117,6 +133,8 @@ _nonnegative_int = _int_at_least(0)
 
 
 def _methods_with_k() -> str:
+    from .drafters.registry import NO_DEFAULT, methods
+
     return ", ".join(
         f"{m.name}: {m.keys['k'].default}" if m.keys["k"].default is not NO_DEFAULT else m.name
         for m in methods().values()
@@ -124,9 +142,32 @@ def _methods_with_k() -> str:
     )
 
 
+def _add_device_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """``--device``, shared by the subcommands that run models (checked by :func:`speculant.checks.resolve_device`)."""
+    p.add_argument(
+        "--device",
+        metavar="DEVICE",
+        default=None,
+        help=f"run {what} on this device: cpu, cuda, cuda:N or mps; default: the best available (cuda if torch "
+        "sees a GPU, else mps, else cpu)",
+    )
+
+
+def _set_threads(threads: int | None) -> None:
+    """``--threads``: torch CPU threads, left to torch when not given."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    from .drafters.registry import DEFAULT_METHOD
+    from .loading import DTYPES
+    from .sources import PACKAGED
+
     target_default = default_model_dir("target")
-    d = _GEN_DEFAULTS
+    d = _gen_defaults()
     p.add_argument(
         "prompt",
         metavar="PROMPT",
@@ -168,7 +209,7 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method",
         metavar="SPEC",
-        default="chain",
+        default=DEFAULT_METHOD,
         help="drafting method: NAME or NAME:key=value[:key=value...] (list values separated by '/'), e.g. ar, "
         "chain, chain:k=8; the methods are listed below; default: %(default)s",
     )
@@ -234,6 +275,7 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="torch CPU threads (torch.set_num_threads); default: left to torch",
     )
+    _add_device_argument(p, "the target and draft models")
     p.add_argument(
         "--kv-policy",
         metavar="POLICY",
@@ -253,8 +295,8 @@ def _add_generate_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-block",
         type=_positive_int,
         metavar="B",
-        default=d["kv_block"],
-        help="prefill block size with --kv-budget (peak KV: N + B tokens per layer); default: %(default)s",
+        default=None,  # None: not given (generate()'s default applies; given without eviction it is a no-op)
+        help=f"prefill block size with --kv-budget (peak KV: N + B tokens per layer); default: {d['kv_block']}",
     )
     p.add_argument(
         "--json",
@@ -308,6 +350,24 @@ def _summary(method: str, stats: GenerationStats) -> str:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from .attached import is_attached
+    from .chat import chat_ids, has_chat_template, stop_ids
+    from .checks import check_positive_int, resolve_device
+    from .drafters.registry import build_drafter, get_method, parse_method
+    from .engine import generate
+    from .loading import (
+        check_model_dir,
+        default_draft_for,
+        load_draft,
+        load_model_dir,
+        load_tokenizer,
+        resolve_model,
+        tokenizers_match,
+    )
+    from .types import SamplingParams
+
     # validate everything cheap before loading any model
     name, options = parse_method(args.method)
     if (args.kv_policy is None) != (args.kv_budget is None):
@@ -316,6 +376,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         from .kv import parse_policy
 
         parse_policy(args.kv_policy)
+    elif args.kv_block is not None:
+        log.warning("--kv-block has no effect without eviction (--kv-policy and --kv-budget)")
     method = get_method(name)
     if args.k is not None:
         if "k" not in method.keys:
@@ -329,30 +391,36 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"method {name!r} needs a draft model: pass --draft DIR (or --method ar for plain decoding)")
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     check_positive_int("max_new_tokens", args.max_new_tokens)
+    device = resolve_device(args.device)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise ValueError("the prompt is empty: give some text")
     args.target = check_model_dir(resolve_model(args.target))
     if method.needs_draft:
         args.draft = check_model_dir(resolve_model(args.draft))
-    elif args.draft is not None:
-        log.info("method %r drafts without a model: --draft is not used", name)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    _set_threads(args.threads)
 
-    target, tokenizer = load_model_dir(args.target, args.dtype if args.dtype is not None else torch.float32)
+    dtype = args.dtype if args.dtype is not None else torch.float32
+    target, tokenizer = load_model_dir(args.target, dtype)
+    target.to(device)
     draft_model, context = None, {}
     if method.needs_draft:
-        draft_model = load_draft(args.draft, target, args.dtype if args.dtype is not None else torch.float32)
+        draft_model = load_draft(args.draft, target, dtype).to(device)
         if not is_attached(args.draft):
             context["tokenizers_match"] = tokenizers_match(tokenizer, load_tokenizer(args.draft))
     drafter = build_drafter((name, options), draft_model, **context)
+    if args.draft is not None and not method.needs_draft:
+        if drafter is None:  # plain decoding: passing --draft to switch methods back and forth is fine
+            log.info("method %r drafts nothing: --draft is not used", name)
+        else:
+            log.warning("method %r drafts without a model: --draft is not used", name)
 
     chat = has_chat_template(tokenizer) and not args.raw
     if args.system is not None and not chat:
         raise ValueError("--system: the target's tokenizer has no chat template")
     ids = chat_ids(tokenizer, prompt, system=args.system) if chat else tokenizer(prompt)["input_ids"]
     stream = None if args.json else _TextStream(tokenizer, sys.stdout)
+    kv_block = {} if args.kv_block is None else {"kv_block": args.kv_block}
     gen = generate(
         target,
         ids,
@@ -366,7 +434,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         stream=stream,
         kv_policy=args.kv_policy,
         kv_budget=args.kv_budget,
-        kv_block=args.kv_block,
+        **kv_block,
     )
     if args.json:
         text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
@@ -394,8 +462,19 @@ def _slash_list(item: type):
     return convert
 
 
-def _add_dataclass_arguments(p: argparse.ArgumentParser, cls, skip: set[str], docs: dict[str, str]) -> None:
-    """One ``--field-name`` option per dataclass field; the dataclass holds the defaults (not restated)."""
+def _option(field: str) -> str:
+    """The command-line spelling of a dataclass field: ``kd_loss`` -> ``--kd-loss``."""
+    return "--" + field.replace("_", "-")
+
+
+def _add_dataclass_arguments(
+    p: argparse.ArgumentParser, cls, skip: set[str], docs: dict[str, str], deferred: frozenset[str] = frozenset()
+) -> None:
+    """One ``--field-name`` option per dataclass field; the dataclass holds the defaults (not restated).
+
+    ``deferred`` fields default to None on the command line (the help still shows the dataclass default), so the
+    runner can tell an option given explicitly from one left out; :func:`_dataclass_from_args` then applies the
+    dataclass default."""
     import dataclasses
     import typing
 
@@ -416,12 +495,36 @@ def _add_dataclass_arguments(p: argparse.ArgumentParser, cls, skip: set[str], do
             kind = types[0] if types and types[0] in (int, float) else str
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         p.add_argument(
-            "--" + f.name.replace("_", "-"),
+            _option(f.name),
             type=kind,
-            default=default,
+            default=None if f.name in deferred else default,
             required=required,
-            help=docs.get(f.name, "") + ("" if required else " (default: %(default)s)"),
+            help=docs.get(f.name, "") + ("" if required else f" (default: {default})".replace("%", "%%")),
         )
+
+
+def _dataclass_from_args(cls, args: argparse.Namespace):
+    """``cls(**options)`` from the parsed options named like its fields; an option left at None whose field has
+    another default (a deferred option that was not given) is left out, so the dataclass default applies."""
+    import dataclasses
+
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if value is None and f.default is not None:
+            continue
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+def _check_data_dir(path: str) -> None:
+    """``--data`` must name an existing directory (a missing one would otherwise be taken for a Hub repository
+    id by the tokenizer loader, with a message about repository names)."""
+    if not Path(path).expanduser().is_dir():
+        raise ValueError(f"--data: directory {path!r} does not exist: write one with "
+                         f"'speculant train prepare --out {path}'")
 
 
 _TRAIN_DOCS = {
@@ -441,7 +544,7 @@ _TRAIN_DOCS = {
     "seed": "initialisation and data-order seed",
     "ckpt_every": "save a resumable checkpoint every N steps",
     "eval_batches": "validation batches for the final loss",
-    "device": "auto (GPU if present), cpu or cuda",
+    "device": "auto (a CUDA GPU if torch sees one, else the CPU), cpu, cuda, cuda:N or mps",
     "precision": "auto (bf16 on a GPU that supports it, else fp32), fp32 or bf16",
     "teacher": "model directory of the target to distil from (draft training)",
     "kd_weight": "weight of the distillation loss (the rest is cross-entropy)",
@@ -497,9 +600,10 @@ _DRAFT_DOCS = {
 
 
 def _run_train_draft(args: argparse.Namespace) -> int:
-    import dataclasses
     import shlex
 
+    from .checks import check_positive_int
+    from .loading import resolve_model
     from .train.draft import DraftRunConfig, run_answers, run_training
     from .train.drafter_card import write_drafter_card
     from .train.losses import LOSSES
@@ -510,8 +614,7 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     resolve_model(args.target)  # a clear error before any work
     if args.prompts is not None and not Path(args.prompts).is_file():
         raise ValueError(f"--prompts: file {args.prompts!r} does not exist")
-    names = {f.name for f in dataclasses.fields(DraftRunConfig)}
-    cfg = DraftRunConfig(**{n: getattr(args, n) for n in names})
+    cfg = _dataclass_from_args(DraftRunConfig, args)
     run_answers(cfg)
     export = run_training(cfg)
     command = "speculant train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
@@ -532,7 +635,7 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     prep.add_argument("--vocab-size", type=int, default=16384, help="BPE vocabulary size (default: %(default)s)")
     model = sub.add_parser("model", help="pretrain (or distil) a model on a prepared data directory",
                            formatter_class=_Formatter)
-    _add_dataclass_arguments(model, TrainConfig, skip={"extra"}, docs=_TRAIN_DOCS)
+    _add_dataclass_arguments(model, TrainConfig, skip={"extra"}, docs=_TRAIN_DOCS, deferred=_TEACHER_ONLY)
     model.add_argument("--name", default=None, help="model name for the model card (default: the preset)")
     calibrate = sub.add_parser("calibrate", help="VocabTrim: store a split's token frequencies with a draft model",
                                formatter_class=_Formatter)
@@ -565,13 +668,39 @@ def _add_train_arguments(p: argparse.ArgumentParser) -> None:
     _add_dataclass_arguments(distill, DistillDataConfig, skip=set(), docs=_DISTILL_DATA_DOCS)
 
 
+# options of 'train model' that only matter when distilling from --teacher (refused without it)
+_TEACHER_ONLY = frozenset({"kd_loss", "kd_weight"})
+# options of 'train model' that count something: 0 would fail later (a division, a modulo) or train nothing
+_TRAIN_COUNTS = ("steps", "batch_size", "seq_len", "long_seq_len", "ckpt_every", "eval_batches")
+
+
+def _check_train_model(args: argparse.Namespace) -> None:
+    """Refuse bad 'train model' options with one line, before any work (data, device, counts, distillation)."""
+    from .checks import check_positive_int, resolve_device
+    from .train.losses import LOSSES
+    from .train.pretrain import PRESETS
+
+    resolve_device(args.device)
+    _check_data_dir(args.data)
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
+    for name in _TRAIN_COUNTS:
+        check_positive_int(_option(name), getattr(args, name))
+    given = [_option(name) for name in sorted(_TEACHER_ONLY) if getattr(args, name) is not None]
+    if given and not args.teacher:
+        raise ValueError(f"{' and '.join(given)}: no effect without --teacher (they set the distillation from a "
+                         "teacher model): add --teacher MODEL, or drop them")
+    if args.kd_loss is not None and args.kd_loss not in LOSSES:
+        raise ValueError(f"--kd-loss: unknown loss {args.kd_loss!r}; known: {', '.join(LOSSES)}")
+
+
 def _run_train(args: argparse.Namespace) -> int:
-    import dataclasses
     import shlex
 
+    from .loading import check_model_dir, resolve_model
     from .train.card import write_model_card
     from .train.data import prepare
-    from .train.pretrain import PRESETS, TrainConfig
+    from .train.pretrain import TrainConfig
 
     if args.action == "prepare":
         out = prepare(args.out, vocab_size=args.vocab_size)
@@ -580,25 +709,24 @@ def _run_train(args: argparse.Namespace) -> int:
     if args.action == "calibrate":
         from .train.calibrate import write_calibration
 
+        _check_data_dir(args.data)
         model_dir = check_model_dir(resolve_model(args.model))
         print(write_calibration(model_dir, args.data, args.split, args.default_size, args.default_size_sampling))
         return 0
     if args.action == "distill-data":
         from .train.distill_data import DistillDataConfig, generate_distill_data
 
+        _check_data_dir(args.data)
         args.teacher = str(check_model_dir(resolve_model(args.teacher)))
-        names = {f.name for f in dataclasses.fields(DistillDataConfig)}
-        print(generate_distill_data(DistillDataConfig(**{n: getattr(args, n) for n in names})))
+        print(generate_distill_data(_dataclass_from_args(DistillDataConfig, args)))
         return 0
     if args.action == "draft":
         return _run_train_draft(args)
-    if args.preset not in PRESETS:
-        raise ValueError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
+    _check_train_model(args)
     for role in ("teacher", "init"):  # bundled names (default-target, ...) or directories
         if getattr(args, role):
             setattr(args, role, str(check_model_dir(resolve_model(getattr(args, role)))))
-    fields = {f.name for f in dataclasses.fields(TrainConfig)} - {"extra"}
-    cfg = TrainConfig(**{name: getattr(args, name) for name in fields})
+    cfg = _dataclass_from_args(TrainConfig, args)
     from .train.pretrain import train
 
     export = train(cfg)
@@ -608,69 +736,98 @@ def _run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS: list[Command] = [
-    Command(
-        name="generate",
-        help="generate text from a prompt with speculative decoding",
-        add_arguments=_add_generate_arguments,
-        run=_run_generate,
+def _generate_command() -> Subcommand:
+    from .drafters.registry import describe_methods
+
+    return Subcommand(
+        _add_generate_arguments,
+        _run_generate,
         description="Generate a continuation of PROMPT with the target model, losslessly accelerated by the "
         "drafting method. The text streams to stdout; a one-line summary (τ = tokens per target call, tokens, "
         "tokens/s, target calls, engine overhead share) goes to stderr. Generated text is shown with special "
         "tokens removed; --json gives the raw token ids.",
         epilog="methods:\n" + describe_methods(),
-    ),
-    Command(
-        name="train",
-        help="train the bundled models: prepare the data, then pretrain or distil a model",
-        add_arguments=_add_train_arguments,
-        run=_run_train,
+    )
+
+
+def _train_command() -> Subcommand:
+    return Subcommand(
+        _add_train_arguments,
+        _run_train,
         description="Training pipeline. 'prepare' builds the corpus (this interpreter's standard library and "
         "pydoc topics, split by module), trains the byte-level BPE tokenizer and tokenises the splits; 'model' "
         "pretrains a Llama model (optionally distilling from a teacher), with a progress bar and resumable "
         "checkpoints, then exports a Hugging Face directory with a MODEL_CARD.md.",
-    ),
-    Command(
-        name="bench",
-        help=bench_cli.HELP,
-        add_arguments=bench_cli.add_arguments,
-        run=bench_cli.run,
-        description=bench_cli.DESCRIPTION,
-        epilog=bench_cli.epilog(),
-    ),
-    Command(
-        name="kv-eval",
-        help=kv_cli.HELP,
-        add_arguments=kv_cli.add_arguments,
-        run=kv_cli.run,
-        description=kv_cli.DESCRIPTION,
-    ),
+    )
+
+
+COMMANDS: list[Command] = [
+    Command("generate", "generate text from a prompt with speculative decoding", _generate_command),
+    Command("train", "train the bundled models: prepare the data, then pretrain or distil a model", _train_command),
+    Command("bench", "benchmark drafting methods against plain decoding and transformers' generate",
+            _module_command("speculant.bench.cli")),
+    Command("kv-eval", "evaluate KV-cache eviction policies under a memory budget", _module_command("speculant.kv.cli")),
 ]
 
 
 # ---------------------------------------------------------------------------------------------- entry point
 
+_VERBOSE_HELP = "log progress (INFO) to stderr"
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with one subparser per entry of :data:`COMMANDS`."""
+
+def _add_verbose_option(p: argparse.ArgumentParser) -> None:
+    """``-v`` on a subcommand's parser and on its own subcommands' (``train model ... -v``). SUPPRESS: when not
+    given there, the value of a ``-v`` before the subcommand stays."""
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _add_verbose_option(child)
+
+
+def _declare(p: argparse.ArgumentParser, cmd: Command) -> None:
+    """Give ``p`` the options and help texts of ``cmd`` (imports what the subcommand needs)."""
+    parts = cmd.load()
+    p.description = textwrap.fill(parts.description or cmd.help, width=100)
+    p.epilog = parts.epilog or None
+    parts.add_arguments(p)
+    _add_verbose_option(p)
+    p.set_defaults(run=parts.run)
+
+
+class _LazySubcommands(argparse._SubParsersAction):
+    """Subcommand dispatch that declares a subcommand's options when it is chosen, not when the parser is built:
+    ``speculant --help`` and ``--version`` then run without importing torch (the options of ``generate``, ``bench``
+    ... are read from the library, which needs it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pending: dict[str, Command] = {}
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        cmd = self.pending.pop(values[0], None) if values else None
+        if cmd is not None:
+            _declare(self.choices[cmd.name], cmd)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def build_parser(eager: bool = False) -> argparse.ArgumentParser:
+    """The argument parser with one subparser per entry of :data:`COMMANDS`. A subcommand's options are declared
+    when parsing reaches it; ``eager=True`` declares every subcommand's up front (imports torch)."""
     parser = _Parser(
         prog=PROG,
         formatter_class=_Formatter,
         description="Lossless speculative decoding for Hugging Face causal LMs on one machine.",
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress (INFO) to stderr")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP + " (also after the COMMAND)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, action=_LazySubcommands)
     for cmd in COMMANDS:
-        p = sub.add_parser(
-            cmd.name,
-            help=cmd.help,
-            description=textwrap.fill(cmd.description or cmd.help, width=100),
-            epilog=cmd.epilog or None,
-            formatter_class=_Formatter,
-        )
-        cmd.add_arguments(p)
-        p.set_defaults(run=cmd.run)
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.help, formatter_class=_Formatter)
+        if eager:
+            _declare(p, cmd)
+        else:
+            sub.pending[cmd.name] = cmd
     return parser
 
 
@@ -700,8 +857,29 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def _stdout_to_devnull() -> None:
+    """After a broken pipe: point stdout's file descriptor at /dev/null, so that the flush at interpreter exit
+    does not fail again (the recipe of the Python docs, "Note on SIGPIPE")."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # stdout replaced by an object without a file descriptor
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``speculant`` command line; returns the exit code (0 ok, 2 bad input)."""
+    """Run the ``speculant`` command line; returns the exit code (0 ok, 2 bad input, 130 interrupted,
+    141 stdout closed by its reader, e.g. ``speculant generate ... | head``)."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, so that a reader gone away is noticed now, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _stdout_to_devnull()
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -717,6 +895,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # stderr holds the summary or one error line, not loading bars
     try:
         return args.run(args)
+    except BrokenPipeError:
+        raise
     except (ValueError, OSError) as exc:
         print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
         return 2

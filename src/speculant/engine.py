@@ -20,10 +20,15 @@ from .checks import (
     as_id_list,
     check_fits_context,
     check_positive_int,
+    check_token_ids,
     num_layers,
     resolve_eos,
+    vocab_size,
+    warn_once,
+    warn_policy_nesting,
 )
 from .drafters.base import DecodeState, Drafter, _sync
+from .drafters.registry import resolve_drafter
 from .kv import (
     BudgetCache,
     QueryCapture,
@@ -46,7 +51,7 @@ _EMPTY = DraftTree.empty()
 def generate(
     target: torch.nn.Module,
     input_ids,
-    drafter: Drafter | None = None,
+    drafter: Drafter | torch.nn.Module | str | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -64,13 +69,15 @@ def generate(
         target: any transformers causal LM (``AutoModelForCausalLM``).
         input_ids: the prompt: a list of ints, a 1-D or a ``[1, T]`` LongTensor (one sequence).
         drafter: proposes draft tokens (e.g. :class:`speculant.DraftModelDrafter`); ``None`` is plain
-            autoregressive decoding through the same model-call code.
+            autoregressive decoding through the same model-call code. A draft model (``torch.nn.Module``) gets
+            the default chain drafter; a method spec string (``"lookup"``, ``"mask-probe:masks=3"``) builds that
+            method (:func:`speculant.build_drafter`; methods that draft with a model need it built with the model).
         temperature: 0 for greedy decoding (output token-identical to plain greedy); > 0 samples, and the
             output distribution is exactly the target's under the same temperature/top-k/top-p.
         top_k, top_p: filters applied identically to target and draft.
         seed: makes sampling reproducible.
         eos_token_id: stop token(s); ``None`` takes them from the model's generation config. The stop token
-            is included in the output.
+            is included in the output. Token ids (prompt and stop tokens) must be in ``[0, vocab)``.
         stream: called with each list of newly committed token ids as soon as they are committed.
         kv_policy, kv_budget: KV-cache eviction (:mod:`speculant.kv`): the target's cache keeps at most
             ``kv_budget`` tokens per layer, chosen by the policy (a name such as ``"keydiff"`` or
@@ -83,10 +90,17 @@ def generate(
         :class:`speculant.types.Generation` with ``token_ids`` (new tokens only) and ``stats``.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if params.greedy and (top_k is not None or top_p not in (None, 1.0)):
+        warn_once(log, "top_k / top_p have no effect with greedy decoding (temperature 0)")
     ids = as_id_list(input_ids)
+    vocab = vocab_size(target)
+    check_token_ids(ids, vocab, "input_ids")
     check_positive_int("max_new_tokens", max_new_tokens)
     check_fits_context(target, len(ids), max_new_tokens)
     stops = resolve_eos(target, eos_token_id)
+    if eos_token_id is not None:
+        check_token_ids(sorted(stops), vocab, "eos_token_id")
+    drafter = resolve_drafter(drafter)
     if target.training:
         log.warning("target model was in training mode (dropout active); switching it to eval mode")
         target.eval()
@@ -105,6 +119,7 @@ def _check_kv(kv_policy, kv_budget, kv_block) -> tuple[ScorePolicy, int, int] | 
     from .kv import parse_policy
 
     policy = parse_policy(kv_policy) if isinstance(kv_policy, str) else kv_policy
+    warn_policy_nesting(policy)
     check_positive_int("kv_budget", kv_budget)
     check_positive_int("kv_block", kv_block)
     return policy, kv_budget, kv_block

@@ -14,6 +14,9 @@ import torch
 __all__ = ["SamplingParams", "Probes", "DraftTree", "Verdict", "GenerationStats", "Generation"]
 
 
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen; applied identically to target and draft.
@@ -41,6 +44,8 @@ class SamplingParams:
                 raise ValueError(f"top_p must be in (0, 1], got {p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not _SEED_MIN <= self.seed <= _SEED_MAX:
+            raise ValueError(f"seed {self.seed} is out of range: torch takes seeds from -2**63 to 2**64 - 1")
 
     @property
     def greedy(self) -> bool:
@@ -168,8 +173,12 @@ class GenerationStats:
 
     ``target_calls`` counts target forwards made while decoding (the prefill is separate, ``prefill_s``);
     ``acceptance_length`` (τ) = new tokens / target calls, the bonus token included.
-    ``accepted_hist[m]`` counts steps that accepted exactly ``m`` draft tokens.
+    ``accepted_hist[m]`` counts steps that emitted ``m`` accepted draft tokens and then one more token (the
+    bonus), so ``sum((m + 1) * accepted_hist[m]) == new_tokens`` and τ is the histogram's mean ``m + 1``.
     ``position_acceptance[i]`` = P(draft at depth i+1 accepted | depth i accepted and depth i+1 drafted).
+    A step cut short inside its accepted block (a stop token, or ``max_new_tokens``) counts only what it emitted:
+    its last emitted token takes the bonus's place, and the draft tokens after it count neither as accepted nor
+    as offered.
     ``overhead_s`` is everything that is neither a target nor a draft forward (the engine's own cost).
     """
 
@@ -210,7 +219,9 @@ class GenerationStats:
     def record_step(self, tree_depth: int, offered_depth: int, accepted: int, emitted: int) -> None:
         """Account one verification step: ``tree_depth`` = the draft tree's depth, ``offered_depth`` = deepest
         level drafted below the accepted path (accepted, +1 if its last node has children), ``accepted`` = draft
-        tokens accepted, ``emitted`` = tokens committed."""
+        tokens accepted, ``emitted`` = tokens committed (``accepted + 1`` unless the step was cut short)."""
+        if emitted <= accepted:  # cut short inside the accepted block: the last emitted token stands for the bonus
+            accepted = offered_depth = emitted - 1
         while len(self.accepted_hist) <= accepted:
             self.accepted_hist.append(0)
         self.accepted_hist[accepted] += 1

@@ -16,6 +16,7 @@ cache) and the rest dropped, so nothing is ever re-prefilled.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,7 @@ from ..checks import (
     check_vocab_compatible,
     num_layers,
     vocab_size,
+    warn_once,
 )
 from ..sampling import sample, warp
 from ..types import DraftTree
@@ -35,6 +37,8 @@ from .lean import LeanLlama
 from .vocab_trim import TrimmedHead, resolve_keep_ids
 
 __all__ = ["DraftModelBase", "DraftModelDrafter"]
+
+log = logging.getLogger(__name__)
 
 
 class DraftModelBase:
@@ -65,6 +69,12 @@ class DraftModelBase:
         tokenizers_match: bool | None = None,
         vocab_trim: int | Sequence[int] | None = None,
     ) -> None:
+        if not isinstance(draft_model, torch.nn.Module):
+            raise ValueError(
+                f"{type(self).__name__} expects a loaded draft model (torch.nn.Module), got "
+                f"{type(draft_model).__name__} {draft_model!r:.80}: load one with speculant.load_pretrained(name_or_dir)"
+                " or, for an attached drafter, speculant.load_draft(name_or_dir, target)"
+            )
         self.model = draft_model
         self._lean: LeanLlama | None = None
         self._lean_key: tuple | None = None  # (enabled, model, weight versions) the lean forward was built for
@@ -96,6 +106,10 @@ class DraftModelBase:
             self.model.eval()
         self._cache = SpecCache(num_layers(self.model), capacity=state.max_length + self._extra_slots() + 64)
         lm_head = self.model.get_output_embeddings()
+        trim = self.vocab_trim
+        if isinstance(trim, int) and not isinstance(trim, bool) and trim >= self._vocab:
+            warn_once(log, f"vocab_trim (trim) = {trim} is not below the vocabulary size ({self._vocab} tokens): it "
+                           "has no effect, the full LM head is used")
         sampling = not state.params.greedy
         key = (self._vocab, lm_head.weight.data_ptr(), lm_head.weight._version, sampling)
         if self._head_for != key:

@@ -33,6 +33,7 @@ from .trees import (
 )
 
 __all__ = [
+    "DEFAULT_METHOD",
     "NO_DEFAULT",
     "Key",
     "Method",
@@ -43,11 +44,15 @@ __all__ = [
     "methods",
     "parse_method",
     "register",
+    "resolve_drafter",
     "split_spec",
 ]
 
 NO_DEFAULT: Any = inspect.Parameter.empty
 """Marks a key whose default is unknown to the registry (the factory decides)."""
+
+DEFAULT_METHOD = "chain"
+"""The method a bare draft model gets (``generate(target, ids, drafter=draft_model)``, ``--method``'s default)."""
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]*$")
 _TRUE = {"1", "true", "yes", "on"}
@@ -222,13 +227,40 @@ def build_drafter(
         options = _check_options(get_method(name), options)
     method = get_method(name)
     if method.needs_draft and draft_model is None:
-        raise ValueError(f"method {name!r} needs a draft model (--draft DIR on the command line)")
+        raise ValueError(f"method {name!r} needs a draft model: pass a loaded one as draft_model (speculant."
+                         "load_pretrained loads one), or --draft DIR on the command line")
     clash = set(options) & set(context)
     if clash:
         raise ValueError(f"{', '.join(sorted(clash))} given both as method options and as context")
     params = inspect.signature(method.factory).parameters
     taken = {k: v for k, v in context.items() if k in params and params[k].kind is not inspect.Parameter.VAR_KEYWORD}
     return method.factory(draft_model, **options, **taken)
+
+
+def resolve_drafter(drafter: Drafter | torch.nn.Module | str | None) -> Drafter | None:
+    """What ``generate(..., drafter=...)`` accepts, as a Drafter (or None for plain decoding).
+
+    * a Drafter (anything with ``begin``/``propose``/``commit``) or None: as given;
+    * a draft model (``torch.nn.Module``, what ``assistant_model=`` takes in transformers): the default method,
+      a ``chain`` drafter over it;
+    * a method spec string (``"lookup"``, ``"mask-probe:masks=3"``): that method, built by :func:`build_drafter`;
+      a method that drafts with a model raises a ValueError saying to pass ``build_drafter(spec, draft_model)``.
+    """
+    if drafter is None or callable(getattr(drafter, "propose", None)):
+        return drafter
+    if isinstance(drafter, torch.nn.Module):
+        return build_drafter(DEFAULT_METHOD, drafter)
+    if isinstance(drafter, str):
+        name, _ = split_spec(drafter, "method", sorted(_REGISTRY))
+        if name not in _REGISTRY:
+            raise ValueError(f"drafter {drafter!r} is not a method spec (known methods: {', '.join(sorted(_REGISTRY))})"
+                             "; to draft with a model, load it (speculant.load_pretrained) and pass the model")
+        if get_method(name).needs_draft:
+            raise ValueError(f"method {name!r} needs a draft model: pass speculant.build_drafter({drafter!r}, "
+                             "draft_model) as the drafter (or the draft model itself for a chain)")
+        return build_drafter(drafter)
+    raise ValueError(f"drafter must be a Drafter, a draft model (torch.nn.Module), a method spec string or None, "
+                     f"got {type(drafter).__name__}")
 
 
 def describe_methods() -> str:

@@ -3,8 +3,10 @@
 Output: a table on stdout, or with ``--json`` one JSON object on its LAST line:
 ``{"results": [{"policy", "budget", "top1_agreement", "kl", "nll_ratio", "retrieval_accuracy", "per_file", ...}],
 "memory": [{"prompt_tokens", "full_peak_kv_bytes", "budget_peak_kv_bytes", ...}], "settings": {...}}``.
-With ``--out DIR`` the same object is written to ``DIR/kv_results.json``. Bad input raises ValueError (reported
-as one line by ``speculant.cli.main``). Defaults come from :class:`speculant.kv.evaluate.EvalConfig`.
+With ``--out DIR`` the same object is written to ``DIR/kv_results.json``. A progress bar over the policy x budget
+grid goes to stderr. Bad input raises ValueError (reported as one line by ``speculant.cli.main``). Defaults come
+from :class:`speculant.kv.evaluate.EvalConfig`. The one-line help of ``speculant --help`` is in
+``speculant.cli.COMMANDS``.
 """
 
 from __future__ import annotations
@@ -12,17 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
+from ..checks import context_length, resolve_device, warn_policy_nesting
 from .evaluate import RETRIEVAL_FORMATS, EvalConfig, run_eval
 from .registry import parse_policy, policy_names
 
-__all__ = ["DESCRIPTION", "HELP", "add_arguments", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
 
 log = logging.getLogger(__name__)
 
-HELP = "evaluate KV-cache eviction policies under a memory budget"
 DESCRIPTION = (
     "For each policy and budget: teacher-forced fidelity to the full cache on held-out token sequences (mean "
     "next-token KL, top-1 agreement, NLL ratio, averaged over the sequences; block-wise prefill then token-by-token "
@@ -49,11 +52,16 @@ _HELPS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``kv-eval``; defaults are :class:`EvalConfig`'s."""
+    from ..cli import _add_device_argument, _positive_int  # shared option helpers (speculant.cli loads this module)
+
     p.add_argument("--target", default="default-target", help="model directory or bundled name (%(default)s)")
     p.add_argument("--text", nargs="+", default=None,
                    help="text file(s) for the fidelity sequences (default: the --files longest held-out modules)")
     p.add_argument("--out", default=None, help="directory to write kv_results.json into")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+    p.add_argument("--threads", type=_positive_int, metavar="N", default=None,
+                   help="torch CPU threads (torch.set_num_threads); default: left to torch")
+    _add_device_argument(p, "the target model")
     for f in fields(EvalConfig):
         default = getattr(_DEFAULTS, f.name)
         kind = type(default) if default is not None else str
@@ -64,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> EvalConfig:
     cfg = EvalConfig(**{f.name: getattr(args, f.name) for f in fields(EvalConfig)})
     for spec in cfg.policies.split(","):
-        parse_policy(spec)  # one-line ValueError for an unknown name
+        warn_policy_nesting(parse_policy(spec))  # one-line ValueError for an unknown name
     for name in ("budgets", "memory_lengths"):
         value = getattr(cfg, name)
         if value and not all(v.strip().isdigit() and int(v) > 0 for v in value.split(",")):
@@ -80,14 +88,47 @@ def _config(args: argparse.Namespace) -> EvalConfig:
     return cfg
 
 
+def _check_context(model, cfg: EvalConfig) -> None:
+    """Sequences longer than the model's context are refused, as ``generate`` refuses long prompts."""
+    ctx = context_length(model)
+    if ctx is None:
+        return
+    if cfg.seq_len > ctx:
+        raise ValueError(f"--seq-len {cfg.seq_len} exceeds the target model's context of {ctx} tokens")
+    lengths = [int(n) for n in cfg.memory_lengths.split(",") if n.strip()]
+    if lengths and max(lengths) > ctx:
+        raise ValueError(f"--memory-lengths: {max(lengths)} tokens exceed the target model's context of {ctx} tokens")
+
+
+def _runs(cfg: EvalConfig) -> int:
+    """Policy x budget evaluations :func:`run_eval` makes (one budget per policy without --budgets)."""
+    policies = [p for p in cfg.policies.split(",") if p.strip()]
+    budgets = [b for b in cfg.budgets.split(",") if b.strip()] if cfg.budgets else [None]
+    return len(policies) * len(budgets)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the evaluation; print a table (or the JSON line); return the exit code."""
+    from tqdm.auto import tqdm
+
+    from ..cli import _set_threads
     from ..loading import load_model_dir, resolve_model
 
     cfg = _config(args)
+    device = resolve_device(args.device)
+    _set_threads(args.threads)
     model, tokenizer = load_model_dir(resolve_model(args.target))
+    _check_context(model, cfg)
+    model.to(device)
     text = {str(f): Path(f).read_text() for f in args.text} if args.text else None
-    report = run_eval(model, tokenizer, cfg, text, progress=lambda r: log.info("kv-eval %s", r))
+
+    with tqdm(total=_runs(cfg), desc="kv-eval", unit="run", file=sys.stderr) as bar:
+        def progress(row: dict) -> None:
+            log.info("kv-eval %s", row)
+            bar.set_postfix_str(f"{row['policy']} budget={row['budget']}")
+            bar.update()
+
+        report = run_eval(model, tokenizer, cfg, text, progress=progress)
     report["settings"] = {**asdict(cfg), "target": str(args.target)}
     if args.out:
         out = Path(args.out)
