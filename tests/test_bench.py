@@ -191,8 +191,31 @@ def test_out_that_is_a_file_is_refused_before_any_model_loads(dirs, capsys, tmp_
     assert taken.read_text() == "not a folder"
 
 
+def test_device_option(dirs, capsys, tmp_path, monkeypatch):
+    """``--device cpu`` runs there; a CUDA device this torch cannot use is one line before any model loads."""
+    argv = ["bench", "--prompts", dirs["prompts"], "--num-prompts", "1", "--methods", "chain:k=2", "--baselines",
+            "none", "--target", dirs["target"], "--draft", dirs["draft"], "--max-new-tokens", "4", "--warmup", "0",
+            "--json"]
+    code = cli.main([*argv, "--device", "cpu", "--out", str(tmp_path / "cpu")])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    assert json.loads(stdout.strip().splitlines()[-1])["settings"]["device"] == "cpu"
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded before --device was checked")
+
+    monkeypatch.setattr(bench_models, "load_model_dir", no_loading)
+    monkeypatch.setattr(bench_models, "load_draft", no_loading)
+    device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
+    code = cli.main([*argv, "--device", device, "--out", str(tmp_path / "gpu")])
+    stdout, stderr = capsys.readouterr()
+    assert code == 2 and stdout == "" and stderr.count("\n") == 1, stderr
+    assert stderr.startswith(f"speculant: error: device {device!r} is not available"), stderr
+    assert not (tmp_path / "gpu").exists()
+
+
 def test_default_out_is_ignored_by_git():
-    from speculant.bench.cli import DEFAULT_OUT
+    from speculant.commands.bench import DEFAULT_OUT
 
     assert f"{DEFAULT_OUT}/" in (ROOT / ".gitignore").read_text().splitlines()
 

@@ -17,6 +17,8 @@ import torch
 import speculant.checks
 import speculant.loading
 from speculant import DraftModelDrafter, GenerationStats, cli, generate
+from speculant.commands import common
+from speculant.commands.generate import TextStream
 from speculant.demo import save_model_pair, stdlib_texts, train_tokenizer
 from speculant.drafters import registry
 from speculant.drafters.registry import Key, build_drafter, default_of, parse_method, register
@@ -123,7 +125,7 @@ def test_stream_is_incremental_and_multibyte_safe(dirs):
             return super().write(s)
 
     out = Out()
-    stream = cli._TextStream(tok, out)
+    stream = TextStream(tok, out)
     for i in ids:
         stream([i])
     assert len(out.writes) > 3  # written as it goes, not at the end
@@ -220,7 +222,7 @@ def test_chain_without_draft(dirs, capsys):
 
 
 def test_missing_target_argument(capsys, monkeypatch):
-    monkeypatch.setattr(cli, "default_model_dir", lambda role: None)  # an installation without bundled models
+    monkeypatch.setattr(common, "default_model_dir", lambda role: None)  # an installation without bundled models
     assert_one_line_error(*run(capsys, PROMPT), "--target")
 
 

@@ -471,16 +471,16 @@ def test_kv_eval_cli_json(llama, monkeypatch, capsys, tmp_path):
     import json
 
     import speculant.loading
-    from speculant.kv import cli
+    from speculant.commands import kv_eval
 
     monkeypatch.setattr(speculant.loading, "resolve_model", lambda name: name)
     monkeypatch.setattr(speculant.loading, "load_model_dir", lambda path: (llama, CharTokenizer()))
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    kv_eval.add_arguments(parser)
     args = parser.parse_args(["--policies", "snapkv", "--budgets", "32,48", "--seq-len", "80", "--tail", "4",
                               "--files", "2", "--retrieval-pairs", "3", "--retrieval-examples", "1",
                               "--memory-lengths", "64", "--block", "16", "--json", "--out", str(tmp_path)])
-    assert cli.run(args) == 0
+    assert kv_eval.run(args) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [(r["policy"], r["budget"]) for r in report["results"]] == [("snapkv", 32), ("snapkv", 48)]
     for key in ("top1_agreement", "kl", "nll_ratio", "retrieval_accuracy", "per_file", "top1_agreement_se"):
@@ -490,4 +490,4 @@ def test_kv_eval_cli_json(llama, monkeypatch, capsys, tmp_path):
     for bad in (["--policies", "nope"], ["--budgets", "0"], ["--budget-fraction", "2"], ["--files", "0"],
                 ["--retrieval-format", "nope"]):
         with pytest.raises(ValueError):
-            cli.run(parser.parse_args(bad))
+            kv_eval.run(parser.parse_args(bad))

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..chat import stop_ids
-from ..checks import check_fits_context, check_positive_int, resolve_eos
+from ..checks import check_fits_context, check_positive_int, resolve_device, resolve_eos
 from ..drafters.registry import NO_DEFAULT, build_drafter, get_method, parse_method
 from ..engine import generate
 from ..loading import default_draft_for
@@ -211,6 +211,7 @@ def run_bench(
     warmup: int = 1,
     eos_token_id: int | list[int] | None = None,
     dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
     out: str | Path | None = None,
     progress: bool = True,
     budgets: Sequence[int] | None = None,
@@ -240,6 +241,9 @@ def run_bench(
         eos_token_id: stop token(s) for every method (``[]``: never stop early); None: the target's, plus the
             end-of-turn tokens (:func:`speculant.chat.stop_ids`) when any prompt is a chat.
         dtype: load dtype for both models (None: the loader's default; the bundled target loads in float32).
+        device: move the target and draft loaded by name to this device (checked by
+            :func:`speculant.checks.resolve_device` before any model loads); None leaves them where the loader
+            puts them (the CPU). Loaded models passed in stay where they are.
         out: directory for results.json, results.md and the plots (an existing file is refused before any
             model is loaded); None writes nothing.
         progress: a tqdm bar on stderr.
@@ -264,6 +268,8 @@ def run_bench(
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
     check_out_dir(out)
+    if device is not None:
+        device = resolve_device(device)
 
     matching = bool(budgets or depths)
     method_specs = split_specs(methods if methods is not None else DEFAULT_FAMILIES if matching else DEFAULT_METHODS)
@@ -293,12 +299,12 @@ def run_bench(
         raise ValueError(f"{', '.join(users)} need(s) a draft model and speculant ships none for this target: "
                          "pass a draft (--draft DIR)")
 
-    target_model, target_tok, target_desc = load_bench_target(target, dtype)
+    target_model, target_tok, target_desc = load_bench_target(target, dtype, device)
     tokenizer = tokenizer if tokenizer is not None else target_tok
     ids_per_prompt = [prompt_ids(r, tokenizer) for r in records]  # before the draft loads: chat-template errors
     draft_model, draft_desc, context = None, None, {}
     if needs_draft:
-        draft_model, context, draft_desc = load_bench_draft(draft, target_model, tokenizer, dtype)
+        draft_model, context, draft_desc = load_bench_draft(draft, target_model, tokenizer, dtype, device)
         if context.get("tokenizers_match") is False and any(BASELINES[n].needs_draft for _, n, _ in parsed_baselines):
             raise ValueError("hf-assisted needs a draft with the target's tokenizer (the tokenizers differ)")
     elif draft is not None:
@@ -351,6 +357,7 @@ def run_bench(
             "draft": draft_desc,
             "target_dtype": str(target_model.dtype),
             "draft_dtype": None if draft_model is None else str(draft_model.dtype),
+            "device": str(target_model.device),
             "target_params_per_forward": target_ppf,
             "draft_params_per_forward": None if draft_model is None else params_per_forward(draft_model),
             "max_new_tokens": max_new_tokens,

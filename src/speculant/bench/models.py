@@ -22,25 +22,30 @@ def _in_process(model: torch.nn.Module) -> str:
     return f"<in-process {type(model).__name__}>"
 
 
-def load_bench_target(model: str | Path | torch.nn.Module,
-                      dtype: torch.dtype | str | None = None) -> tuple[torch.nn.Module, Any, str]:
-    """``(model, tokenizer or None, description)`` from a loaded module or any name :func:`resolve_model` takes."""
+def load_bench_target(model: str | Path | torch.nn.Module, dtype: torch.dtype | str | None = None,
+                      device: torch.device | None = None) -> tuple[torch.nn.Module, Any, str]:
+    """``(model, tokenizer or None, description)`` from a loaded module (left on its device) or any name
+    :func:`resolve_model` takes (loaded, then moved to ``device`` when one is given)."""
     if isinstance(model, torch.nn.Module):
         return model.eval(), None, _in_process(model)
     path = check_model_dir(resolve_model(model))
     m, tok = load_model_dir(path, dtype)
-    return m, tok, str(path)
+    return (m if device is None else m.to(device)), tok, str(path)
 
 
 def load_bench_draft(draft: str | Path | torch.nn.Module, target: torch.nn.Module, target_tok: Any = None,
-                     dtype: torch.dtype | str | None = None) -> tuple[torch.nn.Module, dict, str]:
-    """``(draft model, drafter context, description)``: a loaded module, or a name / directory loaded with
-    :func:`speculant.loading.load_draft` (an attached drafter shares the target's embedding and tokenizer).
-    The context says whether the tokenizers match when both are known."""
+                     dtype: torch.dtype | str | None = None,
+                     device: torch.device | None = None) -> tuple[torch.nn.Module, dict, str]:
+    """``(draft model, drafter context, description)``: a loaded module (left on its device), or a name /
+    directory loaded with :func:`speculant.loading.load_draft` (an attached drafter shares the target's embedding
+    and tokenizer), then moved to ``device`` when one is given. The context says whether the tokenizers match
+    when both are known."""
     if isinstance(draft, torch.nn.Module):
         return draft.eval(), {}, _in_process(draft)
     path = check_model_dir(resolve_model(draft))
     model = load_draft(path, target, dtype)
+    if device is not None:
+        model = model.to(device)
     if is_attached(path):
         return model, {"tokenizers_match": True}, str(path)
     if target_tok is None:

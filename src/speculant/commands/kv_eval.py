@@ -19,8 +19,9 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from ..checks import context_length, resolve_device, warn_policy_nesting
-from .evaluate import RETRIEVAL_FORMATS, EvalConfig, run_eval
-from .registry import parse_policy, policy_names
+from ..kv.evaluate import RETRIEVAL_FORMATS, EvalConfig, run_eval
+from ..kv.registry import parse_policy, policy_names
+from .common import add_device_argument, add_threads_argument, set_threads
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -52,16 +53,13 @@ _HELPS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``kv-eval``; defaults are :class:`EvalConfig`'s."""
-    from ..cli import _add_device_argument, _positive_int  # shared option helpers (speculant.cli loads this module)
-
     p.add_argument("--target", default="default-target", help="model directory or bundled name (%(default)s)")
     p.add_argument("--text", nargs="+", default=None,
                    help="text file(s) for the fidelity sequences (default: the --files longest held-out modules)")
     p.add_argument("--out", default=None, help="directory to write kv_results.json into")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
-    p.add_argument("--threads", type=_positive_int, metavar="N", default=None,
-                   help="torch CPU threads (torch.set_num_threads); default: left to torch")
-    _add_device_argument(p, "the target model")
+    add_threads_argument(p)
+    add_device_argument(p, "the target model")
     for f in fields(EvalConfig):
         default = getattr(_DEFAULTS, f.name)
         kind = type(default) if default is not None else str
@@ -111,12 +109,11 @@ def run(args: argparse.Namespace) -> int:
     """Run the evaluation; print a table (or the JSON line); return the exit code."""
     from tqdm.auto import tqdm
 
-    from ..cli import _set_threads
     from ..loading import load_model_dir, resolve_model
 
     cfg = _config(args)
     device = resolve_device(args.device)
-    _set_threads(args.threads)
+    set_threads(args.threads)
     model, tokenizer = load_model_dir(resolve_model(args.target))
     _check_context(model, cfg)
     model.to(device)

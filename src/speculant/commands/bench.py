@@ -6,8 +6,8 @@ written, or with ``--json`` one JSON object on its LAST line: ``{"methods": {SPE
 ``"categories"`` when the prompts have categories. Bad input is one line ``speculant: error: ...`` and exit code 2
 (raised as ValueError, reported by ``speculant.cli.main``), before any model is loaded where it can be.
 
-Defaults are read from :func:`speculant.bench.run_bench`'s signature, never restated. The helpers of
-``speculant.cli`` are imported when the parser is built: that module imports this one.
+Defaults are read from :func:`speculant.bench.run_bench`'s signature, never restated. This module imports torch:
+``speculant.cli`` imports it only when ``bench`` is chosen.
 """
 
 from __future__ import annotations
@@ -17,21 +17,21 @@ import inspect
 import json
 import sys
 
-import torch
-
+from ..bench.harness import DEFAULT_FAMILIES, DEFAULT_METHODS, REFERENCE, run_bench
+from ..bench.hf import describe_baselines
+from ..bench.prompts import BUILTIN_SETS
+from ..checks import resolve_device
 from ..drafters.registry import describe_methods
 from ..loading import DTYPES
-from .harness import DEFAULT_FAMILIES, DEFAULT_METHODS, REFERENCE, run_bench
-from .hf import describe_baselines
-from .prompts import BUILTIN_SETS
+from . import common
+from .common import add_device_argument, add_threads_argument, nonnegative_int, positive_int, set_threads
 
-__all__ = ["DEFAULT_OUT", "DESCRIPTION", "HELP", "add_arguments", "epilog", "run"]
+__all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_arguments", "epilog", "run"]
 
 _DEFAULTS = {name: p.default for name, p in inspect.signature(run_bench).parameters.items()}
 DEFAULT_OUT = "bench-results"
 """The default output directory, relative to the working directory (ignored by git in this repository)."""
 
-HELP = "benchmark drafting methods against plain decoding and transformers' generate"
 DESCRIPTION = (
     "Run every method (registry specs) and every transformers baseline on each prompt, interleaved per prompt "
     f"after a warm-up, with '{REFERENCE}' (plain decoding through the same engine) always as the reference. "
@@ -83,17 +83,11 @@ def _int_list(text: str) -> list[int]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant bench``'s options on ``p``."""
-    from ..cli import (  # lazy: speculant.cli imports this module
-        _int_at_least,
-        _positive_int,
-        default_model_dir,
-    )
-
     d = _DEFAULTS
-    target_default = default_model_dir("target")
+    target_default = common.default_model_dir("target")
     p.add_argument("--prompts", metavar="SOURCE", default=d["prompts"],
                    help="builtin:NAME or a JSONL file (see below); default: %(default)s")
-    p.add_argument("--num-prompts", type=_positive_int, metavar="N", default=d["num_prompts"],
+    p.add_argument("--num-prompts", type=positive_int, metavar="N", default=d["num_prompts"],
                    help="use N prompts: the first N of a file; N of a built-in set, spread over its modules or "
                    "categories; default: all (24 for builtin:code and builtin:grounded, 80 for builtin:mt-bench)")
     p.add_argument("--methods", metavar="SPEC[,SPEC...]", default=d["methods"],
@@ -116,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", metavar="MODEL", default=d["draft"],
                    help="draft model (same forms; an attached drafter too), same tokenizer as the target, for "
                    "draft-model methods and hf-assisted; default: the drafter speculant ships for the target")
-    p.add_argument("--max-new-tokens", type=_positive_int, metavar="N", default=d["max_new_tokens"],
+    p.add_argument("--max-new-tokens", type=positive_int, metavar="N", default=d["max_new_tokens"],
                    help="at most N new tokens per generation; default: %(default)s")
     p.add_argument("--temperature", type=float, metavar="T", default=d["temperature"],
                    help="0 for greedy (outputs are then checked token-identical to ar); default: %(default)s")
@@ -127,15 +121,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="never stop at an end-of-sequence token (every generation has max-new-tokens tokens); "
                    "default: stop at the target's eos token(s), and with chat prompts at the end of the turn, "
                    "the same for every method and baseline")
-    p.add_argument("--repeats", type=_positive_int, metavar="R", default=d["repeats"],
+    p.add_argument("--repeats", type=positive_int, metavar="R", default=d["repeats"],
                    help="rounds over the prompt set; default: %(default)s")
-    p.add_argument("--warmup", type=_int_at_least(0), metavar="W", default=d["warmup"],
+    p.add_argument("--warmup", type=nonnegative_int, metavar="W", default=d["warmup"],
                    help="untimed warm-up rounds on the first prompt; default: %(default)s")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default=d["dtype"],
                    help="load both models in this dtype (an attached drafter takes the target's); default: the "
                    "loader's (float32 for the bundled models)")
-    p.add_argument("--threads", type=_positive_int, metavar="N", default=None,
-                   help="torch CPU threads (torch.set_num_threads); default: left to torch")
+    add_threads_argument(p)
+    add_device_argument(p, "the target and draft models")
     p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
                    help="output directory (created; an existing file is refused before anything runs); default: "
                    "%(default)s")
@@ -145,10 +139,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``speculant bench``; returns the exit code (bad input raises ValueError)."""
-    from .report import category_table, main_table
+    from ..bench.report import category_table, main_table
 
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)  # a one-line error before any model loads
+    set_threads(args.threads)
     baselines = "" if args.baselines.strip().lower() == "none" else args.baselines
     results = run_bench(
         prompts=args.prompts,
@@ -166,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         eos_token_id=[] if args.ignore_eos else None,
         dtype=args.dtype,
+        device=device,
         out=args.out,
         progress=True,
         budgets=args.budgets,

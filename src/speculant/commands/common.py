@@ -1,0 +1,225 @@
+"""What the ``speculant`` subcommands share: the one-line-error parser, the help formatter, the subcommand
+descriptors (:class:`Command`, :class:`Subcommand`), option types, ``--device`` and ``--threads``, and options
+declared from a dataclass's fields.
+
+Light on purpose: :mod:`speculant.cli` imports this module to build ``speculant --help``, which must not import
+torch, so every heavy import here is inside the function that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PROG",
+    "Command",
+    "Formatter",
+    "Parser",
+    "Subcommand",
+    "UsageError",
+    "add_dataclass_arguments",
+    "add_device_argument",
+    "add_threads_argument",
+    "dataclass_from_args",
+    "default_model_dir",
+    "int_at_least",
+    "module_command",
+    "nonnegative_int",
+    "option_name",
+    "positive_int",
+    "set_threads",
+]
+
+PROG = "speculant"
+
+
+def default_model_dir(role: str) -> Path | None:
+    """The bundled default model directory for ``role`` (``"target"`` or ``"draft"``), or None when this
+    installation ships none (then ``--target`` is required)."""
+    from ..loading import bundled_dir
+
+    return bundled_dir(f"default-{role}")
+
+
+# ---------------------------------------------------------------------------------------------- parsers
+
+
+class UsageError(Exception):
+    """A command-line mistake: reported as one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports mistakes as one line (argparse prints usage plus an error by default)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+class Formatter(argparse.RawDescriptionHelpFormatter):
+    """The help layout of every ``speculant`` parser: descriptions kept as written, option names in 30 columns."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30)
+
+
+# ---------------------------------------------------------------------------------------------- descriptors
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """What a subcommand needs torch for: ``add_arguments(parser)`` declares its options, ``run(args)`` returns
+    the exit code and may raise ValueError for bad input; ``description`` and ``epilog`` are its help texts."""
+
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    description: str = ""
+    epilog: str = ""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``help`` is its line in ``speculant --help``; ``load()`` imports and returns the rest
+    (:class:`Subcommand`), called only when the subcommand is chosen."""
+
+    name: str
+    help: str
+    load: Callable[[], Subcommand]
+
+
+def module_command(module: str) -> Callable[[], Subcommand]:
+    """A loader for a subcommand defined by a module with ``add_arguments``, ``run``, ``DESCRIPTION`` and
+    optionally ``epilog()`` (``speculant.commands.generate``, ``speculant.commands.bench`` ...)."""
+
+    def load() -> Subcommand:
+        m = importlib.import_module(module)
+        epilog = getattr(m, "epilog", None)
+        return Subcommand(m.add_arguments, m.run, m.DESCRIPTION, epilog() if epilog is not None else "")
+
+    return load
+
+
+# ---------------------------------------------------------------------------------------------- option types
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type for integers >= ``minimum``, with a one-line error."""
+
+    def convert(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    convert.__name__ = "int"
+    return convert
+
+
+positive_int = int_at_least(1)
+nonnegative_int = int_at_least(0)
+
+
+def _slash_list(item: type) -> Callable[[str], list]:
+    """An argparse type for ``a/b/c`` lists of ``item``."""
+
+    def convert(text: str) -> list:
+        try:
+            return [item(part) for part in text.split("/") if part.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {item.__name__} values separated by '/', got {text!r}")
+
+    convert.__name__ = f"{item.__name__} list"
+    return convert
+
+
+# ---------------------------------------------------------------------------------------------- shared options
+
+
+def add_device_argument(p: argparse.ArgumentParser, what: str) -> None:
+    """``--device``, shared by the subcommands that run models (checked by :func:`speculant.checks.resolve_device`)."""
+    p.add_argument(
+        "--device",
+        metavar="DEVICE",
+        default=None,
+        help=f"run {what} on this device: cpu, cuda, cuda:N or mps; default: the best available (cuda if torch "
+        "sees a GPU, else mps, else cpu)",
+    )
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """``--threads``, shared by the subcommands that run models (applied by :func:`set_threads`)."""
+    p.add_argument("--threads", type=positive_int, metavar="N", default=None,
+                   help="torch CPU threads (torch.set_num_threads); default: left to torch")
+
+
+def set_threads(threads: int | None) -> None:
+    """``--threads``: torch CPU threads, left to torch when not given."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def option_name(field: str) -> str:
+    """The command-line spelling of a dataclass field: ``kd_loss`` -> ``--kd-loss``."""
+    return "--" + field.replace("_", "-")
+
+
+def add_dataclass_arguments(
+    p: argparse.ArgumentParser, cls: type, skip: set[str], docs: dict[str, str],
+    deferred: frozenset[str] = frozenset(),
+) -> None:
+    """One ``--field-name`` option per dataclass field; the dataclass holds the defaults (not restated).
+
+    ``deferred`` fields default to None on the command line (the help still shows the dataclass default), so the
+    runner can tell an option given explicitly from one left out; :func:`dataclass_from_args` then applies the
+    dataclass default."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        hint = hints[f.name]
+        if typing.get_origin(hint) is list:  # list[float] etc.: values separated by "/", as in method specs
+            (item,) = typing.get_args(hint)
+            kind = _slash_list(item)
+            default = "/".join(str(v) for v in default) if default is not None else None
+        else:
+            types = [t for t in (typing.get_args(hint) or (hint,)) if t is not type(None)]
+            kind = types[0] if types and types[0] in (int, float) else str
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        p.add_argument(
+            option_name(f.name),
+            type=kind,
+            default=None if f.name in deferred else default,
+            required=required,
+            help=docs.get(f.name, "") + ("" if required else f" (default: {default})".replace("%", "%%")),
+        )
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """``cls(**options)`` from the parsed options named like its fields; an option left at None whose field has
+    another default (a deferred option that was not given) is left out, so the dataclass default applies."""
+    import dataclasses
+
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if value is None and f.default is not None:
+            continue
+        kwargs[f.name] = value
+    return cls(**kwargs)

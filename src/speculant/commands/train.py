@@ -1,0 +1,254 @@
+"""``speculant train ACTION``: the training pipeline on the command line.
+
+Actions: ``prepare`` (corpus, tokenizer, tokenised splits), ``model`` (pretrain or distil a model), ``calibrate``
+(VocabTrim token frequencies of a draft model), ``distill-data`` (a target's completions of training prompts) and
+``draft`` (Direct Alignment: a drafter for any target). Each prints the path it wrote on stdout. Options are
+declared from the config dataclasses (:class:`speculant.train.pretrain.TrainConfig`, ...), which hold the
+defaults. Bad options raise ValueError before any work, reported as one line by :func:`speculant.cli.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from pathlib import Path
+
+from .common import (
+    Formatter,
+    Parser,
+    add_dataclass_arguments,
+    dataclass_from_args,
+    nonnegative_int,
+    option_name,
+    positive_int,
+)
+
+__all__ = ["DESCRIPTION", "add_arguments", "run"]
+
+DESCRIPTION = (
+    "Training pipeline. 'prepare' builds the corpus (this interpreter's standard library and pydoc topics, split "
+    "by module), trains the byte-level BPE tokenizer and tokenises the splits; 'model' pretrains a Llama model "
+    "(optionally distilling from a teacher), with a progress bar and resumable checkpoints, then exports a Hugging "
+    "Face directory with a MODEL_CARD.md."
+)
+
+
+def _check_data_dir(path: str) -> None:
+    """``--data`` must name an existing directory (a missing one would otherwise be taken for a Hub repository
+    id by the tokenizer loader, with a message about repository names)."""
+    if not Path(path).expanduser().is_dir():
+        raise ValueError(f"--data: directory {path!r} does not exist: write one with "
+                         f"'speculant train prepare --out {path}'")
+
+
+_TRAIN_DOCS = {
+    "data": "data directory written by 'speculant train prepare'",
+    "out": "run directory (checkpoints, metrics; the model is exported to OUT/model); an existing run resumes",
+    "preset": "model size: target (~32M parameters), draft (~3.9M), tiny (tests)",
+    "steps": "optimizer steps",
+    "batch_size": "sequences per step",
+    "seq_len": "tokens per training sequence",
+    "long_seq_len": "sequence length of the final context-extension phase",
+    "long_fraction": "fraction of the steps (at the end) trained on long_seq_len windows, same tokens per step",
+    "lr": "peak learning rate",
+    "min_lr_ratio": "final learning rate as a fraction of the peak (cosine decay)",
+    "warmup": "linear warm-up steps",
+    "weight_decay": "AdamW weight decay",
+    "grad_clip": "gradient-norm clip",
+    "seed": "initialisation and data-order seed",
+    "ckpt_every": "save a resumable checkpoint every N steps",
+    "eval_batches": "validation batches for the final loss",
+    "device": "auto (a CUDA GPU if torch sees one, else the CPU), cpu, cuda, cuda:N or mps",
+    "precision": "auto (bf16 on a GPU that supports it, else fp32), fp32 or bf16",
+    "teacher": "model directory of the target to distil from (draft training)",
+    "kd_weight": "weight of the distillation loss (the rest is cross-entropy)",
+    "kd_loss": "distillation loss: fkl, tvd or tvd++",
+    "threads": "torch CPU threads",
+    "init": "start from this model directory instead of a random initialisation (fine-tuning a drafter)",
+    "train_split": "token stream to train on: train (the corpus) or a split made by 'train distill-data'",
+}
+
+_DISTILL_DATA_DOCS = {
+    "data": "data directory written by 'speculant train prepare' (the result is written there as SPLIT.npy)",
+    "teacher": "model directory of the target whose completions are collected",
+    "split": "name of the split to write",
+    "prompts": "number of training-split prompts (half signature + docstring, half random windows)",
+    "max_new_tokens": "tokens the target generates per prompt",
+    "min_prompt_tokens": "shortest prompt",
+    "max_prompt_tokens": "longest prompt",
+    "temperatures": "sampling temperatures cycled per batch, separated by '/' (0 = greedy)",
+    "batch_size": "prompts generated together (left-padded)",
+    "precision": "auto (bf16 on CPUs/GPUs with native bf16), fp32 or bf16; the teacher is re-run in training",
+    "seed": "prompt choice and sampling seed",
+    "threads": "torch CPU threads",
+}
+
+
+_DRAFT_DOCS = {
+    "target": "the target: a packaged name (e.g. smollm2-135m-instruct), model directory, .gguf file or Hub id",
+    "out": "run directory (prompts, answers, checkpoints; the drafter lands in OUT/<loss>/draft); an existing run "
+           "resumes",
+    "prompts": "JSONL prompts file, rows {\"messages\": [...]} (chat template applied) or {\"prompt\": \"...\"}; "
+               "default: the built-in instruction prompts",
+    "num_prompts": "number of built-in prompts",
+    "prompt_seed": "seed of the built-in prompts",
+    "max_prompt_tokens": "prompts longer than this are skipped",
+    "max_new_tokens": "tokens the target writes per answer (at most)",
+    "temperatures": "temperatures the target answers at, cycled per batch, separated by '/' (0 = greedy)",
+    "gen_batch": "prompts answered together",
+    "answer_batches": "answer only the first N batches (a random subset of the prompts; default: all)",
+    "gen_dtype": "dtype the target answers in (speed only): float32 or bfloat16",
+    "topk": "target log-probabilities kept per answer token (the teacher)",
+    "layers": "target layers the drafter starts from, separated by '/'",
+    "loss": "distillation loss: tvd++, tvd, fkl, or none (export the untrained initialisation)",
+    "steps": "optimizer steps",
+    "batch_size": "answers per step",
+    "lr": "peak learning rate",
+    "warmup": "linear warm-up steps",
+    "precision": "drafter training precision: auto (bf16 autocast on CPUs with native bf16), fp32 or bf16",
+    "keep": "VocabTrim set trained over and drafted from when sampling (most frequent answer tokens)",
+    "validation_fraction": "answers held out for validation",
+    "seed": "data order and sampling seed",
+    "threads": "torch CPU threads",
+}
+
+
+def _run_train_draft(args: argparse.Namespace) -> int:
+    """``train draft``: answers, training and export, each resuming an interrupted run; prints the export."""
+    import shlex
+
+    from ..checks import check_positive_int
+    from ..loading import resolve_model
+    from ..train.draft import DraftRunConfig, run_answers, run_training
+    from ..train.drafter_card import write_drafter_card
+    from ..train.losses import LOSSES
+
+    if args.loss not in (*LOSSES, "none"):
+        raise ValueError(f"--loss: unknown loss {args.loss!r}; known: {', '.join(LOSSES)}, none")
+    check_positive_int("steps", args.steps)
+    resolve_model(args.target)  # a clear error before any work
+    if args.prompts is not None and not Path(args.prompts).is_file():
+        raise ValueError(f"--prompts: file {args.prompts!r} does not exist")
+    cfg = dataclass_from_args(DraftRunConfig, args)
+    run_answers(cfg)
+    export = run_training(cfg)
+    command = "speculant train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
+    write_drafter_card(cfg.out, export, command or f"speculant train draft {cfg}", name=args.name)
+    print(export)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Declare ``speculant train``'s actions and their options on ``p``."""
+    from ..train.distill_data import DistillDataConfig
+    from ..train.draft import DraftRunConfig
+    from ..train.pretrain import TrainConfig
+
+    sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=Parser)
+    prep = sub.add_parser("prepare", help="build the corpus, train the tokenizer, tokenise the splits",
+                          formatter_class=Formatter)
+    prep.add_argument("--out", required=True, help="data directory to write")
+    prep.add_argument("--vocab-size", type=int, default=16384, help="BPE vocabulary size (default: %(default)s)")
+    model = sub.add_parser("model", help="pretrain (or distil) a model on a prepared data directory",
+                           formatter_class=Formatter)
+    add_dataclass_arguments(model, TrainConfig, skip={"extra"}, docs=_TRAIN_DOCS, deferred=_TEACHER_ONLY)
+    model.add_argument("--name", default=None, help="model name for the model card (default: the preset)")
+    calibrate = sub.add_parser("calibrate", help="VocabTrim: store a split's token frequencies with a draft model",
+                               formatter_class=Formatter)
+    calibrate.add_argument("--model", required=True, help="draft model directory (vocab_trim.json is written there)")
+    calibrate.add_argument("--data", required=True, help="data directory written by 'speculant train prepare'")
+    calibrate.add_argument("--split", default="distill",
+                           help="calibration split, best the target's own text from 'train distill-data' "
+                           "(default: %(default)s)")
+    calibrate.add_argument("--default-size", type=positive_int, default=None,
+                           help="kept tokens drafters use by default (default: none, the full head)")
+    calibrate.add_argument("--default-size-sampling", type=nonnegative_int, default=None,
+                           help="kept tokens drafters use by default when sampling (temperature > 0), where the "
+                           "target's mass outside the kept set costs acceptance; 0 = the full head (default: "
+                           "--default-size)")
+    draft = sub.add_parser("draft", help="make a drafter for any target (HF directory, GGUF file, packaged name): "
+                           "the target answers instruction prompts, a few of its layers learn those answers",
+                           formatter_class=Formatter,
+                           description=textwrap.fill(
+                               "Direct Alignment (Goel et al. 2024) for any target: (1) instruction prompts "
+                               "(built in, or --prompts FILE.jsonl with {\"messages\": [...]} or {\"prompt\": "
+                               "...} rows), (2) the target's answers through its chat template with its top-k "
+                               "distribution, (3) a drafter made of a few of the target's layers, sharing its "
+                               "embedding and LM head, fine-tuned with --loss, (4) export to OUT/<loss>/draft "
+                               "with vocab_trim.json and MODEL_CARD.md. Every stage resumes where an interrupted "
+                               "run stopped.", width=100))
+    add_dataclass_arguments(draft, DraftRunConfig, skip=set(), docs=_DRAFT_DOCS)
+    draft.add_argument("--name", default=None, help="model name for the model card (default: the export folder)")
+    distill = sub.add_parser("distill-data", help="collect the target's completions of training prompts "
+                             "(distillation data for a drafter)", formatter_class=Formatter)
+    add_dataclass_arguments(distill, DistillDataConfig, skip=set(), docs=_DISTILL_DATA_DOCS)
+
+
+# options of 'train model' that only matter when distilling from --teacher (refused without it)
+_TEACHER_ONLY = frozenset({"kd_loss", "kd_weight"})
+# options of 'train model' that count something: 0 would fail later (a division, a modulo) or train nothing
+_TRAIN_COUNTS = ("steps", "batch_size", "seq_len", "long_seq_len", "ckpt_every", "eval_batches")
+
+
+def _check_train_model(args: argparse.Namespace) -> None:
+    """Refuse bad 'train model' options with one line, before any work (data, device, counts, distillation)."""
+    from ..checks import check_positive_int, resolve_device
+    from ..train.losses import LOSSES
+    from ..train.pretrain import PRESETS
+
+    resolve_device(args.device)
+    _check_data_dir(args.data)
+    if args.preset not in PRESETS:
+        raise ValueError(f"unknown preset {args.preset!r}; known: {', '.join(PRESETS)}")
+    for name in _TRAIN_COUNTS:
+        check_positive_int(option_name(name), getattr(args, name))
+    given = [option_name(name) for name in sorted(_TEACHER_ONLY) if getattr(args, name) is not None]
+    if given and not args.teacher:
+        raise ValueError(f"{' and '.join(given)}: no effect without --teacher (they set the distillation from a "
+                         "teacher model): add --teacher MODEL, or drop them")
+    if args.kd_loss is not None and args.kd_loss not in LOSSES:
+        raise ValueError(f"--kd-loss: unknown loss {args.kd_loss!r}; known: {', '.join(LOSSES)}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen ``speculant train`` action; returns the exit code (bad input raises ValueError)."""
+    import shlex
+
+    from ..loading import check_model_dir, resolve_model
+    from ..train.card import write_model_card
+    from ..train.data import prepare
+    from ..train.pretrain import TrainConfig
+
+    if args.action == "prepare":
+        out = prepare(args.out, vocab_size=args.vocab_size)
+        print(out)
+        return 0
+    if args.action == "calibrate":
+        from ..train.calibrate import write_calibration
+
+        _check_data_dir(args.data)
+        model_dir = check_model_dir(resolve_model(args.model))
+        print(write_calibration(model_dir, args.data, args.split, args.default_size, args.default_size_sampling))
+        return 0
+    if args.action == "distill-data":
+        from ..train.distill_data import DistillDataConfig, generate_distill_data
+
+        _check_data_dir(args.data)
+        args.teacher = str(check_model_dir(resolve_model(args.teacher)))
+        print(generate_distill_data(dataclass_from_args(DistillDataConfig, args)))
+        return 0
+    if args.action == "draft":
+        return _run_train_draft(args)
+    _check_train_model(args)
+    for role in ("teacher", "init"):  # bundled names (default-target, ...) or directories
+        if getattr(args, role):
+            setattr(args, role, str(check_model_dir(resolve_model(getattr(args, role)))))
+    cfg = dataclass_from_args(TrainConfig, args)
+    from ..train.pretrain import train
+
+    export = train(cfg)
+    command = "speculant train " + " ".join(shlex.quote(a) for a in sys.argv[2:] if a) if len(sys.argv) > 2 else ""
+    write_model_card(cfg.out, export, args.name or cfg.preset, command or f"speculant train model {cfg}")
+    print(export)
+    return 0
