@@ -11,23 +11,16 @@ from safetensors import safe_open
 from speculant import cli
 from speculant.attached import build_attached, load_attached, save_attached
 from speculant.chat import chat_ids, stop_ids
-from speculant.demo import save_model_pair, train_tokenizer
 from speculant.drafters.registry import build_drafter
 from speculant.engine import generate
 from speculant.loading import check_model_dir, load_draft, load_model_dir
 from speculant.testing import tiny_model
 
-TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-
+from helpers import chat_model_pair
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    tok = train_tokenizer(vocab_size=300)
-    tok.chat_template = TEMPLATE
-    root = tmp_path_factory.mktemp("attached")
-    target, _ = save_model_pair(root, tok, hidden=32, layers=3, context=256, init_std=0.5)
-    return str(target)
+    return chat_model_pair(tmp_path_factory.mktemp("attached"), layers=3)[0]
 
 
 def test_shares_embedding_and_saves_own_weights_only(target_dir, tmp_path):

@@ -32,6 +32,8 @@ from speculant.chat import chat_ids
 from speculant.demo import save_model_pair, stdlib_texts, train_tokenizer
 from speculant.loading import load_model_dir
 from speculant.testing import perturbed, tiny_model
+
+from helpers import CHAT_TEMPLATE
 from speculant.train.corpus import split_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,10 +69,6 @@ def dirs(tmp_path_factory):
     return {"target": str(target), "draft": str(draft), "prompts": str(prompts)}
 
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 

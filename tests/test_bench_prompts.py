@@ -14,10 +14,8 @@ from speculant.bench import mtbench
 from speculant.bench.prompts import check_record, is_chat, load_prompts, mt_bench_prompts, prompt_ids
 from speculant.demo import stdlib_texts, train_tokenizer
 
-TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+from helpers import CHAT_TEMPLATE
+
 CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
@@ -29,7 +27,7 @@ def tok():
 @pytest.fixture
 def chat_tok(tok, monkeypatch):
     """The tokenizer with a chat template (restored after the test)."""
-    monkeypatch.setattr(tok, "chat_template", TEMPLATE, raising=False)
+    monkeypatch.setattr(tok, "chat_template", CHAT_TEMPLATE, raising=False)
     return tok
 
 
@@ -120,12 +118,12 @@ def test_in_process_records_allow_ids():
 def test_chat_rows_use_the_chat_template(chat_tok):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Wrap this text."}]
     ids = prompt_ids({"id": "c", "messages": messages}, chat_tok)
-    rendered = "<|system|>\nBe brief.\n<|user|>\nWrap this text.\n<|assistant|>\n"
+    rendered = "<s>system\nBe brief.</s>\n<s>user\nWrap this text.</s>\n<s>assistant\n"
     assert ids == chat_tok(rendered)["input_ids"]
 
 
 def test_raw_rows_are_tokenised_as_is(chat_tok):
-    text = "<|user|>\ndef wrap(text):\n"
+    text = "<s>user\ndef wrap(text):</s>\n"
     assert prompt_ids({"id": "r", "prompt": text}, chat_tok) == chat_tok(text)["input_ids"]  # no template
     assert prompt_ids({"id": "i", "input_ids": [3, 4, 5]}, None) == [3, 4, 5]
 

@@ -9,21 +9,15 @@ import torch
 
 from speculant import cli
 from speculant.chat import chat_ids, has_chat_template, stop_ids
-from speculant.demo import save_model_pair, train_tokenizer
+from speculant.demo import train_tokenizer
 from speculant.engine import generate
 from speculant.loading import load_model_dir
 
-TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-
+from helpers import chat_model_pair
 
 @pytest.fixture(scope="module")
 def chat_dirs(tmp_path_factory):
-    tok = train_tokenizer(vocab_size=300)
-    tok.chat_template = TEMPLATE
-    root = tmp_path_factory.mktemp("chat")
-    target, draft = save_model_pair(root, tok, hidden=32, layers=2, context=256, init_std=0.5)
-    return str(target), str(draft)
+    return chat_model_pair(tmp_path_factory.mktemp("chat"))
 
 
 def test_chat_ids_round_trip(chat_dirs):

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DraftRunConfig", "read_prompt_rows", "tokenize_prompts", "run_answers"]
+__all__ = ["DraftRunConfig", "tokenize_prompts", "run_answers", "run_training"]
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,10 @@ class DraftRunConfig:
     topk: int = 32
     layers: list[int] = field(default_factory=lambda: [0, 1])  # target layers the drafter starts from
     loss: str = "tvd++"
-    steps: int = 600
+    steps: int = 400
     batch_size: int = 16
-    lr: float = 5e-4
-    warmup: int = 30
+    lr: float = 2e-3
+    warmup: int = 20
     precision: str = "auto"  # drafter training: auto (bf16 autocast where the CPU has native bf16) | fp32 | bf16
     keep: int = 8192  # VocabTrim kept set trained over (the most frequent tokens of the answers)
     validation_fraction: float = 0.05
@@ -62,43 +62,28 @@ class DraftRunConfig:
     threads: int | None = None
 
 
-def read_prompt_rows(path: str | Path) -> list[dict]:
-    """Rows of a prompts JSONL file: ``{"messages": [...]}`` (chat) or ``{"prompt": "..."}`` (raw text)."""
-    rows = []
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not ("messages" in row or "prompt" in row):
-            raise ValueError(f"{path}:{n}: a row needs 'messages' (a chat) or 'prompt' (raw text)")
-        rows.append(row)
-    if not rows:
-        raise ValueError(f"{path} holds no prompts")
-    return rows
-
-
 def tokenize_prompts(tokenizer, rows: list[dict], max_tokens: int) -> tuple[list[list[int]], list[int]]:
-    """Token ids of each row (chat template for ``messages`` rows) and the indices of the rows kept (those of
-    at most ``max_tokens`` tokens)."""
-    from ..chat import chat_ids
+    """Token ids of each prompt record (chat template for ``messages`` rows,
+    :func:`speculant.bench.prompts.prompt_ids`) and the indices of the rows kept (at most ``max_tokens``)."""
+    from ..bench.prompts import prompt_ids
 
     ids, kept = [], []
     for i, row in enumerate(rows):
-        t = chat_ids(tokenizer, row["messages"]) if "messages" in row else tokenizer(row["prompt"])["input_ids"]
-        if 0 < len(t) <= max_tokens:
+        t = prompt_ids(row, tokenizer)
+        if len(t) <= max_tokens:
             ids.append(t)
             kept.append(i)
     return ids, kept
 
 
 def _prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
+    """The run's prompts (``RUN/prompts.jsonl``, written from ``cfg.prompts`` or the built-in set once)."""
+    from ..bench.prompts import load_prompts
+
     path = run / "prompts.jsonl"
     if not path.exists():
         if cfg.prompts:
-            rows = read_prompt_rows(cfg.prompts)
+            rows = load_prompts(cfg.prompts)
         else:
             from .instructions import instruction_prompts
 
@@ -106,7 +91,7 @@ def _prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
         tmp.replace(path)
-    return read_prompt_rows(path)
+    return load_prompts(path)
 
 
 def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
@@ -172,6 +157,8 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
         torch.set_num_threads(cfg.threads)
     target, tokenizer = load_pretrained(cfg.target, dtype="float32")
     stops = stop_ids(tokenizer, target)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run_config.json").write_text(json.dumps({**asdict(cfg), "loss": loss}, indent=1))
     train, validation = _split_samples(cfg, run)
     vocab = target.get_input_embeddings().weight.shape[0]
     kept = kept_ids(train, vocab, cfg.keep, stops)

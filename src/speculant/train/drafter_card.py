@@ -23,7 +23,8 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     """Write ``export/MODEL_CARD.md`` for the attached drafter in ``export`` made by run ``run``; ``command``
     is quoted under "Reproduce"; ``extra`` (Markdown) is appended before it."""
     run, export = Path(run), Path(export)
-    cfg = json.loads((run / "run_config.json").read_text())
+    own_cfg = export.parent / "run_config.json"  # the training stage's settings (the run's first call saved its own)
+    cfg = json.loads((own_cfg if own_cfg.exists() else run / "run_config.json").read_text())
     meta = json.loads((export / "attached.json").read_text())
     config = json.loads((export / "config.json").read_text())
     history = json.loads((export.parent / "history.json").read_text())
