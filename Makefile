@@ -44,10 +44,12 @@ bench: $(STAMP)
 # SmolLM2-135M-Instruct with its shipped drafter on the 80 MT-Bench first turns (chat template, end-of-turn stops),
 # greedy, fp32, 2 threads, per-category tables; writes $(MTBENCH_OUT).
 MTBENCH_OUT ?= benchmarks/results/mtbench
-MTBENCH_METHODS ?= ar,chain:k=4,chain:k=6,tree:budget=12:topk=2:depth=8
+MTBENCH_METHODS ?= ar,chain:k=3,tree:budget=12:topk=2:depth=8
+MTBENCH_PROMPTS ?= 80
 bench-mtbench: $(STAMP)
-	$(VENV)/bin/speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --max-new-tokens 128 \
-		--methods $(MTBENCH_METHODS) --baselines hf-ar,hf-assisted --threads 2 --out $(MTBENCH_OUT)
+	$(VENV)/bin/speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --num-prompts $(MTBENCH_PROMPTS) --max-new-tokens 128 \
+		--methods $(MTBENCH_METHODS) --baselines hf-assisted --threads 2 --device cpu --out $(MTBENCH_OUT)
+	$(PY) benchmarks/readme_table.py --results $(MTBENCH_OUT)/results.json --marker mtbench --readme README.md
 
 # The drafter shipped for SmolLM2 (src/speculant/assets/smollm2-135m-instruct-draft), made on 2 CPU cores.
 train-smollm2-draft: $(STAMP)

@@ -1,10 +1,11 @@
 """Rewrite the README's benchmark table from a committed results.json (no figure is typed by hand).
 
-Replaces what lies between the markers ``<!-- bench:start -->`` and ``<!-- bench:end -->`` in the README with the
-table :func:`speculant.bench.report.readme_section` renders from the results; everything outside the markers is
+Replaces what lies between the markers ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in the README (``--marker
+NAME``, default ``bench``) with the table :func:`speculant.bench.report.readme_section` renders from the results; everything outside the markers is
 left byte for byte. ``make bench`` writes the results, ``make bench-readme`` runs this script.
 
     python benchmarks/readme_table.py [--results benchmarks/results/bench/results.json] [--readme README.md]
+    python benchmarks/readme_table.py --results benchmarks/results/mtbench/results.json --marker mtbench
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from pathlib import Path
 
 from speculant.bench.report import readme_section
 
-START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def rewrite(text: str, block: str) -> str:
-    """``text`` with the lines between the START and END markers replaced by ``block``."""
+def rewrite(text: str, block: str, marker: str = "bench") -> str:
+    """``text`` with the lines between the ``marker``'s start and end comments replaced by ``block``."""
+    START, END = f"<!-- {marker}:start -->", f"<!-- {marker}:end -->"  # noqa: N806
     if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
         raise ValueError(f"the README needs exactly one {START} followed by one {END}")
     head, rest = text.split(START, 1)
@@ -34,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks/results/bench/results.json")
     ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    ap.add_argument("--marker", default="bench", help="the README block to rewrite (default: %(default)s)")
     args = ap.parse_args(argv)
     try:
         results = json.loads(args.results.read_text(encoding="utf-8"))
@@ -42,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ValueError:
             source = str(args.results)
         text = args.readme.read_text(encoding="utf-8")
-        new = rewrite(text, readme_section(results, source=source))
+        new = rewrite(text, readme_section(results, source=source), args.marker)
     except (OSError, ValueError, KeyError) as exc:
         print(f"readme_table: error: {exc}", file=sys.stderr)
         return 2

@@ -66,13 +66,14 @@ def test_train_draft_end_to_end(target_dir, tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["train", "draft", "--target", target_dir, "--out", str(out), "--prompts", str(prompts),
             "--max-new-tokens", "6", "--gen-batch", "4", "--gen-dtype", "float32", "--steps", "4", "--batch-size",
-            "3", "--warmup", "1", "--keep", "64", "--layers", "1", "--validation-fraction", "0.2"]
+            "3", "--warmup", "1", "--keep", "64", "--layers", "1", "--validation-fraction", "0.2", "--loss", "tvd++"]
     assert cli.main(argv) == 0, capsys.readouterr().err
     export = out / "tvdpp" / "draft"
     assert capsys.readouterr().out.strip() == str(export)
     meta = json.loads((export / "attached.json").read_text())
     assert meta["loss"] == "tvd++" and meta["layers_from_target"] == [1] and meta["steps"] == 4
-    assert (export / "MODEL_CARD.md").read_text().count("| 4 |") == 1  # the last validation row
+    card = (export / "MODEL_CARD.md").read_text()
+    assert "\n| 4 | " in card and "| `tvd++` | 4 |" in card  # the last validation row, the ablation row
     trim = json.loads((export / "vocab_trim.json").read_text())
     assert trim["default_size_sampling"] == trim["calibration"]["distinct"] <= 64  # all tokens seen, at most --keep
     history = json.loads((out / "tvdpp" / "history.json").read_text())

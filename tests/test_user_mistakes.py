@@ -174,3 +174,18 @@ def test_train_model_kd_options_with_teacher_pass_the_checks(tmp_path, monkeypat
     assert seen["cfg"].kd_loss == "tvd" and seen["cfg"].kd_weight == TrainConfig.kd_weight
     assert cli.main(base) == 2
     assert seen["cfg"].kd_loss == TrainConfig.kd_loss and seen["cfg"].teacher is None
+
+
+def test_help_and_readme_list_every_kv_policy():
+    """generate --help and the README name every policy of the KV registry (no drift between the three)."""
+    from pathlib import Path
+
+    from speculant.cli import build_parser
+    from speculant.kv.registry import POLICIES, WRAPPERS
+
+    sub = build_parser(eager=True)._subparsers._group_actions[0].choices["generate"]
+    help_text = " ".join(sub.format_help().split())
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for name in [*POLICIES, *WRAPPERS]:
+        assert name in help_text, name
+        assert f"`{name}" in readme, name

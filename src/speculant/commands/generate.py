@@ -179,8 +179,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-policy",
         metavar="POLICY",
         default=None,
-        help="evict the target's KV cache with this policy (keydiff, streaming, h2o, tova, snapkv, knorm, random, "
-        "wrappers caote:/fastcaote:/protect:, e.g. caote:h2o); needs --kv-budget",
+        help="evict the target's KV cache with this policy (keydiff, keydiff-raw, streaming, h2o, h2o-acc, tova, "
+        "snapkv, knorm, random, wrappers caote:/fastcaote:/protect:, e.g. caote:h2o); needs --kv-budget",
     )
     p.add_argument(
         "--kv-budget",
@@ -245,7 +245,7 @@ def _summary(method: str, stats: GenerationStats) -> str:
     return (
         f"{PROG}: method={method} τ={stats.acceptance_length:.2f} tokens={stats.new_tokens} "
         f"tokens/s={stats.tokens_per_second:.1f} target_calls={stats.target_calls} "
-        f"overhead={100 * stats.overhead_share:.1f}%"
+        f"overhead={100 * stats.overhead_share:.1f}% (one cold run: `speculant bench` times methods properly)"
     )
 
 

@@ -101,7 +101,7 @@ _DRAFT_DOCS = {
     "gen_dtype": "dtype the target answers in (speed only): float32 or bfloat16",
     "topk": "target log-probabilities kept per answer token (the teacher)",
     "layers": "target layers the drafter starts from, separated by '/'",
-    "loss": "distillation loss: tvd++, tvd, fkl, or none (export the untrained initialisation)",
+    "loss": "distillation loss: fkl, tvd, tvd++, or none (export the untrained initialisation)",
     "steps": "optimizer steps",
     "batch_size": "answers per step",
     "lr": "peak learning rate",

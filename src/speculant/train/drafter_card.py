@@ -18,6 +18,22 @@ def _history_table(history: list[dict]) -> str:
     return "\n".join(rows)
 
 
+def ablation_section(run: str | Path) -> str:
+    """A table of every drafter trained in ``run`` (one row per loss folder): its final validation figures."""
+    rows = []
+    for history_path in sorted(Path(run).glob("*/history.json")):
+        meta_path = history_path.parent / "draft" / "attached.json"
+        if not meta_path.exists():
+            continue
+        meta = json.loads(meta_path.read_text())
+        last = json.loads(history_path.read_text())[-1]
+        rows.append(f"| `{meta['loss']}` | {meta['steps']} | {last['greedy_agreement']:.3f} | {last['alpha_t1']:.3f} |")
+    if not rows:
+        return ""
+    return ("\n## Loss ablation (same data, initialisation, steps and learning rate; held-out answers)\n"
+            "| loss | steps | greedy agreement | α (T=1) |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
 def write_drafter_card(run: str | Path, export: str | Path, command: str, name: str | None = None,
                        extra: str = "") -> Path:
     """Write ``export/MODEL_CARD.md`` for the attached drafter in ``export`` made by run ``run``; ``command``
@@ -41,6 +57,7 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     own = sum(int(np.prod(s)) for s in _shapes(export / "model.safetensors"))
     size_mb = (export / "model.safetensors").stat().st_size / 2**20
     temps = "/".join(str(t) for t in cfg["temperatures"])
+    machine = meta.get("machine") or "machine not recorded"
     prompts = cfg["prompts"] or f"{cfg['num_prompts']} built-in instruction prompts (speculant.train.instructions)"
     text = f"""# {name or export.name}
 
@@ -57,7 +74,7 @@ loss.
 | distillation data | {n_answers:,} answers of the target ({n_tokens:,} answer tokens) to {prompts}, chat template applied, up to {cfg['max_new_tokens']} new tokens, temperatures {temps} cycled per batch, the target's top-{cfg['topk']} log-probabilities kept at every answer token |
 | objective | `{meta['loss']}` between the target's top-{cfg['topk']} and the drafter over the {cfg['keep']:,} most frequent answer tokens (the VocabTrim set it drafts from) |
 | steps | {meta['steps']} × {cfg['batch_size']} answers (each with its prompt's last 96 tokens), AdamW, peak lr {cfg['lr']}, {cfg['warmup']} warm-up steps, cosine to 0.1× |
-| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done['seconds_this_session'] / 60:.1f} min generating the answers (last session)" if done else ""}, on the machine below |
+| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done['seconds_this_session'] / 60:.1f} min generating the answers" if done else ""} ({machine}) |
 
 ## Validation (held-out {cfg['validation_fraction']:.0%} of the answers)
 Greedy agreement: the drafter's top token is the target's. α = Σ min(p, q) over the kept set: the probability that
@@ -65,6 +82,7 @@ one sampled draft token is accepted at T=1 (a lower bound: q is known on its top
 
 {_history_table(history)}
 {_vocab_trim_section(export)}
+{ablation_section(run)}
 {extra}
 ## Reproduce
 ```
