@@ -40,6 +40,20 @@ def test_shares_embedding_and_saves_own_weights_only(target_dir, tmp_path):
     assert torch.equal(loaded(ids).logits, draft(ids).logits)
 
 
+def test_int8_storage_round_trips(target_dir, tmp_path):
+    target, _ = load_model_dir(target_dir, dtype=torch.float32)
+    draft = build_attached(target, [0, 1])
+    out = save_attached(draft, target, tmp_path / "q", target_name="tiny", dtype=torch.int8)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        w = f.get_tensor("model.layers.0.mlp.up_proj.weight")
+    assert w.dtype == torch.int8
+    loaded = load_draft(out, target)
+    ref = draft.model.layers[0].mlp.up_proj.weight
+    got = loaded.model.layers[0].mlp.up_proj.weight
+    step = ref.abs().amax(dim=1, keepdim=True) / 127  # one int8 step per row
+    assert got.dtype == target.dtype and bool(((got - ref).abs() <= step / 2 + 1e-7).all())
+
+
 def test_refuses_another_target(target_dir, tmp_path):
     target, _ = load_model_dir(target_dir, dtype=torch.float32)
     out = save_attached(build_attached(target, [0]), target, tmp_path / "d", target_name="tiny")

@@ -74,16 +74,33 @@ def own_state(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in draft.state_dict().items() if not k.startswith(_SHARED)}
 
 
+_SCALE = ".int8_scale"  # key suffix of the per-row scales of an int8-stored matrix
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q int8 [R, C], scale float32 [R, 1])`` with ``w ≈ q * scale``, one symmetric scale per output row."""
+    scale = w.detach().float().abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+    return (w.detach().float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
 def save_attached(draft: torch.nn.Module, target: torch.nn.Module, out: str | Path, target_name: str,
                   dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> Path:
-    """Write an attached drafter directory: config, own weights in ``dtype``, ``attached.json``."""
+    """Write an attached drafter directory: config, own weights in ``dtype``, ``attached.json``.
+
+    ``dtype=torch.int8`` stores every matrix as int8 with one float32 scale per row (norm weights stay bf16):
+    half the bytes of bf16. A drafter's numerics only change what it proposes, never what is emitted."""
     from safetensors.torch import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     draft.config.save_pretrained(out)
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in own_state(draft).items()},
-              str(out / "model.safetensors"))
+    tensors = {}
+    for k, v in own_state(draft).items():
+        if dtype == torch.int8 and v.dim() == 2:
+            tensors[k], tensors[k + _SCALE] = _int8_rows(v)
+        else:
+            tensors[k] = v.detach().to(torch.bfloat16 if dtype == torch.int8 else dtype).contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
     (out / ATTACHED_FILE).write_text(json.dumps({
         "shares": ["model.embed_tokens", "lm_head"],
         "target": target_name,
@@ -114,6 +131,10 @@ def load_attached(path: str | Path, target: torch.nn.Module) -> torch.nn.Module:
                          f"{target.config.hidden_size}")
     draft = type(target)(config)
     state = load_file(str(path / "model.safetensors"))
+    for k in [k for k in state if k.endswith(_SCALE)]:  # int8 rows back to floats
+        scale = state.pop(k)
+        name = k[: -len(_SCALE)]
+        state[name] = state[name].float() * scale
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(_SHARED)]
     if missing or unexpected:

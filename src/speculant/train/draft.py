@@ -198,7 +198,7 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
                                  progress=progress)
     seconds = time.perf_counter() - start
     tmp = out / "draft.tmp"
-    save_attached(draft, target, tmp, target_name=cfg.target, extra={
+    save_attached(draft, target, tmp, target_name=cfg.target, dtype=torch.int8, extra={
         "layers_from_target": cfg.layers, "loss": loss, "steps": cfg.steps if loss != "none" else 0,
         "train_seconds": round(seconds, 1), "validation": history[-1], "machine": _machine(cfg)})
     answers = np.concatenate([s.answer for s in train])

@@ -54,7 +54,7 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
         with np.load(path) as z:
             n_answers += len(z["temperature"])
             n_tokens += int(z["answer_offsets"][-1])
-    own = sum(int(np.prod(s)) for s in _shapes(export / "model.safetensors"))
+    own = sum(int(np.prod(s)) for k, s in _shapes(export / "model.safetensors") if not k.endswith(".int8_scale"))
     size_mb = (export / "model.safetensors").stat().st_size / 2**20
     temps = "/".join(str(t) for t in cfg["temperatures"])
     machine = meta.get("machine") or "machine not recorded"
@@ -70,7 +70,7 @@ loss.
 | | |
 |---|---|
 | architecture | {config['model_type']}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {config['num_attention_heads']} heads ({config['num_key_value_heads']} KV), MLP {config['intermediate_size']} |
-| own parameters | {own:,} ({size_mb:.1f} MB, bfloat16); embedding and LM head shared with the target |
+| own parameters | {own:,} ({size_mb:.1f} MB: matrices int8 with a float32 scale per row, norms bfloat16; the validation below is of the trained weights before that rounding); embedding and LM head shared with the target |
 | distillation data | {n_answers:,} answers of the target ({n_tokens:,} answer tokens) to {prompts}, chat template applied, up to {cfg['max_new_tokens']} new tokens, temperatures {temps} cycled per batch, the target's top-{cfg['topk']} log-probabilities kept at every answer token |
 | objective | `{meta['loss']}` between the target's top-{cfg['topk']} and the drafter over the {cfg['keep']:,} most frequent answer tokens (the VocabTrim set it drafts from) |
 | steps | {meta['steps']} × {cfg['batch_size']} answers (each with its prompt's last 96 tokens), AdamW, peak lr {cfg['lr']}, {cfg['warmup']} warm-up steps, cosine to 0.1× |
@@ -94,8 +94,8 @@ one sampled draft token is accepted at T=1 (a lower bound: q is known on its top
     return path
 
 
-def _shapes(path: Path) -> list[tuple[int, ...]]:
+def _shapes(path: Path) -> list[tuple[str, tuple[int, ...]]]:
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        return [tuple(f.get_slice(k).get_shape()) for k in f.keys()]
+        return [(k, tuple(f.get_slice(k).get_shape())) for k in f.keys()]
