@@ -30,16 +30,13 @@ import torch
 from . import cli
 from .drafters.registry import build_drafter
 from .engine import generate
-from .attached import is_attached
 from .chat import chat_ids, stop_ids
 from .loading import (
     bundled_dir,
     default_draft_for,
+    draft_context,
     load_draft,
     load_pretrained,
-    load_tokenizer,
-    resolve_model,
-    tokenizers_match,
 )
 from .sources import PACKAGED, packaged_gguf
 from .testing import perturbed, tiny_model
@@ -119,8 +116,7 @@ def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tok
     """Time ar, chain and the dynamic tree on ``prompt`` (the same target, draft and dtype as the CLI run)."""
     target, tok = load_pretrained(target_name, dtype=dtype)
     draft = load_draft(draft_name, target, dtype=dtype)
-    context = {} if is_attached(resolve_model(draft_name)) else {
-        "tokenizers_match": tokenizers_match(tok, load_tokenizer(resolve_model(draft_name)))}
+    context = draft_context(draft_name, tok)
     ids = chat_ids(tok, prompt) if chat else tok(prompt)["input_ids"]
     eos = stop_ids(tok, target) if chat else None
     specs = {"ar": "ar", "chain": f"chain:k={k}", "tree": TREE}

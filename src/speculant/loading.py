@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from .attached import is_attached, load_attached
 from .sources import PACKAGED, convert_gguf, hub_cached_dir, is_hub_id, packaged_gguf
 
-__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "load_tokenizer", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED"]
+__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "load_tokenizer", "draft_context", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED"]
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,16 @@ def default_draft_for(target: str | Path) -> str | None:
         if key == name and model.default_draft and bundled_dir(model.default_draft) is not None:
             return model.default_draft
     return None
+
+
+def draft_context(draft: str | Path, target_tokenizer) -> dict:
+    """The drafter-building context for draft model ``draft`` (a name or directory) next to a target with
+    ``target_tokenizer``: ``{"tokenizers_match": bool}``. An attached drafter reads the target's ids by
+    construction; an ordinary draft's tokenizer is loaded and compared (:func:`tokenizers_match`)."""
+    d = resolve_model(draft)
+    if is_attached(d):
+        return {"tokenizers_match": True}
+    return {"tokenizers_match": tokenizers_match(target_tokenizer, load_tokenizer(d))}
 
 
 def load_draft(name_or_path: str | Path, target: torch.nn.Module, dtype: torch.dtype | str | None = None):

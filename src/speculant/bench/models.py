@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..attached import is_attached
-from ..loading import check_model_dir, load_draft, load_model_dir, resolve_model, tokenizers_match
+from ..loading import check_model_dir, draft_context, load_draft, load_model_dir, resolve_model
 
 __all__ = ["load_bench_draft", "load_bench_target"]
 
@@ -46,11 +46,6 @@ def load_bench_draft(draft: str | Path | torch.nn.Module, target: torch.nn.Modul
     model = load_draft(path, target, dtype)
     if device is not None:
         model = model.to(device)
-    if is_attached(path):
-        return model, {"tokenizers_match": True}, str(path)
-    if target_tok is None:
+    if target_tok is None and not is_attached(path):
         return model, {}, str(path)
-    from transformers import AutoTokenizer
-
-    draft_tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    return model, {"tokenizers_match": tokenizers_match(target_tok, draft_tok)}, str(path)
+    return model, draft_context(path, target_tok), str(path)

@@ -253,7 +253,6 @@ def run(args: argparse.Namespace) -> int:
     """Run ``speculant generate``; returns the exit code (bad input raises ValueError)."""
     import torch
 
-    from ..attached import is_attached
     from ..chat import chat_ids, has_chat_template, stop_ids
     from ..checks import check_positive_int, resolve_device
     from ..drafters.registry import build_drafter, get_method, parse_method
@@ -261,11 +260,10 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import (
         check_model_dir,
         default_draft_for,
+        draft_context,
         load_draft,
         load_model_dir,
-        load_tokenizer,
         resolve_model,
-        tokenizers_match,
     )
     from ..types import SamplingParams
 
@@ -307,8 +305,7 @@ def run(args: argparse.Namespace) -> int:
     draft_model, context = None, {}
     if method.needs_draft:
         draft_model = load_draft(args.draft, target, dtype).to(device)
-        if not is_attached(args.draft):
-            context["tokenizers_match"] = tokenizers_match(tokenizer, load_tokenizer(args.draft))
+        context = draft_context(args.draft, tokenizer)
     drafter = build_drafter((name, options), draft_model, **context)
     if args.draft is not None and not method.needs_draft:
         if drafter is None:  # plain decoding: passing --draft to switch methods back and forth is fine

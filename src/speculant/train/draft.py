@@ -181,14 +181,10 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     draft = build_attached(target, cfg.layers)
     start = time.perf_counter()
     if loss == "none":
-        from .draft_train import evaluate, make_batch
+        from .draft_train import batches, evaluate, kept_head
 
-        index = torch.full((vocab,), -1, dtype=torch.long)
-        index[torch.tensor(kept)] = torch.arange(len(kept))
-        head = target.get_output_embeddings().weight.detach()[torch.tensor(kept)].float()
-        batches = [make_batch(validation[i:i + cfg.batch_size], index, stops[0])
-                   for i in range(0, len(validation), cfg.batch_size)]
-        history = [{"step": 0, **evaluate(draft, batches, head)}]
+        kept_index, head = kept_head(draft, kept)
+        history = [{"step": 0, **evaluate(draft, batches(validation, kept_index, cfg.batch_size, stops[0]), head)}]
         out.mkdir(parents=True, exist_ok=True)
         (out / "history.json").write_text(json.dumps(history, indent=1))
     else:

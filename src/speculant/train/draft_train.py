@@ -28,7 +28,7 @@ import torch
 from .answers import AnswerShard
 from .losses import distill_loss_probs
 
-__all__ = ["Sample", "collect_samples", "kept_ids", "Batch", "make_batch", "train_attached"]
+__all__ = ["Sample", "collect_samples", "kept_ids", "kept_head", "Batch", "make_batch", "batches", "evaluate", "train_attached"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +103,20 @@ def make_batch(samples: list[Sample], kept_index: torch.Tensor, pad: int) -> Bat
     return Batch(ids, pos, mask, torch.cat(rows), torch.cat(cols), torch.cat(answers), q)
 
 
+def kept_head(draft, kept: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kept_index [V]: vocabulary id -> kept column or -1, head [K, H]: the frozen LM head's kept rows)``."""
+    vocab = draft.get_input_embeddings().weight.shape[0]
+    kept_index = torch.full((vocab,), -1, dtype=torch.long)
+    kept_index[torch.tensor(kept)] = torch.arange(len(kept))
+    head = draft.get_output_embeddings().weight.detach()[torch.tensor(kept)].float()
+    return kept_index, head
+
+
+def batches(samples: list[Sample], kept_index: torch.Tensor, batch_size: int, pad: int) -> list[Batch]:
+    """``samples`` packed in order, ``batch_size`` at a time (validation)."""
+    return [make_batch(samples[i:i + batch_size], kept_index, pad) for i in range(0, len(samples), batch_size)]
+
+
 def _student_logits(draft, batch: Batch, head: torch.Tensor) -> torch.Tensor:
     """``[N, K]`` logits of the drafter over the kept set at the answer positions."""
     hidden = draft.model(input_ids=batch.input_ids, attention_mask=batch.mask,
@@ -135,10 +149,7 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
     from ..attached import own_state
 
     out.mkdir(parents=True, exist_ok=True)
-    vocab = draft.get_input_embeddings().weight.shape[0]
-    kept_index = torch.full((vocab,), -1, dtype=torch.long)
-    kept_index[torch.tensor(kept)] = torch.arange(len(kept))
-    head = draft.get_output_embeddings().weight.detach()[torch.tensor(kept)].float()  # [K, H], frozen
+    kept_index, head = kept_head(draft, kept)  # [V], [K, H] frozen
     for p in draft.parameters():
         p.requires_grad_(False)
     own = [p for n, p in draft.named_parameters() if n in own_state(draft)]
@@ -146,8 +157,7 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(own, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = np.random.default_rng(seed)
-    val_batches = [make_batch(validation[i:i + batch_size], kept_index, pad)
-                   for i in range(0, len(validation), batch_size)]
+    val_batches = batches(validation, kept_index, batch_size, pad)
     ckpt = out / "checkpoint.pt"
     step, history = 0, []
     if ckpt.exists():
