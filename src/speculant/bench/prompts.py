@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import json
 import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 
 from ..chat import chat_ids, check_messages, has_chat_template
 from ..train.corpus import Document, load_corpus
-from .mtbench import mtbench_questions
+from .mtbench import jsonl_rows, mtbench_questions
 
 __all__ = ["BUILTIN_SETS", "builtin_prompts", "check_record", "code_prompts", "grounded_prompts", "is_chat",
            "load_prompts", "mt_bench_prompts", "prompt_ids"]
@@ -236,17 +235,7 @@ def _read_jsonl(path: Path) -> list[dict]:
         raise ValueError(f"prompt file {str(path)!r} does not exist")
     if not path.is_file():
         raise ValueError(f"prompt file {str(path)!r} is not a file")
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg})") from None
-            rows.append({"id": str(lineno), **check_record(obj, f"{path}:{lineno}")})
-    return rows
+    return [{"id": where.rsplit(":", 1)[1], **check_record(obj, where)} for where, obj in jsonl_rows(path)]
 
 
 def load_prompts(source: str | Path, n: int | None = None) -> list[dict]:
