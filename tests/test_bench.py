@@ -604,3 +604,39 @@ def test_budget_matching_refuses_sized_specs_and_defaults_to_the_chain_family(pa
     res = run_bench(ids_prompts(1), baselines=[], target=target, draft=draft, max_new_tokens=4, progress=False,
                     warmup=0, budgets=[2])
     assert list(res["methods"]) == ["ar", "chain:k=2"]  # default methods under budget matching: the family chain
+
+
+# ---------------------------------------------------------------------------------- target forward, profile
+
+
+def test_forward_option_and_profile(pair, tmp_path):
+    """``ar:forward=model`` runs the model's own forward beside the lean one (same tokens); ``profile=True`` adds the
+    per-forward split, the verify-forward ratio and the floor to results.json and results.md."""
+    target, _ = pair
+    res = run_bench(ids_prompts(2), methods=["ar", "ar:forward=model"], baselines=[], target=target,
+                    max_new_tokens=N, eos_token_id=[], progress=False, warmup=0, out=tmp_path, profile=True)
+    assert {r["target_forward"] for r in res["runs"]["ar"]} == {"lean"}
+    assert {r["target_forward"] for r in res["runs"]["ar:forward=model"]} == {"model"}
+    assert res["methods"]["ar:forward=model"]["identical_to_ar"] == 1.0
+    prof = res["profile"]
+    assert set(prof["forwards"]) == {"lean", "model"}
+    for f in prof["forwards"].values():
+        assert f["step_ms"] > 0 and f["verify5_ratio"] > 0
+        assert f["matmul_ms"] + f["attention_ms"] + f["other_ms"] == pytest.approx(f["step_ms"])
+    assert prof["weight_bytes"] == sum(m.weight.numel() * 4 for m in target.modules()
+                                       if isinstance(m, torch.nn.Linear))
+    assert "## Profile of the target forward" in (tmp_path / "results.md").read_text()
+
+
+def test_bad_forward_value_and_llamacpp_errors(pair, monkeypatch):
+    target, _ = pair
+    with pytest.raises(ValueError, match="bad value 'fast' for option 'forward'"):
+        run_bench(ids_prompts(1), methods=["ar:forward=fast"], baselines=[], target=target, progress=False)
+    from speculant.bench import llamacpp
+
+    monkeypatch.setattr(llamacpp, "available", lambda: False)
+    with pytest.raises(ValueError, match="make llamacpp"):
+        run_bench(ids_prompts(1), methods=["ar"], baselines=["llamacpp-ar"], target=target, progress=False)
+    monkeypatch.setattr(llamacpp, "available", lambda: True)
+    with pytest.raises(ValueError, match="converted from a GGUF file"):
+        run_bench(ids_prompts(1), methods=["ar"], baselines=["llamacpp-ar"], target=target, progress=False)

@@ -91,7 +91,7 @@ def test_ar_and_chain_stream_identical_greedy_text(dirs, capsys):
     expected = generate(target, tok(PROMPT)["input_ids"], max_new_tokens=N).token_ids
     assert out_ar == tok.decode(expected, skip_special_tokens=True) + "\n"
     summary = re.compile(r"^speculant: method=(\S+) τ=([\d.]+) tokens=(\d+) tokens/s=[\d.]+ target_calls=(\d+) "
-                         r"overhead=[\d.]+% \(one cold run: `speculant bench` times methods properly\)$")
+                         r"overhead=[\d.]+% forward=lean \(one cold run: `speculant bench` times methods properly\)$")
     m_ar, m_ch = summary.match(err_ar.strip()), summary.match(err_ch.strip())
     assert m_ar and m_ch, (err_ar, err_ch)
     assert m_ar.group(1) == "ar" and float(m_ar.group(2)) == 1.0 and m_ar.group(4) == m_ar.group(3)

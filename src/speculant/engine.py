@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 
@@ -29,6 +28,7 @@ from .checks import (
 )
 from .drafters.base import DecodeState, Drafter, _sync
 from .drafters.registry import resolve_drafter
+from .forward import FORWARDS, TargetForward
 from .kv import (
     BudgetCache,
     QueryCapture,
@@ -62,6 +62,7 @@ def generate(
     kv_policy: str | ScorePolicy | None = None,
     kv_budget: int | None = None,
     kv_block: int = 128,
+    forward: str = "auto",
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` with ``target``, losslessly accelerated.
 
@@ -85,6 +86,9 @@ def generate(
             evicting back to the budget after each (peak ``kv_budget + kv_block`` tokens), and committed tokens
             are evicted after every verification step (draft tokens are never evicted before they are
             verified). The output is then exact given the evicted cache, not equal to full-cache decoding.
+        forward: the target forward (:mod:`speculant.forward`): ``"auto"`` the lean forward
+            (:class:`speculant.lean.LeanForward`) where it reproduces the model, else the model's own;
+            ``"lean"`` requires it; ``"model"`` always uses the model's own (transformers) forward.
 
     Returns:
         :class:`speculant.types.Generation` with ``token_ids`` (new tokens only) and ``stats``.
@@ -101,13 +105,16 @@ def generate(
     if eos_token_id is not None:
         check_token_ids(sorted(stops), vocab, "eos_token_id")
     drafter = resolve_drafter(drafter)
+    if forward not in FORWARDS:
+        raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     if target.training:
         log.warning("target model was in training mode (dropout active); switching it to eval mode")
         target.eval()
     device = target.device
     budget = _check_kv(kv_policy, kv_budget, kv_block)
     with torch.inference_mode():
-        return _run(target, ids, drafter, max_new_tokens, params, stops, stream, device, budget)
+        fwd = TargetForward(target, forward, max_length=len(ids) + max_new_tokens)
+        return _run(target, fwd, ids, drafter, max_new_tokens, params, stops, stream, device, budget)
 
 
 def _check_kv(kv_policy, kv_budget, kv_block) -> tuple[ScorePolicy, int, int] | None:
@@ -131,8 +138,9 @@ def _with_probes(target, inputs: torch.Tensor, probes) -> torch.Tensor:
     return torch.cat([embeds, probes.embeds.to(embeds.dtype).unsqueeze(0)], dim=1)
 
 
-def _run(target, ids, drafter, max_new_tokens, params, stops, stream, device, budget) -> Generation:
-    stats = GenerationStats()
+def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops, stream, device,
+         budget) -> Generation:
+    stats = GenerationStats(target_forward=fwd.kind)
     state = DecodeState(
         target=target,
         ids=list(ids),
@@ -150,8 +158,7 @@ def _run(target, ids, drafter, max_new_tokens, params, stops, stream, device, bu
     if budget is None:
         cache = SpecCache(num_layers(target), capacity=state.max_length + 64)
         if prompt_len > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
-            target.base_model(input_ids=torch.tensor([ids[:-1]], device=device), past_key_values=cache,
-                              use_cache=True)
+            fwd.prefill(cache, torch.tensor([ids[:-1]], device=device))
     else:
         policy, kv_budget, kv_block = budget
         cache = BudgetCache(num_layers(target), capacity=kv_budget + kv_block + 64)
@@ -166,13 +173,13 @@ def _run(target, ids, drafter, max_new_tokens, params, stops, stream, device, bu
         tree = drafter.propose(state) if drafter is not None and state.remaining > 1 else _EMPTY
         cache_len = cache.length
         inputs = torch.tensor([[state.ids[-1], *tree.tokens]], device=device)  # [1, Q]
-        feed = {"input_ids": inputs}
+        embeds = None
         if tree.probes is not None:  # probe slots after the tree: one forward, see types.Probes
-            feed = {"inputs_embeds": _with_probes(target, inputs, tree.probes)}  # [1, Q + P, H]
+            embeds = _with_probes(target, inputs, tree.probes)  # [1, Q + P, H]
             extended = DraftTree(tokens=[0] * (len(tree) + len(tree.probes.embeds)),
                                  parents=tree.parents + tree.probes.parents(len(tree)))
             mask, positions = tree_attn.build(extended, cache_len)  # [1, 1, Q + P, L + Q + P], [1, Q + P]
-        elif tree.is_chain():  # the causal mask is the tree mask: let the model build it (fast kernels)
+        elif tree.is_chain():  # the causal mask is the tree mask: the forward builds it (fast kernels)
             mask = positions = None
         else:
             mask, positions = tree_attn.build(tree, cache_len)  # [1, 1, Q, L + Q], [1, Q]
@@ -183,12 +190,11 @@ def _run(target, ids, drafter, max_new_tokens, params, stops, stream, device, bu
             if policy.needs_attention:
                 capture = QueryCapture(target)
         t0 = time.perf_counter()
-        with capture if capture is not None else nullcontext():
-            out = target(**feed, past_key_values=cache, attention_mask=mask, position_ids=positions,
-                         use_cache=True)
+        out = fwd(cache, input_ids=None if embeds is not None else inputs, inputs_embeds=embeds,
+                  positions=positions, mask=mask, capture=capture)  # [1, Q (+ P), V]
         _sync(device)
         stats.target_forward_s += time.perf_counter() - t0
-        logits = out.logits[0]  # [Q (+ P), V]
+        logits = out[0]  # [Q (+ P), V]
         verdict = verify(tree, logits[: len(tree) + 1], params, state.generator)
         state.last_logits, state.last_accepted = logits, verdict.accepted
 

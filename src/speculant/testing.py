@@ -15,6 +15,7 @@ from transformers import (
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PhiConfig,
     Qwen2Config,
     Qwen3Config,
@@ -22,7 +23,7 @@ from transformers import (
 
 __all__ = ["ARCHITECTURES", "tiny_config", "tiny_model", "perturbed"]
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gpt_neox", "phi")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gpt_neox", "phi")
 
 
 def tiny_config(arch: str, vocab_size: int = 96, hidden: int = 32, layers: int = 2, heads: int = 4,
@@ -37,6 +38,10 @@ def tiny_config(arch: str, vocab_size: int = 96, hidden: int = 32, layers: int =
         return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                    num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=context,
                    **extra, **common)
+    if arch == "phi3":  # fused qkv / gate-up projections, partial rotary (as in Phi-4-mini)
+        return Phi3Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=context,
+                          partial_rotary_factor=0.5, sliding_window=None, **common)
     if arch == "gpt2":
         return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=context, **common)
     if arch == "gpt_neox":

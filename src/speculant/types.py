@@ -193,6 +193,7 @@ class GenerationStats:
     target_forward_s: float = 0.0
     draft_forward_s: float = 0.0
     draft_tokens: int = 0
+    target_forward: str = ""  # "lean" or "model": which target forward ran (speculant.forward)
 
     @property
     def acceptance_length(self) -> float:
@@ -252,6 +253,7 @@ class GenerationStats:
             "draft_forward_s": self.draft_forward_s,
             "overhead_s": self.overhead_s,
             "overhead_share": self.overhead_share,
+            "target_forward": self.target_forward,
         }
 
 

@@ -25,7 +25,7 @@ import torch
 
 from ..chat import stop_ids
 from ..checks import check_fits_context, check_positive_int, resolve_device, resolve_eos
-from ..drafters.registry import NO_DEFAULT, build_drafter, get_method, parse_method
+from ..drafters.registry import NO_DEFAULT, build_drafter, engine_options, get_method, parse_method
 from ..engine import generate
 from ..loading import default_draft_for
 from ..types import SamplingParams
@@ -37,6 +37,7 @@ from .cost import (
     param_bytes,
     params_per_forward,
 )
+from . import llamacpp
 from .hf import BASELINES, hf_runner, parse_baseline
 from .models import load_bench_draft, load_bench_target
 from .probe import peak_kv_bytes, probing
@@ -145,6 +146,7 @@ class _EngineMethod:
     the cost figures (a drafter may size itself in ``begin``, e.g. a trimmed LM head)."""
 
     def __init__(self, target, name: str, options: dict, draft, context: dict, stops: list[int]) -> None:
+        options, self.engine = engine_options(options)  # e.g. forward=model: set generate(), not the drafter
         self.target, self.name, self.options, self.draft, self.context, self.stops = (
             target, name, options, draft, context, stops)
         self.last_drafter = build_drafter((name, options), draft, **context)
@@ -156,7 +158,7 @@ class _EngineMethod:
         # see every forward either way
         with probing(self.target, *(getattr(m, "base_model", m) for m in self.models)) as probes:
             gen = generate(self.target, ids, drafter=drafter, max_new_tokens=max_new_tokens,
-                           eos_token_id=self.stops, **sampling)
+                           eos_token_id=self.stops, **self.engine, **sampling)
         self.last_drafter = drafter
         return {"token_ids": gen.token_ids, **gen.stats.as_dict(), "depth_reached": list(gen.stats.depth_reached),
                 "depth_accepted": list(gen.stats.depth_accepted), "kv_cache_peak_bytes": peak_kv_bytes(*probes)}
@@ -216,6 +218,7 @@ def run_bench(
     progress: bool = True,
     budgets: Sequence[int] | None = None,
     depths: Sequence[int] | None = None,
+    profile: bool = False,
 ) -> dict:
     """Benchmark drafting methods and transformers baselines on one prompt set; optionally write a report.
 
@@ -252,6 +255,9 @@ def run_bench(
             tree tokens per target call in ``budgets`` and at each draft depth in ``depths``; results are keyed
             by the sized specs, and ``budget_matched`` maps each axis value and family to its spec (None when
             the family has no configuration of that size). ``report.write_results`` adds a table and a plot.
+        profile: also profile the target forward after the runs (:func:`speculant.bench.profile.profile_target`:
+            one-token step split into matmul / attention / rest for the lean and the model's own forward, a
+            5-token verify forward, bare matmuls and the bandwidth floor of the weights), as ``profile``.
 
     Returns:
         the results: ``machine``, ``settings``, ``definitions``, ``prompts``, ``methods`` (name -> summary) and
@@ -287,6 +293,8 @@ def run_bench(
         BASELINES[n].needs_draft for _, n, _ in parsed_baselines
     )
     source, records = _prompt_records(prompts, num_prompts)
+    if any(BASELINES[n].runtime == "llama.cpp" for _, n, _ in parsed_baselines) and not llamacpp.available():
+        raise ValueError(llamacpp.INSTALL_HINT)
 
     if needs_draft and draft is None and isinstance(target, (str, Path)):
         draft = default_draft_for(target)
@@ -321,8 +329,14 @@ def run_bench(
     ours = {spec: _EngineMethod(target_model, name, options, draft_model, context, stops)
             for spec, name, options in parsed}
     runs = [MethodRun(spec, run=method) for spec, method in ours.items()]
-    runs += [MethodRun(spec, run=hf_runner(name, options, target_model, draft_model, k_default, stops, pad))
-             for spec, name, options in parsed_baselines]
+    n_ctx = max(len(ids) for ids in ids_per_prompt) + max_new_tokens + 64
+    for spec, name, options in parsed_baselines:
+        if BASELINES[name].runtime == "llama.cpp":
+            gguf = llamacpp.gguf_of(None if isinstance(target, torch.nn.Module) else target_desc)
+            runner = llamacpp.llamacpp_runner(name, options, gguf, k_default, stops, n_ctx, torch.get_num_threads())
+        else:
+            runner = hf_runner(name, options, target_model, draft_model, k_default, stops, pad)
+        runs.append(MethodRun(spec, run=runner))
 
     sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
     rows = run_side_by_side(target_model, runs, ids_per_prompt, max_new_tokens=max_new_tokens, repeats=repeats,
@@ -340,9 +354,9 @@ def run_bench(
     for spec, name, options in parsed_baselines:
         uses_draft = BASELINES[name].needs_draft
         draft_ppf = params_per_forward(draft_model) if uses_draft else 0
-        _add_costs(summary[spec], rows[spec], "transformers", draft_ppf, target_ppf,
+        _add_costs(summary[spec], rows[spec], BASELINES[name].runtime, draft_ppf, target_ppf,
                    param_bytes(target_model, draft_model if uses_draft else None))
-        summary[spec]["k"] = int(options.get("k", k_default)) if name != "hf-ar" else None
+        summary[spec]["k"] = int(options.get("k", k_default)) if name not in ("hf-ar", "llamacpp-ar") else None
 
     results = {
         "benchmark": "speculant bench",
@@ -383,6 +397,10 @@ def run_bench(
         results["categories"] = summarise_by(rows, groups, baseline=REFERENCE)
     if matched is not None:
         results["budget_matched"] = matched
+    if profile:
+        from .profile import profile_target
+
+        results["profile"] = profile_target(target_model, ids_per_prompt[0])
     if out is not None:
         from .report import write_results
 

@@ -8,6 +8,9 @@
 ``hf-prompt-lookup[:k=N][:ngram=M]``
     prompt-lookup decoding (``prompt_lookup_num_tokens=N``, ``max_matching_ngram_size=M``).
 
+The baseline table also lists ``llamacpp-ar`` and ``llamacpp-lookup``, which run the target's GGUF file through
+llama.cpp instead (:mod:`speculant.bench.llamacpp`).
+
 Specs use the registry's syntax (``NAME:key=value``). A forward probe on the target counts its calls (the first
 one also processes the prompt) and recovers, from the cache length and the number of tokens each call is fed, how
 many tokens each step drafted and emitted: τ, the accepted-length histogram and per-position acceptance are
@@ -46,6 +49,7 @@ class Baseline:
     doc: str
     needs_draft: bool = False
     keys: Mapping[str, Key] = field(default_factory=dict)
+    runtime: str = "transformers"  # "llama.cpp": runs the target's GGUF file (speculant.bench.llamacpp)
 
 
 BASELINES: dict[str, Baseline] = {
@@ -67,6 +71,17 @@ BASELINES: dict[str, Baseline] = {
                 "k": Key(int, "candidate tokens per step (prompt_lookup_num_tokens); default: as hf-assisted"),
                 "ngram": Key(int, "max_matching_ngram_size", default=2),
             },
+        ),
+        Baseline("llamacpp-ar", "llama.cpp plain decoding of the target's GGUF file (its quantized weights; needs "
+                 "`make llamacpp`)", runtime="llama.cpp"),
+        Baseline(
+            "llamacpp-lookup",
+            "llama.cpp (llama-cpp-python) prompt-lookup decoding of the target's GGUF file",
+            keys={
+                "k": Key(int, "candidate tokens per step (num_pred_tokens); default: as hf-assisted"),
+                "ngram": Key(int, "max_ngram_size", default=2),
+            },
+            runtime="llama.cpp",
         ),
     )
 }
@@ -209,7 +224,7 @@ def hf_generate(
         wall = time.perf_counter() - start
     new = out[0, len(ids):].tolist()
     stats = stats_from_calls(t_probe, len(ids), len(new))
-    stats.wall_s = wall
+    stats.wall_s, stats.target_forward = wall, "transformers"
     if d_probe is not None:
         stats.draft_calls = len(d_probe.calls)
         stats.draft_forward_s = d_probe.seconds

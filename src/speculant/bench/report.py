@@ -168,6 +168,23 @@ def _settings_line(results: dict) -> str:
     )
 
 
+def profile_table(profile: dict) -> str:
+    """``--profile``: one row per target forward (ms per one-token step and its split), then the floor."""
+    lines = ["| forward | step ms | matmul | attention | rest | 5-token verify (× step) | × bare matmuls | × floor |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, f in profile["forwards"].items():
+        lines.append(f"| {name} | {f['step_ms']:.1f} | {f['matmul_ms']:.1f} | {f['attention_ms']:.1f} | "
+                     f"{f['other_ms']:.1f} | {f['verify5_ms']:.1f} ({f['verify5_ratio']:.2f}×) | "
+                     f"{f['vs_bare_matmul']:.2f} | {f['vs_floor']:.2f} |")
+    bare = profile["bare_matmul_ms"]
+    lines += ["", f"Bare matmuls (every weight matrix once, as `F.linear`): {bare['1']:.1f} ms for 1 token, "
+              f"{bare['5']:.1f} ms for 5. Weights read per forward: {profile['weight_bytes'] / 1e6:.0f} MB "
+              f"({profile['dtype']}); measured read bandwidth {profile['read_bandwidth_gb_s']:.1f} GB/s, so the "
+              f"floor is {profile['bandwidth_floor_ms']:.1f} ms per forward ({profile['threads']} threads). The "
+              "split is the torch profiler's self-time shares applied to the unprofiled step time."]
+    return "\n".join(lines)
+
+
 def render_markdown(results: dict) -> str:
     """results.md: settings, the main table, a details table, the per-category and budget-matched tables when
     the run has them, every mismatch, and the metric definitions."""
@@ -191,6 +208,8 @@ def render_markdown(results: dict) -> str:
     budget = budget_tables(results)
     if budget:
         parts += ["## Budget-matched comparison", "", budget]
+    if "profile" in results:
+        parts += ["## Profile of the target forward", "", profile_table(results["profile"]), ""]
     mism = _mismatch_lines(results)
     if mism:
         parts += ["## Outputs that differ from `ar`", "", *mism, ""]
@@ -227,8 +246,8 @@ def write_plots(results: dict, out: str | Path) -> list[Path]:
             ratios = methods[name]["speedup_per_run"]
             n = len(ratios)
             xs = [x + 0.25 * ((i + 0.5) / n - 0.5) for i in range(n)]
-            ax.scatter(xs, ratios, s=12, alpha=0.6, color="C0" if methods[name].get("kind") != "transformers"
-                       else "C1")
+            colour = {"transformers": "C1", "llama.cpp": "C2"}.get(methods[name].get("kind"), "C0")
+            ax.scatter(xs, ratios, s=12, alpha=0.6, color=colour)
             ax.hlines(methods[name]["speedup_vs_ar"], x - 0.3, x + 0.3, color="black", linewidth=2)
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_xticks(range(len(names)), names, rotation=20, ha="right")

@@ -133,13 +133,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
                    help="output directory (created; an existing file is refused before anything runs); default: "
                    "%(default)s")
+    p.add_argument("--profile", action="store_true",
+                   help="after the runs, profile the target forward: a one-token step split into matmul, attention "
+                   "and the rest (lean and the model's own forward), a 5-token verify forward, the same matrix "
+                   "products as bare matmuls, and the bandwidth floor of the weights (results.md, 'Profile')")
     p.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object on the last stdout line")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run ``speculant bench``; returns the exit code (bad input raises ValueError)."""
-    from ..bench.report import category_table, main_table
+    from ..bench.report import category_table, main_table, profile_table
 
     device = resolve_device(args.device)  # a one-line error before any model loads
     set_threads(args.threads)
@@ -165,9 +169,10 @@ def run(args: argparse.Namespace) -> int:
         progress=True,
         budgets=args.budgets,
         depths=args.depths,
+        profile=args.profile,
     )
     if args.json:
-        keep = ("settings", "machine", "files")
+        keep = ("settings", "machine", "files", *(("profile",) if "profile" in results else ()))
         extra = {"categories": results["categories"]} if "categories" in results else {}
         print(json.dumps({"methods": results["methods"], **{k: results[k] for k in keep}, "out": str(args.out),
                           **extra}))
@@ -176,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         categories = category_table(results)
         if categories:
             print("\nper category (τ / speed-up vs ar):\n" + categories)
+        if "profile" in results:
+            print("\ntarget forward profile:\n" + profile_table(results["profile"]))
         print("wrote " + ", ".join(results["files"]))
     sys.stdout.flush()
     return 0

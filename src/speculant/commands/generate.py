@@ -245,7 +245,8 @@ def _summary(method: str, stats: GenerationStats) -> str:
     return (
         f"{PROG}: method={method} τ={stats.acceptance_length:.2f} tokens={stats.new_tokens} "
         f"tokens/s={stats.tokens_per_second:.1f} target_calls={stats.target_calls} "
-        f"overhead={100 * stats.overhead_share:.1f}% (one cold run: `speculant bench` times methods properly)"
+        f"overhead={100 * stats.overhead_share:.1f}% forward={stats.target_forward} "
+        "(one cold run: `speculant bench` times methods properly)"
     )
 
 
@@ -255,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..chat import chat_ids, has_chat_template, stop_ids
     from ..checks import check_positive_int, resolve_device
-    from ..drafters.registry import build_drafter, get_method, parse_method
+    from ..drafters.registry import build_drafter, engine_options, get_method, parse_method
     from ..engine import generate
     from ..loading import (
         check_model_dir,
@@ -307,6 +308,7 @@ def run(args: argparse.Namespace) -> int:
         draft_model = load_draft(args.draft, target, dtype).to(device)
         context = draft_context(args.draft, tokenizer)
     drafter = build_drafter((name, options), draft_model, **context)
+    _, engine = engine_options(options)  # e.g. forward=model
     if args.draft is not None and not method.needs_draft:
         if drafter is None:  # plain decoding: passing --draft to switch methods back and forth is fine
             log.info("method %r drafts nothing: --draft is not used", name)
@@ -333,6 +335,7 @@ def run(args: argparse.Namespace) -> int:
         kv_policy=args.kv_policy,
         kv_budget=args.kv_budget,
         **kv_block,
+        **engine,
     )
     if args.json:
         text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)

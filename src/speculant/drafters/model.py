@@ -30,10 +30,11 @@ from ..checks import (
     vocab_size,
     warn_once,
 )
+from ..forward import lean_for
+from ..lean import LeanForward
 from ..sampling import sample, warp
 from ..types import DraftTree
 from .base import DecodeState
-from .lean import LeanLlama
 from .vocab_trim import TrimmedHead, resolve_keep_ids
 
 __all__ = ["DraftModelBase", "DraftModelDrafter"]
@@ -54,8 +55,9 @@ class DraftModelBase:
             (default) uses the size the draft model's calibration recommends if it ships one (the bundled draft
             does), else the full head. Lossless either way; trimming trades τ for a cheaper draft forward.
 
-    Small Llama-architecture drafts run through :class:`~.lean.LeanLlama` (the same layers without transformers'
-    per-module overhead); set ``lean_forward = False`` on a drafter to use the model's own forward.
+    Llama-family drafts run through :class:`speculant.lean.LeanForward` (the same layers without transformers'
+    per-module overhead, shared with the target); set ``lean_forward = False`` on a drafter to use the model's own
+    forward.
 
     A subclass's ``propose`` feeds :meth:`_catch_up` first, then its draft tokens, and ends with :meth:`_record`
     (which of the tree's nodes it fed); :meth:`commit` then keeps the draft cache consistent.
@@ -76,8 +78,7 @@ class DraftModelBase:
                 " or, for an attached drafter, speculant.load_draft(name_or_dir, target)"
             )
         self.model = draft_model
-        self._lean: LeanLlama | None = None
-        self._lean_key: tuple | None = None  # (enabled, model, weight versions) the lean forward was built for
+        self._lean: LeanForward | None = None
         self.tokenizers_match = tokenizers_match
         self.vocab_trim = vocab_trim
         self._head: TrimmedHead | None = None
@@ -119,10 +120,7 @@ class DraftModelBase:
         self._n_cached = 0
         self._tree = None
         self._fed = 0
-        lean_key = (self.lean_forward, id(self.model), tuple(p._version for p in self.model.parameters()))
-        if self._lean_key != lean_key:
-            self._lean = LeanLlama.build(self.model) if self.lean_forward else None
-            self._lean_key = lean_key
+        self._lean = lean_for(self.model) if self.lean_forward else None
 
     def params_per_forward(self) -> int:
         """Parameters one draft forward reads (for MBSU's cost ratio): the transformer blocks and final norm,
@@ -145,7 +143,7 @@ class DraftModelBase:
         inputs = torch.tensor([tokens], device=device).clamp_(max=self._max_input_id)  # [1, T]
         with state.draft_forward(device):
             if self._lean is not None:
-                return self._head_logits(self._lean(inputs, self._cache)[0, -1])  # [V_shared] or [M]
+                return self._head_logits(self._lean.hidden(inputs, self._cache)[0, -1])  # [V_shared] or [M]
             if self._head is not None:  # the base model, then only the kept rows of the head
                 hidden = self.model.base_model(input_ids=inputs, past_key_values=self._cache, use_cache=True)
                 return self._head.logits(hidden.last_hidden_state[0, -1])  # [M]
@@ -163,7 +161,7 @@ class DraftModelBase:
                   "position_ids": positions, "use_cache": True}
         with state.draft_forward(device):
             if self._lean is not None:
-                return self._head_logits(self._lean(inputs, self._cache, positions, mask)[0])  # [T, V_shared | M]
+                return self._head_logits(self._lean.hidden(inputs, self._cache, positions, mask)[0])  # [T, V_shared | M]
             if self._head is not None:
                 hidden = self.model.base_model(**kwargs)
                 return self._head.logits(hidden.last_hidden_state[0])  # [T, M]

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..forward import FORWARDS
 from .base import Drafter
 from .model import DraftModelDrafter
 from .trees import (
@@ -34,6 +35,7 @@ from .trees import (
 
 __all__ = [
     "DEFAULT_METHOD",
+    "ENGINE_KEYS",
     "NO_DEFAULT",
     "Key",
     "Method",
@@ -127,6 +129,13 @@ class Method:
 
 _REGISTRY: dict[str, Method] = {}
 
+ENGINE_KEYS: dict[str, Key] = {
+    "forward": Key(str, "the target forward: auto (the lean forward where it reproduces the model), lean, or model "
+                        "(transformers' own); see speculant.forward", "auto"),
+}
+"""Keys every method spec accepts; they set the decoding loop (``generate``), not the drafter:
+:func:`engine_options` splits them off."""
+
 
 def register(
     name: str,
@@ -171,11 +180,23 @@ def get_method(name: str) -> Method:
 def _check_options(method: Method, options: Mapping[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in options.items():
-        if key not in method.keys:
+        spec = method.keys.get(key) or ENGINE_KEYS.get(key)
+        if spec is None:
             known = ", ".join(sorted(method.keys)) or "none"
-            raise ValueError(f"unknown option {key!r} for method {method.name!r}; its options: {known}")
-        out[key] = method.keys[key].convert(method.name, key, value)
+            raise ValueError(f"unknown option {key!r} for method {method.name!r}; its options: {known} (every "
+                             f"method also takes {', '.join(ENGINE_KEYS)})")
+        out[key] = spec.convert(method.name, key, value)
     return out
+
+
+def engine_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split parsed method options into ``(drafter options, engine options)`` (:data:`ENGINE_KEYS`, passed
+    to :func:`speculant.generate`)."""
+    drafter = {k: v for k, v in options.items() if k not in ENGINE_KEYS}
+    engine = {k: v for k, v in options.items() if k in ENGINE_KEYS}
+    if engine.get("forward", "auto") not in FORWARDS:
+        raise ValueError(f"bad value {engine['forward']!r} for option 'forward': one of {', '.join(FORWARDS)}")
+    return drafter, engine
 
 
 def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
@@ -225,6 +246,7 @@ def build_drafter(
     else:
         name, options = spec
         options = _check_options(get_method(name), options)
+    options, _ = engine_options(options)  # engine keys set generate(), not the drafter
     method = get_method(name)
     if method.needs_draft and draft_model is None:
         raise ValueError(f"method {name!r} needs a draft model: pass a loaded one as draft_model (speculant."
@@ -274,6 +296,9 @@ def describe_methods() -> str:
             default = "" if spec.default is NO_DEFAULT else f", default {spec.default}"
             line += f"\n      {key} ({spec.type_name()}{default}): {spec.doc}"
         lines.append(line)
+    lines.append("  every method also takes:")
+    for key, spec in ENGINE_KEYS.items():
+        lines.append(f"      {key} ({spec.type_name()}, default {spec.default}): {spec.doc}")
     return "\n".join(lines)
 
 

@@ -65,6 +65,11 @@ class QueryCapture:
             h.remove()
         self._handles.clear()
 
+    def record(self, layer: int, queries: torch.Tensor) -> None:
+        """Store ``queries [B, H_q, T, D]`` (post-RoPE) of ``layer``: how a forward that bypasses the modules
+        (:class:`speculant.lean.LeanForward`) reports them; no hooks need to be active."""
+        self.queries[layer] = queries[:, :, -self.last :] if self.last else queries
+
     def keep_rows(self, rows: list[int]) -> None:
         """Keep only the captured queries of input rows ``rows`` (e.g. the root + accepted path of a draft tree,
         which :meth:`SpecCache.keep` leaves as the last cache slots)."""

@@ -1,0 +1,92 @@
+"""The target's forward in the decoding loop: the lean forward where it reproduces the model, else its own.
+
+``forward="auto"`` (the default everywhere) takes :class:`~speculant.lean.LeanForward` when
+:func:`~speculant.lean.unsupported` finds nothing against the model and the generation fits in its sliding
+window, and logs once why it does not otherwise; ``"lean"`` insists (a ValueError naming the reason);
+``"model"`` always calls the model's own forward (transformers), e.g. to compare the two.
+
+Both write the same :class:`~speculant.cache.SpecCache`, take the same tree mask and position ids, and return the
+same logits up to float rounding, so the loop around them does not know which one runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from contextlib import nullcontext
+
+import torch
+
+from .checks import warn_once
+from .lean import LeanForward, sliding_window, unsupported
+
+__all__ = ["FORWARDS", "TargetForward", "lean_for"]
+
+log = logging.getLogger(__name__)
+
+FORWARDS = ("auto", "lean", "model")
+"""Accepted values of ``forward=`` (``--forward``)."""
+
+_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, LeanForward)
+
+
+def _key(model: torch.nn.Module) -> tuple:
+    """Changes when a parameter is replaced or the model switches dtype/device (in-place updates need no
+    rebuild: the lean forward reads the model's tensors, see lean._fused)."""
+    return tuple((id(p), p.dtype, p.device) for p in model.parameters())
+
+
+def lean_for(model: torch.nn.Module) -> LeanForward | None:
+    """The model's lean forward, built once per model (and rebuilt when its parameters are replaced); None when
+    :func:`~speculant.lean.unsupported` names a reason."""
+    if unsupported(model) is not None:
+        return None
+    key = _key(model)
+    hit = _BUILT.get(model)
+    if hit is None or hit[0] != key:
+        lean = LeanForward(model)
+        hit = (_key(model), lean)  # the key after fusing (fusing replaces the projection Parameters)
+        _BUILT[model] = hit
+    return hit[1]
+
+
+class TargetForward:
+    """``logits [1, T, V] = forward(cache, input_ids=[1, T] | inputs_embeds=[1, T, H], positions, mask,
+    capture)`` through the lean forward or the model's own; :attr:`kind` says which (``"lean"``/``"model"``)."""
+
+    def __init__(self, model: torch.nn.Module, mode: str = "auto", max_length: int | None = None) -> None:
+        if mode not in FORWARDS:
+            raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {mode!r}")
+        self.model = model
+        self.lean: LeanForward | None = None
+        if mode != "model":
+            reason = unsupported(model)
+            if reason is None:
+                window = sliding_window(model.config)
+                if window is not None and max_length is not None and max_length > window:
+                    reason = f"the sequence ({max_length} tokens) exceeds the sliding window ({window})"
+            if reason is not None and mode == "lean":
+                raise ValueError(f"forward='lean' is not available for {type(model).__name__}: {reason}")
+            if reason is not None:
+                warn_once(log, f"lean forward not used ({reason}); using the model's own forward")
+            else:
+                self.lean = lean_for(model)
+        self.kind = "lean" if self.lean is not None else "model"
+
+    def __call__(self, cache, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                 positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                 capture=None) -> torch.Tensor:
+        if self.lean is not None:
+            return self.lean(input_ids, cache, positions, mask, inputs_embeds=inputs_embeds, capture=capture)
+        feed = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+        with capture if capture is not None else nullcontext():
+            out = self.model(**feed, past_key_values=cache, attention_mask=mask, position_ids=positions,
+                             use_cache=True)
+        return out.logits
+
+    def prefill(self, cache, input_ids: torch.Tensor) -> None:
+        """Feed ``input_ids [1, T]`` into ``cache`` without computing logits (the prompt before the root)."""
+        if self.lean is not None:
+            self.lean.hidden(input_ids, cache)
+        else:
+            self.model.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True)

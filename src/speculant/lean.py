@@ -1,0 +1,278 @@
+"""A lean forward for Llama-family models: the same computation as transformers' forward without its machinery.
+
+On a real model the forward is almost all of a decoding step, and a large part of transformers' forward is not
+arithmetic: 30 layers of module calls, kwargs plumbing, per-call mask and RoPE building, cache bookkeeping.
+:class:`LeanForward` runs the same layers as plain tensor ops on the model's own weights:
+
+* q/k/v and gate/up projections fused into one matmul each, prepared once and without a second copy: the
+  model's own q/k/v (gate/up) weights become views of the fused matrix (:func:`_fused`; Phi-3 ships them fused);
+* RoPE tables computed once (grown on demand), indexed by the step's position ids;
+* keys and values written straight into our :class:`~speculant.cache.SpecCache` (or its evicting subclass);
+* SDPA with the caller's tree mask, or the causal fast path (no mask for one token, ``is_causal`` for a prefill
+  of an empty cache, a small boolean mask otherwise).
+
+One class serves the target (plain decoding, chains, trees, probe slots, evicted caches) and the draft models.
+Covered: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` (per-head q/k
+norms), ``Phi3ForCausalLM`` (fused projections, partial rotary), in eval mode, with RMSNorm, ``silu`` MLPs and
+a static RoPE (``default``, ``linear``, ``llama3``, ``yarn``). :func:`unsupported` names the reason for anything
+else, and callers fall back to the model's own forward. A sliding-window model is covered while a sequence fits
+in its window (:attr:`LeanForward.window`; the engine checks it per generation).
+
+Numerics follow transformers' order of operations (float32 RMSNorm statistics, RoPE tables cast to the model
+dtype, SDPA), so float32 logits agree with the model's own forward to rounding (bit for bit in our tests). In
+bfloat16/float16 on a CPU the attention itself runs in float32 (SDPA is 3-5x slower there in bf16 for a few
+queries): the logits then differ from transformers' bf16 ones by bf16 rounding, as any two bf16 kernels do; the
+tests check both dtypes on every covered architecture within the dtype's tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["COVERED", "LeanForward", "sliding_window", "unsupported"]
+
+COVERED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+"""Model classes the lean forward reproduces."""
+
+_STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq and attention_scaling fixed at init
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """One decoder layer's tensors, fused where the model keeps them apart."""
+
+    in_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: Qwen3's per-head q and k norm weights, one row per head
+    o: torch.Tensor  # [H, Hq D]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2 I, H]
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor  # [H, I]
+    down_bias: torch.Tensor | None
+
+
+def unsupported(model: torch.nn.Module) -> str | None:
+    """Why :class:`LeanForward` cannot reproduce ``model``, or None when it can."""
+    name = type(model).__name__
+    cfg = getattr(model, "config", None)
+    if name not in COVERED or cfg is None:
+        return f"{name} is not a covered architecture ({', '.join(COVERED)})"
+    if model.training:
+        return "the model is in training mode"
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"activation {getattr(cfg, 'hidden_act', None)!r} (covered: silu)"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager", None):
+        return f"attention implementation {cfg._attn_implementation!r} (covered: sdpa, eager)"
+    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        return "no rotary embedding module"
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type not in _STATIC_ROPE:
+        return f"RoPE type {rope_type!r} changes with the sequence length (covered: {', '.join(_STATIC_ROPE)})"
+    if getattr(model, "hf_quantizer", None) is not None:
+        return "quantized weights"
+    return None
+
+
+def _bias(*linears: torch.nn.Module) -> torch.Tensor | None:
+    """The biases of ``linears`` concatenated (zeros for those without one), or None if none has one."""
+    if all(getattr(m, "bias", None) is None for m in linears):
+        return None
+    return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
+                      for m in linears])
+
+
+def _adjacent(weights: list[torch.Tensor]) -> bool:
+    """True when ``weights`` are contiguous row blocks lying back to back in one storage."""
+    first = weights[0]
+    offset = first.storage_offset()
+    for w in weights:
+        if (not w.is_contiguous() or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or w.storage_offset() != offset or w.shape[1:] != first.shape[1:]):
+            return False
+        offset += w.numel()
+    return True
+
+
+def _fused(*linears: torch.nn.Module) -> torch.Tensor:
+    """``[sum of rows, in]``: the weights of ``linears`` stacked into one matrix, in place.
+
+    The first time, the weights are copied into one new matrix and each module's ``weight`` becomes a Parameter
+    viewing its rows of it (same values, same ``requires_grad``; no memory kept twice, and in-place updates of
+    the model's weights are seen by the lean forward). Later builds find the views back to back and reuse them.
+    """
+    weights = [m.weight for m in linears]
+    if _adjacent(weights):
+        rows = sum(w.shape[0] for w in weights)
+        return weights[0].detach().as_strided((rows, *weights[0].shape[1:]), weights[0].stride())
+    # normal tensors even when built under inference_mode: the model may be trained or run with autograd later
+    with torch.inference_mode(False), torch.no_grad():
+        fused = torch.cat([w.detach() for w in weights])
+        start = 0
+        for m, w in zip(linears, weights):
+            m.weight = torch.nn.Parameter(fused[start : start + w.shape[0]], requires_grad=w.requires_grad)
+            start += w.shape[0]
+    return fused
+
+
+def _extract(layer: torch.nn.Module, heads: int, kv_heads: int) -> _Layer:
+    a, m = layer.self_attn, layer.mlp
+    if hasattr(a, "qkv_proj"):  # Phi-3: already fused
+        qkv, qkv_bias = a.qkv_proj.weight.detach(), _bias(a.qkv_proj)
+    else:
+        qkv, qkv_bias = _fused(a.q_proj, a.k_proj, a.v_proj), _bias(a.q_proj, a.k_proj, a.v_proj)
+    if hasattr(m, "gate_up_proj"):
+        gate_up, gate_up_bias = m.gate_up_proj.weight.detach(), _bias(m.gate_up_proj)
+    else:
+        gate_up, gate_up_bias = _fused(m.gate_proj, m.up_proj), _bias(m.gate_proj, m.up_proj)
+    q_norm, k_norm = getattr(a, "q_norm", None), getattr(a, "k_norm", None)
+    qk_norm = None
+    if q_norm is not None:  # one norm call over the q and k heads together
+        qk_norm = torch.cat([q_norm.weight.detach().expand(heads, -1), k_norm.weight.detach().expand(kv_heads, -1)])
+    return _Layer(
+        in_norm=layer.input_layernorm.weight.detach(), qkv=qkv, qkv_bias=qkv_bias, qk_norm=qk_norm,
+        o=a.o_proj.weight.detach(), o_bias=_bias(a.o_proj), post_norm=layer.post_attention_layernorm.weight.detach(),
+        gate_up=gate_up, gate_up_bias=gate_up_bias, down=m.down_proj.weight.detach(), down_bias=_bias(m.down_proj),
+    )
+
+
+def sliding_window(cfg) -> int | None:
+    """The sliding window of a model config when any layer uses one, else None."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
+class LeanForward:
+    """``logits = lean(input_ids [1, T] | inputs_embeds [1, T, H], cache, positions [1, T] | None,
+    mask [1, 1, T, L + T] | None)``; :meth:`hidden` stops before the LM head (final-normed states ``[1, T, H]``).
+
+    Build it with :meth:`build`, which returns None (and :func:`unsupported` says why) for a model it does not
+    reproduce. It reads the model's weights in place (in-place updates are seen); rebuild it when parameters are
+    replaced by new tensors or biases change (biases, rare in these models, are concatenated copies)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        cfg = model.config
+        base = model.model
+        self.model = model
+        self.embed = base.embed_tokens.weight  # [V, H]
+        self.lm_head = model.get_output_embeddings()
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        attn = base.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.scaling = float(attn.scaling)
+        self.eps = cfg.rms_norm_eps
+        self.window = sliding_window(cfg)
+        self.layers = [_extract(layer, self.heads, self.kv_heads) for layer in base.layers]
+        # SDPA on CPU is several times slower in bfloat16/float16 than in float32 for a few queries (measured:
+        # 250 vs 80 us for one query over 300 keys): attend in float32 there (inputs upcast, output rounded back)
+        low = self.embed.dtype in (torch.bfloat16, torch.float16)
+        self.attention_dtype = torch.float32 if low and self.embed.device.type == "cpu" else self.embed.dtype
+        self.norm = base.norm.weight
+        rotary = base.rotary_emb
+        self._inv_freq = rotary.inv_freq.detach().float()  # [R/2], R = rotary dims (= D unless partial)
+        self._rope_scale = float(rotary.attention_scaling)
+        self.rotary_dim = 2 * self._inv_freq.numel()
+        self._cos = self._sin = self.embed.new_empty((0, self.rotary_dim))  # [P, R], grown on demand
+        self._grow(min(getattr(cfg, "max_position_embeddings", 4096), 4096))
+
+    @classmethod
+    def build(cls, model: torch.nn.Module) -> LeanForward | None:
+        """A lean forward for ``model``, or None if :func:`unsupported` names a reason."""
+        return None if unsupported(model) is not None else cls(model)
+
+    def _grow(self, n: int) -> None:
+        """RoPE tables for positions ``[0, n)`` (at least double the old size), as transformers computes them."""
+        n = max(int(n), 2 * self._cos.shape[0])
+        positions = torch.arange(n, device=self.embed.device, dtype=torch.float32)
+        freqs = positions[:, None] * self._inv_freq.to(self.embed.device)[None]  # [P, R/2]
+        emb = torch.cat([freqs, freqs], -1)  # [P, R]
+        self._cos = (emb.cos() * self._rope_scale).to(self.embed.dtype)
+        self._sin = (emb.sin() * self._rope_scale).to(self.embed.dtype)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * h.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first R dims of ``x [1, heads, T, D]`` (``cos``/``sin`` ``[1, 1, T, R]``)."""
+        r = self.rotary_dim
+        rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
+        half = r // 2
+        out = rot * cos + torch.cat([-rot[..., half:], rot[..., :half]], -1) * sin
+        return out if rest is None else torch.cat([out, rest], -1)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over ``hidden [..., H]`` -> ``[..., V]`` (in the model dtype, like transformers)."""
+        return self.lm_head(hidden)
+
+    def __call__(self, input_ids: torch.Tensor | None, cache, positions: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+                 capture=None) -> torch.Tensor:
+        """Logits ``[1, T, V]`` for the new tokens (see :meth:`hidden`)."""
+        return self.logits(self.hidden(input_ids, cache, positions, mask, inputs_embeds, capture))
+
+    @torch.no_grad()
+    def hidden(self, input_ids: torch.Tensor | None, cache, positions: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
+               capture=None) -> torch.Tensor:
+        """Final-normed hidden states ``[1, T, H]`` of the new tokens; their keys and values are appended to
+        ``cache`` (a :class:`~speculant.cache.SpecCache`, possibly evicting).
+
+        Args:
+            input_ids: ``[1, T]``, or None when ``inputs_embeds`` ``[1, T, H]`` is given (probe slots).
+            positions: ``[1, T]`` position ids; default: the cache length onwards (a chain).
+            mask: ``[1, 1, T, L + T]`` additive or boolean mask (a tree); default: causal.
+            capture: a :class:`~speculant.kv.attention.QueryCapture` that records each layer's post-RoPE
+                queries (for attention-scored KV policies).
+        """
+        x = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds  # [1, T, H]
+        t = x.shape[1]
+        past = cache.get_seq_length()
+        if positions is None:
+            positions = torch.arange(past, past + t, device=x.device)[None]
+        last = int(positions.max()) + 1
+        if last > self._cos.shape[0]:
+            self._grow(last)
+        causal = False
+        if mask is None and t > 1:
+            if past == 0:
+                causal = True
+            else:  # causal over [cache ; new tokens]
+                mask = torch.ones((t, past + t), dtype=torch.bool, device=x.device).tril(past)[None, None]
+        cos, sin = self._cos[positions[0]][None, None], self._sin[positions[0]][None, None]  # [1, 1, T, R]
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        dtype, upcast = x.dtype, self.attention_dtype != x.dtype
+        if upcast and mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(self.attention_dtype)
+        for i, w in enumerate(self.layers):
+            qkv = F.linear(self._norm(x, w.in_norm), w.qkv, w.qkv_bias).view(1, t, hq + 2 * hkv, d)
+            qk, v = qkv.split([hq + hkv, hkv], dim=2)  # [1, T, Hq + Hkv, D], [1, T, Hkv, D]
+            if w.qk_norm is not None:
+                qk = self._norm(qk, w.qk_norm)
+            q, k = self._rope(qk.transpose(1, 2), cos, sin).split([hq, hkv], dim=1)  # [1, Hq|Hkv, T, D]
+            if capture is not None:
+                capture.record(i, q)
+            k_all, v_all = cache.layers[i].update(k, v.transpose(1, 2))  # [1, Hkv, L + T, D]
+            if upcast:
+                a = self.attention_dtype
+                q, k_all, v_all = q.to(a), k_all.to(a), v_all.to(a)
+            attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal,
+                                                  scale=self.scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
+            x = x + F.linear(attn.to(dtype).transpose(1, 2).reshape(1, t, hq * d), w.o, w.o_bias)
+            gate, up = F.linear(self._norm(x, w.post_norm), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        return self._norm(x, self.norm)
