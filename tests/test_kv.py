@@ -474,7 +474,7 @@ def test_kv_eval_cli_json(llama, monkeypatch, capsys, tmp_path):
     from speculant.commands import kv_eval
 
     monkeypatch.setattr(speculant.loading, "resolve_model", lambda name: name)
-    monkeypatch.setattr(speculant.loading, "load_model_dir", lambda path: (llama, CharTokenizer()))
+    monkeypatch.setattr(speculant.loading, "load_model_dir", lambda path, dtype=None: (llama, CharTokenizer()))
     parser = argparse.ArgumentParser()
     kv_eval.add_arguments(parser)
     args = parser.parse_args(["--policies", "snapkv", "--budgets", "32,48", "--seq-len", "80", "--tail", "4",

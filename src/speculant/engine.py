@@ -34,6 +34,7 @@ from .kv import (
     QueryCapture,
     ScorePolicy,
     evict,
+    find_speckv,
     observe,
     prefill_blockwise,
 )
@@ -111,14 +112,15 @@ def generate(
         log.warning("target model was in training mode (dropout active); switching it to eval mode")
         target.eval()
     device = target.device
-    budget = _check_kv(kv_policy, kv_budget, kv_block)
+    budget = _check_kv(kv_policy, kv_budget, kv_block, drafter)
     with torch.inference_mode():
         fwd = TargetForward(target, forward, max_length=len(ids) + max_new_tokens)
         return _run(target, fwd, ids, drafter, max_new_tokens, params, stops, stream, device, budget)
 
 
-def _check_kv(kv_policy, kv_budget, kv_block) -> tuple[ScorePolicy, int, int] | None:
-    """``(policy, budget, block)`` or None (no eviction); one-line errors for inconsistent settings."""
+def _check_kv(kv_policy, kv_budget, kv_block, drafter=None) -> tuple[ScorePolicy, int, int] | None:
+    """``(policy, budget, block)`` or None (no eviction); one-line errors for inconsistent settings. A SpecKV
+    policy given by name drafts its provisional answer with the drafter's model."""
     if kv_policy is None and kv_budget is None:
         return None
     if kv_policy is None or kv_budget is None:
@@ -127,6 +129,10 @@ def _check_kv(kv_policy, kv_budget, kv_block) -> tuple[ScorePolicy, int, int] | 
 
     policy = parse_policy(kv_policy) if isinstance(kv_policy, str) else kv_policy
     warn_policy_nesting(policy)
+    spec = find_speckv(policy)
+    if spec is not None and spec.draft is None:
+        spec.draft = getattr(drafter, "model", None)
+        spec._need_draft()  # a one-line error when there is none
     check_positive_int("kv_budget", kv_budget)
     check_positive_int("kv_block", kv_block)
     return policy, kv_budget, kv_block
@@ -163,7 +169,8 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
         policy, kv_budget, kv_block = budget
         cache = BudgetCache(num_layers(target), capacity=kv_budget + kv_block + 64)
         if prompt_len > 1:  # block-wise: at most kv_budget + kv_block tokens per layer at any time
-            prefill_blockwise(target, torch.tensor([ids[:-1]], device=device), cache, policy, kv_budget, kv_block)
+            prefill_blockwise(target, torch.tensor([ids[:-1]], device=device), cache, policy, kv_budget, kv_block,
+                              following=ids[-1:])
     _sync(device)
     stats.prefill_s = time.perf_counter() - t_start
 
@@ -229,4 +236,6 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
             drafter.commit(state, accepted)
 
     stats.wall_s = time.perf_counter() - t_start
+    # a full cache only grows (a tree's rejected slots are dropped again, not counted); a budget cache keeps its peak
+    stats.kv_peak_bytes = cache.peak_nbytes if budget is not None else cache.nbytes()
     return Generation(token_ids=new, stats=stats)

@@ -194,6 +194,7 @@ class GenerationStats:
     draft_forward_s: float = 0.0
     draft_tokens: int = 0
     target_forward: str = ""  # "lean" or "model": which target forward ran (speculant.forward)
+    kv_peak_bytes: int = 0  # the target's KV cache at its largest (live keys and values, all layers)
 
     @property
     def acceptance_length(self) -> float:
@@ -254,6 +255,7 @@ class GenerationStats:
             "overhead_s": self.overhead_s,
             "overhead_share": self.overhead_share,
             "target_forward": self.target_forward,
+            "kv_peak_bytes": self.kv_peak_bytes,
         }
 
 

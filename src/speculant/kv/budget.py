@@ -15,12 +15,14 @@ Block-wise prefill (KeyDiff, Park et al. 2025): feed the prompt in blocks of ``B
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from ..cache import GrowingLayer, SpecCache
 from .attention import QueryCapture, attention_probs
 from .policies import ScoreContext, ScorePolicy
+from .speckv import find_speckv
 
 __all__ = ["BudgetCache", "BudgetLayer", "evict", "observe", "prefill_blockwise"]
 
@@ -207,6 +209,7 @@ def prefill_blockwise(
     budget: int,
     block: int = 128,
     all_logits: bool = False,
+    following: Sequence[int] = (),
 ) -> torch.Tensor:
     """Feed ``input_ids [1, T]`` block by block, evicting to ``budget`` after each; return the last logits
     ``[1, V]`` (``all_logits``: every position's, ``[1, T, V]``).
@@ -214,12 +217,18 @@ def prefill_blockwise(
     Each block of ``block`` tokens attends to the (≤ budget) cache plus itself, with position ids equal to the
     original positions; peak KV is ``budget + block`` tokens per layer. The cache may already hold tokens:
     feeding continues from :attr:`BudgetCache.next_position` (``block=1`` is token-by-token decoding).
+
+    With :class:`~speculant.kv.speckv.SpecKV` in ``policy``, the last block (every block with ``every_block``) is
+    scored by the attention of the draft's provisional continuation (:meth:`SpecKV.lookahead_attention`);
+    ``following`` are tokens known to come after ``input_ids`` (the engine's root), which start that continuation.
     """
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
+    spec = find_speckv(policy)
     keep = 0 if all_logits else 1
     logits = []
-    for s in range(0, input_ids.shape[1], block):
+    total = input_ids.shape[1]
+    for s in range(0, total, block):
         chunk = input_ids[:, s : s + block]
         pos = cache.position_ids(chunk.shape[1], device=chunk.device)
         attn = None
@@ -229,6 +238,10 @@ def prefill_blockwise(
             attn = observe(cache, cap)
         else:
             out = _block_forward(model, chunk, cache, pos, keep)
+        last = s + block >= total
+        if spec is not None and (last or spec.every_block) and cache.length > budget:
+            prefix = input_ids[0, : s + chunk.shape[1]].tolist()
+            attn = spec.lookahead_attention(model, cache, prefix, following if last else ())
         evict(cache, policy, budget, attn=attn)
         logits.append(out.logits if all_logits else out.logits[:, -1])
     return torch.cat(logits, 1) if all_logits else logits[-1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .caote import CAOTE
+from .speckv import SpecKV
 from .policies import (
     H2O,
     TOVA,
@@ -33,6 +34,7 @@ POLICIES: dict[str, Callable[[], ScorePolicy]] = {
     "snapkv": SnapKV,
     "knorm": KeyNorm,
     "random": RandomScore,
+    "speckv": SpecKV,  # SnapKV scored by a draft's provisional answer at the end of the prompt (needs a draft)
 }
 
 WRAPPERS: dict[str, Callable[[ScorePolicy], ScorePolicy]] = {
