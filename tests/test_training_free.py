@@ -24,18 +24,20 @@ import speculant
 import speculant.engine
 from speculant.cache import SpecCache
 from speculant.checks import num_layers
+from speculant.drafters.base import DecodeState
+from speculant.drafters.hybrid import HybridDrafter, merge_chain
 from speculant.drafters.lookup import PromptLookupDrafter, lookup_continuation
 from speculant.drafters.mask_probe import MaskProbeDrafter
 from speculant.drafters.registry import build_drafter
 from speculant.testing import ARCHITECTURES, tiny_model
 from speculant.tree import TreeAttention
-from speculant.types import DraftTree, Probes, SamplingParams
+from speculant.types import DraftTree, GenerationStats, Probes, SamplingParams
 
 VOCAB = 96
 # repetitive prompts, so that lookup finds matches and the target's own loops are copied
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 3, 4, 9, 3, 4, 9, 3, 11, 12, 13, 9, 3], [40]]
 SPECS = ["lookup:ngram=2:k=3", "mask-probe", "mask-probe:masks=3:tree=2/2/1:init=last",
-         "mask-probe:budget=6:init=random"]
+         "mask-probe:budget=6:init=random", "hybrid", "hybrid:budget=5:ngram=2:k=4"]
 
 
 def test_lookup_continuation():
@@ -122,12 +124,32 @@ def test_mask_probe_drafts_from_the_masks():
     assert tokens == [1, 2, 2] and parents == [-1, -1, 0]  # best 2 at depth 1, then the best 1 extension
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "mask-probe"])
+def test_hybrid_merges_the_lookup_chain_into_the_mask_tree():
+    tokens, parents = merge_chain([1, 2, 2, 3], [-1, -1, 0, 0], [1, 3, 7, 8])
+    # 1 and 1->3 exist: reused; 7 and 8 appended under them
+    assert tokens == [1, 2, 2, 3, 7, 8] and parents == [-1, -1, 0, 0, 3, 4]
+    assert merge_chain([1], [-1], [4]) == ([1, 4], [-1, -1])
+    drafter = HybridDrafter(masks=2, tree=[2, 1], ngram=2, k=3)
+    state = DecodeState(target=tiny_model("llama", vocab_size=VOCAB), ids=[5, 1, 2, 5, 1],
+                        params=SamplingParams(temperature=0.0), generator=None, max_length=30, remaining=20,
+                        stats=GenerationStats())
+    drafter.begin(state)
+    drafter._guesses = torch.log_softmax(torch.tensor([[5.0, 4.0, 3.0, 0.0, 0.0, 0.0], [0.0, 1.0, 3.0, 2.0, 0, 0]]),
+                                         -1)
+    tree = drafter.propose(state)
+    # mask tree (the root token 1 pruned): 0 (-> 2), 2 (-> 3); the lookup continuation of "5 1" is "2 5 1": it
+    # shares the root's child 2, then 5 and 1 are appended below it
+    assert tree.tokens == [0, 2, 2, 3, 5, 1] and tree.parents == [-1, -1, 0, 1, 1, 4]
+    assert tree.probes.anchors == list(range(7))  # every node, lookup ones included, carries its masks
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "mask-probe", "hybrid"])
 def test_sampling_keeps_the_target_distribution(drafter):
     target = tiny_model("llama", vocab_size=5, init_std=0.2, seed=0)
     params = SamplingParams(temperature=1.0, top_p=0.9)
     # a self-repeating prompt so that lookup proposes (and sometimes loses) drafts
-    made = {"lookup": lambda: PromptLookupDrafter(ngram=2, k=2), "mask-probe": lambda: MaskProbeDrafter(masks=2)}
+    made = {"lookup": lambda: PromptLookupDrafter(ngram=2, k=2), "mask-probe": lambda: MaskProbeDrafter(masks=2),
+            "hybrid": lambda: HybridDrafter(masks=2, ngram=2, k=2)}
     expected = exact_joint(target, params, 3)
     counts, hist, drafted = sample_counts(target, made[drafter](), params, 3, 2500, seed0=31)
     assert drafted > 0 and hist[1:].sum() > 0  # drafts were proposed and some accepted

@@ -83,14 +83,7 @@ class MaskProbeDrafter:
             self._random = (table.mean(0) + noise * table.std(0)).to(self._table.device)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        depth = min(self.masks, state.remaining - 1)
-        tokens: list[int] = []
-        parents: list[int] = []
-        if self._guesses is not None and depth > 0:
-            if self.budget is None:
-                tokens, parents = self._static_tree(state.ids[-1], depth)
-            else:
-                tokens, parents = self._dynamic_tree(state.ids[-1], depth)
+        tokens, parents = self._nodes(state)
         n_rows = len(tokens) + 1  # root + nodes: every one gets its masks
         probes = Probes(anchors=list(range(n_rows)), length=self.masks, embeds=self._embeds(state, n_rows))
         self._tree = DraftTree(tokens=tokens, parents=parents, probes=probes)
@@ -113,6 +106,15 @@ class MaskProbeDrafter:
         return 0
 
     # ------------------------------------------------------------------------------------------ internals
+
+    def _nodes(self, state: DecodeState) -> tuple[list[int], list[int]]:
+        """The draft tree's ``(tokens, parents)`` from the masks' guesses (empty on the first step)."""
+        depth = min(self.masks, state.remaining - 1)
+        if self._guesses is None or depth <= 0:
+            return [], []
+        if self.budget is None:
+            return self._static_tree(state.ids[-1], depth)
+        return self._dynamic_tree(state.ids[-1], depth)
 
     def _embeds(self, state: DecodeState, n_rows: int) -> torch.Tensor:
         """``[n_rows * masks, H]`` mask embeddings in slot order (the same masks after every anchor)."""

@@ -403,6 +403,18 @@ def _mask_probe(draft_model: torch.nn.Module | None = None, **options: Any) -> D
     return MaskProbeDrafter(**options)
 
 
+def _hybrid(draft_model: torch.nn.Module | None = None, **options: Any) -> Drafter:
+    from .hybrid import HybridDrafter
+
+    return HybridDrafter(**options)
+
+
+_MASK_KEYS = {
+    "masks": Key(int, "mask tokens after the root and after every tree node (tree depth)", default=2),
+    "tree": Key(list[int], "static tree widths K1/K2/... per depth (default 4/2)"),
+    "budget": Key(int, "dynamic tree instead: keep the best budget-i trajectories at depth i"),
+    "init": Key(str, "mask embedding: mean (EMA of committed tokens), last or random", default="mean"),
+}
 register(
     "lookup",
     _lookup,
@@ -416,10 +428,17 @@ register(
     "mask-probe",
     _mask_probe,
     needs_draft=False,
-    keys={"masks": Key(int, "mask tokens after the root and after every tree node (tree depth)", default=2),
-          "tree": Key(list[int], "static tree widths K1/K2/... per depth (default 4/2)"),
-          "budget": Key(int, "dynamic tree instead: keep the best budget-i trajectories at depth i"),
-          "init": Key(str, "mask embedding: mean (EMA of committed tokens), last or random", default="mean")},
+    keys=_MASK_KEYS,
     doc="ESP: training-free drafting by probing the target with mask tokens in the same forward (Goel et al. "
         "2026); deterministic draft, no draft model",
+)
+register(
+    "hybrid",
+    _hybrid,
+    needs_draft=False,
+    keys={"masks": _MASK_KEYS["masks"], "tree": _MASK_KEYS["tree"], "budget": _MASK_KEYS["budget"],
+          "init": _MASK_KEYS["init"], "ngram": Key(int, "longest n-gram of the lookup branch", default=3),
+          "k": Key(int, "tokens of the lookup branch", default=5)},
+    doc="training-free hybrid: the prompt-lookup chain merged into the mask-probe tree, one forward; "
+        "deterministic draft, no draft model",
 )

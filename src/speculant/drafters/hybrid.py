@@ -1,0 +1,52 @@
+"""A hybrid training-free drafter: prompt-lookup continuations and mask-probe candidates in ONE tree.
+
+Prompt lookup (Saxena 2023) is strong when the answer copies from its context and silent otherwise; mask probing
+(ESP, Goel et al. 2026) always proposes something but rarely more than one or two tokens deep. Both cost no draft
+model, and both are verified in the target's forward, so one tree can hold both: the mask-probe tree (static or
+dynamic, :class:`~.mask_probe.MaskProbeDrafter`) with the lookup continuation merged into it as a chain from the
+root (sharing any prefix the mask tree already has). Every node, lookup ones included, carries the mask probes,
+so the next step's mask candidates come from the deepest accepted node whichever branch it is on. The draft stays
+deterministic (greedy / deterministic-draft verification): exact at any temperature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..checks import check_positive_int
+from .base import DecodeState
+from .lookup import lookup_continuation
+from .mask_probe import MaskProbeDrafter
+
+__all__ = ["HybridDrafter", "merge_chain"]
+
+
+def merge_chain(tokens: list[int], parents: list[int], chain: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The tree ``(tokens, parents)`` with ``chain`` added as a path from the root: existing nodes with the same
+    token at the same place are reused, the rest is appended (topological order and distinct siblings hold)."""
+    tokens, parents = list(tokens), list(parents)
+    node = -1
+    for tok in chain:
+        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == tok), None)
+        if child is None:
+            tokens.append(tok)
+            parents.append(node)
+            child = len(tokens) - 1
+        node = child
+    return tokens, parents
+
+
+class HybridDrafter(MaskProbeDrafter):
+    """Mask-probe tree plus the prompt-lookup chain (``ngram``, ``k`` as in
+    :class:`~.lookup.PromptLookupDrafter`); the other arguments are :class:`~.mask_probe.MaskProbeDrafter`'s."""
+
+    def __init__(self, masks: int = 2, tree: Sequence[int] | None = None, budget: int | None = None,
+                 init: str = "mean", ema: float = 0.1, seed: int = 0, ngram: int = 3, k: int = 5) -> None:
+        super().__init__(masks=masks, tree=tree, budget=budget, init=init, ema=ema, seed=seed)
+        self.ngram = check_positive_int("ngram", ngram)
+        self.k = check_positive_int("k", k)
+
+    def _nodes(self, state: DecodeState) -> tuple[list[int], list[int]]:
+        tokens, parents = super()._nodes(state)
+        chain = lookup_continuation(state.ids, self.ngram, min(self.k, state.remaining - 1))
+        return merge_chain(tokens, parents, chain)
