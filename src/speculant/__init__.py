@@ -6,7 +6,8 @@
 Every drafting method of the registry (``speculant generate --method``) has a Python entry point:
 ``speculant.build_drafter(spec, draft_model)`` builds any of them from its spec, and each has its class here
 (chain: :class:`DraftModelDrafter`, specinfer / spectr / rsd-c / rsd-s / tree: the tree drafters, lookup:
-:class:`PromptLookupDrafter`, mask-probe: :class:`MaskProbeDrafter`; ar is ``drafter=None``).
+:class:`PromptLookupDrafter`, mask-probe: :class:`MaskProbeDrafter`, hybrid: :class:`HybridDrafter`; ar is
+``drafter=None``).
 
 The public names are imported on first use (PEP 562), so ``import speculant`` and ``speculant --help`` do not
 import torch.
@@ -34,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "SpecTrDrafter": ".drafters.trees",
     "PromptLookupDrafter": ".drafters.lookup",
     "MaskProbeDrafter": ".drafters.mask_probe",
+    "HybridDrafter": ".drafters.hybrid",
     "build_drafter": ".drafters.registry",
     "generate": ".engine",
     "load_pretrained": ".loading",
@@ -58,6 +60,7 @@ __all__ = [
     "Generation",
     "GenerationStats",
     "MaskProbeDrafter",
+    "HybridDrafter",
     "PromptLookupDrafter",
     "RSDCDrafter",
     "RSDSDrafter",
@@ -107,6 +110,7 @@ sys.modules[__name__].__class__ = _Package
 
 if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .drafters.base import DecodeState, Drafter
+    from .drafters.hybrid import HybridDrafter
     from .drafters.lookup import PromptLookupDrafter
     from .drafters.mask_probe import MaskProbeDrafter
     from .drafters.model import DraftModelDrafter

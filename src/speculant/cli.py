@@ -1,9 +1,10 @@
 """The ``speculant`` command line: the entry point, its parser and the registry of subcommands.
 
-Each subcommand is a module of :mod:`speculant.commands` (``generate``, ``train``, ``bench``, ``kv-eval``) named
-in :data:`COMMANDS` with its one-line help; its module (options, runner, help texts) is imported only when the
-subcommand is chosen, so ``speculant --help`` and ``speculant --version`` answer without importing torch.
-``-v`` goes before or after the subcommand.
+Each subcommand is a module of :mod:`speculant.commands` (``generate``, ``train``, ``bench``, ``kv-eval``,
+``serve``) named in :data:`COMMANDS` with its one-line help; its module (options, runner, help texts) is imported
+only when the subcommand is chosen, so ``speculant --help`` and ``speculant --version`` answer without importing
+torch. ``-v`` goes before or after the subcommand. ``speculant bench serve`` (:data:`BENCH_SERVE`, the load
+generator for a running server) is dispatched before the parser: ``bench`` itself takes no subcommands.
 
 Output conventions shared by every subcommand: stdout carries the result, stderr the library's warnings
 (``speculant: WARNING: ...``) and errors. Every bad input is one line ``speculant: error: <message>`` on stderr and
@@ -47,7 +48,13 @@ COMMANDS: list[Command] = [
             module_command("speculant.commands.bench")),
     Command("kv-eval", "evaluate KV-cache eviction policies under a memory budget",
             module_command("speculant.commands.kv_eval")),
+    Command("serve", "serve a model over HTTP with OpenAI's API (speculant bench serve load-tests it)",
+            module_command("speculant.commands.serve")),
 ]
+
+BENCH_SERVE = Command("bench serve", "load-test a running OpenAI-compatible server (speculant serve)",
+                      module_command("speculant.commands.bench_serve"))
+"""``speculant bench serve``: reached by :func:`_bench_serve_argv`, not through :data:`COMMANDS`."""
 
 
 # ---------------------------------------------------------------------------------------------- entry point
@@ -159,8 +166,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
 
 
+def _bench_serve_argv(argv: Sequence[str]) -> list[str] | None:
+    """For ``speculant [OPTIONS] bench serve ARGS``: ``OPTIONS + ARGS``; else None."""
+    for i, arg in enumerate(argv):
+        if not arg.startswith("-"):
+            return [*argv[:i], *argv[i + 2:]] if argv[i:i + 2] == ["bench", "serve"] else None
+    return None
+
+
+def _bench_serve_parser() -> argparse.ArgumentParser:
+    p = Parser(prog=f"{PROG} {BENCH_SERVE.name}", formatter_class=Formatter)
+    _declare(p, BENCH_SERVE)
+    p.set_defaults(verbose=False)
+    return p
+
+
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_serve = _bench_serve_argv(argv)
+    if bench_serve is not None:
+        parser, argv = _bench_serve_parser(), bench_serve
+    else:
+        parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version

@@ -170,7 +170,7 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
         cache = BudgetCache(num_layers(target), capacity=kv_budget + kv_block + 64)
         if prompt_len > 1:  # block-wise: at most kv_budget + kv_block tokens per layer at any time
             prefill_blockwise(target, torch.tensor([ids[:-1]], device=device), cache, policy, kv_budget, kv_block,
-                              following=ids[-1:])
+                              following=ids[-1:], forward=fwd)
     _sync(device)
     stats.prefill_s = time.perf_counter() - t_start
 

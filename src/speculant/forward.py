@@ -75,13 +75,16 @@ class TargetForward:
 
     def __call__(self, cache, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                 capture=None) -> torch.Tensor:
+                 capture=None, logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits ``[1, T, V]`` (``logits_to_keep=k``: of the last k inputs only, ``[1, k, V]``)."""
         if self.lean is not None:
-            return self.lean(input_ids, cache, positions, mask, inputs_embeds=inputs_embeds, capture=capture)
+            hidden = self.lean.hidden(input_ids, cache, positions, mask, inputs_embeds=inputs_embeds,
+                                      capture=capture)
+            return self.lean.logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
         feed = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
         with capture if capture is not None else nullcontext():
             out = self.model(**feed, past_key_values=cache, attention_mask=mask, position_ids=positions,
-                             use_cache=True)
+                             use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits
 
     def prefill(self, cache, input_ids: torch.Tensor) -> None:

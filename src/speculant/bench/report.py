@@ -300,13 +300,19 @@ def write_plots(results: dict, out: str | Path) -> list[Path]:
     return written
 
 
-def write_results(results: dict, out: str | Path) -> list[Path]:
-    """Write results.json, results.md and the plots into ``out`` (created); return the paths written."""
+def write_files(results: dict, out: str | Path, render=None, plots=None) -> list[Path]:
+    """Write results.json, results.md (``render(results)``) and the plots (``plots(results, out)`` -> paths) into
+    ``out`` (created); return the paths written. Every bench writes its report this way."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "results.json", out / "results.md"]
-    files += write_plots(results, out)
+    files += (plots or write_plots)(results, out)
     body = {**results, "files": [str(p) for p in files]}
     files[0].write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
-    files[1].write_text(render_markdown(results), encoding="utf-8")
+    files[1].write_text((render or render_markdown)(results), encoding="utf-8")
     return files
+
+
+def write_results(results: dict, out: str | Path) -> list[Path]:
+    """Write results.json, results.md and the plots of ``speculant bench`` into ``out``."""
+    return write_files(results, out)

@@ -24,7 +24,14 @@ from ..checks import resolve_device
 from ..drafters.registry import describe_methods
 from ..loading import DTYPES
 from . import common
-from .common import add_device_argument, add_threads_argument, nonnegative_int, positive_int, set_threads
+from .common import (
+    add_device_argument,
+    add_threads_argument,
+    nonnegative_int,
+    positive_int,
+    positive_int_list,
+    set_threads,
+)
 
 __all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_arguments", "epilog", "run"]
 
@@ -70,17 +77,6 @@ def epilog() -> str:
     )
 
 
-def _int_list(text: str) -> list[int]:
-    """``"8,16"`` -> ``[8, 16]`` (each >= 1), with a one-line error."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
-    return values
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant bench``'s options on ``p``."""
     d = _DEFAULTS
@@ -96,12 +92,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{','.join(DEFAULT_FAMILIES)})")
     p.add_argument("--baselines", metavar="NAME[,NAME...]", default=",".join(d["baselines"]),
                    help="transformers baselines, comma-separated, or 'none'; default: %(default)s")
-    p.add_argument("--budgets", metavar="B[,B...]", type=_int_list, default=None,
+    p.add_argument("--budgets", metavar="B[,B...]", type=positive_int_list, default=None,
                    help="budget-matched comparison: every --methods entry is a family (a spec without its size: "
                    "chain, specinfer:width=2, rsd-c:branching=2, rsd-s:width=2, tree:topk=2:depth=8 ...) run at "
                    "each number B of tree tokens per target call; adds a table and budget.png. A spec that sets "
                    "its size already (chain:k=4) is refused")
-    p.add_argument("--depths", metavar="D[,D...]", type=_int_list, default=None,
+    p.add_argument("--depths", metavar="D[,D...]", type=positive_int_list, default=None,
                    help="the same at equal draft depth (draft levels per step); may be combined with --budgets")
     p.add_argument("--target", metavar="MODEL", required=target_default is None, default=target_default,
                    help="target model: a directory, a bundled or packaged name (default-target, "

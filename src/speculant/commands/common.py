@@ -32,6 +32,7 @@ __all__ = [
     "nonnegative_int",
     "option_name",
     "positive_int",
+    "positive_int_list",
     "set_threads",
 ]
 
@@ -124,6 +125,17 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
+
+
+def positive_int_list(text: str) -> list[int]:
+    """An argparse type: ``"8,16"`` -> ``[8, 16]`` (each >= 1), with a one-line error."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values
 
 
 def _slash_list(item: type) -> Callable[[str], list]:

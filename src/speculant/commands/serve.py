@@ -1,0 +1,218 @@
+"""``speculant serve [--target MODEL] [--method SPEC] [--port N] ...``: the OpenAI-compatible server.
+
+Output conventions: stderr carries one line when the server listens (``speculant: serving MODEL ... at
+http://HOST:PORT/v1``), one when the model is loaded, warnings, and with ``-v`` uvicorn's access log; stdout
+stays empty. Bad input (a method, model, device or KV option that is wrong, a port that is taken) is one line
+``speculant: error: ...`` and exit code 2 before anything is loaded; a model that fails to load after the
+server started listening ends it the same way. Ctrl-C stops the server gracefully (open streams get a few
+seconds, then their generations are cancelled): exit code 0. With ``--ray`` the one line comes once every
+replica has loaded its model, and Ctrl-C or SIGTERM shuts Ray Serve (and a local Ray cluster) down.
+
+Defaults are read from :class:`speculant.serve.settings.ServeSettings`, never restated here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import socket
+import sys
+
+from . import common
+from .common import add_device_argument, add_threads_argument, nonnegative_int, positive_int
+
+__all__ = ["API_KEY_ENV", "DESCRIPTION", "add_arguments", "epilog", "run"]
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "SPECULANT_API_KEY"
+"""The environment variable ``--api-key`` defaults to."""
+
+DESCRIPTION = (
+    "Serve the target model over HTTP with OpenAI's API (POST /v1/chat/completions, POST /v1/completions, GET "
+    "/v1/models), losslessly accelerated by the drafting method, plus GET /health (200 once the model is loaded, "
+    "503 before) and GET /metrics (Prometheus, vLLM's metric names). One model per process; requests are queued "
+    "(--max-queue) and decoded one at a time in arrival order. Needs the serve extra: pip install "
+    "'speculant[serve]'."
+)
+
+
+def _defaults() -> dict:
+    from ..serve.settings import ServeSettings
+
+    return {f.name: f.default for f in dataclasses.fields(ServeSettings)}
+
+
+def epilog() -> str:
+    from ..drafters.registry import describe_methods
+
+    return (
+        "example:\n"
+        "  speculant serve --target smollm2-135m-instruct --port 8000\n"
+        "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        "      -d '{\"model\": \"smollm2-135m-instruct\", \"messages\": [{\"role\": \"user\", \"content\": "
+        "\"Hi!\"}]}'\n"
+        "  speculant bench serve --url http://127.0.0.1:8000 --concurrency 1,2,4   # load-test it\n\n"
+        "methods:\n" + describe_methods()
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Declare ``speculant serve``'s options on ``p``."""
+    from ..loading import DTYPES
+    from ..sources import PACKAGED
+
+    d = _defaults()
+    bundled = common.default_model_dir("target") is not None
+    p.add_argument("--target", metavar="MODEL", required=not bundled, default="default-target" if bundled else None,
+                   help="the served model: a packaged name (" + ", ".join(PACKAGED) + "), a bundled name, a model "
+                   "directory, a .gguf file or a Hub id in the local HF cache; "
+                   + ("default: %(default)s (bundled)" if bundled else "required"))
+    p.add_argument("--draft", metavar="MODEL", default=None,
+                   help="draft model (same tokenizer), or an attached drafter; default: the drafter speculant ships "
+                   "for the target, if any")
+    p.add_argument("--method", metavar="SPEC", default=None,
+                   help="drafting method (registry spec, as for generate); default: chain when there is a draft "
+                   "(--draft or the shipped one), else ar (plain decoding)")
+    p.add_argument("--kv-policy", metavar="POLICY", default=None,
+                   help="evict the target's KV cache with this policy (as for generate); needs --kv-budget")
+    p.add_argument("--kv-budget", type=positive_int, metavar="N", default=None,
+                   help="keep at most N tokens per layer in the target's KV cache; needs --kv-policy")
+    p.add_argument("--kv-block", type=positive_int, metavar="B", default=None,
+                   help="prefill block size with --kv-budget; default: generate()'s")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default=None,
+                   help="load the models in this dtype; default: float32 (exact, as generate)")
+    add_threads_argument(p)
+    add_device_argument(p, "the target and draft models")
+    p.add_argument("--host", metavar="HOST", default=d["host"],
+                   help="listen on this address (0.0.0.0: every interface); default: %(default)s")
+    p.add_argument("--port", type=nonnegative_int, metavar="N", default=d["port"],
+                   help="listen on this port (0: a free one, printed on stderr); default: %(default)s")
+    p.add_argument("--max-queue", type=nonnegative_int, metavar="N", default=d["max_queue"],
+                   help="requests that may wait behind the one being decoded; one more is answered 429 at once; "
+                   "default: %(default)s")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV, d["api_key"]),
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (401 otherwise); default: ${API_KEY_ENV} "
+                   "if set (keeps the key out of the process list), else none")
+    p.add_argument("--served-model-name", dest="model_name", metavar="NAME", default=d["model_name"],
+                   help="the model id clients send in 'model' and GET /v1/models lists; default: --target as "
+                   "given")
+    p.add_argument("--ray", action="store_true",
+                   help="run on Ray Serve (pip install 'speculant[ray]'): --replicas copies of the app, one "
+                   "process and one model each, behind Ray's proxy")
+    p.add_argument("--replicas", type=positive_int, metavar="N", default=None,
+                   help="with --ray: the number of replicas; default: 1")
+    p.add_argument("--ray-address", metavar="ADDRESS", default=None,
+                   help="with --ray: join this Ray cluster (e.g. auto, or HEAD:6379); default: $RAY_ADDRESS, else a "
+                   "new local cluster")
+
+
+def _check_extra() -> None:
+    missing = []
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise ValueError(f"speculant serve needs {', '.join(missing)}: pip install 'speculant[serve]'")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (uvicorn listens on it), or a one-line ValueError."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host!r}: {exc.strerror}") from None
+    family, _, _, _, address = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``speculant serve`` until interrupted; returns the exit code (bad input raises ValueError)."""
+    from ..serve.settings import ServeSettings, check_settings
+
+    if args.replicas is not None and not args.ray:
+        raise ValueError("--replicas needs --ray (without Ray one process serves one model)")
+    if args.ray_address is not None and not args.ray:
+        raise ValueError("--ray-address needs --ray")
+    _check_extra()
+    names = {f.name for f in dataclasses.fields(ServeSettings)}
+    settings = ServeSettings(**{k: v for k, v in vars(args).items() if k in names})
+    if args.ray:
+        from ..serve.ray_app import run_ray
+
+        if settings.port:
+            _bind(settings.host, settings.port).close()  # a taken port is one line, before Ray starts
+        settings = check_settings(settings)
+        replicas = args.replicas or 1
+
+        def announce() -> None:
+            print(f"speculant: serving {settings.served_name} (method {settings.method}) on Ray Serve, {replicas} "
+                  f"replica(s), at {_url(settings.host, settings.port)}/v1", file=sys.stderr, flush=True)
+
+        return run_ray(settings, replicas, args.ray_address, on_ready=announce)
+    sock = _bind(settings.host, settings.port)
+    try:
+        settings = check_settings(settings)
+        return _serve(settings, sock, verbose=bool(getattr(args, "verbose", False)))
+    finally:
+        sock.close()
+
+
+def _serve(settings, sock: socket.socket, verbose: bool) -> int:
+    import uvicorn
+
+    from ..serve.app import create_app
+
+    fatal: list[str] = []
+    server: uvicorn.Server | None = None
+    url = _url(settings.host, sock.getsockname()[1])
+
+    def on_ready() -> None:
+        print(f"speculant: model loaded; ready at {url}/v1", file=sys.stderr, flush=True)
+
+    def on_fatal(message: str) -> None:
+        fatal.append(message)
+        if server is not None:
+            server.should_exit = True
+
+    if settings.api_key is None and not _loopback(settings.host):
+        log.warning("listening on %s without --api-key: anyone who reaches this address can use the model",
+                    settings.host)
+    app = create_app(settings, load="background", on_ready=on_ready, on_fatal=on_fatal)
+    config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
+                            timeout_graceful_shutdown=3, lifespan="on")
+    server = uvicorn.Server(config)
+    print(f"speculant: serving {settings.served_name} (method {settings.method}) at {url}/v1; loading the model "
+          "(GET /health answers 200 once it is loaded)", file=sys.stderr, flush=True)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn shuts down gracefully, then raises the SIGINT it captured again
+        pass
+    if fatal:
+        raise ValueError(f"the model failed to load: {fatal[0]}")
+    return 0

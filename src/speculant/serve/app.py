@@ -1,0 +1,354 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, authentication, responses and server-sent events.
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not), ``GET /v1/models``
+(and ``/v1/models/{id}``), ``GET /health`` (200 once the model is loaded, 503 before), ``GET /metrics``
+(Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs
+``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
+
+Every error has OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request
+(:mod:`speculant.serve.protocol`), 401, 404 (unknown model or route), 405, 429 (queue full, at once), 503 (model
+not loaded yet), 500 (a request that failed; the server goes on). A client that disconnects cancels its
+generation at the next step (streaming: when the event stream is closed; non-streaming: checked every 0.5 s).
+
+Responses carry OpenAI's fields plus ``speculant``: this response's speculative statistics (method, τ =
+acceptance_length, target_calls, draft_tokens, accepted_tokens, accepted_per_position, decode_s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from .protocol import APIError, GenerationRequest, error_body, parse_body, parse_chat_request, parse_completion_request
+from .settings import ServeSettings
+from .worker import Job, QueueFull, Result, Worker
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+_DISCONNECT_POLL_S = 0.5
+
+
+def create_app(settings: ServeSettings, load: str = "background", on_ready: Callable[[], None] | None = None,
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """The FastAPI app serving ``settings`` (checked by :func:`speculant.serve.settings.check_settings`).
+
+    ``load``: ``"background"`` starts loading the model when the app starts and answers /health 503 until it is
+    loaded (``speculant serve``: the server listens at once); ``"startup"`` loads it during the app's startup (a
+    Ray Serve replica is ready only once its model is). ``on_ready()`` is called once the model is loaded,
+    ``on_fatal(message)`` when loading fails."""
+    metrics = ServerMetrics(settings.served_name)
+    worker = Worker(settings, metrics)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if load == "startup":
+            await asyncio.to_thread(worker.load)
+            worker.start(load=False, on_ready=on_ready)
+        else:
+            worker.start(load=True, on_ready=on_ready, on_fatal=on_fatal)
+        yield
+        worker.close()
+
+    app = FastAPI(title="speculant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    app.state.metrics = metrics
+
+    # ------------------------------------------------------------------------------------------ errors
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path} (see /v1/chat/completions, /v1/completions)"
+        return JSONResponse(error_body(message, "invalid_request_error", None, kind), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        param = ".".join(str(p) for p in errors[0].get("loc", ())[1:]) if errors else None
+        message = errors[0].get("msg", "invalid request") if errors else "invalid request"
+        return JSONResponse(error_body(message, "invalid_request_error", param or None, "invalid_value"), 400)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        metrics.failed.inc()
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, None), 500)
+
+    # ------------------------------------------------------------------------------------------ helpers
+
+    def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        if not header:
+            raise APIError(401, "no API key provided: send 'Authorization: Bearer KEY'", param=None,
+                           code="invalid_api_key")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "incorrect API key provided", param=None, code="invalid_api_key")
+
+    def require_ready() -> None:
+        if not worker.ready.is_set():
+            message = (f"the model failed to load: {worker.load_error}" if worker.load_error
+                       else "the model is loading; retry when GET /health answers 200")
+            raise APIError(503, message, type="service_unavailable", code="model_not_ready")
+
+    def check_model(model: str) -> None:
+        if model != settings.served_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{settings.served_name}'",
+                           param="model", code="model_not_found")
+
+    def model_card() -> dict:
+        return {"id": settings.served_name, "object": "model", "created": created, "owned_by": "speculant"}
+
+    def prompt_ids(req: GenerationRequest) -> list[int]:
+        """Token ids of the request, with 400s for what the model cannot take."""
+        from ..chat import chat_ids, has_chat_template
+        from ..checks import vocab_size
+
+        tok = worker.tokenizer
+        with worker.tokenizer_lock:
+            if req.kind == "chat":
+                if not has_chat_template(tok):
+                    raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions",
+                                   param="messages", code="no_chat_template")
+                try:
+                    ids = chat_ids(tok, req.messages)
+                except Exception as exc:  # noqa: BLE001: the template's own errors (e.g. role order)
+                    raise APIError(400, f"the chat template rejected the messages: {' '.join(str(exc).split())}",
+                                   param="messages") from None
+            elif isinstance(req.prompt, str):
+                ids = list(tok(req.prompt)["input_ids"])
+            else:
+                ids = list(req.prompt)
+                vocab = vocab_size(worker.target)
+                bad = next((t for t in ids if not 0 <= t < vocab), None)
+                if bad is not None:
+                    raise APIError(400, f"token id {bad} in 'prompt' is outside the vocabulary [0, {vocab})",
+                                   param="prompt")
+        field = "messages" if req.kind == "chat" else "prompt"
+        if not ids:
+            raise APIError(400, f"'{field}' is empty after tokenization", param=field)
+        return ids
+
+    def max_tokens(req: GenerationRequest, n_prompt: int) -> int:
+        from ..checks import check_fits_context
+        from ..engine import generate
+
+        ctx = worker.context_length
+        field = "messages" if req.kind == "chat" else "prompt"
+        if ctx is not None and n_prompt >= ctx:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has {n_prompt}",
+                           param=field, code="context_length_exceeded")
+        n = req.max_tokens
+        if n is None:
+            n = ctx - n_prompt if ctx is not None else _default_max_new_tokens(generate)
+        try:
+            check_fits_context(worker.target, n_prompt, n)
+        except ValueError as exc:
+            raise APIError(400, f"{exc}: lower {req.max_tokens_param}", param=req.max_tokens_param,
+                           code="context_length_exceeded") from None
+        return n
+
+    async def read(request: Request, kind: str) -> GenerationRequest:
+        authorize(request)
+        body = parse_body(await request.body())
+        req = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+        check_model(req.model)
+        require_ready()
+        return req
+
+    # ------------------------------------------------------------------------------------------ routes
+
+    @app.get("/health")
+    async def health() -> Response:
+        if worker.ready.is_set():
+            return JSONResponse({"status": "ok", "model": settings.served_name})
+        status = "failed" if worker.load_error else "loading"
+        return JSONResponse({"status": status, "model": settings.served_name, "error": worker.load_error}, 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request) -> JSONResponse:
+        authorize(request)
+        check_model(model)
+        return JSONResponse(model_card())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, await read(request, "chat"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await complete(request, await read(request, "completion"))
+
+    async def complete(request: Request, req: GenerationRequest) -> Response:
+        ids = prompt_ids(req)
+        job = Job(ids=ids, max_tokens=max_tokens(req, len(ids)), chat=req.kind == "chat",
+                  temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed, stop=req.stop,
+                  ignore_eos=req.ignore_eos)
+        try:
+            worker.submit(job)
+        except QueueFull as exc:
+            raise APIError(429, f"{exc}: retry later", type="rate_limit_error", code="queue_full") from None
+        shape = _Shape(req, settings.served_name)
+        if req.stream:
+            return StreamingResponse(_sse(worker, job, shape), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _collect(request, worker, job, shape)
+
+    return app
+
+
+def _default_max_new_tokens(generate) -> int:
+    import inspect
+
+    return inspect.signature(generate).parameters["max_new_tokens"].default
+
+
+class _Shape:
+    """The OpenAI objects of one response: ids, chunks and the final body, for chat or completions."""
+
+    def __init__(self, req: GenerationRequest, model: str) -> None:
+        self.chat = req.kind == "chat"
+        self.include_usage = req.include_usage
+        self.token_ids = req.return_token_ids
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = model
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None}
+
+    @staticmethod
+    def usage(result: Result) -> dict:
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+                "total_tokens": result.prompt_tokens + result.completion_tokens}
+
+    def body(self, text: str, result: Result, prompt_ids: list[int]) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": result.finish_reason}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
+            head = self._head("text_completion")
+        out = {**head, "choices": [choice], "usage": self.usage(result), "speculant": result.stats}
+        if self.token_ids:
+            choice["token_ids"] = result.token_ids
+            out["prompt_token_ids"] = prompt_ids
+        return out
+
+    def last_chunk(self, result: Result, prompt_ids: list[int]) -> dict:
+        """The chunk with ``finish_reason`` and the ``speculant`` statistics (and the token ids if asked)."""
+        out = self.chunk(None, finish=result.finish_reason)
+        out["speculant"] = result.stats
+        if self.token_ids:
+            out["choices"][0]["token_ids"] = result.token_ids
+            out["prompt_token_ids"] = prompt_ids
+        return out
+
+    def chunk(self, text: str | None = None, role: bool = False, finish: str | None = None) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            head = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            head = self._head("text_completion")
+        out = {**head, "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, result: Result) -> dict:
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return {**head, "choices": [], "usage": self.usage(result)}
+
+
+def _event(obj: dict | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
+    """The event stream of one job: a role chunk (chat), one chunk per step that committed text, a last chunk
+    with ``finish_reason`` (and ``speculant``), the usage chunk if asked, then ``[DONE]``. Closed early (the
+    client went away), it cancels the job."""
+    done = False
+    try:
+        if shape.chat:
+            yield _event(shape.chunk(role=True))
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "text":
+                yield _event(shape.chunk(payload))
+            elif kind == "done":
+                done = True
+                yield _event(shape.last_chunk(payload, job.ids))
+                if shape.include_usage:
+                    yield _event(shape.usage_chunk(payload))
+                yield _event("[DONE]")
+                return
+            else:
+                done = True
+                yield _event(error_body(f"the generation failed: {payload}", "server_error"))
+                yield _event("[DONE]")
+                return
+    finally:
+        if not done:
+            worker.cancel(job)
+
+
+async def _collect(request: Request, worker: Worker, job: Job, shape: _Shape) -> Response:
+    """The whole response of a non-streaming request; the job is cancelled if the client goes away first."""
+    pieces: list[str] = []
+    try:
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.events.get(), _DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    worker.cancel(job)
+                    return Response(status_code=499)
+                continue
+            if kind == "text":
+                pieces.append(payload)
+            elif kind == "done":
+                return JSONResponse(shape.body("".join(pieces), payload, job.ids))
+            else:
+                raise APIError(500, f"the generation failed: {payload}", type="server_error")
+    except asyncio.CancelledError:
+        worker.cancel(job)
+        raise

@@ -1,0 +1,104 @@
+"""Tables, Markdown and plots of a ``speculant bench serve`` run (:mod:`speculant.serve.load`)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+__all__ = ["level_table", "render_markdown", "write_plot", "write_results"]
+
+log = logging.getLogger(__name__)
+
+
+def _ms(d: dict, key: str) -> str:
+    v = d.get(key)
+    return "–" if v is None else f"{1000 * v:.0f}"
+
+
+def _latency(d: dict) -> str:
+    """``median (p90 / p99)`` in milliseconds."""
+    return f"{_ms(d, 'median')} ({_ms(d, 'p90')} / {_ms(d, 'p99')})"
+
+
+def _fmt(v, spec: str) -> str:
+    return "–" if v is None else format(v, spec)
+
+
+def level_table(results: dict) -> str:
+    """One Markdown row per concurrency level: throughput, latencies (ms, median (p90 / p99)), acceptance."""
+    rows = ["| concurrency | requests ok | req/s | output tok/s | TTFT ms | TPOT ms | E2E ms | τ | acceptance rate "
+            "| accepted/draft |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for lv in results["levels"]:
+        spec = lv.get("spec") or {}
+        rows.append(
+            f"| {lv['concurrency']} | {lv['completed']}/{lv['requests']} | {lv['request_throughput']:.2f} | "
+            f"{lv['output_tokens_per_s']:.1f} | {_latency(lv['ttft_s'])} | {_latency(lv['tpot_s'])} | "
+            f"{_latency(lv['e2e_s'])} | {_fmt(spec.get('tau'), '.2f')} | {_fmt(spec.get('acceptance_rate'), '.3f')} "
+            f"| {_fmt(spec.get('accepted_tokens'), '.0f')}/{_fmt(spec.get('draft_tokens'), '.0f')} |")
+    return "\n".join(rows)
+
+
+def _settings_line(results: dict) -> str:
+    s = results["settings"]
+    greedy = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}"
+    return (f"{s['requests']} requests per level ({s['prompts']}, {results['num_prompts']} prompts cycled), "
+            f"{s['max_tokens']} new tokens at most{' (ignore_eos)' if s['ignore_eos'] else ''}, {greedy}, "
+            f"{s['warmup']} warm-up request(s); model `{results['model']}` at {s['url']}; client "
+            f"{results['client']['platform']}")
+
+
+def render_markdown(results: dict) -> str:
+    lines = ["# speculant bench serve", "", level_table(results), "", _settings_line(results) + ".", "",
+             "TTFT: request sent to the first chunk with text; TPOT: (end - first text) / (tokens - 1) per request; "
+             "latencies are median (p90 / p99). τ = generated tokens / target calls and the acceptance rate "
+             "(accepted / draft tokens) are the differences of the server's /metrics counters around each level."]
+    failed = [lv for lv in results["levels"] if lv["failed"]]
+    for lv in failed:
+        lines += ["", f"concurrency {lv['concurrency']}: {lv['failed']} failed request(s), e.g. {lv['errors'][0]}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(results: dict, out: Path) -> list[Path]:
+    """serve.png: throughput and latency against concurrency; [] without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        log.warning("matplotlib is not installed: plot skipped (pip install 'speculant[plots]')")
+        return []
+    levels = results["levels"]
+    xs = [lv["concurrency"] for lv in levels]
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_tp, ax_lat = fig.subplots(1, 2)
+    ax_tp.plot(xs, [lv["output_tokens_per_s"] for lv in levels], marker="o", label="output tokens/s")
+    ax_tp.set_xlabel("concurrency")
+    ax_tp.set_ylabel("output tokens/s")
+    ax_rq = ax_tp.twinx()
+    ax_rq.plot(xs, [lv["request_throughput"] for lv in levels], marker="s", color="C1", label="requests/s")
+    ax_rq.set_ylabel("requests/s")
+    ax_tp.set_title("throughput")
+    for i, (key, label) in enumerate((("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end"))):
+        med = [1000 * (lv[key]["median"] or 0) for lv in levels]
+        p90 = [1000 * (lv[key]["p90"] or 0) for lv in levels]
+        ax_lat.plot(xs, med, marker="o", color=f"C{i}", label=f"{label} median")
+        ax_lat.plot(xs, p90, linestyle="--", color=f"C{i}", label=f"{label} p90")
+    ax_lat.set_yscale("log")
+    ax_lat.set_xlabel("concurrency")
+    ax_lat.set_ylabel("ms")
+    ax_lat.set_title("latency")
+    ax_lat.legend(fontsize="small")
+    for ax in (ax_tp, ax_lat):
+        ax.set_xticks(xs)
+        ax.grid(alpha=0.3)
+    path = out / "serve.png"
+    fig.savefig(path, dpi=120)
+    return [path]
+
+
+def write_results(results: dict, out: str | Path) -> list[Path]:
+    """Write results.json, results.md and serve.png into ``out`` (created); return the paths written."""
+    from ..bench.report import write_files
+
+    return write_files(results, out, render_markdown, write_plot)

@@ -1,0 +1,413 @@
+"""The OpenAI request bodies the server accepts, checked field by field, and the OpenAI error body.
+
+A request is parsed from raw bytes (not by FastAPI's model validation) so that every mistake gets OpenAI's error
+shape ``{"error": {"message", "type", "param", "code"}}`` with ``param`` naming the field, and HTTP 400:
+malformed JSON, a body that is not an object, a field of the wrong type or out of range, a field the server does
+not know (OpenAI answers "Unrecognized request argument" too), and a known OpenAI field that asks for something
+the server does not do (``n`` > 1, ``logprobs``, penalties, tools ...). Those known fields are accepted when they
+carry their neutral value (``n: 1``, ``logprobs: false``, ``frequency_penalty: 0``, ``user: "..."``), since
+OpenAI clients often send them.
+
+Defaults follow OpenAI's API: ``temperature`` 1.0, ``top_p`` 1.0; ``max_tokens`` 16 on ``/v1/completions`` and
+the rest of the context on ``/v1/chat/completions``. ``top_k``, ``ignore_eos`` and ``return_token_ids`` (the
+prompt's and the completion's token ids in the response) are vLLM's extensions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["APIError", "GenerationRequest", "COMPLETION_MAX_TOKENS", "error_body", "parse_body",
+           "parse_chat_request", "parse_completion_request"]
+
+COMPLETION_MAX_TOKENS = 16
+"""``max_tokens`` of a ``/v1/completions`` request that gives none (OpenAI's legacy default)."""
+
+MAX_STOPS = 16
+"""At most this many stop strings per request."""
+
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's body: HTTP ``status``, ``message``, ``type``, ``param`` (the field at
+    fault, or None) and ``code``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass
+class GenerationRequest:
+    """A checked request. ``messages`` (chat) or ``prompt`` (a string or token ids, completions) is set;
+    ``max_tokens`` None means "the rest of the context" (resolved once the prompt is tokenised)."""
+
+    kind: str  # "chat" | "completion"
+    model: str
+    messages: list[dict[str, str]] | None = None
+    prompt: str | list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    max_tokens_param: str = "max_tokens"  # the field that set max_tokens (for errors)
+
+
+# ---------------------------------------------------------------------------------------------- JSON
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body, or APIError 400 (not UTF-8, not JSON, NaN/Infinity, too deeply
+    nested, or not an object)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise APIError(400, "the request body is not UTF-8 text", code="invalid_json") from None
+    if not text.strip():
+        raise APIError(400, "the request body is empty: send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
+    except ValueError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}", code="invalid_json")
+    return body
+
+
+def _kind(value: Any) -> str:
+    """The JSON type name of ``value`` (for messages)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+# ---------------------------------------------------------------------------------------------- scalars
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _number(body: Mapping, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_number(v):
+        raise _bad(name, f"'{name}' must be a number, got {_kind(v)}", "invalid_type")
+    if v < lo or v > hi or (lo_open and v == lo):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise _bad(name, f"'{name}' must be in {interval}, got {v}")
+    return float(v)
+
+
+def _int(body: Mapping, name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise _bad(name, f"'{name}' must be an integer, got {_kind(v)}", "invalid_type")
+    if v < lo or (hi is not None and v > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise _bad(name, f"'{name}' must be an integer {bound}, got {v}")
+    return v
+
+
+def _bool(body: Mapping, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(name, f"'{name}' must be a boolean, got {_kind(v)}", "invalid_type")
+    return v
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality that tells booleans from numbers (``0 == False`` in Python, not in JSON)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+# ---------------------------------------------------------------------------------------------- fields
+
+_Neutral = tuple[tuple[Any, ...], str]
+"""(values meaning "nothing asked for", what the server does not support)."""
+
+_COMMON_NEUTRAL: dict[str, _Neutral] = {
+    "n": ((None, 1), "one choice per request (n = 1)"),
+    "frequency_penalty": ((None, 0), "no frequency penalty"),
+    "presence_penalty": ((None, 0), "no presence penalty"),
+    "repetition_penalty": ((None, 1), "no repetition penalty"),
+    "logit_bias": ((None, {}), "no logit bias"),
+    "min_p": ((None, 0), "no min-p filter"),
+    "min_tokens": ((None, 0), "no min_tokens"),
+    "stop_token_ids": ((None, []), "no stop_token_ids (use 'stop' strings)"),
+    "skip_special_tokens": ((None, True), "special tokens are always skipped in the text"),
+    "include_stop_str_in_output": ((None, False), "stop strings are always trimmed from the output"),
+    "store": ((None, False), "nothing is stored"),
+    "service_tier": ((None, "auto", "default"), "one service tier"),
+}
+_CHAT_NEUTRAL: dict[str, _Neutral] = {
+    "logprobs": ((None, False), "no log-probabilities (logprobs: false)"),
+    "top_logprobs": ((None, 0), "no log-probabilities"),
+    "response_format": ((None, {"type": "text"}), "plain text responses (response_format type 'text')"),
+    "tools": ((None, []), "no tools"),
+    "tool_choice": ((None, "none", "auto"), "no tools (tool_choice 'none')"),
+    "functions": ((None, []), "no functions"),
+    "function_call": ((None, "none", "auto"), "no functions"),
+    "modalities": ((None, ["text"]), "text output only"),
+    "audio": ((None,), "no audio"),
+    "prediction": ((None,), "no predicted outputs"),
+    "reasoning_effort": ((None,), "no reasoning_effort"),
+    "web_search_options": ((None,), "no web search"),
+    "verbosity": ((None,), "no verbosity setting"),
+    "moderation": ((None,), "no moderation"),
+    "prompt_cache_options": ((None,), "no prompt-cache options"),
+    "prompt_cache_retention": ((None,), "no prompt-cache retention"),
+    "add_generation_prompt": ((None, True), "the assistant's turn is always prompted"),
+    "continue_final_message": ((None, False), "a new assistant turn is always started"),
+}
+_COMPLETION_NEUTRAL: dict[str, _Neutral] = {
+    "logprobs": ((None,), "no log-probabilities (logprobs: null)"),
+    "echo": ((None, False), "echo: false"),
+    "best_of": ((None, 1), "best_of = 1"),
+    "suffix": ((None, ""), "no suffix"),
+}
+# fields taken as they are, with no effect on generation (their type is checked)
+_FREE: dict[str, Callable[[Any], bool]] = {
+    "user": lambda v: v is None or isinstance(v, str),
+    "metadata": lambda v: v is None or (isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
+    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
+    "prompt_cache_key": lambda v: v is None or isinstance(v, str),
+    "safety_identifier": lambda v: v is None or isinstance(v, str),
+}
+_SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
+                  "ignore_eos", "return_token_ids"}
+_CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens"}
+_COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt"}
+
+
+def _check_fields(body: Mapping, known: set[str], neutral: dict[str, _Neutral]) -> None:
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name in neutral:
+            allowed, what = neutral[name]
+            if not any(_same(value, a) for a in allowed):
+                raise _bad(name, f"'{name}' = {json.dumps(value)[:80]} is not supported: this server supports "
+                                 f"{what}", "unsupported_value")
+        elif name in _FREE:
+            if not _FREE[name](value):
+                raise _bad(name, f"'{name}' has the wrong type ({_kind(value)})", "invalid_type")
+        else:
+            raise _bad(name, f"Unrecognized request argument supplied: {name}", "unknown_parameter")
+
+
+def _stop(body: Mapping) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise _bad("stop", "'stop' must be a string or an array of strings", "invalid_type")
+    if len(stops) > MAX_STOPS:
+        raise _bad("stop", f"'stop' has {len(stops)} strings: at most {MAX_STOPS}")
+    if any(not s for s in stops):
+        raise _bad("stop", "'stop' strings must not be empty")
+    return list(dict.fromkeys(stops))
+
+
+def _stream(body: Mapping) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not stream:
+        raise _bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+    if not isinstance(options, dict):
+        raise _bad("stream_options", f"'stream_options' must be an object, got {_kind(options)}", "invalid_type")
+    for key, value in options.items():
+        if key == "include_usage":
+            if value is not None and not isinstance(value, bool):
+                raise _bad("stream_options.include_usage", "'stream_options.include_usage' must be a boolean",
+                           "invalid_type")
+        elif key == "continuous_usage_stats":
+            if not (value is None or value is False):
+                raise _bad("stream_options.continuous_usage_stats",
+                           "'stream_options.continuous_usage_stats' is not supported", "unsupported_value")
+        else:
+            raise _bad(f"stream_options.{key}", f"Unrecognized request argument supplied: stream_options.{key}",
+                       "unknown_parameter")
+    return stream, bool(options.get("include_usage"))
+
+
+def _model(body: Mapping) -> str:
+    v = body.get("model")
+    if v is None:
+        raise _bad("model", "'model' is required (GET /v1/models lists the served model)", "missing_required")
+    if not isinstance(v, str) or not v:
+        raise _bad("model", f"'model' must be a non-empty string, got {_kind(v)}", "invalid_type")
+    return v
+
+
+def _common(body: Mapping, kind: str) -> dict[str, Any]:
+    top_k = body.get("top_k")
+    if _is_int(top_k) and top_k in (-1, 0):  # vLLM's spelling of "no top-k filter"
+        top_k = None
+    else:
+        top_k = _int(body, "top_k", 1)
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    stream, include_usage = _stream(body)
+    return {
+        "kind": kind,
+        "model": _model(body),
+        "temperature": 1.0 if temperature is None else temperature,
+        "top_p": None if top_p in (None, 1.0) else top_p,
+        "top_k": top_k,
+        "seed": _int(body, "seed", _SEED_MIN, _SEED_MAX),
+        "stop": _stop(body),
+        "stream": stream,
+        "include_usage": include_usage,
+        "ignore_eos": _bool(body, "ignore_eos"),
+        "return_token_ids": _bool(body, "return_token_ids"),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def _content(i: int, content: Any) -> str:
+    """A message's text: a string, or an array of ``{"type": "text", "text": ...}`` parts (joined)."""
+    where = f"messages[{i}].content"
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else _kind(part)
+                raise _bad(f"{where}[{j}]", f"'{where}[{j}]' must be a text part {{\"type\": \"text\", \"text\": "
+                                            f"...}}; this server reads text only (got {kind!r})",
+                           "unsupported_value")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad(where, f"'{where}' must be a string or an array of text parts, got {_kind(content)}", "invalid_type")
+
+
+def _messages(body: Mapping) -> list[dict[str, str]]:
+    v = body.get("messages")
+    if v is None:
+        raise _bad("messages", "'messages' is required", "missing_required")
+    if not isinstance(v, list):
+        raise _bad("messages", f"'messages' must be an array, got {_kind(v)}", "invalid_type")
+    if not v:
+        raise _bad("messages", "'messages' is empty: give at least one message")
+    out = []
+    for i, m in enumerate(v):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}]", f"'messages[{i}]' must be an object, got {_kind(m)}", "invalid_type")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise _bad(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(_ROLES)}, got "
+                                              f"{json.dumps(role)[:40]}")
+        for key in m:
+            if key not in ("role", "content", "name"):
+                raise _bad(f"messages[{i}].{key}", f"'messages[{i}].{key}' is not supported (messages carry role, "
+                                                   "content and name)", "unsupported_value")
+        if "name" in m and not isinstance(m["name"], str):
+            raise _bad(f"messages[{i}].name", f"'messages[{i}].name' must be a string", "invalid_type")
+        if "content" not in m:
+            raise _bad(f"messages[{i}].content", f"'messages[{i}].content' is required", "missing_required")
+        out.append({"role": role, "content": _content(i, m["content"])})
+    return out
+
+
+def _max_tokens(body: Mapping, chat: bool) -> int | None:
+    n = _int(body, "max_tokens", 1)
+    if chat:
+        m = _int(body, "max_completion_tokens", 1)
+        if m is not None and n is not None and m != n:
+            raise _bad("max_completion_tokens", "'max_tokens' and 'max_completion_tokens' differ: give one")
+        return m if m is not None else n
+    return COMPLETION_MAX_TOKENS if n is None else n
+
+
+def parse_chat_request(body: Mapping) -> GenerationRequest:
+    """A ``/v1/chat/completions`` body as a :class:`GenerationRequest`, or APIError 400 naming the field."""
+    _check_fields(body, _CHAT_FIELDS, {**_COMMON_NEUTRAL, **_CHAT_NEUTRAL})
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return GenerationRequest(messages=_messages(body), max_tokens=_max_tokens(body, chat=True),
+                             max_tokens_param=param, **_common(body, "chat"))
+
+
+def _prompt(body: Mapping) -> str | list[int]:
+    v = body.get("prompt")
+    if v is None:
+        raise _bad("prompt", "'prompt' is required", "missing_required")
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # a batch of one prompt
+    elif isinstance(v, list) and v and all(isinstance(x, (str, list)) for x in v):
+        raise _bad("prompt", f"'prompt' holds {len(v)} prompts: this server takes one prompt per request",
+                   "unsupported_value")
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list) and v and all(_is_int(t) for t in v):
+        return list(v)
+    raise _bad("prompt", "'prompt' must be a string or a non-empty array of token ids", "invalid_type")
+
+
+def parse_completion_request(body: Mapping) -> GenerationRequest:
+    """A ``/v1/completions`` body as a :class:`GenerationRequest`, or APIError 400 naming the field."""
+    _check_fields(body, _COMPLETION_FIELDS, {**_COMMON_NEUTRAL, **_COMPLETION_NEUTRAL})
+    return GenerationRequest(prompt=_prompt(body), max_tokens=_max_tokens(body, chat=False),
+                             **_common(body, "completion"))

@@ -1,0 +1,342 @@
+"""One model, one decoding thread, a bounded FIFO queue in front of it.
+
+The HTTP handlers (asyncio) tokenise a request and :meth:`Worker.submit` a :class:`Job`; the worker thread takes
+jobs in arrival order and decodes one at a time with :func:`speculant.generate`, a fresh drafter per job
+(drafters hold per-generation state). Each verification step's committed tokens go through the job's
+:class:`~speculant.serve.text.Detokenizer` and :class:`~speculant.serve.text.StopMatcher` and are handed back to
+the handler's event loop as events (``("text", str)``, then ``("done", Result)`` or ``("error", str)``).
+
+Stopping a generation early: the engine has no cancel flag, so the stream callback raises (:class:`_Stop`) at the
+next step when the job was cancelled (its client went away) or a stop string is complete; ``generate`` lets it
+propagate. A failure in one job is logged and answered as an error; the thread goes on with the next job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .metrics import ServerMetrics
+from .settings import ServeSettings
+from .text import Detokenizer, StopMatcher
+
+__all__ = ["Job", "QueueFull", "Result", "Worker"]
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The queue holds ``max_queue`` jobs already (answered 429)."""
+
+
+class _Stop(Exception):
+    """Raised from the stream callback to end a generation at this step (cancelled, or a stop string)."""
+
+
+@dataclass
+class Result:
+    """How a generation ended: ``finish_reason`` (``stop``: end-of-sequence token or stop string; ``length``),
+    token counts, the generated ids (every token generated, a stop string's included) and the speculative
+    statistics of this response (the ``speculant`` field)."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    stats: dict[str, Any]
+    token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: prompt ids and sampling settings in, events out to the event loop that submitted it."""
+
+    ids: list[int]
+    max_tokens: int
+    chat: bool
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    arrived: float = field(default_factory=time.perf_counter)
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        if self.events is None:
+            self.events = asyncio.Queue()
+
+    def emit(self, kind: str, payload: Any) -> None:
+        """Hand an event to the submitting loop (thread-safe); dropped when that loop is gone."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop was closed (server shutting down)
+            pass
+
+
+class _CountingDrafter:
+    """Passes a drafter through and remembers the size of its last proposal (draft tokens of this step); every
+    other attribute is the drafter's own (e.g. its ``model``, which a KV policy may use)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.proposed = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def begin(self, state) -> None:
+        self.inner.begin(state)
+
+    def propose(self, state):
+        tree = self.inner.propose(state)
+        self.proposed = len(tree)
+        return tree
+
+    def commit(self, state, accepted) -> None:
+        self.inner.commit(state, accepted)
+
+
+class Worker:
+    """Loads the model (:meth:`load`), then decodes queued jobs one at a time on its own thread.
+
+    ``ready`` is set once the model is loaded; ``load_error`` holds the one-line reason when loading failed.
+    ``tokenizer_lock`` guards the tokenizer, used by the handlers (encode) and the thread (decode)."""
+
+    def __init__(self, settings: ServeSettings, metrics: ServerMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.ready = threading.Event()
+        self.load_error: str | None = None
+        self.tokenizer_lock = threading.Lock()
+        self.target = self.tokenizer = self.draft_model = None
+        self.context_length: int | None = None
+        self._context: dict = {}
+        self._method: tuple[str, dict] = ("ar", {})
+        self._engine: dict = {}
+        self._kv: dict = {}
+        self._queue: collections.deque[Job] = collections.deque()
+        self._cond = threading.Condition()
+        self._running: Job | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------ model
+
+    def load(self) -> None:
+        """Load the target (and draft) of the settings; raises what loading raises."""
+        import torch
+
+        from ..checks import context_length, resolve_device
+        from ..commands.common import set_threads
+        from ..drafters.registry import build_drafter, engine_options, get_method, parse_method
+        from ..loading import draft_context, load_draft, load_model_dir
+
+        s = self.settings
+        set_threads(s.threads)
+        name, options = parse_method(s.method)
+        _, self._engine = engine_options(options)
+        device = resolve_device(s.device)
+        dtype = s.dtype if s.dtype is not None else torch.float32
+        target, tokenizer = load_model_dir(s.target, dtype)
+        target.to(device)
+        if get_method(name).needs_draft:
+            self.draft_model = load_draft(s.draft, target, dtype).to(device)
+            self._context = draft_context(s.draft, tokenizer)
+        build_drafter((name, options), self.draft_model, **self._context)  # fails now rather than per request
+        self._method = (name, options)
+        if s.kv_policy is not None:
+            self._kv = {"kv_policy": s.kv_policy, "kv_budget": s.kv_budget,
+                        **({} if s.kv_block is None else {"kv_block": s.kv_block})}
+        self.target, self.tokenizer = target, tokenizer
+        self.context_length = context_length(target)
+        log.info("loaded %s (method %s)", s.served_name, s.method)
+
+    def stop_ids(self, chat: bool) -> list[int] | None:
+        """The end-of-sequence ids of a request: end of the assistant's turn for chats, the model's own EOS
+        (generate()'s default) for plain completions."""
+        from ..chat import stop_ids
+
+        return stop_ids(self.tokenizer, self.target) if chat else None
+
+    # ------------------------------------------------------------------------------------------ thread
+
+    def start(self, load: bool = True, on_ready: Callable[[], None] | None = None,
+              on_fatal: Callable[[str], None] | None = None) -> None:
+        """Start the decoding thread; with ``load`` it loads the model first (``ready`` is set after, then
+        ``on_ready()`` is called), and a failure to load is logged, kept in ``load_error`` and passed to
+        ``on_fatal``."""
+
+        def main() -> None:
+            if load:
+                try:
+                    self.load()
+                except Exception as exc:  # noqa: BLE001: any failure to load ends the server with its message
+                    self.load_error = " ".join(str(exc).split()) or type(exc).__name__
+                    if on_fatal is not None:  # the caller reports it (speculant serve: one error line)
+                        log.debug("loading the model failed", exc_info=True)
+                        on_fatal(self.load_error)
+                    else:
+                        log.error("loading the model failed: %s", self.load_error, exc_info=True)
+                    return
+            self.ready.set()
+            if on_ready is not None:
+                on_ready()
+            self._loop()
+
+        self._thread = threading.Thread(target=main, name="speculant-worker", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop taking jobs; the running one is cancelled at its next step, waiting ones are dropped."""
+        with self._cond:
+            self._closed = True
+            if self._running is not None:
+                self._running.cancelled.set()
+            for job in self._queue:
+                job.cancelled.set()
+                job.emit("error", "the server is shutting down")
+            self._queue.clear()
+            self.metrics.waiting.set(0)
+            self._cond.notify_all()
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; QueueFull when ``max_queue`` jobs wait already (and one is being decoded)."""
+        with self._cond:
+            if self._closed:
+                raise QueueFull("the server is shutting down")
+            busy = len(self._queue) + (self._running is not None)
+            if busy > self.settings.max_queue:
+                raise QueueFull(f"the queue is full ({self.settings.max_queue} requests waiting)")
+            self._queue.append(job)
+            self.metrics.waiting.set(len(self._queue))
+            self._cond.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The client of ``job`` went away: drop it from the queue, or stop its generation at the next step."""
+        with self._cond:
+            job.cancelled.set()
+            if job in self._queue:
+                self._queue.remove(job)
+                self.metrics.waiting.set(len(self._queue))
+                self.metrics.cancelled.inc()
+
+    def _next(self) -> Job | None:
+        with self._cond:
+            while not self._queue and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            job = self._queue.popleft()
+            self._running = job
+            self.metrics.waiting.set(len(self._queue))
+            self.metrics.running.set(1)
+            return job
+
+    def _loop(self) -> None:
+        while (job := self._next()) is not None:
+            try:
+                last = self._run(job)
+            except Exception as exc:  # noqa: BLE001: one request's failure never stops the server
+                log.exception("request failed")
+                self.metrics.failed.inc()
+                last = ("error", f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500])
+            with self._cond:  # free before the client hears the end, so that its next request finds room
+                self._running = None
+                self.metrics.running.set(0)
+            if last is not None:
+                job.emit(*last)
+
+    # ------------------------------------------------------------------------------------------ one job
+
+    def _run(self, job: Job) -> tuple[str, Any] | None:
+        """Decode ``job``, emitting its text as it comes; returns its last event (None: nobody listens)."""
+        from ..checks import resolve_eos
+        from ..drafters.registry import build_drafter
+        from ..engine import generate
+
+        m = self.metrics
+        start = time.perf_counter()
+        m.queue_time.observe(start - job.arrived)
+        if job.cancelled.is_set():
+            m.cancelled.inc()
+            return None
+        m.prompt_tokens.inc(len(job.ids))
+        drafter = build_drafter(self._method, self.draft_model, **self._context)
+        counting = _CountingDrafter(drafter) if drafter is not None else None
+        detok = Detokenizer(self.tokenizer, self.tokenizer_lock)
+        stops = StopMatcher(job.stop)
+        steps = {"calls": 0, "tokens": 0, "draft": 0, "accepted": 0, "per_pos": []}
+        first: list[float] = []
+        generated: list[int] = []
+
+        def on_step(new_ids: list[int]) -> None:
+            proposed = counting.proposed if counting is not None else 0
+            if counting is not None:
+                counting.proposed = 0  # a step without a proposal (the last token) drafts nothing
+            accepted = len(new_ids) - 1 if proposed else 0
+            steps["calls"] += 1
+            steps["tokens"] += len(new_ids)
+            steps["draft"] += proposed
+            steps["accepted"] += accepted
+            for pos in range(accepted):
+                if pos == len(steps["per_pos"]):
+                    steps["per_pos"].append(0)
+                steps["per_pos"][pos] += 1
+            m.step(len(new_ids), proposed)
+            generated.extend(new_ids)
+            if not first:
+                first.append(time.perf_counter())
+                m.ttft.observe(first[0] - job.arrived)
+            if job.cancelled.is_set():
+                raise _Stop
+            text = stops.feed(detok.push(new_ids))
+            if text:
+                job.emit("text", text)
+            if stops.hit:
+                raise _Stop
+
+        eos = [] if job.ignore_eos else self.stop_ids(job.chat)
+        try:
+            generate(self.target, job.ids, drafter=counting, max_new_tokens=job.max_tokens,
+                     temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed,
+                     eos_token_id=eos, stream=on_step, **self._kv, **self._engine)
+        except _Stop:
+            pass
+        if job.cancelled.is_set() and not stops.hit:
+            m.cancelled.inc()
+            m.cancelled_tokens.inc(steps["tokens"])
+            return "error", "cancelled"
+        if not stops.hit:
+            tail = stops.feed(detok.finish())
+            tail += stops.flush()
+            if tail:
+                job.emit("text", tail)
+        ended_by_eos = bool(generated) and generated[-1] in resolve_eos(self.target, eos)
+        reason = "stop" if stops.hit or ended_by_eos else "length"
+        end = time.perf_counter()
+        m.e2e.observe(end - job.arrived)
+        if first and steps["tokens"] > 1:
+            m.tpot.observe((end - first[0]) / (steps["tokens"] - 1))
+        m.finished(reason)
+        stats = {
+            "method": self.settings.method,
+            "acceptance_length": steps["tokens"] / steps["calls"] if steps["calls"] else 0.0,
+            "target_calls": steps["calls"],
+            "draft_tokens": steps["draft"],
+            "accepted_tokens": steps["accepted"],
+            "accepted_per_position": steps["per_pos"],
+            "decode_s": round(end - start, 6),
+        }
+        return "done", Result(reason, len(job.ids), steps["tokens"], stats, generated)
+
