@@ -97,13 +97,17 @@ ray: $(STAMP)
 
 # The OpenAI-compatible server under load (issue 16): SmolLM2, the default method then ar, 64 requests per level.
 SERVE_PORT ?= 8011
+SERVE_DTYPE ?= float32
+SERVE_TOKENS ?= 64
 bench-serve: $(STAMP)
 	for m in default ar; do \
 	  opt=$$( [ $$m = ar ] && echo "--method ar" ); out=benchmarks/results/serve$$( [ $$m = ar ] && echo "-ar" ); \
-	  $(VENV)/bin/speculant serve --target smollm2-135m-instruct $$opt --threads 2 --port $(SERVE_PORT) & pid=$$!; \
+	  $(VENV)/bin/speculant serve --target smollm2-135m-instruct $$opt --dtype $(SERVE_DTYPE) --threads 2 \
+	    --port $(SERVE_PORT) & pid=$$!; \
 	  until curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null; do sleep 1; done; \
 	  $(VENV)/bin/speculant bench serve --url http://127.0.0.1:$(SERVE_PORT) --concurrency 1,2,4 --requests 64 \
-	    --max-tokens 64 --out $$out; status=$$?; kill -INT $$pid; wait $$pid; [ $$status -eq 0 ] || exit $$status; \
+	    --max-tokens $(SERVE_TOKENS) --temperature 0 --out $$out; status=$$?; kill -INT $$pid; wait $$pid; \
+	  [ $$status -eq 0 ] || exit $$status; \
 	done
 
 # The drafter shipped for SmolLM2 (src/speculant/assets/smollm2-135m-instruct-draft), made on 2 CPU cores.
