@@ -219,9 +219,11 @@ def render_markdown(results: dict) -> str:
 
 
 def readme_section(results: dict, source: str = "") -> str:
-    """The README's benchmark block: the main table and one line of settings (and where they come from)."""
+    """The README's benchmark block: the main table and one line of settings (and where they come from), then
+    the forward profile when the run has one (``--profile``)."""
     origin = f" Source: `{source}`." if source else ""
-    return f"{main_table(results)}\n\n{_settings_line(results)}.{origin}\n"
+    profile = f"\n{profile_table(results['profile'])}\n" if "profile" in results else ""
+    return f"{main_table(results)}\n\n{_settings_line(results)}.{origin}\n{profile}"
 
 
 def write_plots(results: dict, out: str | Path) -> list[Path]:
