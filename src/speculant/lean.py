@@ -242,9 +242,11 @@ class LeanForward:
         x = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds  # [1, T, H]
         t = x.shape[1]
         past = cache.get_seq_length()
-        if positions is None:
+        if positions is None:  # a chain: the last position is known without reading the tensor back
             positions = torch.arange(past, past + t, device=x.device)[None]
-        last = int(positions.max()) + 1
+            last = past + t
+        else:
+            last = int(positions.max()) + 1
         if last > self._cos.shape[0]:
             self._grow(last)
         causal = False

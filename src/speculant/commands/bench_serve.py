@@ -17,7 +17,7 @@ import os
 import platform
 import sys
 
-from .common import nonnegative_int, positive_int, positive_int_list
+from .common import dataclass_defaults, nonnegative_int, positive_int, positive_int_list
 from .serve import API_KEY_ENV
 
 __all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_arguments", "epilog", "run"]
@@ -51,7 +51,7 @@ def epilog() -> str:
 def _defaults() -> dict:
     from ..serve.load import LoadSettings
 
-    return {f.name: f.default for f in dataclasses.fields(LoadSettings)}
+    return dataclass_defaults(LoadSettings)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "add_dataclass_arguments",
     "add_device_argument",
     "add_threads_argument",
+    "dataclass_defaults",
     "dataclass_from_args",
     "default_model_dir",
     "int_at_least",
@@ -125,6 +126,13 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
 
 positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
+
+
+def dataclass_defaults(cls) -> dict:
+    """``{field: default}`` of a settings dataclass (the defaults a command's options show)."""
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(cls)}
 
 
 def positive_int_list(text: str) -> list[int]:

