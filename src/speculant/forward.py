@@ -54,10 +54,12 @@ class TargetForward:
     """``logits [1, T, V] = forward(cache, input_ids=[1, T] | inputs_embeds=[1, T, H], positions, mask,
     capture)`` through the lean forward or the model's own; :attr:`kind` says which (``"lean"``/``"model"``)."""
 
-    def __init__(self, model: torch.nn.Module, mode: str = "auto", max_length: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, mode: str = "auto", max_length: int | None = None,
+                 taps: list[int] | tuple[int, ...] = ()) -> None:
         if mode not in FORWARDS:
             raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {mode!r}")
         self.model = model
+        self.taps = list(taps)  # layers whose outputs hidden_out also receives (a feature drafter's, EAGLE-3 style)
         self.lean: LeanForward | None = None
         if mode != "model":
             reason = unsupported(model)
@@ -75,21 +77,53 @@ class TargetForward:
 
     def __call__(self, cache, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                 capture=None, logits_to_keep: int = 0) -> torch.Tensor:
-        """Logits ``[1, T, V]`` (``logits_to_keep=k``: of the last k inputs only, ``[1, k, V]``)."""
+                 capture=None, logits_to_keep: int = 0, hidden_out: list | None = None) -> torch.Tensor:
+        """Logits ``[1, T, V]`` (``logits_to_keep=k``: of the last k inputs only, ``[1, k, V]``).
+
+        ``hidden_out``: a list that receives the states a feature drafter reads, ``[1, T, (len(taps) + 1) H]``: the
+        outputs of the layers in :attr:`taps`, then the final-normed hidden state; the logits are then the LM
+        head over the latter."""
+        if self.lean is None and hidden_out is None:
+            feed = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+            with capture if capture is not None else nullcontext():
+                out = self.model(**feed, past_key_values=cache, attention_mask=mask, position_ids=positions,
+                                 use_cache=True, logits_to_keep=logits_to_keep)
+            return out.logits
+        hidden = self._hidden(cache, input_ids, inputs_embeds, positions, mask, capture, hidden_out)  # [1, T, H]
+        head = self.lean.logits if self.lean is not None else self.model.get_output_embeddings()
+        return head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
+
+    def prefill(self, cache, input_ids: torch.Tensor, hidden_out: list | None = None) -> None:
+        """Feed ``input_ids [1, T]`` into ``cache`` without computing logits (the prompt before the root);
+        ``hidden_out`` as in :meth:`__call__`."""
+        self._hidden(cache, input_ids, None, None, None, None, hidden_out)
+
+    def _hidden(self, cache, input_ids, inputs_embeds, positions, mask, capture, hidden_out) -> torch.Tensor:
+        """The final-normed hidden states ``[1, T, H]``; appends the drafter's states to ``hidden_out``."""
+        taps = {i: None for i in self.taps} if hidden_out is not None and self.taps else None
         if self.lean is not None:
             hidden = self.lean.hidden(input_ids, cache, positions, mask, inputs_embeds=inputs_embeds,
-                                      capture=capture)
-            return self.lean.logits(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
-        feed = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
-        with capture if capture is not None else nullcontext():
-            out = self.model(**feed, past_key_values=cache, attention_mask=mask, position_ids=positions,
-                             use_cache=True, logits_to_keep=logits_to_keep)
-        return out.logits
-
-    def prefill(self, cache, input_ids: torch.Tensor) -> None:
-        """Feed ``input_ids [1, T]`` into ``cache`` without computing logits (the prompt before the root)."""
-        if self.lean is not None:
-            self.lean.hidden(input_ids, cache)
+                                      capture=capture, taps=taps)
         else:
-            self.model.base_model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+            feed = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+            hooks = [] if taps is None else [self.model.model.layers[i].register_forward_hook(_tap(taps, i))
+                                             for i in taps]
+            try:
+                with capture if capture is not None else nullcontext():
+                    hidden = self.model.base_model(**feed, past_key_values=cache, attention_mask=mask,
+                                                   position_ids=positions, use_cache=True).last_hidden_state
+            finally:
+                for hook in hooks:
+                    hook.remove()
+        if hidden_out is not None:
+            hidden_out.append(hidden if taps is None else torch.cat([taps[i] for i in self.taps] + [hidden], -1))
+        return hidden
+
+
+def _tap(taps: dict, index: int):
+    """A forward hook storing a decoder layer's output hidden states in ``taps[index]``."""
+
+    def hook(module, args, output):
+        taps[index] = output[0] if isinstance(output, tuple) else output
+
+    return hook

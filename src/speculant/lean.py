@@ -228,7 +228,7 @@ class LeanForward:
     @torch.no_grad()
     def hidden(self, input_ids: torch.Tensor | None, cache, positions: torch.Tensor | None = None,
                mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
-               capture=None) -> torch.Tensor:
+               capture=None, taps: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[1, T, H]`` of the new tokens; their keys and values are appended to
         ``cache`` (a :class:`~speculant.cache.SpecCache`, possibly evicting).
 
@@ -238,6 +238,8 @@ class LeanForward:
             mask: ``[1, 1, T, L + T]`` additive or boolean mask (a tree); default: causal.
             capture: a :class:`~speculant.kv.attention.QueryCapture` that records each layer's post-RoPE
                 queries (for attention-scored KV policies).
+            taps: layer index -> filled with that layer's output (the residual stream after it, ``[1, T, H]``);
+                the keys name the layers to tap (values are overwritten).
         """
         x = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds  # [1, T, H]
         t = x.shape[1]
@@ -277,4 +279,6 @@ class LeanForward:
             x = x + F.linear(attn.to(dtype).transpose(1, 2).reshape(1, t, hq * d), w.o, w.o_bias)
             gate, up = F.linear(self._norm(x, w.post_norm), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+            if taps is not None and i in taps:
+                taps[i] = x
         return self._norm(x, self.norm)

@@ -25,7 +25,7 @@ import torch
 
 from ..chat import stop_ids
 from ..checks import check_fits_context, check_positive_int, resolve_device, resolve_eos
-from ..drafters.registry import NO_DEFAULT, build_drafter, engine_options, get_method, parse_method
+from ..drafters.registry import NO_DEFAULT, build_drafter, engine_options, get_method, parse_method, split_spec
 from ..engine import generate
 from ..loading import default_draft_for
 from ..types import SamplingParams
@@ -228,7 +228,9 @@ def run_bench(
             dicts with ``prompt`` (text), ``messages`` (a chat: the target tokenizer's chat template is applied)
             or ``input_ids``. Records with a ``category`` get a per-category table.
         methods: registry specs (``NAME[:key=value...]``), a list or one comma-separated string; results are
-            keyed by the spec exactly as given. ``ar`` is added (first) when missing: it is the reference.
+            keyed by the spec exactly as given. ``ar`` is added (first) when missing: it is the reference. A
+            ``draft=NAME`` option runs that method with its own draft model (a name or directory, loaded like
+            ``draft``), e.g. to compare two drafters in one interleaved run.
             None: :data:`DEFAULT_METHODS`, or :data:`DEFAULT_FAMILIES` with ``budgets``/``depths``.
         baselines: ``hf-ar``, ``hf-assisted[:k=N]``, ``hf-prompt-lookup[:k=N][:ngram=M]`` (list or
             comma-separated; empty for none). The k of ``hf-assisted``/``hf-prompt-lookup`` defaults to the k of
@@ -282,14 +284,15 @@ def run_bench(
     matched = None
     if matching:
         method_specs, matched = matched_specs(method_specs, budgets or [], depths or [], skip=(REFERENCE,))
-    parsed = [(spec, *parse_method(spec)) for spec in method_specs]
+    method_drafts = {spec: _method_draft(spec) for spec in method_specs}  # spec -> its own draft=, or None
+    parsed = [(spec, *parse_method(_without_draft(spec))) for spec in method_specs]
     if not any(spec == REFERENCE for spec, _, _ in parsed):
         parsed.insert(0, (REFERENCE, *parse_method(REFERENCE)))
     else:
         parsed.sort(key=lambda p: p[0] != REFERENCE)  # the reference first, the rest in the given order
     baseline_specs = split_specs(baselines)
     parsed_baselines = [(spec, *parse_baseline(spec)) for spec in baseline_specs]
-    needs_draft = any(get_method(n).needs_draft for _, n, _ in parsed) or any(
+    needs_draft = any(get_method(n).needs_draft and not method_drafts.get(s) for s, n, _ in parsed) or any(
         BASELINES[n].needs_draft for _, n, _ in parsed_baselines
     )
     source, records = _prompt_records(prompts, num_prompts)
@@ -301,7 +304,7 @@ def run_bench(
         if draft is not None:
             log.info("draft: %s (the drafter speculant ships for %s)", draft, target)
     if needs_draft and draft is None:
-        users = [s for s, n, _ in parsed if get_method(n).needs_draft] + [
+        users = [s for s, n, _ in parsed if get_method(n).needs_draft and not method_drafts.get(s)] + [
             s for s, n, _ in parsed_baselines if BASELINES[n].needs_draft
         ]
         raise ValueError(f"{', '.join(users)} need(s) a draft model and speculant ships none for this target: "
@@ -316,18 +319,25 @@ def run_bench(
         if context.get("tokenizers_match") is False and any(BASELINES[n].needs_draft for _, n, _ in parsed_baselines):
             raise ValueError("hf-assisted needs a draft with the target's tokenizer (the tokenizers differ)")
     elif draft is not None:
-        log.info("no method drafts with a model: the draft is not loaded")
+        log.info("no method drafts with the default draft: it is not loaded")
+    own_drafts = {}  # a method's own draft= name -> (model, context, description)
+    for name in sorted({d for d in method_drafts.values() if d}):
+        own_drafts[name] = load_bench_draft(name, target_model, tokenizer, dtype, device)
     for ids in ids_per_prompt:
         check_fits_context(target_model, len(ids), max_new_tokens)
-        if draft_model is not None:
-            check_fits_context(draft_model, len(ids), max_new_tokens, role="draft")
+        for model in [draft_model] + [m for m, _, _ in own_drafts.values()]:
+            if model is not None:
+                check_fits_context(model, len(ids), max_new_tokens, role="draft")
 
     chats = sum(is_chat(r) for r in records)
     stops = _stops(target_model, tokenizer, eos_token_id, chat=chats > 0)
     pad = _pad_id(target_model, stops)
     k_default = _default_k(parsed)
-    ours = {spec: _EngineMethod(target_model, name, options, draft_model, context, stops)
-            for spec, name, options in parsed}
+    ours = {}
+    for spec, name, options in parsed:
+        own = own_drafts.get(method_drafts.get(spec) or "")
+        ours[spec] = _EngineMethod(target_model, name, options, own[0] if own else draft_model,
+                                   own[1] if own else context, stops)
     runs = [MethodRun(spec, run=method) for spec, method in ours.items()]
     n_ctx = max(len(ids) for ids in ids_per_prompt) + max_new_tokens + 64
     for spec, name, options in parsed_baselines:
@@ -350,7 +360,7 @@ def run_bench(
         _add_costs(summary[spec], rows[spec], "speculant",
                    drafter_params_per_forward(method.last_drafter, target_model), target_ppf,
                    param_bytes(target_model, *method.models))
-        _add_shape(summary[spec], rows[spec], spec)
+        _add_shape(summary[spec], rows[spec], _without_draft(spec))
     for spec, name, options in parsed_baselines:
         uses_draft = BASELINES[name].needs_draft
         draft_ppf = params_per_forward(draft_model) if uses_draft else 0
@@ -369,6 +379,7 @@ def run_bench(
             "reference": REFERENCE,
             "target": target_desc,
             "draft": draft_desc,
+            "method_drafts": {spec: own_drafts[d][2] for spec, d in method_drafts.items() if d},
             "target_dtype": str(target_model.dtype),
             "draft_dtype": None if draft_model is None else str(draft_model.dtype),
             "device": str(target_model.device),
@@ -406,6 +417,17 @@ def run_bench(
 
         results["files"] = [str(p) for p in write_results(results, out)]
     return results
+
+
+def _method_draft(spec: str) -> str | None:
+    """The ``draft=NAME`` option of a method spec (the bench runs that method with its own draft model)."""
+    return split_spec(spec, "method", [])[1].get("draft") or None
+
+
+def _without_draft(spec: str) -> str:
+    """``spec`` without its ``draft=`` option (what the registry parses)."""
+    name, raw = split_spec(spec, "method", [])
+    return ":".join([name] + [f"{k}={v}" for k, v in raw.items() if k != "draft"])
 
 
 def _add_shape(s: dict, rows: list[dict], spec: str) -> None:

@@ -100,7 +100,12 @@ _DRAFT_DOCS = {
     "answer_batches": "answer only the first N batches (a random subset of the prompts; default: all)",
     "gen_dtype": "dtype the target answers in (speed only): float32 or bfloat16",
     "topk": "target log-probabilities kept per answer token (the teacher)",
+    "kind": "token: a token-level drafter; feature: a feature (EAGLE) drafter that also reads the target's final "
+            "hidden states (exported to OUT/feature-<loss>/draft)",
     "layers": "target layers the drafter starts from, separated by '/'",
+    "taps": "feature drafters: target layers whose outputs they also read (EAGLE-3 style), separated by '/'",
+    "regression": "feature drafters: weight of the hidden-state regression loss (EAGLE)",
+    "unroll": "feature drafters: training passes, 2 also trains on the drafter's own states (2nd draft token)",
     "loss": "distillation loss: fkl, tvd, tvd++, or none (export the untrained initialisation)",
     "steps": "optimizer steps",
     "batch_size": "answers per step",
@@ -114,24 +119,41 @@ _DRAFT_DOCS = {
 }
 
 
+def _check_layers(target_dir, layers: list[int], taps: list[int]) -> None:
+    """--layers and --taps must name layers of the target (read from its config, before any work)."""
+    from transformers import AutoConfig
+
+    n = getattr(AutoConfig.from_pretrained(str(target_dir), local_files_only=True), "num_hidden_layers", None)
+    for name, values in (("layers", layers), ("taps", taps)):
+        if n is not None and any(not 0 <= i < n for i in values):
+            raise ValueError(f"--{name}: the target has layers 0..{n - 1}, got {'/'.join(map(str, values))}")
+    if not layers:
+        raise ValueError("--layers: at least one target layer to start the drafter from")
+
+
 def _run_train_draft(args: argparse.Namespace) -> int:
     """``train draft``: answers, training and export, each resuming an interrupted run; prints the export."""
     import shlex
 
     from ..checks import check_positive_int
     from ..loading import resolve_model
-    from ..train.draft import DraftRunConfig, run_answers, run_training
+    from ..train.draft import KINDS, DraftRunConfig, run_answers, run_features, run_training
     from ..train.drafter_card import write_drafter_card
     from ..train.losses import LOSSES
 
     if args.loss not in (*LOSSES, "none"):
         raise ValueError(f"--loss: unknown loss {args.loss!r}; known: {', '.join(LOSSES)}, none")
     check_positive_int("steps", args.steps)
-    resolve_model(args.target)  # a clear error before any work
+    check_positive_int("unroll", args.unroll)
+    if args.kind not in KINDS:
+        raise ValueError(f"--kind: unknown drafter kind {args.kind!r}; known: {', '.join(KINDS)}")
+    _check_layers(resolve_model(args.target), args.layers, args.taps)  # a clear error before any work
     if args.prompts is not None and not Path(args.prompts).is_file():
         raise ValueError(f"--prompts: file {args.prompts!r} does not exist")
     cfg = dataclass_from_args(DraftRunConfig, args)
     run_answers(cfg)
+    if cfg.kind == "feature":
+        run_features(cfg)
     export = run_training(cfg)
     command = "speculant train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     write_drafter_card(cfg.out, export, command or f"speculant train draft {cfg}", name=args.name)

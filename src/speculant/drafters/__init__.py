@@ -1,6 +1,7 @@
 """Drafters: everything that proposes draft trees for the one verifier."""
 
 from .base import DecodeState, Drafter
+from .feature import FeatureDrafter
 from .model import DraftModelBase, DraftModelDrafter
 from .trees import (
     DynamicTreeDrafter,
@@ -17,6 +18,7 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "DynamicTreeDrafter",
+    "FeatureDrafter",
     "RSDCDrafter",
     "RSDSDrafter",
     "SpecInferDrafter",

@@ -43,6 +43,10 @@ class DecodeState:
     # the last verification forward: its logits [Q (+ P probe slots), V] and the accepted node indices
     last_logits: torch.Tensor | None = None
     last_accepted: list[int] = field(default_factory=list)
+    # for a drafter with ``uses_target_hidden = True`` only: the target's states ([N, F] blocks, in order) of the
+    # tokens that entered its cache since the drafter last took them (it clears the list): the outputs of the
+    # layers the drafter's ``target_taps`` names, then the final-normed hidden state (F = (taps + 1) H)
+    target_hidden: list[torch.Tensor] = field(default_factory=list)
 
     @contextmanager
     def draft_forward(self, device: torch.device) -> Iterator[None]:

@@ -15,25 +15,10 @@ from collections.abc import Sequence
 
 from ..checks import check_positive_int
 from .base import DecodeState
-from .lookup import lookup_continuation
+from .lookup import lookup_continuation, merge_chain
 from .mask_probe import MaskProbeDrafter
 
-__all__ = ["HybridDrafter", "merge_chain"]
-
-
-def merge_chain(tokens: list[int], parents: list[int], chain: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The tree ``(tokens, parents)`` with ``chain`` added as a path from the root: existing nodes with the same
-    token at the same place are reused, the rest is appended (topological order and distinct siblings hold)."""
-    tokens, parents = list(tokens), list(parents)
-    node = -1
-    for tok in chain:
-        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == tok), None)
-        if child is None:
-            tokens.append(tok)
-            parents.append(node)
-            child = len(tokens) - 1
-        node = child
-    return tokens, parents
+__all__ = ["HybridDrafter"]
 
 
 class HybridDrafter(MaskProbeDrafter):

@@ -8,11 +8,13 @@ decoding stays lossless. Strong when the answer copies from the prompt (code edi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..checks import check_positive_int
 from ..types import DraftTree
 from .base import DecodeState
 
-__all__ = ["PromptLookupDrafter", "lookup_continuation"]
+__all__ = ["PromptLookupDrafter", "lookup_continuation", "merge_chain"]
 
 
 def lookup_continuation(ids: list[int], ngram: int, k: int) -> list[int]:
@@ -29,6 +31,21 @@ def lookup_continuation(ids: list[int], ngram: int, k: int) -> list[int]:
                 if follow:
                     return follow
     return []
+
+
+def merge_chain(tokens: list[int], parents: list[int], chain: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The tree ``(tokens, parents)`` with ``chain`` added as a path from the root: existing nodes with the same
+    token at the same place are reused, the rest is appended (topological order and distinct siblings hold)."""
+    tokens, parents = list(tokens), list(parents)
+    node = -1
+    for tok in chain:
+        child = next((i for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == tok), None)
+        if child is None:
+            tokens.append(tok)
+            parents.append(node)
+            child = len(tokens) - 1
+        node = child
+    return tokens, parents
 
 
 class PromptLookupDrafter:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..attached import is_feature_drafter
 from ..cache import SpecCache
 from ..checks import (
     check_fits_context,
@@ -77,6 +78,9 @@ class DraftModelBase:
                 f"{type(draft_model).__name__} {draft_model!r:.80}: load one with speculant.load_pretrained(name_or_dir)"
                 " or, for an attached drafter, speculant.load_draft(name_or_dir, target)"
             )
+        if is_feature_drafter(draft_model) and not getattr(self, "uses_target_hidden", False):
+            raise ValueError(f"the draft model is a feature (EAGLE) drafter, which {type(self).__name__} cannot "
+                             "drive: draft with it through the chain method (speculant.drafters.FeatureDrafter)")
         self.model = draft_model
         self._lean: LeanForward | None = None
         self.tokenizers_match = tokenizers_match

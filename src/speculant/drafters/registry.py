@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 
+from ..attached import is_feature_drafter
 from ..forward import FORWARDS
 from .base import Drafter
+from .feature import FeatureDrafter
 from .model import DraftModelDrafter
 from .trees import (
     DynamicTreeDrafter,
@@ -306,18 +308,27 @@ def _ar(draft_model: torch.nn.Module | None) -> None:
     return None
 
 
-def _model_drafter(cls: type) -> Callable[..., Drafter]:
-    """The factory of a draft-model drafter class: ``trim`` is its ``vocab_trim``."""
+def _model_drafter(cls: type, features: type | None = None) -> Callable[..., Drafter]:
+    """The factory of a draft-model drafter class: ``trim`` is its ``vocab_trim``; ``features``: the class that
+    drives a feature (EAGLE) draft model instead, if the method has one."""
 
     def factory(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
-                **options: Any) -> Drafter:
-        return cls(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
+                lookup: int = 0, **options: Any) -> Drafter:
+        use = features if features is not None and is_feature_drafter(draft_model) else cls
+        drafter = use(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
+        if lookup:
+            from .with_lookup import WithLookup
+
+            return WithLookup(drafter, k=lookup)
+        return drafter
 
     return factory
 
 
 _TRIM = Key(int, "VocabTrim: draft over the N most frequent tokens of the draft's calibration; 0 = full LM head; "
             "default: the size the draft ships with, if any")
+_LOOKUP = Key(int, "also merge a prompt-lookup chain of up to N tokens into each draft, verified in the same "
+              "forward (deterministic drafts only: chain at temperature 0, tree at any); 0 = none", 0)
 
 
 def _keys(cls: type, **docs: tuple[Any, str]) -> dict[str, Key]:
@@ -335,10 +346,11 @@ def _keys(cls: type, **docs: tuple[Any, str]) -> dict[str, Key]:
 register("ar", _ar, needs_draft=False, doc="plain autoregressive decoding, no draft (the baseline)")
 register(
     "chain",
-    _model_drafter(DraftModelDrafter),
+    _model_drafter(DraftModelDrafter, features=FeatureDrafter),
     needs_draft=True,
-    keys=_keys(DraftModelDrafter, k=(int, "draft tokens per step (gamma)")),
-    doc="draft-model chain, speculative sampling (Leviathan et al. 2023; Chen et al. 2023)",
+    keys={**_keys(DraftModelDrafter, k=(int, "draft tokens per step (gamma)")), "lookup": _LOOKUP},
+    doc="draft-model chain, speculative sampling (Leviathan et al. 2023; Chen et al. 2023); with a feature "
+        "draft model, an EAGLE chain drafted from the target's hidden states (Li et al. 2024)",
 )
 # SpecInfer and SpecTr draft the same tree of i.i.d. sequences (they differ in the verification rule only)
 _IID_TREE = {"width": (int, "i.i.d. draft sequences W (nodes per level <= W)"),
@@ -385,7 +397,7 @@ register(
                topk=(int, "children per expanded node, and nodes expanded per level K"),
                depth=(int, "levels L (draft forwards per step)"),
                calibrate=(bool, "rank nodes by acceptance rates learned online from verification (0: by raw "
-                                "draft probability, as EAGLE-2)")),
+                                "draft probability, as EAGLE-2)")) | {"lookup": _LOOKUP},
     doc="greedy dynamic draft tree (EAGLE-2 style, Li et al. 2024); deterministic: exact at any temperature "
         "(greedy / deterministic-draft verification)",
 )

@@ -212,6 +212,7 @@ def prefill_blockwise(
     all_logits: bool = False,
     following: Sequence[int] = (),
     forward=None,
+    hidden_out: list | None = None,
 ) -> torch.Tensor:
     """Feed ``input_ids [1, T]`` block by block, evicting to ``budget`` after each; return the last logits
     ``[1, V]`` (``all_logits``: every position's, ``[1, T, V]``).
@@ -224,10 +225,13 @@ def prefill_blockwise(
     scored by the attention of the draft's provisional continuation (:meth:`SpecKV.lookahead_attention`);
     ``following`` are tokens known to come after ``input_ids`` (the engine's root), which start that continuation.
     ``forward``: a :class:`speculant.forward.TargetForward` to run the blocks through (the engine passes its own,
-    the lean forward where it applies); None calls the model's own forward.
+    the lean forward where it applies); None calls the model's own forward. ``hidden_out`` (with ``forward``): a
+    list that receives each block's final-normed hidden states ``[1, T_block, H]``.
     """
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
+    if hidden_out is not None and forward is None:
+        raise ValueError("hidden_out needs forward (a speculant.forward.TargetForward)")
     spec = find_speckv(policy)
     keep = 0 if all_logits else 1
     logits = []
@@ -237,7 +241,8 @@ def prefill_blockwise(
         pos = cache.position_ids(chunk.shape[1], device=chunk.device)
         cap = QueryCapture(model, last=policy.queries) if policy.needs_attention else None
         if forward is not None:
-            out = forward(cache, input_ids=chunk, positions=pos, capture=cap, logits_to_keep=keep)  # [1, T | 1, V]
+            out = forward(cache, input_ids=chunk, positions=pos, capture=cap, logits_to_keep=keep,
+                          hidden_out=hidden_out)  # [1, T | 1, V]
         else:
             with cap if cap is not None else nullcontext():
                 out = _block_forward(model, chunk, cache, pos, keep).logits

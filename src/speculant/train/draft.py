@@ -8,7 +8,10 @@ Goel et al. 2024, "Direct Alignment of Draft Model for Speculative Decoding with
    distribution at every answer token is kept (:mod:`.answers`, ``RUN/answers/``);
 3. **fine-tune**: a small drafter, initialised from a few of the target's own layers and sharing its embedding and
    LM head (frozen), learns the target's answers with a distillation loss (FKL, TVD or TVD++,
-   :mod:`.losses`) over the VocabTrim kept set it will draft from (:mod:`.draft_train`);
+   :mod:`.losses`) over the VocabTrim kept set it will draft from (:mod:`.draft_train`). ``kind="feature"``
+   makes a feature (EAGLE) drafter instead, which also reads the target's hidden states: the target's states
+   over the answers are extracted first (``RUN/features/``, :mod:`.features`) and the drafter also regresses
+   them (:mod:`.feature_train`);
 4. **export**: the drafter's own layers and norm (``model.safetensors``), its config, ``attached.json`` (what
    it shares with which target), ``vocab_trim.json`` from the target's answers, the training history and a
    ``MODEL_CARD.md``.
@@ -28,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DraftRunConfig", "tokenize_prompts", "run_answers", "run_training"]
+__all__ = ["DraftRunConfig", "KINDS", "tokenize_prompts", "run_answers", "run_features", "run_training"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,11 @@ class DraftRunConfig:
     answer_batches: int | None = None  # answer only the first N batches (the batch order is shuffled)
     gen_dtype: str = "bfloat16"  # the dtype the target answers in (speed only; its top-k becomes the teacher)
     topk: int = 32
+    kind: str = "token"  # token: a token-level drafter; feature: a feature (EAGLE) drafter reading the target's states
     layers: list[int] = field(default_factory=lambda: [0, 1])  # target layers the drafter starts from
+    taps: list[int] = field(default_factory=list)  # feature drafters: target layers whose outputs they also read
+    regression: float = 1.0  # feature drafters: weight of the hidden-state regression loss
+    unroll: int = 1  # feature drafters: training passes over the drafter's own states (2: also the 2nd draft token)
     loss: str = "fkl"  # the best of fkl / tvd / tvd++ for a drafter starting far from the target (MODEL_CARD)
     steps: int = 400
     batch_size: int = 16
@@ -122,11 +129,40 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     return folder
 
 
+KINDS = ("token", "feature")
+
+
+def run_features(cfg: DraftRunConfig, progress: bool = True) -> Path:
+    """Feature drafters: the target's final hidden states over every answer, ``RUN/features`` (resumable)."""
+    from ..loading import load_pretrained
+    from .features import extract_features, features_dir
+
+    folder = features_dir(cfg.out, cfg.taps)
+    done = folder / "DONE"
+    if not done.exists():
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        model, _ = load_pretrained(cfg.target, dtype=cfg.gen_dtype)
+        start = time.perf_counter()
+        extract_features(model, Path(cfg.out) / "answers", folder, taps=cfg.taps, progress=progress)
+        done.write_text(json.dumps({"dtype": cfg.gen_dtype, "taps": cfg.taps,
+                                    "seconds_this_session": time.perf_counter() - start}))
+    return folder
+
+
 def _split_samples(cfg: DraftRunConfig, run: Path):
     from .answers import load_shards
     from .draft_train import collect_samples
 
-    samples = collect_samples(load_shards(run / "answers"), context=_CONTEXT)
+    shards = load_shards(run / "answers")
+    if cfg.kind == "feature":
+        from .feature_train import collect_feature_samples
+        from .features import features_dir, load_features
+
+        feats = load_features(features_dir(run, cfg.taps), len(shards))
+        samples = collect_feature_samples(shards, feats, context=_CONTEXT)
+    else:
+        samples = collect_samples(shards, context=_CONTEXT)
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(samples))
     n_val = max(1, int(round(cfg.validation_fraction * len(samples))))
@@ -160,12 +196,14 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     from ..chat import stop_ids
     from ..loading import load_pretrained
     from .calibrate import write_calibration_tokens
-    from .draft_train import kept_ids, train_attached
+    from .draft_train import TOKEN, kept_ids, train_attached
     from .pretrain import autocast_dtype
 
     loss = loss or cfg.loss
+    if cfg.kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
     run = Path(cfg.out)
-    out = run / loss.replace("+", "p")
+    out = run / (("feature-" if cfg.kind == "feature" else "") + loss.replace("+", "p"))
     export = out / "draft"
     if (export / "model.safetensors").exists():
         return export
@@ -178,24 +216,30 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     train, validation = _split_samples(cfg, run)
     vocab = target.get_input_embeddings().weight.shape[0]
     kept = kept_ids(train, vocab, cfg.keep, stops)
-    draft = build_attached(target, cfg.layers)
+    draft = build_attached(target, cfg.layers, features=cfg.kind == "feature", taps=cfg.taps)
+    objective = TOKEN
+    if cfg.kind == "feature":
+        from .feature_train import FeatureObjective
+
+        objective = FeatureObjective(regression=cfg.regression, unroll=cfg.unroll)
     start = time.perf_counter()
     if loss == "none":
         from .draft_train import batches, evaluate, kept_head
 
         kept_index, head = kept_head(draft, kept)
-        history = [{"step": 0, **evaluate(draft, batches(validation, kept_index, cfg.batch_size, stops[0]), head)}]
+        history = [{"step": 0, **evaluate(draft, batches(validation, kept_index, cfg.batch_size, stops[0], objective),
+                                          head, objective)}]
         out.mkdir(parents=True, exist_ok=True)
         (out / "history.json").write_text(json.dumps(history, indent=1))
     else:
         history = train_attached(draft, train, validation, kept, out, loss=loss, steps=cfg.steps,
                                  batch_size=cfg.batch_size, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
                                  pad=stops[0], amp=autocast_dtype(cfg.precision, torch.device("cpu")),
-                                 progress=progress)
+                                 progress=progress, objective=objective)
     seconds = time.perf_counter() - start
     tmp = out / "draft.tmp"
     save_attached(draft, target, tmp, target_name=cfg.target, dtype=torch.int8, extra={
-        "layers_from_target": cfg.layers, "loss": loss, "steps": cfg.steps if loss != "none" else 0,
+        "kind": cfg.kind, "layers_from_target": cfg.layers, "taps": cfg.taps, "loss": loss, "steps": cfg.steps if loss != "none" else 0,
         "train_seconds": round(seconds, 1), "validation": history[-1], "machine": _machine(cfg)})
     answers = np.concatenate([s.answer for s in train])
     seen = int((np.bincount(answers.astype(np.int64)) > 0).sum())

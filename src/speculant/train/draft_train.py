@@ -28,7 +28,8 @@ import torch
 from .answers import AnswerShard
 from .losses import distill_loss_probs
 
-__all__ = ["Sample", "collect_samples", "kept_ids", "kept_head", "Batch", "make_batch", "batches", "evaluate", "train_attached"]
+__all__ = ["Sample", "collect_samples", "kept_ids", "kept_head", "Batch", "make_batch", "batches", "evaluate",
+           "train_attached", "Objective", "TokenObjective"]
 
 log = logging.getLogger(__name__)
 
@@ -112,38 +113,74 @@ def kept_head(draft, kept: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return kept_index, head
 
 
-def batches(samples: list[Sample], kept_index: torch.Tensor, batch_size: int, pad: int) -> list[Batch]:
+class Objective:
+    """What a drafter is trained on: how samples become a batch and what the drafter predicts from it.
+
+    :meth:`predict` returns the student's logits over the kept set at the answer positions, ``[N, K]``, once per
+    draft depth it simulates (a token-level drafter: one; a feature drafter unrolled over its own states: more),
+    and an auxiliary loss (or None). The distillation loss is averaged over the depths."""
+
+    def batch(self, samples: list[Sample], kept_index: torch.Tensor, pad: int):
+        raise NotImplementedError
+
+    def predict(self, draft, batch, head: torch.Tensor, training: bool) -> tuple[list[torch.Tensor],
+                                                                                  torch.Tensor | None]:
+        raise NotImplementedError
+
+
+class TokenObjective(Objective):
+    """A token-level drafter: its hidden state at a position predicts the next token."""
+
+    def batch(self, samples: list[Sample], kept_index: torch.Tensor, pad: int) -> Batch:
+        return make_batch(samples, kept_index, pad)
+
+    def predict(self, draft, batch: Batch, head: torch.Tensor, training: bool):
+        hidden = draft.model(input_ids=batch.input_ids, attention_mask=batch.mask,
+                             position_ids=batch.positions).last_hidden_state  # [B, T, H]
+        h = hidden[batch.rows, batch.cols]  # [N, H]
+        return [h @ head.T], None
+
+
+TOKEN = TokenObjective()
+
+
+def batches(samples: list[Sample], kept_index: torch.Tensor, batch_size: int, pad: int,
+            objective: Objective = TOKEN) -> list:
     """``samples`` packed in order, ``batch_size`` at a time (validation)."""
-    return [make_batch(samples[i:i + batch_size], kept_index, pad) for i in range(0, len(samples), batch_size)]
-
-
-def _student_logits(draft, batch: Batch, head: torch.Tensor) -> torch.Tensor:
-    """``[N, K]`` logits of the drafter over the kept set at the answer positions."""
-    hidden = draft.model(input_ids=batch.input_ids, attention_mask=batch.mask,
-                         position_ids=batch.positions).last_hidden_state  # [B, T, H]
-    h = hidden[batch.rows, batch.cols]  # [N, H]
-    return h @ head.T
+    return [objective.batch(samples[i:i + batch_size], kept_index, pad) for i in range(0, len(samples), batch_size)]
 
 
 @torch.no_grad()
-def evaluate(draft, batches: list[Batch], head: torch.Tensor) -> dict:
-    """Greedy agreement and α on held-out batches (see the module docstring)."""
-    agree = alpha = n = 0.0
+def evaluate(draft, batches: list, head: torch.Tensor, objective: Objective = TOKEN) -> dict:
+    """Greedy agreement and α on held-out batches (see the module docstring); with several simulated depths,
+    also ``greedy_agreement_d2``... for the deeper ones."""
+    agree: list[float] = []
+    alpha: list[float] = []
+    n = 0
     for batch in batches:
-        logits = _student_logits(draft, batch, head).float()
-        p = logits.softmax(-1)
-        agree += float((logits.argmax(-1) == batch.q.argmax(-1)).sum())
-        alpha += float(torch.minimum(p, batch.q).sum())
-        n += logits.shape[0]
-    return {"greedy_agreement": agree / max(n, 1), "alpha_t1": alpha / max(n, 1), "positions": int(n)}
+        steps, _ = objective.predict(draft, batch, head, training=False)
+        for d, logits in enumerate(steps):
+            logits = logits.float()
+            if d == len(agree):
+                agree.append(0.0)
+                alpha.append(0.0)
+            agree[d] += float((logits.argmax(-1) == batch.q.argmax(-1)).sum())
+            alpha[d] += float(torch.minimum(logits.softmax(-1), batch.q).sum())
+        n += steps[0].shape[0]
+    out = {"greedy_agreement": agree[0] / max(n, 1), "alpha_t1": alpha[0] / max(n, 1), "positions": int(n)}
+    for d in range(1, len(agree)):
+        out[f"greedy_agreement_d{d + 1}"] = agree[d] / max(n, 1)
+        out[f"alpha_t1_d{d + 1}"] = alpha[d] / max(n, 1)
+    return out
 
 
 def train_attached(draft, samples: list[Sample], validation: list[Sample], kept: list[int], out: Path, *,
                    loss: str, steps: int, batch_size: int, lr: float, warmup: int, seed: int, pad: int,
                    amp: torch.dtype | None = None, eval_every: int = 50, ckpt_every: int = 50,
-                   progress: bool = True) -> list[dict]:
+                   progress: bool = True, objective: Objective = TOKEN) -> list[dict]:
     """Train the drafter's own parameters (resumable from ``out/checkpoint.pt``); return the history. ``amp``:
-    the autocast dtype of the drafter's forward (the loss is computed in float32)."""
+    the autocast dtype of the drafter's forward (the loss is computed in float32); ``objective``: what it
+    learns to predict (:class:`TokenObjective`, or a feature drafter's)."""
     from tqdm.auto import tqdm
 
     from ..attached import own_state
@@ -157,7 +194,7 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(own, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = np.random.default_rng(seed)
-    val_batches = batches(validation, kept_index, batch_size, pad)
+    val_batches = batches(validation, kept_index, batch_size, pad, objective)
     ckpt = out / "checkpoint.pt"
     step, history = 0, []
     if ckpt.exists():
@@ -168,7 +205,7 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
         step, history = state["step"], state["history"]
         log.info("resumed %s at step %d", out, step)
     if step == 0:
-        history.append({"step": 0, **evaluate(draft.eval(), val_batches, head)})
+        history.append({"step": 0, **evaluate(draft.eval(), val_batches, head, objective)})
 
     def lr_at(s: int) -> float:
         if s < warmup:
@@ -182,10 +219,12 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         picks = rng.choice(len(samples), size=min(batch_size, len(samples)), replace=False)
-        batch = make_batch([samples[i] for i in picks], kept_index, pad)
+        batch = objective.batch([samples[i] for i in picks], kept_index, pad)
         with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
-            logits = _student_logits(draft, batch, head)
-        value = distill_loss_probs(logits, batch.q, loss)
+            depths, aux = objective.predict(draft, batch, head, training=True)
+        value = sum(distill_loss_probs(logits, batch.q, loss) for logits in depths) / len(depths)
+        if aux is not None:
+            value = value + aux
         opt.zero_grad(set_to_none=True)
         value.backward()
         torch.nn.utils.clip_grad_norm_(own, 1.0)
@@ -195,7 +234,7 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
         bar.set_postfix(loss=f"{value.item():.4f}")
         if step % eval_every == 0 or step == steps:
             row = {"step": step, "loss": value.item(), "lr": lr_at(step - 1),
-                   "seconds": time.perf_counter() - t0, **evaluate(draft.eval(), val_batches, head)}
+                   "seconds": time.perf_counter() - t0, **evaluate(draft.eval(), val_batches, head, objective)}
             history.append(row)
             bar.set_postfix(loss=f"{value.item():.4f}", agree=f"{row['greedy_agreement']:.3f}",
                             alpha=f"{row['alpha_t1']:.3f}")

@@ -11,11 +11,31 @@ __all__ = ["write_drafter_card"]
 
 
 def _history_table(history: list[dict]) -> str:
-    rows = ["| step | loss | greedy agreement | α (T=1) |", "|---|---|---|---|"]
+    deep = "greedy_agreement_d2" in history[-1]
+    head = "| step | loss | greedy agreement | α (T=1) |" + (" agreement, 2nd token | α, 2nd token |" if deep else "")
+    rows = [head, "|---" * (6 if deep else 4) + "|"]
     for h in history:
         loss = f"{h['loss']:.4f}" if "loss" in h else "–"
-        rows.append(f"| {h['step']} | {loss} | {h['greedy_agreement']:.3f} | {h['alpha_t1']:.3f} |")
+        row = f"| {h['step']} | {loss} | {h['greedy_agreement']:.3f} | {h['alpha_t1']:.3f} |"
+        if deep:
+            row += f" {h.get('greedy_agreement_d2', float('nan')):.3f} | {h.get('alpha_t1_d2', float('nan')):.3f} |"
+        rows.append(row)
     return "\n".join(rows)
+
+
+def _kind_paragraph(meta: dict, cfg: dict) -> str:
+    """What kind of drafter this is (token-level, or a feature drafter and how it was trained)."""
+    if meta.get("kind", "token") != "feature":
+        return ""
+    return (f"\nA **feature drafter** (EAGLE, Li et al. 2024; `speculant.drafters.FeatureDrafter`): each input row is "
+            "`feature_fc([emb(x_{t+1}) ; f_t])`, with `f_t` the target's final-normed hidden state"
+            + (f" preceded by the outputs of its layers {cfg['taps']} (EAGLE-3 style; zeros on draft rows)"
+               if cfg.get("taps") else "")
+            + ", and its output state is read by the target's LM head. It was trained on the target's states over the same answers "
+            f"(extracted in {cfg['gen_dtype']}), with EAGLE's hidden-state regression (smooth L1, weight "
+            f"{cfg['regression']}) added to the distillation loss"
+            + (f", over {cfg['unroll']} passes (pass 2 reads the drafter's own states, as the 2nd draft token does)"
+               if cfg.get("unroll", 1) > 1 else "") + ". Drafting: `chain` over it (the default method).\n")
 
 
 def ablation_section(run: str | Path) -> str:
@@ -27,11 +47,12 @@ def ablation_section(run: str | Path) -> str:
             continue
         meta = json.loads(meta_path.read_text())
         last = json.loads(history_path.read_text())[-1]
-        rows.append(f"| `{meta['loss']}` | {meta['steps']} | {last['greedy_agreement']:.3f} | {last['alpha_t1']:.3f} |")
+        rows.append(f"| {meta.get('kind', 'token')} | `{meta['loss']}` | {meta['steps']} | {last['greedy_agreement']:.3f} "
+                    f"| {last['alpha_t1']:.3f} |")
     if not rows:
         return ""
-    return ("\n## Loss ablation (same data, initialisation, steps and learning rate; held-out answers)\n"
-            "| loss | steps | greedy agreement | α (T=1) |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    return ("\n## Loss ablation (same data and learning rate per kind; held-out answers)\n"
+            "| kind | loss | steps | greedy agreement | α (T=1) |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
 def write_drafter_card(run: str | Path, export: str | Path, command: str, name: str | None = None,
@@ -66,7 +87,7 @@ A drafter for `{meta['target']}`, made by `speculant train draft` the Direct Ali
 and its final norm, sharing the target's token embedding and LM head (not stored here: they are the target's own
 tensors when loaded, see `speculant.attached`), fine-tuned on the target's own answers with the `{meta['loss']}`
 loss.
-
+{_kind_paragraph(meta, cfg)}
 | | |
 |---|---|
 | architecture | {config['model_type']}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {config['num_attention_heads']} heads ({config['num_key_value_heads']} KV), MLP {config['intermediate_size']} |

@@ -1,0 +1,58 @@
+"""A draft-model drafter's tree with the prompt-lookup continuation merged in: two drafts, one target forward.
+
+A small draft model and prompt lookup (Saxena 2023) fail in different places: the model proposes a plausible
+next word or two everywhere, lookup proposes long exact copies where the answer repeats its context (code,
+names, quoted phrases) and nothing elsewhere. Both drafts are verified in the same target forward as one tree:
+the inner drafter's tree with the lookup chain added as a path from the root (sharing any prefix the tree already
+has, :func:`~.lookup.merge_chain`). The inner drafter's nodes keep their indices, and it is told the accepted
+tokens as usual (it walks its own tree by token and keeps what it fed), so any drafter works inside.
+
+Only deterministic drafts merge (greedy or deterministic-draft verification): the greedy chain at temperature 0,
+the dynamic tree (``tree``) at any temperature. A sampled chain has a draft distribution that the lookup branch
+would break, so it is refused with a one-line error.
+"""
+
+from __future__ import annotations
+
+from ..checks import check_positive_int
+from ..types import DraftTree
+from .base import DecodeState, Drafter
+from .lookup import lookup_continuation, merge_chain
+
+__all__ = ["WithLookup"]
+
+
+class WithLookup:
+    """``inner``'s draft tree plus the prompt-lookup chain (``ngram``, ``k`` as in
+    :class:`~.lookup.PromptLookupDrafter`)."""
+
+    def __init__(self, inner: Drafter, ngram: int = 3, k: int = 8) -> None:
+        self.inner = inner
+        self.ngram = check_positive_int("ngram", ngram)
+        self.k = check_positive_int("k", k)
+        # what the engine and the bench read from a drafter
+        self.model = getattr(inner, "model", None)
+        self.uses_target_hidden = getattr(inner, "uses_target_hidden", False)
+        self.target_taps = getattr(inner, "target_taps", ())
+
+    def begin(self, state: DecodeState) -> None:
+        self.inner.begin(state)
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        tree = self.inner.propose(state)
+        if tree.draft_probs is not None or tree.probes is not None:
+            raise ValueError("lookup= merges prompt lookup into deterministic drafts only: use it with greedy "
+                             "decoding (temperature 0) or with the tree method, which drafts deterministically")
+        chain = lookup_continuation(state.ids, self.ngram, min(self.k, state.remaining - 1))
+        if not chain:
+            return tree
+        tokens, parents = merge_chain(tree.tokens, tree.parents, chain)
+        return DraftTree(tokens=tokens, parents=parents)
+
+    def commit(self, state: DecodeState, accepted: list[int]) -> None:
+        self.inner.commit(state, accepted)
+
+    def params_per_forward(self) -> int:
+        """What one draft forward of the inner drafter reads (lookup reads none), for MBSU."""
+        own = getattr(self.inner, "params_per_forward", None)
+        return int(own()) if callable(own) else 0

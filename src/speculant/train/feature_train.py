@@ -1,0 +1,121 @@
+"""Training a feature (EAGLE) drafter on the target's answers and its hidden states (Li et al. 2024).
+
+Sequence ``s_0 .. s_{L-1}`` (the prompt tail and the answer but its last token) with the target's final-normed
+states ``F_0 .. F_{L-1}`` (:mod:`.features`; ``F_j`` predicts ``s_{j+1}``). Drafter row ``j`` reads
+``feature_fc([emb(s_{j+1}) ; F_j])`` at position ``j`` and outputs ``f̂_{j+1}``; the LM head over ``f̂_{j+1}``
+drafts ``s_{j+2}``. The losses:
+
+* the distillation loss (FKL, TVD or TVD++, :mod:`.losses`) of the drafted token against the target's stored
+  top-k ``q`` at the answer positions, over the VocabTrim kept set, as for a token-level drafter;
+* EAGLE's feature regression: smooth L1 between ``f̂_{j+1}`` and ``F_{j+1}`` at every row, weighted by
+  ``regression`` (the states are RMS-normalised per row first, so the weight does not depend on the model's
+  scale).
+
+Deeper draft tokens are drafted from the drafter's own ``f̂``, not the target's ``F``. With ``unroll = 2`` a second
+pass feeds row ``j`` with ``f̂_j`` (the first pass's output of row ``j - 1``) in place of ``F_j`` and is trained on
+the same targets: the conditions of the second draft token (EAGLE-3's "training-time test", simplified: in that
+pass every earlier row also carries a predicted state). Validation reports the agreement of each pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .answers import AnswerShard
+from .draft_train import Batch, Objective, Sample, make_batch
+from .features import sequence_lengths, to_tensor
+
+__all__ = ["FeatureSample", "collect_feature_samples", "FeatureBatch", "FeatureObjective"]
+
+
+@dataclass
+class FeatureSample(Sample):
+    features: np.ndarray = None  # [c + a - 1, H] bf16 bits (int16): the target's states over context + answer[:-1]
+
+
+def collect_feature_samples(shards: list[AnswerShard], features: list[np.ndarray], context: int) -> list[FeatureSample]:
+    """One :class:`FeatureSample` per answer (the last ``context`` prompt tokens), with its rows of ``features``
+    (one array per shard, :func:`.features.load_features`)."""
+    out = []
+    for sh, feats in zip(shards, features):
+        lengths = sequence_lengths(sh)
+        if int(lengths.sum()) != feats.shape[0]:
+            raise ValueError(f"target features do not match their answer shard ({feats.shape[0]} rows for "
+                             f"{int(lengths.sum())} positions): extract them again")
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        for i in range(len(sh)):
+            prompt, answer, rows = sh.sample(i)
+            if len(answer) == 0:
+                continue
+            ctx = prompt[-context:]
+            skip = len(prompt) - len(ctx)
+            f = feats[offsets[i] + skip : offsets[i + 1]]  # [c + a - 1, H]
+            out.append(FeatureSample(ctx, answer, sh.topk_ids[rows], sh.topk_logprobs[rows], skip, f))
+    return out
+
+
+@dataclass
+class FeatureBatch(Batch):
+    features: torch.Tensor = None  # [B, T, H] the target's states at the batch's columns (zeros on padding)
+
+
+@dataclass
+class FeatureObjective(Objective):
+    """The feature drafter's objective (module docstring). ``noise``: uniform noise of that half-width (relative
+    to each state's RMS) added to the target's states in training, as EAGLE does, so the drafter tolerates its
+    own imprecise states."""
+
+    regression: float = 1.0
+    unroll: int = 1
+    noise: float = 0.0
+
+    def batch(self, samples: list[FeatureSample], kept_index: torch.Tensor, pad: int) -> FeatureBatch:
+        base = make_batch(samples, kept_index, pad)
+        b, t = base.input_ids.shape
+        feats = torch.zeros((b, t, samples[0].features.shape[1]))
+        for r, s in enumerate(samples):
+            feats[r, : len(s.features)] = to_tensor(s.features)
+        # row j predicts s_{j+2}: the column of answer token m is c - 2 + m, one left of a token-level drafter's
+        fields = {k: getattr(base, k) for k in Batch.__dataclass_fields__}
+        fields["cols"] = base.cols - 1
+        return FeatureBatch(**fields, features=feats)
+
+    def _pass(self, draft, batch: FeatureBatch, feats: torch.Tensor) -> torch.Tensor:
+        """Rows ``j = 0 .. T-2`` on ``feats [B, T-1, F]``; the output states ``f̂ [B, T-1, H]`` (row j: f̂_{j+1})."""
+        emb = draft.get_input_embeddings()(batch.input_ids[:, 1:])  # [B, T-1, H]: s_{j+1}
+        x = draft.feature_fc(torch.cat([emb, feats.to(emb.dtype)], -1))
+        return draft.model(inputs_embeds=x, attention_mask=batch.mask[:, 1:],
+                           position_ids=batch.positions[:, :-1]).last_hidden_state
+
+    def predict(self, draft, batch: FeatureBatch, head: torch.Tensor, training: bool):
+        states = batch.features  # [B, T, F]: tapped layers' outputs, then the final-normed state (last H)
+        h = draft.config.hidden_size
+        target = states[..., -h:]  # [B, T, H]
+        inputs = states[:, :-1]
+        if training and self.noise:
+            scale = inputs.pow(2).mean(-1, keepdim=True).sqrt()  # per row (over all tapped states together)
+            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * self.noise * scale
+        valid = batch.mask[:, 1:].bool()  # [B, T-1]: rows whose regression target F_{j+1} is real
+        steps, aux = [], None
+        for depth in range(self.unroll):
+            out = self._pass(draft, batch, inputs)  # [B, T-1, H]
+            steps.append(out[batch.rows, batch.cols] @ head.T)  # [N, K]
+            if self.regression:
+                reg = _regression(out.float()[valid], target[:, 1:][valid])
+                aux = reg if aux is None else aux + reg
+            if depth + 1 < self.unroll:  # next pass: row j reads f̂_j, the output of row j - 1 (no tapped layers)
+                own = torch.cat([target[:, :1], out[:, :-1].float()], 1)  # [B, T-1, H]
+                inputs = torch.cat([torch.zeros_like(states[:, :-1, :-h]), own], -1)
+        if aux is not None:
+            aux = self.regression * aux / self.unroll
+        return steps, aux
+
+
+def _regression(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Smooth L1 between ``pred`` and ``target`` ``[N, H]``, both divided by the target's RMS per row."""
+    scale = target.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)
+    return F.smooth_l1_loss(pred / scale, target / scale)
