@@ -88,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "categories; default: all (24 for builtin:code and builtin:grounded, 80 for builtin:mt-bench)")
     p.add_argument("--methods", metavar="SPEC[,SPEC...]", default=d["methods"],
                    help=f"drafting methods, comma-separated registry specs; '{REFERENCE}' always runs as the "
-                   "reference; a draft=NAME option gives a method its own draft model (e.g. chain:draft=DIR); default: {','.join(DEFAULT_METHODS)} (with --budgets/--depths: the families "
+                   "reference; a draft=NAME option gives a method its own draft model (e.g. chain:draft=DIR); "
+                   f"default: {','.join(DEFAULT_METHODS)} (with --budgets/--depths: the families "
                    f"{','.join(DEFAULT_FAMILIES)})")
     p.add_argument("--baselines", metavar="NAME[,NAME...]", default=",".join(d["baselines"]),
                    help="transformers baselines, comma-separated, or 'none'; default: %(default)s")

@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..types import SamplingParams
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import APIError, GenerationRequest, error_body, parse_body, parse_chat_request, parse_completion_request
 from .settings import ServeSettings
@@ -214,9 +215,9 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
 
     async def complete(request: Request, req: GenerationRequest) -> Response:
         ids = prompt_ids(req)
-        job = Job(ids=ids, max_tokens=max_tokens(req, len(ids)), chat=req.kind == "chat",
-                  temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed, stop=req.stop,
-                  ignore_eos=req.ignore_eos)
+        sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+        job = Job(ids=ids, max_tokens=max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
+                  stop=req.stop, ignore_eos=req.ignore_eos)
         try:
             worker.submit(job)
         except QueueFull as exc:

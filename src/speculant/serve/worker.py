@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..types import SamplingParams
 from .metrics import ServerMetrics
 from .settings import ServeSettings
 from .text import Detokenizer, StopMatcher
@@ -59,10 +60,7 @@ class Job:
     ids: list[int]
     max_tokens: int
     chat: bool
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0))
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     arrived: float = field(default_factory=time.perf_counter)
@@ -309,8 +307,8 @@ class Worker:
         eos = [] if job.ignore_eos else self.stop_ids(job.chat)
         try:
             generate(self.target, job.ids, drafter=counting, max_new_tokens=job.max_tokens,
-                     temperature=job.temperature, top_k=job.top_k, top_p=job.top_p, seed=job.seed,
-                     eos_token_id=eos, stream=on_step, **self._kv, **self._engine)
+                     temperature=job.sampling.temperature, top_k=job.sampling.top_k, top_p=job.sampling.top_p,
+                     seed=job.sampling.seed, eos_token_id=eos, stream=on_step, **self._kv, **self._engine)
         except _Stop:
             pass
         if job.cancelled.is_set() and not stops.hit:

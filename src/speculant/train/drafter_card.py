@@ -27,7 +27,7 @@ def _kind_paragraph(meta: dict, cfg: dict) -> str:
     """What kind of drafter this is (token-level, or a feature drafter and how it was trained)."""
     if meta.get("kind", "token") != "feature":
         return ""
-    return (f"\nA **feature drafter** (EAGLE, Li et al. 2024; `speculant.drafters.FeatureDrafter`): each input row is "
+    return ("\nA **feature drafter** (EAGLE, Li et al. 2024; `speculant.drafters.FeatureDrafter`): each input row is "
             "`feature_fc([emb(x_{t+1}) ; f_t])`, with `f_t` the target's final-normed hidden state"
             + (f" preceded by the outputs of its layers {cfg['taps']} (EAGLE-3 style; zeros on draft rows)"
                if cfg.get("taps") else "")
