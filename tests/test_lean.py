@@ -16,6 +16,7 @@ from speculant.drafters.registry import build_drafter
 from speculant.forward import TargetForward, lean_for
 from speculant.kv import BudgetCache
 from speculant.lean import COVERED, LeanForward, unsupported
+from speculant.packed import PACK_ENV, PackedMatrix, packable
 from speculant.testing import perturbed, tiny_model
 from speculant.tree import TreeAttention
 from speculant.types import DraftTree
@@ -118,7 +119,8 @@ def test_sliding_window_beyond_the_sequence_falls_back():
         speculant.generate(model, [3, 4, 5], max_new_tokens=2, forward="fast")
 
 
-def test_fusing_keeps_one_copy_and_sees_in_place_updates():
+def test_fusing_keeps_one_copy_and_sees_in_place_updates(monkeypatch):
+    monkeypatch.setenv(PACK_ENV, "0")  # unpacked: the lean forward reads the model's own tensors
     model = tiny_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     lean = lean_for(model)
@@ -140,6 +142,45 @@ def test_fusing_keeps_one_copy_and_sees_in_place_updates():
     torch.testing.assert_close(lean(ids, SpecCache(2)), want, atol=1e-5, rtol=1e-4)
     model.model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.detach().clone())
     assert lean_for(model) is not lean  # a replaced parameter: rebuilt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_matrices_give_the_dense_results_and_follow_in_place_updates(monkeypatch, dtype):
+    """Packing (speculant.packed) changes the layout only: bf16 logits equal the unpacked lean forward's bit for
+    bit, float32 ones to rounding; a packed lean forward is a copy, so lean_for rebuilds it after an in-place
+    update, and it is not built where SPECULANT_PACK=0 or the weights cannot be packed."""
+    model = tiny_model("qwen3", seed=3).to(dtype)
+    if not packable(model.lm_head.weight):
+        pytest.skip(f"this CPU/torch build cannot pack {dtype} matrices (oneDNN)")
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    dense = LeanForward(model, pack=False)
+    packed = LeanForward(model, pack=True)
+    assert packed.packed and not dense.packed and isinstance(packed.layers[0].qkv, PackedMatrix)
+
+    def same(got, want):
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+    for t in (1, 5):
+        same(packed(ids[:, :t], SpecCache(2)), dense(ids[:, :t], SpecCache(2)))
+    monkeypatch.setenv(PACK_ENV, "1")
+    lean = lean_for(model)
+    assert lean.packed and lean_for(model) is lean
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(2.0)
+    rebuilt = lean_for(model)
+    assert rebuilt is not lean and rebuilt.packed
+    same(rebuilt(ids, SpecCache(2)), LeanForward(model, pack=False)(ids, SpecCache(2)))
+    assert not torch.allclose(lean(ids, SpecCache(2)).float(), rebuilt(ids, SpecCache(2)).float())
+    monkeypatch.setenv(PACK_ENV, "0")
+    assert not LeanForward(model).packed
+    monkeypatch.setenv(PACK_ENV, "sometimes")
+    with pytest.raises(ValueError, match="SPECULANT_PACK must be auto, 1 or 0"):
+        LeanForward(model)
+    monkeypatch.setenv(PACK_ENV, "1")
+    assert not LeanForward(model.to(torch.float16)).packed  # float16: not packable, the dense path
 
 
 @pytest.mark.parametrize("arch", LEAN_ARCHS)

@@ -30,22 +30,29 @@ FORWARDS = ("auto", "lean", "model")
 _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, LeanForward)
 
 
-def _key(model: torch.nn.Module) -> tuple:
-    """Changes when a parameter is replaced or the model switches dtype/device (in-place updates need no
-    rebuild: the lean forward reads the model's tensors, see lean._fused)."""
+def _key(model: torch.nn.Module, packed: bool) -> tuple:
+    """Changes when a parameter is replaced or the model switches dtype/device, and, for a packed lean forward
+    (which holds copies), when a parameter changes in place (its version counter). An unpacked one needs no
+    rebuild for in-place updates: it reads the model's tensors, see lean._fused."""
+    if packed:
+        return tuple((id(p), p.dtype, p.device, _version(p)) for p in model.parameters())
     return tuple((id(p), p.dtype, p.device) for p in model.parameters())
 
 
+def _version(t: torch.Tensor) -> int:
+    """The tensor's in-place version counter (inference tensors have none and cannot change in place: 0)."""
+    return 0 if t.is_inference() else t._version
+
+
 def lean_for(model: torch.nn.Module) -> LeanForward | None:
-    """The model's lean forward, built once per model (and rebuilt when its parameters are replaced); None when
-    :func:`~speculant.lean.unsupported` names a reason."""
+    """The model's lean forward, built once per model (and rebuilt when its parameters are replaced, or when
+    they change in place under a packed one); None when :func:`~speculant.lean.unsupported` names a reason."""
     if unsupported(model) is not None:
         return None
-    key = _key(model)
     hit = _BUILT.get(model)
-    if hit is None or hit[0] != key:
+    if hit is None or hit[0] != _key(model, hit[1].packed):
         lean = LeanForward(model)
-        hit = (_key(model), lean)  # the key after fusing (fusing replaces the projection Parameters)
+        hit = (_key(model, lean.packed), lean)  # the key after fusing (fusing replaces the projection Parameters)
         _BUILT[model] = hit
     return hit[1]
 

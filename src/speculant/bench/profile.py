@@ -10,7 +10,8 @@ For each target forward (:mod:`speculant.forward`: the lean one where it applies
   one-token forwards.
 
 And for the weights a forward reads (every matrix of the layers plus the LM head, fused as the lean forward
-fuses them): ``bare_matmul_ms`` (the same matrix products as bare ``F.linear`` calls for 1 and 5 tokens),
+fuses them): ``bare_matmul_ms`` (the same matrix products as bare calls for 1 and 5 tokens, through the lean forward's kernels:
+packed matrices where it packs them, :mod:`speculant.packed`),
 ``weight_bytes``, the measured read bandwidth (a reduction over a buffer of that size) and
 ``bandwidth_floor_ms`` = bytes / bandwidth: no forward can read its weights faster.
 """
@@ -22,11 +23,11 @@ import time
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..cache import SpecCache
 from ..checks import num_layers
 from ..forward import TargetForward, lean_for
+from ..packed import PackedMatrix, linear
 
 __all__ = ["profile_target"]
 
@@ -44,18 +45,23 @@ def _median_ms(fn, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The 2-D matrices a forward multiplies by, each once: the lean forward's (q/k/v and gate/up fused) where it
-    applies, else every Linear weight; the LM head included."""
+def _weights(model: torch.nn.Module) -> list[torch.Tensor | PackedMatrix]:
+    """The 2-D matrices a forward multiplies by, each once: the lean forward's (q/k/v and gate/up fused, packed
+    when it packs) where it applies, else every Linear weight; the LM head included."""
     lean = lean_for(model)
     if lean is not None:
         mats = [m for layer in lean.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return [*mats, lean.lm_head.weight.detach()]
+        head = lean.lm_head.weight.detach()
+        return [*mats, PackedMatrix(head) if lean.packed else head]
     seen: dict[int, torch.Tensor] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             seen.setdefault(module.weight.data_ptr(), module.weight.detach())
     return list(seen.values())
+
+
+def _nbytes(w: torch.Tensor | PackedMatrix) -> int:
+    return w.nbytes if isinstance(w, PackedMatrix) else w.numel() * w.element_size()
 
 
 def _category(name: str) -> str:
@@ -107,18 +113,19 @@ def profile_target(model: torch.nn.Module, ids: Sequence[int], steps: int = 16, 
                 continue
             forwards[kind] = _forward_profile(model, kind, ids, steps, repeats)
         weights = _weights(model)
-        nbytes = sum(w.numel() * w.element_size() for w in weights)
+        nbytes = sum(_nbytes(w) for w in weights)
         hidden = weights[0].shape[1]
+        device = model.get_input_embeddings().weight.device
         bare = {}
         for t in (1, 5):
             xs = {}
             for w in weights:  # each matrix's input width (down projections take the MLP width)
-                xs.setdefault(w.shape[1], torch.randn(1, t, w.shape[1], dtype=w.dtype, device=w.device))
+                xs.setdefault(w.shape[1], torch.randn(1, t, w.shape[1], dtype=w.dtype, device=device))
             for _ in range(3):
                 for w in weights:
-                    F.linear(xs[w.shape[1]], w)
-            bare[str(t)] = _median_ms(lambda: [F.linear(xs[w.shape[1]], w) for w in weights], repeats)
-        buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=weights[0].device)
+                    linear(xs[w.shape[1]], w)
+            bare[str(t)] = _median_ms(lambda: [linear(xs[w.shape[1]], w) for w in weights], repeats)
+        buf = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
         buf.sum()
         read_ms = _median_ms(buf.sum, repeats)
     bandwidth = nbytes / (read_ms / 1000) / 1e9
@@ -131,6 +138,7 @@ def profile_target(model: torch.nn.Module, ids: Sequence[int], steps: int = 16, 
         "bandwidth_floor_ms": floor_ms,
         "hidden": hidden,
         "dtype": str(weights[0].dtype),
+        "packed": isinstance(weights[0], PackedMatrix),
         "threads": torch.get_num_threads(),
         "prompt_tokens": len(ids),
     }

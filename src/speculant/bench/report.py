@@ -177,7 +177,9 @@ def profile_table(profile: dict) -> str:
                      f"{f['other_ms']:.1f} | {f['verify5_ms']:.1f} ({f['verify5_ratio']:.2f}×) | "
                      f"{f['vs_bare_matmul']:.2f} | {f['vs_floor']:.2f} |")
     bare = profile["bare_matmul_ms"]
-    lines += ["", f"Bare matmuls (every weight matrix once, as `F.linear`): {bare['1']:.1f} ms for 1 token, "
+    kernel = ("packed once for oneDNN, as the lean forward multiplies them" if profile.get("packed")
+              else "as `F.linear`")
+    lines += ["", f"Bare matmuls (every weight matrix once, {kernel}): {bare['1']:.1f} ms for 1 token, "
               f"{bare['5']:.1f} ms for 5. Weights read per forward: {profile['weight_bytes'] / 1e6:.0f} MB "
               f"({profile['dtype']}); measured read bandwidth {profile['read_bandwidth_gb_s']:.1f} GB/s, so the "
               f"floor is {profile['bandwidth_floor_ms']:.1f} ms per forward ({profile['threads']} threads). The "

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from ..packed import PackedMatrix, linear, pack_enabled
+
 __all__ = ["CALIBRATION_FILE", "TrimmedHead", "load_calibration", "resolve_keep_ids"]
 
 CALIBRATION_FILE = "vocab_trim.json"
@@ -94,6 +96,9 @@ class TrimmedHead:
         bias = getattr(lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach()[self.keep].contiguous()  # [M]
         self._keep_list = [int(i) for i in keep]
+        # [M, H] reordered once for the CPU's matmul kernels where allowed (speculant.packed): a drafter computes
+        # these logits at every draft step
+        self._matrix = PackedMatrix(self.weight) if pack_enabled([self.weight]) else self.weight
 
     @property
     def size(self) -> int:
@@ -101,7 +106,7 @@ class TrimmedHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` hidden states → ``[..., M]`` trimmed logits."""
-        return torch.nn.functional.linear(hidden.to(self.weight.dtype), self.weight, self.bias)
+        return linear(hidden.to(self.weight.dtype), self._matrix, self.bias)
 
     def token(self, index: int) -> int:
         """The full-vocabulary id of trimmed index ``index``."""
