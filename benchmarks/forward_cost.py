@@ -1,9 +1,11 @@
 """What one target forward over T new tokens costs, in float32 and bfloat16, on this machine.
 
 This ratio decides which methods pay off: a verification forward over a chain of k draft tokens or a tree of n
-nodes costs ``cost(n + 1) / cost(1)`` one-token forwards. The model's own (transformers) forward is timed after
-a prompt of ``--context`` tokens is in its cache; each measured forward is cropped away again, the dtypes and
-token counts are interleaved per repeat, and the median of ``--repeats`` is reported.
+nodes costs ``cost(n + 1) / cost(1)`` one-token forwards. The target forward the engine uses (``--forward lean``,
+the default: :mod:`speculant.lean`, packed where :mod:`speculant.packed` allows) or the model's own
+(``--forward model``, transformers) is timed after a prompt of ``--context`` tokens is in its cache; each measured
+forward is cropped away again, the dtypes and token counts are interleaved per repeat, and the median of
+``--repeats`` is reported.
 
     python benchmarks/forward_cost.py --target smollm2-135m-instruct --out benchmarks/results/forward_cost.json
 """
@@ -17,9 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
-
 from speculant.bench.speed import machine_info
+from speculant.cache import SpecCache
+from speculant.checks import num_layers
+from speculant.forward import TargetForward
 from speculant.loading import load_pretrained
 
 
@@ -31,6 +34,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--forward", choices=["lean", "model"], default="lean")
     ap.add_argument("--out", default="benchmarks/results/forward_cost.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -41,23 +45,25 @@ def main() -> None:
     vocab = models[dtypes[0]].config.vocab_size
     prompt = torch.randint(100, vocab, (1, args.context), generator=gen)
     new = torch.randint(100, vocab, (1, max(counts)), generator=gen)
-    caches = {}
+    caches, forwards = {}, {}
     with torch.inference_mode():
         for dt, m in models.items():
-            caches[dt] = DynamicCache(config=m.config)
-            m(input_ids=prompt, past_key_values=caches[dt], use_cache=True)
+            forwards[dt] = TargetForward(m, args.forward)
+            caches[dt] = SpecCache(num_layers(m), capacity=args.context + max(counts))
+            forwards[dt].prefill(caches[dt], prompt)
         times: dict[str, dict[int, list[float]]] = {dt: {t: [] for t in counts} for dt in dtypes}
         for rep in range(args.repeats + 2):  # the first two rounds are warm-up
             for t in counts:
-                for dt, m in models.items():
-                    pos = torch.arange(args.context, args.context + t)[None]
+                for dt in models:
                     start = time.perf_counter()
-                    m(input_ids=new[:, :t], past_key_values=caches[dt], position_ids=pos, use_cache=True)
+                    forwards[dt](caches[dt], input_ids=new[:, :t])
                     elapsed = time.perf_counter() - start
-                    caches[dt].crop(-t)  # drop the t tokens just added
+                    caches[dt].crop(args.context)  # drop the t tokens just added
                     if rep >= 2:
                         times[dt][t].append(elapsed)
-    result = {"settings": vars(args), "machine": machine_info(), "ms": {}, "ratio_to_one_token": {}}
+    result = {"settings": vars(args), "packed": {dt: bool(f.lean is not None and f.lean.packed)
+                                                for dt, f in forwards.items()},
+              "machine": machine_info(), "ms": {}, "ratio_to_one_token": {}}
     for dt in dtypes:
         med = {t: 1000 * statistics.median(v) for t, v in times[dt].items()}
         result["ms"][dt] = med
