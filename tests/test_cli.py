@@ -202,6 +202,11 @@ def test_bad_options_one_line_exit_2(dirs, capsys, extra, needles):
     assert_one_line_error(*run(capsys, *base_args(dirs), *extra), *needles)
 
 
+def test_bad_pack_setting_one_line_exit_2(dirs, capsys, monkeypatch):
+    monkeypatch.setenv("SPECULANT_PACK", "yes")
+    assert_one_line_error(*run(capsys, *base_args(dirs)), "SPECULANT_PACK must be auto, 1 or 0, got 'yes'")
+
+
 def test_prompt_too_long_for_context(dirs, capsys):
     long_prompt = PROMPT * 20
     assert len(dirs["tok"](long_prompt)["input_ids"]) > CONTEXT

@@ -12,7 +12,7 @@ arithmetic: 30 layers of module calls, kwargs plumbing, per-call mask and RoPE b
   of an empty cache, a small boolean mask otherwise);
 * on a CPU, the matrices (and the LM head) reordered once into oneDNN's blocked layout
   (:class:`~speculant.packed.PackedMatrix`) where :func:`~speculant.packed.pack_enabled` allows the copy: in
-  bfloat16 the same results bit for bit, 1.3-1.9x faster matmuls for decoding (see :mod:`speculant.packed`).
+  bfloat16 the same results bit for bit, 1.35-1.7x faster matmuls for decoding (see :mod:`speculant.packed`).
 
 One class serves the target (plain decoding, chains, trees, probe slots, evicted caches) and the draft models.
 Covered: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` (per-head q/k

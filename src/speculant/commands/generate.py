@@ -40,10 +40,18 @@ DESCRIPTION = (
 
 
 def epilog() -> str:
-    """The help epilog: the drafting methods of the registry."""
+    """The help epilog: the drafting methods of the registry, then the environment variables."""
     from ..drafters.registry import describe_methods
 
-    return "methods:\n" + describe_methods()
+    return "methods:\n" + describe_methods() + "\n\n" + ENVIRONMENT
+
+
+ENVIRONMENT = """environment:
+  SPECULANT_CACHE  where models converted from GGUF are cached (default: $XDG_CACHE_HOME/speculant, else
+                   ~/.cache/speculant)
+  SPECULANT_PACK   auto|1|0: on a CPU, reorder the weight matrices once for oneDNN's matmul kernels (a copy as
+                   large as the weights; bf16 results unchanged bit for bit). auto (default): when the copy fits
+                   in a quarter of the available memory"""
 
 
 @functools.cache
