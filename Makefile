@@ -102,13 +102,15 @@ niah: $(STAMP)
 ray: $(STAMP)
 	$(PY) -m pip install -e ".[ray]"
 
-# The OpenAI-compatible server under load (issue 16): SmolLM2, the default method then ar, 64 requests per level.
+# The OpenAI-compatible server under load (issue 16): SmolLM2 with SERVE_METHOD (a tree with prompt lookup: it also
+# serves sampled requests), then ar, 64 requests per level.
 SERVE_PORT ?= 8011
 SERVE_DTYPE ?= float32
 SERVE_TOKENS ?= 64
+SERVE_METHOD ?= tree:budget=8:topk=2:depth=3:lookup=8
 bench-serve: $(STAMP)
 	for m in default ar; do \
-	  opt=$$( [ $$m = ar ] && echo "--method ar" ); out=benchmarks/results/serve$$( [ $$m = ar ] && echo "-ar" ); \
+	  opt=$$( [ $$m = ar ] && echo "--method ar" || echo "--method $(SERVE_METHOD)" ); out=benchmarks/results/serve$$( [ $$m = ar ] && echo "-ar" ); \
 	  $(VENV)/bin/speculant serve --target smollm2-135m-instruct $$opt --dtype $(SERVE_DTYPE) --threads 2 \
 	    --port $(SERVE_PORT) & pid=$$!; \
 	  until curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null; do sleep 1; done; \
