@@ -176,6 +176,8 @@ def test_packed_matrices_give_the_dense_results_and_follow_in_place_updates(monk
     assert not torch.allclose(lean(ids, SpecCache(2)).float(), rebuilt(ids, SpecCache(2)).float())
     monkeypatch.setenv(PACK_ENV, "0")
     assert not LeanForward(model).packed
+    monkeypatch.setenv(PACK_ENV, "auto")
+    assert not LeanForward(model).packed  # auto: a model this small stays in the caches, packing does not pay
     monkeypatch.setenv(PACK_ENV, "sometimes")
     with pytest.raises(ValueError, match="SPECULANT_PACK must be auto, 1 or 0"):
         LeanForward(model)
@@ -184,7 +186,9 @@ def test_packed_matrices_give_the_dense_results_and_follow_in_place_updates(monk
 
 
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
-def test_decoding_through_the_lean_forward_gives_the_model_forward_tokens(arch):
+@pytest.mark.parametrize("pack", ["0", "1"])
+def test_decoding_through_the_lean_forward_gives_the_model_forward_tokens(arch, pack, monkeypatch):
+    monkeypatch.setenv(PACK_ENV, pack)  # the lean forward with dense and with packed matrices (speculant.packed)
     target = tiny_model(arch, seed=0)
     draft = perturbed(target, 0.05, seed=2)
     prompt = [3, 4, 5, 6, 7]

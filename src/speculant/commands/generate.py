@@ -50,8 +50,8 @@ ENVIRONMENT = """environment:
   SPECULANT_CACHE  where models converted from GGUF are cached (default: $XDG_CACHE_HOME/speculant, else
                    ~/.cache/speculant)
   SPECULANT_PACK   auto|1|0: on a CPU, reorder the weight matrices once for oneDNN's matmul kernels (a copy as
-                   large as the weights; bf16 results unchanged bit for bit). auto (default): when the copy fits
-                   in a quarter of the available memory"""
+                   large as the weights; bf16 results unchanged bit for bit). auto (default): when the matrices
+                   take at least 1 MiB and the copy fits in a quarter of the available memory"""
 
 
 @functools.cache
