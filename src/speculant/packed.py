@@ -16,7 +16,7 @@ decoding run through the same kernels, so their outputs stay identical to each o
 The copy costs memory, as much as the weights it packs. :func:`pack_enabled` decides: ``SPECULANT_PACK=1`` packs,
 ``=0`` never does, and by default (``auto``) a float32 or bfloat16 model on a CPU is packed when its matrices take
 at least 1 MiB (smaller ones stay in the CPU's caches, where oneDNN's fixed cost per call outweighs the saved
-reorder: the test suite's tiny models ran 1.6x slower packed) and the copy takes at most a quarter of the memory
+reorder: the test suite's tiny models ran markedly slower packed) and the copy takes at most a quarter of the memory
 the system has available.
 """
 
