@@ -196,7 +196,7 @@ class LeanForward:
             self.layers = [dataclasses.replace(w, qkv=PackedMatrix(w.qkv), o=PackedMatrix(w.o),
                                                gate_up=PackedMatrix(w.gate_up), down=PackedMatrix(w.down))
                            for w in self.layers]
-        self._head: PackedMatrix | None = None  # the packed LM head, made at the first logits() call
+        self._head: PackedMatrix | None = None  # the packed LM head, made by the first head_matrix() call
         # SDPA on CPU is several times slower in bfloat16/float16 than in float32 for a few queries (measured:
         # 250 vs 80 us for one query over 300 keys): attend in float32 there (inputs upcast, output rounded back)
         low = self.embed.dtype in (torch.bfloat16, torch.float16)
@@ -236,13 +236,20 @@ class LeanForward:
         out = rot * cos + torch.cat([-rot[..., half:], rot[..., :half]], -1) * sin
         return out if rest is None else torch.cat([out, rest], -1)
 
+    def head_matrix(self) -> torch.Tensor | PackedMatrix:
+        """The LM head's ``[V, H]`` matrix as :meth:`logits` multiplies by it: packed when the layers are (made on
+        first use: a drafter's lean forward never needs its shared head), else the model's own weight."""
+        if not self.packed:
+            return self.lm_head.weight.detach()
+        if self._head is None:
+            self._head = PackedMatrix(self.lm_head.weight)
+        return self._head
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head over ``hidden [..., H]`` -> ``[..., V]`` (in the model dtype, like transformers)."""
         if not self.packed:
             return self.lm_head(hidden)
-        if self._head is None:  # packed on first use: a drafter's lean forward never needs its (shared) head
-            self._head = PackedMatrix(self.lm_head.weight)
-        return linear(hidden, self._head, getattr(self.lm_head, "bias", None))
+        return linear(hidden, self.head_matrix(), getattr(self.lm_head, "bias", None))
 
     def __call__(self, input_ids: torch.Tensor | None, cache, positions: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,

@@ -51,8 +51,7 @@ def _weights(model: torch.nn.Module) -> list[torch.Tensor | PackedMatrix]:
     lean = lean_for(model)
     if lean is not None:
         mats = [m for layer in lean.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        head = lean.lm_head.weight.detach()
-        return [*mats, PackedMatrix(head) if lean.packed else head]
+        return [*mats, lean.head_matrix()]
     seen: dict[int, torch.Tensor] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
