@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -95,6 +96,40 @@ def test_train_draft_end_to_end(target_dir, tmp_path, capsys):
     # resuming a finished run does no work and prints the same drafter
     assert cli.main(argv) == 0 and capsys.readouterr().out.strip() == str(export)
     _exact_through_cli(target_dir, export, capsys)
+
+
+def test_a_run_grows_with_more_prompts(target_dir, tmp_path):
+    """Prompts appended to a finished run are answered in new shards numbered after the old ones (which stay as
+    they are); an interrupted growth resumes with the same shards; every prompt row is answered once."""
+    from speculant.train.answers import AnswerShard, load_shards, shard_paths
+    from speculant.train.draft import DraftRunConfig, run_answers
+
+    rows = [json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n" for i in range(10)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(rows[:6]))
+    cfg = DraftRunConfig(target=target_dir, out=str(tmp_path / "run"), prompts=str(prompts), max_new_tokens=4,
+                         gen_batch=4, gen_dtype="float32")
+    folder = run_answers(cfg, progress=False)
+    first = {p.name: p.read_bytes() for p in shard_paths(folder)}
+    assert sorted(first) == ["shard-00000.npz", "shard-00001.npz"]
+    prompts.write_text("".join(rows))
+    run_answers(cfg, progress=False)
+    assert [p.name for p in shard_paths(folder)] == [f"shard-{n:05d}.npz" for n in range(3)]
+    assert all(p.read_bytes() == first[p.name] for p in shard_paths(folder)[:2])
+    assert sorted(i for s in load_shards(folder) for i in s.prompt_index) == list(range(10))
+    parts = json.loads((folder / "PARTS.json").read_text())
+    assert [p["rows"] for p in parts] == [[0, 6], [6, 10]] and parts[1]["first_shard"] == 2
+    assert json.loads((folder / "DONE").read_text())["rows"] == 10
+    grown = AnswerShard.load(folder / "shard-00002.npz")
+    (folder / "shard-00002.npz").unlink()  # interrupted while answering the new rows
+    parts[1]["seconds"] = None
+    (folder / "PARTS.json").write_text(json.dumps(parts))
+    (folder / "DONE").unlink()
+    run_answers(cfg, progress=False)
+    again = AnswerShard.load(folder / "shard-00002.npz")
+    assert all(np.array_equal(getattr(again, k), getattr(grown, k)) for k in AnswerShard.__dataclass_fields__)
+    saved = (tmp_path / "run" / "prompts.jsonl").read_text().splitlines()
+    assert [json.loads(r)["messages"] for r in saved] == [json.loads(r)["messages"] for r in rows]
 
 
 def _exact_through_cli(target_dir, export, capsys) -> None:

@@ -9,7 +9,8 @@ values, not renormalised), which changes the acceptance reward ``1[q > p]`` only
 largest probability.
 
 Answers are written as numbered shards (``answers/shard-00000.npz``), one per generation batch, each renamed into
-place when complete, so an interrupted run resumes at the next shard.
+place when complete, so an interrupted run resumes at the next shard. A run that grows (more prompts appended to
+its prompts file) answers the new rows in shards numbered after the existing ones (``first_shard``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-__all__ = ["AnswerShard", "generate_answers", "load_shards"]
+__all__ = ["AnswerShard", "generate_answers", "load_shards", "shard_paths"]
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,14 @@ class AnswerShard:
             return cls(**{k: z[k] for k in cls.__dataclass_fields__})
 
 
+def shard_paths(folder: str | Path) -> list[Path]:
+    """The complete shards in ``folder``, in shard order."""
+    return sorted(p for p in Path(folder).glob("shard-*.npz") if ".tmp" not in p.name)
+
+
 def load_shards(folder: str | Path) -> list[AnswerShard]:
     """Every complete shard in ``folder``, in order."""
-    return [AnswerShard.load(p) for p in sorted(Path(folder).glob("shard-*.npz")) if ".tmp" not in p.name]
+    return [AnswerShard.load(p) for p in shard_paths(folder)]
 
 
 @torch.inference_mode()
@@ -117,22 +123,25 @@ def _answer_batch(model, prompts: list[list[int]], max_new_tokens: int, temperat
 def generate_answers(model, prompts: list[list[int]], out: str | Path, *, stop_ids: list[int],
                      max_new_tokens: int = 128, temperatures: tuple[float, ...] = (0.0, 0.7, 1.0),
                      batch_size: int = 16, topk: int = 32, seed: int = 0, max_batches: int | None = None,
-                     progress: bool = True) -> Path:
+                     first_shard: int = 0, prompt_rows: list[int] | None = None, progress: bool = True) -> Path:
     """Write the target's answers to ``prompts`` (token ids, chat template applied) as shards in ``out``,
     batches of ``batch_size`` prompts of similar length, temperatures cycled per batch. Resumes after the
     shards already there (the batches and their seeds are a function of the arguments only). ``max_batches``
-    stops after that many batches (a prefix of the shuffled batch order: a random subset of the prompts)."""
+    stops after that many batches (a prefix of the shuffled batch order: a random subset of the prompts).
+    ``first_shard`` numbers the shards (and seeds their batches) after those of earlier prompts of the same run;
+    ``prompt_rows[i]`` is prompt ``i``'s row in the prompts file (stored as ``prompt_index``; default ``i``)."""
     from tqdm.auto import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))  # similar lengths: little padding
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seed + first_shard)
     rng.shuffle(batches)  # so that any prefix of the shards mixes prompt lengths and kinds
     batches = batches[:max_batches] if max_batches is not None else batches
     bar = tqdm(total=len(batches), desc="target answers", unit="batch", disable=not progress)
-    for n, rows in enumerate(batches):
+    file_rows = list(range(len(prompts))) if prompt_rows is None else list(prompt_rows)
+    for n, rows in enumerate(batches, start=first_shard):
         path = out / f"shard-{n:05d}.npz"
         if path.exists():
             bar.update(1)
@@ -149,7 +158,7 @@ def generate_answers(model, prompts: list[list[int]], out: str | Path, *, stop_i
             topk_ids=np.concatenate([t[0] for t in tops]),
             topk_logprobs=np.concatenate([t[1] for t in tops]),
             temperature=np.full(len(rows), temperature, np.float32),
-            prompt_index=np.asarray(rows, np.int64),
+            prompt_index=np.asarray([file_rows[i] for i in rows], np.int64),
         )
         shard.save(path)
         bar.update(1)

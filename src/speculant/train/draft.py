@@ -84,28 +84,55 @@ def tokenize_prompts(tokenizer, rows: list[dict], max_tokens: int) -> tuple[list
 
 
 def _prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
-    """The run's prompts (``RUN/prompts.jsonl``, written from ``cfg.prompts`` or the built-in set once)."""
+    """The run's prompts (``RUN/prompts.jsonl``, written from ``cfg.prompts`` or the built-in set once). A run
+    grows when the configured prompts extend the saved ones (more ``--num-prompts`` of the same seed, or a prompts
+    file whose first rows are the saved ones): the new rows are appended and answered next."""
     from ..bench.prompts import load_prompts
 
     path = run / "prompts.jsonl"
-    if not path.exists():
-        if cfg.prompts:
-            rows = load_prompts(cfg.prompts)
-        else:
-            from .instructions import instruction_prompts
+    saved = load_prompts(path) if path.exists() else None
+    if cfg.prompts:
+        rows = load_prompts(cfg.prompts)
+    else:
+        from .instructions import instruction_prompts
 
-            rows = instruction_prompts(cfg.num_prompts, seed=cfg.prompt_seed)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        tmp.replace(path)
+        rows = instruction_prompts(cfg.num_prompts, seed=cfg.prompt_seed)
+    def content(part: list[dict]) -> list:
+        return [(r.get("messages"), r.get("prompt")) for r in part]
+
+    if saved is not None and (len(rows) <= len(saved) or content(rows[:len(saved)]) != content(saved)):
+        if content(rows[:len(saved)]) != content(saved[:len(rows)]):
+            log.warning("%s differs from the configured prompts; the run keeps its own (use a new --out to change "
+                        "them)", path)
+        return saved
+    if saved is not None:
+        log.info("the run grows from %d to %d prompts", len(saved), len(rows))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    tmp.replace(path)
     return load_prompts(path)
 
 
+def _answer_parts(folder: Path) -> list[dict]:
+    """``answers/PARTS.json``: the ranges of prompt rows answered so far, each ``{"rows": [a, b], "first_shard",
+    "seconds"}`` (``seconds`` None while that part is being written). A run from before parts existed is one
+    complete part covering the rows its ``DONE`` counts."""
+    parts_file, done = folder / "PARTS.json", folder / "DONE"
+    if parts_file.exists():
+        return json.loads(parts_file.read_text())
+    if done.exists():
+        info = json.loads(done.read_text())
+        return [{"rows": [0, info.get("rows", info["prompts"])], "first_shard": 0,
+                 "seconds": info.get("seconds", info.get("seconds_this_session"))}]
+    return []
+
+
 def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
-    """Stages 1 and 2: ``RUN/prompts.jsonl`` and the target's answers in ``RUN/answers`` (resumable)."""
+    """Stages 1 and 2: ``RUN/prompts.jsonl`` and the target's answers in ``RUN/answers`` (resumable; a grown run
+    answers only its new rows, in shards numbered after the existing ones)."""
     from ..chat import stop_ids
     from ..loading import load_pretrained
-    from .answers import generate_answers
+    from .answers import generate_answers, shard_paths
 
     run = Path(cfg.out)
     run.mkdir(parents=True, exist_ok=True)
@@ -115,17 +142,30 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rows = _prompt_rows(cfg, run)
-    done = run / "answers" / "DONE"
-    if done.exists():
-        return run / "answers"
+    folder = run / "answers"
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = _answer_parts(folder)
+    if parts and parts[-1]["seconds"] is not None:
+        if parts[-1]["rows"][1] >= len(rows):
+            return folder
+        parts.append({"rows": [parts[-1]["rows"][1], len(rows)], "first_shard": len(shard_paths(folder)),
+                      "seconds": None})
+    elif not parts:
+        parts = [{"rows": [0, len(rows)], "first_shard": 0, "seconds": None}]
+    part = parts[-1]  # the part to write (new, or interrupted earlier)
+    (folder / "PARTS.json").write_text(json.dumps(parts, indent=1))
+    (folder / "DONE").unlink(missing_ok=True)
+    a, b = part["rows"]
     model, tokenizer = load_pretrained(cfg.target, dtype=cfg.gen_dtype)
-    prompts, _ = tokenize_prompts(tokenizer, rows, cfg.max_prompt_tokens)
+    prompts, kept = tokenize_prompts(tokenizer, rows[a:b], cfg.max_prompt_tokens)
     start = time.perf_counter()
-    folder = generate_answers(model, prompts, run / "answers", stop_ids=stop_ids(tokenizer, model),
-                              max_new_tokens=cfg.max_new_tokens, temperatures=tuple(cfg.temperatures),
-                              batch_size=cfg.gen_batch, topk=cfg.topk, seed=cfg.seed,
-                              max_batches=cfg.answer_batches, progress=progress)
-    done.write_text(json.dumps({"prompts": len(prompts), "seconds_this_session": time.perf_counter() - start}))
+    generate_answers(model, prompts, folder, stop_ids=stop_ids(tokenizer, model), max_new_tokens=cfg.max_new_tokens,
+                     temperatures=tuple(cfg.temperatures), batch_size=cfg.gen_batch, topk=cfg.topk, seed=cfg.seed,
+                     max_batches=cfg.answer_batches, first_shard=part["first_shard"],
+                     prompt_rows=[a + i for i in kept], progress=progress)
+    part["seconds"] = time.perf_counter() - start
+    (folder / "PARTS.json").write_text(json.dumps(parts, indent=1))
+    (folder / "DONE").write_text(json.dumps({"rows": b, "seconds": sum(p["seconds"] for p in parts)}))
     return folder
 
 
@@ -137,9 +177,11 @@ def run_features(cfg: DraftRunConfig, progress: bool = True) -> Path:
     from ..loading import load_pretrained
     from .features import extract_features, features_dir
 
+    from .answers import shard_paths
+
     folder = features_dir(cfg.out, cfg.taps)
     done = folder / "DONE"
-    if not done.exists():
+    if not done.exists() or len(list(folder.glob("shard-*.npy"))) < len(shard_paths(Path(cfg.out) / "answers")):
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         model, _ = load_pretrained(cfg.target, dtype=cfg.gen_dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .answers import shard_paths
 from .card import _vocab_trim_section
 
 __all__ = ["write_drafter_card"]
@@ -67,7 +68,7 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     history = json.loads((export.parent / "history.json").read_text())
     answers = run / "answers"
     done = json.loads((answers / "DONE").read_text()) if (answers / "DONE").exists() else None
-    shards = sorted(answers.glob("shard-*.npz"))
+    shards = shard_paths(answers)
     import numpy as np
 
     n_answers = n_tokens = 0
@@ -79,7 +80,8 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     size_mb = (export / "model.safetensors").stat().st_size / 2**20
     temps = "/".join(str(t) for t in cfg["temperatures"])
     machine = meta.get("machine") or "machine not recorded"
-    prompts = cfg["prompts"] or f"{cfg['num_prompts']} built-in instruction prompts (speculant.train.instructions)"
+    n_rows = sum(1 for _ in (run / "prompts.jsonl").open()) if (run / "prompts.jsonl").exists() else cfg["num_prompts"]
+    prompts = cfg["prompts"] or f"{n_rows} built-in instruction prompts (speculant.train.instructions)"
     text = f"""# {name or export.name}
 
 A drafter for `{meta['target']}`, made by `speculant train draft` the Direct Alignment way (Goel et al. 2024):
@@ -95,7 +97,7 @@ loss.
 | distillation data | {n_answers:,} answers of the target ({n_tokens:,} answer tokens) to {prompts}, chat template applied, up to {cfg['max_new_tokens']} new tokens, temperatures {temps} cycled per batch, the target's top-{cfg['topk']} log-probabilities kept at every answer token |
 | objective | `{meta['loss']}` between the target's top-{cfg['topk']} and the drafter over the {cfg['keep']:,} most frequent answer tokens (the VocabTrim set it drafts from) |
 | steps | {meta['steps']} × {cfg['batch_size']} answers (each with its prompt's last 96 tokens), AdamW, peak lr {cfg['lr']}, {cfg['warmup']} warm-up steps, cosine to 0.1× |
-| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done['seconds_this_session'] / 60:.1f} min generating the answers" if done else ""} ({machine}) |
+| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done.get('seconds', done.get('seconds_this_session', 0)) / 60:.1f} min generating the answers" if done else ""} ({machine}) |
 
 ## Validation (held-out {cfg['validation_fraction']:.0%} of the answers)
 Greedy agreement: the drafter's top token is the target's. α = Σ min(p, q) over the kept set: the probability that

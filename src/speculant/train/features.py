@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .answers import AnswerShard
+from .answers import AnswerShard, shard_paths
 
 __all__ = ["extract_features", "features_dir", "load_features", "sequence_lengths", "to_tensor"]
 
@@ -69,7 +69,7 @@ def extract_features(target, answers: str | Path, out: str | Path, taps: list[in
 
     answers, out = Path(answers), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = sorted(p for p in answers.glob("shard-*.npz") if ".tmp" not in p.name)
+    paths = shard_paths(answers)
     todo = [p for p in paths if not (out / (p.stem + ".npy")).exists()]
     for path in tqdm(todo, desc="target features", unit="shard", disable=not progress):
         feats = _shard_features(target, AnswerShard.load(path), list(taps or []))
