@@ -41,6 +41,20 @@ def tables(report: dict) -> str:
     for m in report.get("memory", []):
         lines.append(f"| {m['context_tokens']} | {m.get('full_peak_kv_bytes', 0) / 1e6:.1f} MB | "
                      f"{m.get('budget_peak_kv_bytes', 0) / 1e6:.1f} MB |")
+    return "\n".join(lines) + "\n\n" + depth_table(rows, lengths, depths, policies)
+
+
+def depth_table(rows: list[dict], lengths: list[int], depths: list[float], policies: list[str]) -> str:
+    """Every cell: accuracy per policy, context length and needle depth (over the needles)."""
+    cell: dict[tuple[str, int, float], list[float]] = defaultdict(list)
+    for r in rows:
+        cell[(r["policy"], r["context_tokens"], r["depth"])].append(r["retrieval_accuracy"])
+    cols = [(n, d) for n in lengths for d in depths]
+    lines = ["Every cell (accuracy over the needles, per context length and needle depth):", "",
+             "| policy | " + " | ".join(f"{n} @ {d:g}" for n, d in cols) + " |", "|---|" + "---:|" * len(cols)]
+    for p in policies:
+        vals = [cell.get((p, n, d)) for n, d in cols]
+        lines.append(f"| `{p}` | " + " | ".join(f"{sum(v) / len(v):.2f}" if v else "–" for v in vals) + " |")
     return "\n".join(lines) + "\n"
 
 
