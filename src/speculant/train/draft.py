@@ -97,20 +97,23 @@ def _prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
         from .instructions import instruction_prompts
 
         rows = instruction_prompts(cfg.num_prompts, seed=cfg.prompt_seed)
-    def content(part: list[dict]) -> list:
-        return [(r.get("messages"), r.get("prompt")) for r in part]
-
-    if saved is not None and (len(rows) <= len(saved) or content(rows[:len(saved)]) != content(saved)):
-        if content(rows[:len(saved)]) != content(saved[:len(rows)]):
+    if saved is not None:
+        n = min(len(rows), len(saved))
+        if _content(rows[:n]) != _content(saved[:n]):
             log.warning("%s differs from the configured prompts; the run keeps its own (use a new --out to change "
                         "them)", path)
-        return saved
-    if saved is not None:
+        if len(rows) <= len(saved) or _content(rows[:n]) != _content(saved[:n]):
+            return saved
         log.info("the run grows from %d to %d prompts", len(saved), len(rows))
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     tmp.replace(path)
     return load_prompts(path)
+
+
+def _content(rows: list[dict]) -> list[tuple]:
+    """What a prompt row asks (its ``messages`` or ``prompt``), without the ids ``load_prompts`` adds."""
+    return [(r.get("messages"), r.get("prompt")) for r in rows]
 
 
 def _answer_parts(folder: Path) -> list[dict]:
@@ -175,13 +178,13 @@ KINDS = ("token", "feature")
 def run_features(cfg: DraftRunConfig, progress: bool = True) -> Path:
     """Feature drafters: the target's final hidden states over every answer, ``RUN/features`` (resumable)."""
     from ..loading import load_pretrained
-    from .features import extract_features, features_dir
-
     from .answers import shard_paths
+    from .features import extract_features, features_dir
 
     folder = features_dir(cfg.out, cfg.taps)
     done = folder / "DONE"
-    if not done.exists() or len(list(folder.glob("shard-*.npy"))) < len(shard_paths(Path(cfg.out) / "answers")):
+    missing = [p for p in shard_paths(Path(cfg.out) / "answers") if not (folder / (p.stem + ".npy")).exists()]
+    if not done.exists() or missing:  # missing: the run grew after its features were made
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         model, _ = load_pretrained(cfg.target, dtype=cfg.gen_dtype)

@@ -80,7 +80,8 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     size_mb = (export / "model.safetensors").stat().st_size / 2**20
     temps = "/".join(str(t) for t in cfg["temperatures"])
     machine = meta.get("machine") or "machine not recorded"
-    n_rows = sum(1 for _ in (run / "prompts.jsonl").open()) if (run / "prompts.jsonl").exists() else cfg["num_prompts"]
+    prompts_file = run / "prompts.jsonl"  # a grown run holds more rows than its first --num-prompts
+    n_rows = len(prompts_file.read_text().splitlines()) if prompts_file.exists() else cfg["num_prompts"]
     prompts = cfg["prompts"] or f"{n_rows} built-in instruction prompts (speculant.train.instructions)"
     text = f"""# {name or export.name}
 
