@@ -30,6 +30,7 @@ from speculant.kv import (
     policy_names,
     prefill_blockwise,
 )
+from speculant.cache import cache_kwarg
 from speculant.kv.registry import POLICIES
 from speculant.testing import tiny_model
 
@@ -142,7 +143,7 @@ def test_budget_no_op_greedy_continuation_other_architectures(arch):
         for _ in range(8):
             tok = int(logits.argmax(-1))
             out.append(tok)
-            step = model(input_ids=torch.tensor([[tok]]), past_key_values=cache,
+            step = model(input_ids=torch.tensor([[tok]]), **cache_kwarg(model, cache),
                          position_ids=cache.position_ids(1), use_cache=True)
             logits = step.logits[:, -1]
             evict(cache, KeyDiff(), 128)
@@ -159,7 +160,7 @@ def test_evicted_cache_continues_with_original_positions(llama):
     kept = list(range(4)) + list(range(t - n + 4, t))
     assert cache.positions(1)[0, 1].tolist() == kept and cache.next_position == t
     with torch.no_grad():
-        got = llama(input_ids=torch.tensor([[nxt]]), past_key_values=cache, position_ids=cache.position_ids(1)).logits
+        got = llama(input_ids=torch.tensor([[nxt]]), **cache_kwarg(llama, cache), position_ids=cache.position_ids(1)).logits
         allowed = torch.ones(t + 1, t + 1).tril().bool()
         allowed[t, :t] = False
         allowed[t, kept] = True
@@ -366,7 +367,7 @@ def test_captured_queries_give_the_models_attention(arch):
     ids = _ids(24, seed=4)
     cache = BudgetCache(2, capacity=24)
     with torch.no_grad(), QueryCapture(model, last=5) as cap:
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, **cache_kwarg(model, cache), use_cache=True)
     model.config._attn_implementation = "eager"
     try:
         with torch.no_grad():

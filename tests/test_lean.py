@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import speculant
-from speculant.cache import SpecCache
+from speculant.cache import SpecCache, cache_kwarg
 from speculant.drafters.registry import build_drafter
 from speculant.forward import TargetForward, lean_for
 from speculant.kv import BudgetCache
@@ -51,11 +51,11 @@ def test_lean_logits_and_cache_match_the_model(arch, dtype, budgeted):
         got = lean(ids, ours, positions, mask, inputs_embeds=embeds)
         feed = {"input_ids": ids} if embeds is None else {"inputs_embeds": embeds}
         with torch.no_grad():
-            want = model(**feed, past_key_values=ref, position_ids=positions, attention_mask=mask,
+            want = model(**feed, **cache_kwarg(model, ref), position_ids=positions, attention_mask=mask,
                          use_cache=True).logits
             feed32 = {k: v.float() if k == "inputs_embeds" else v for k, v in feed.items()}
             mask32 = None if mask is None else mask.float()
-            truth = exact(**feed32, past_key_values=ref32, position_ids=positions, attention_mask=mask32,
+            truth = exact(**feed32, **cache_kwarg(exact, ref32), position_ids=positions, attention_mask=mask32,
                           use_cache=True).logits
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

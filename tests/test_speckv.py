@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import speculant
-from speculant.cache import SpecCache
+from speculant.cache import SpecCache, cache_kwarg
 from speculant.drafters.registry import build_drafter
 from speculant.kv import BudgetCache, SpecKV, parse_policy, prefill_blockwise
 from speculant.kv import budget as kv_budget
@@ -36,7 +36,7 @@ def test_lookahead_attention_equals_brute_force_and_leaves_the_cache_unchanged(p
     spec = SpecKV(lookahead=6, draft=draft)
     cache = BudgetCache(2, capacity=64)
     with torch.no_grad():
-        target(input_ids=torch.tensor([PROMPT]), past_key_values=cache, use_cache=True)
+        target(input_ids=torch.tensor([PROMPT]), **cache_kwarg(target, cache), use_cache=True)
         keys = [layer.keys.clone() for layer in cache.layers]
         attn = spec.lookahead_attention(target, cache, PROMPT, known=[9])
     assert cache.length == len(PROMPT) and cache.next_position == len(PROMPT)
@@ -61,7 +61,7 @@ def test_eviction_keeps_prompt_tokens_only_with_their_full_cache_values(pair):
         cache, full = BudgetCache(2, capacity=64), SpecCache(2, capacity=64)
         with torch.no_grad():
             prefill_blockwise(target, torch.tensor([PROMPT]), cache, policy, budget=12, block=16, following=[9])
-            target(input_ids=torch.tensor([PROMPT]), past_key_values=full, use_cache=True)
+            target(input_ids=torch.tensor([PROMPT]), **cache_kwarg(target, full), use_cache=True)
         assert cache.length == 12 and cache.next_position == len(PROMPT)
         for layer in cache.layers:
             assert int(layer.positions.max()) < len(PROMPT)

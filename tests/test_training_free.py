@@ -22,7 +22,7 @@ from test_sampling_distribution import (
 
 import speculant
 import speculant.engine
-from speculant.cache import SpecCache
+from speculant.cache import SpecCache, cache_kwarg
 from speculant.checks import num_layers
 from speculant.drafters.base import DecodeState
 from speculant.drafters.hybrid import HybridDrafter
@@ -74,17 +74,17 @@ def test_node_logits_unchanged_by_attached_masks(arch):
     with torch.inference_mode():
         for with_probes in (False, True):
             cache = SpecCache(num_layers(target), capacity=64)
-            target(input_ids=torch.tensor([prefix[:-1]]), past_key_values=cache, use_cache=True)
+            target(input_ids=torch.tensor([prefix[:-1]]), **cache_kwarg(target, cache), use_cache=True)
             inputs = torch.tensor([[prefix[-1], *tree.tokens]])
             attn = TreeAttention(target.dtype, target.device)
             if with_probes:
                 ext = DraftTree(tokens=[0] * 14, parents=tree.parents + probes.parents(len(tree)))
                 mask, pos = attn.build(ext, cache.length)
                 out = target(inputs_embeds=speculant.engine._with_probes(target, inputs, probes),
-                             attention_mask=mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                             attention_mask=mask, position_ids=pos, **cache_kwarg(target, cache), use_cache=True)
             else:
                 mask, pos = attn.build(tree, cache.length)
-                out = target(input_ids=inputs, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                out = target(input_ids=inputs, attention_mask=mask, position_ids=pos, **cache_kwarg(target, cache),
                              use_cache=True)
             outs.append(out.logits[0, : len(tree) + 1])
     # float noise only (different matmul shapes); a visibility leak would move logits by O(1)
@@ -105,7 +105,7 @@ def test_mask_slots_never_stay_in_the_cache(monkeypatch):
     assert cache.length == len(ids) - 1
     fresh = SpecCache(num_layers(target), capacity=64)
     with torch.inference_mode():
-        target(input_ids=torch.tensor([ids[:-1]]), past_key_values=fresh, use_cache=True)
+        target(input_ids=torch.tensor([ids[:-1]]), **cache_kwarg(target, fresh), use_cache=True)
     for got, want in zip(cache.layers, fresh.layers):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)

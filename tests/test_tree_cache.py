@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculant.cache import SpecCache
+from speculant.cache import SpecCache, cache_kwarg
 from speculant.checks import num_layers
 from speculant.testing import tiny_model
 from speculant.tree import TreeAttention, ancestor_matrix
@@ -57,9 +57,9 @@ def test_tree_forward_matches_sequential_paths(arch):
     root = prefix[-1]
     cache = SpecCache(num_layers(model))
     with torch.inference_mode():
-        model(input_ids=torch.tensor([prefix[:-1]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([prefix[:-1]]), **cache_kwarg(model, cache), use_cache=True)
         mask, pos = TreeAttention(model.dtype, model.device).build(BRANCHY, cache.length)
-        out = model(input_ids=torch.tensor([[root] + BRANCHY.tokens]), past_key_values=cache,
+        out = model(input_ids=torch.tensor([[root] + BRANCHY.tokens]), **cache_kwarg(model, cache),
                     attention_mask=mask, position_ids=pos, use_cache=True).logits[0]
         for node in range(-1, len(BRANCHY)):
             path = []
@@ -78,22 +78,22 @@ def test_cache_keep_leaves_exactly_the_accepted_path(arch):
     prefix = torch.randint(2, VOCAB, (7,), generator=torch.Generator().manual_seed(2)).tolist()
     with torch.inference_mode():
         cache = SpecCache(num_layers(model), capacity=4)  # tiny capacity: exercises growth too
-        model(input_ids=torch.tensor([prefix[:-1]]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([prefix[:-1]]), **cache_kwarg(model, cache), use_cache=True)
         start = cache.length
         mask, pos = TreeAttention(model.dtype, model.device).build(BRANCHY, start)
-        model(input_ids=torch.tensor([[prefix[-1]] + BRANCHY.tokens]), past_key_values=cache,
+        model(input_ids=torch.tensor([[prefix[-1]] + BRANCHY.tokens]), **cache_kwarg(model, cache),
               attention_mask=mask, position_ids=pos, use_cache=True)
         accepted = [1, 5]  # b -> f: non-contiguous slots
         cache.keep(start, [start] + [start + 1 + n for n in accepted])
         path = prefix + [BRANCHY.tokens[n] for n in accepted]
         assert cache.length == len(path)
         ref = SpecCache(num_layers(model))
-        model(input_ids=torch.tensor([path]), past_key_values=ref, use_cache=True)
+        model(input_ids=torch.tensor([path]), **cache_kwarg(model, ref), use_cache=True)
         for got, want in zip(cache.layers, ref.layers):
             torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
         # decoding continues identically from the compacted cache
-        nxt = model(input_ids=torch.tensor([[7]]), past_key_values=cache, use_cache=True).logits[0, -1]
+        nxt = model(input_ids=torch.tensor([[7]]), **cache_kwarg(model, cache), use_cache=True).logits[0, -1]
         full = model(input_ids=torch.tensor([path + [7]])).logits[0, -1]
         torch.testing.assert_close(nxt, full, atol=1e-4, rtol=1e-4)
 

@@ -16,7 +16,7 @@ from helpers import chisq_pvalue
 
 import speculant
 from speculant import cli
-from speculant.cache import SpecCache
+from speculant.cache import SpecCache, cache_kwarg
 from speculant.checks import num_layers
 from speculant.drafters import (
     DecodeState,
@@ -160,7 +160,7 @@ def test_draft_cache_after_commit_is_exactly_the_accepted_path(spec, temperature
                     assert n == base + len(path), (choice, step)
                 assert drafter._cache.length == n
                 ref = SpecCache(num_layers(model))
-                model(input_ids=torch.tensor([state.ids[:n]]), past_key_values=ref, use_cache=True)
+                model(input_ids=torch.tensor([state.ids[:n]]), **cache_kwarg(model, ref), use_cache=True)
                 for got, want in zip(drafter._cache.layers, ref.layers):
                     torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
                     torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)

@@ -4,14 +4,43 @@
 buffer ``[B, H_kv, capacity, D]`` and expose views of its first ``length`` slots. Appending writes the new slots
 in place (transformers' ``DynamicLayer`` concatenates, copying the whole cache every step); rolling back a
 rejected draft moves a pointer; keeping the accepted path of a tree moves only the few kept slots.
+
+:func:`cache_kwarg` names a cache the way a model's ``forward`` takes it (``cache`` from transformers 5.24 on,
+``past_key_values`` before), and :func:`output_cache` reads it back from a model output or forward kwargs.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+from typing import Any
+
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-__all__ = ["GrowingLayer", "SpecCache"]
+__all__ = ["GrowingLayer", "SpecCache", "cache_kwarg", "output_cache"]
+
+
+@functools.cache
+def _cache_name(forward_owner: type) -> str:
+    """The keyword ``forward_owner.forward`` takes the KV cache under."""
+    params = inspect.signature(forward_owner.forward).parameters
+    return "cache" if "cache" in params or "past_key_values" not in params else "past_key_values"
+
+
+def cache_kwarg(model: torch.nn.Module, cache: Cache | None) -> dict[str, Any]:
+    """``{name: cache}`` for ``model(**..., **cache_kwarg(model, cache))``: transformers 5.24 renamed the forward
+    argument ``past_key_values`` to ``cache`` (the old name still works there, with a deprecation warning)."""
+    return {_cache_name(type(model)): cache}
+
+
+def output_cache(found: dict[str, Any]) -> Cache | None:
+    """The cache in a model output (a ``ModelOutput`` is a dict of its set fields) or in a forward's kwargs, under
+    either name; looked up by key so that the old name's deprecation warning never fires."""
+    for name in ("cache", "past_key_values"):
+        if name in found.keys():
+            return found[name]
+    return None
 
 
 class GrowingLayer(DynamicLayer):

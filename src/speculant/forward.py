@@ -17,6 +17,7 @@ from contextlib import nullcontext
 
 import torch
 
+from .cache import cache_kwarg
 from .checks import warn_once
 from .lean import LeanForward, sliding_window, unsupported
 
@@ -93,8 +94,8 @@ class TargetForward:
         if self.lean is None and hidden_out is None:
             feed = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
             with capture if capture is not None else nullcontext():
-                out = self.model(**feed, past_key_values=cache, attention_mask=mask, position_ids=positions,
-                                 use_cache=True, logits_to_keep=logits_to_keep)
+                out = self.model(**feed, **cache_kwarg(self.model, cache), attention_mask=mask,
+                                 position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep)
             return out.logits
         hidden = self._hidden(cache, input_ids, inputs_embeds, positions, mask, capture, hidden_out)  # [1, T, H]
         head = self.lean.logits if self.lean is not None else self.model.get_output_embeddings()
@@ -117,8 +118,9 @@ class TargetForward:
                                              for i in taps]
             try:
                 with capture if capture is not None else nullcontext():
-                    hidden = self.model.base_model(**feed, past_key_values=cache, attention_mask=mask,
-                                                   position_ids=positions, use_cache=True).last_hidden_state
+                    base = self.model.base_model
+                    hidden = base(**feed, **cache_kwarg(base, cache), attention_mask=mask, position_ids=positions,
+                                  use_cache=True).last_hidden_state
             finally:
                 for hook in hooks:
                     hook.remove()

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speculant.cache import output_cache
+
 __all__ = ["ForwardCall", "ForwardProbe", "cache_bytes", "peak_kv_bytes", "probing"]
 
 
@@ -77,15 +79,15 @@ class ForwardProbe:
             self._inputs = int(embeds.shape[-2])
         else:
             self._inputs = 0
-        cache = kwargs.get("past_key_values")
+        cache = output_cache(kwargs)
         self._past = int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else 0
         self._start = time.perf_counter()
 
     def _post(self, module, args, kwargs, output) -> None:
         end = time.perf_counter()
-        cache = kwargs.get("past_key_values")
-        if cache is None:
-            cache = getattr(output, "past_key_values", None)
+        cache = output_cache(kwargs)
+        if cache is None and isinstance(output, dict):
+            cache = output_cache(output)
         self.calls.append(ForwardCall(self._inputs, self._past, end - self._start, cache_bytes(cache), end))
 
     @contextmanager

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attached import feature_layers, is_feature_drafter
+from ..cache import cache_kwarg
 from ..checks import num_layers
 from .base import DecodeState
 from .model import DraftModelDrafter
@@ -83,8 +84,8 @@ class FeatureDrafter(DraftModelDrafter):
         with state.draft_forward(device):
             if self._lean is not None:
                 return self._lean.hidden(None, self._cache, inputs_embeds=x)[0]
-            return self.model.base_model(inputs_embeds=x, past_key_values=self._cache,
-                                         use_cache=True).last_hidden_state[0]
+            base = self.model.base_model
+            return base(inputs_embeds=x, **cache_kwarg(base, self._cache), use_cache=True).last_hidden_state[0]
 
     def _catch_up(self, state: DecodeState) -> torch.Tensor:
         """Feed the rows of every position whose target state arrived since the last proposal; ``p``'s logits

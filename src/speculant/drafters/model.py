@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ..attached import is_feature_drafter
-from ..cache import SpecCache
+from ..cache import SpecCache, cache_kwarg
 from ..checks import (
     check_fits_context,
     check_positive_int,
@@ -149,9 +149,11 @@ class DraftModelBase:
             if self._lean is not None:
                 return self._head_logits(self._lean.hidden(inputs, self._cache)[0, -1])  # [V_shared] or [M]
             if self._head is not None:  # the base model, then only the kept rows of the head
-                hidden = self.model.base_model(input_ids=inputs, past_key_values=self._cache, use_cache=True)
+                base = self.model.base_model
+                hidden = base(input_ids=inputs, **cache_kwarg(base, self._cache), use_cache=True)
                 return self._head.logits(hidden.last_hidden_state[0, -1])  # [M]
-            out = self.model(input_ids=inputs, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=inputs, **cache_kwarg(self.model, self._cache), use_cache=True,
+                             logits_to_keep=1)
         return out.logits[0, -1, : self._vocab]
 
     def _all_logits(
@@ -161,7 +163,7 @@ class DraftModelBase:
         ``[1, T]`` (a tree level); logits after each of them: ``[T, V_shared]``, or ``[T, M]`` trimmed."""
         device = self.model.device
         inputs = torch.tensor([tokens], device=device).clamp_(max=self._max_input_id)  # [1, T]
-        kwargs = {"input_ids": inputs, "past_key_values": self._cache, "attention_mask": mask,
+        kwargs = {"input_ids": inputs, **cache_kwarg(self.model, self._cache), "attention_mask": mask,
                   "position_ids": positions, "use_cache": True}
         with state.draft_forward(device):
             if self._lean is not None:

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..cache import GrowingLayer, SpecCache
+from ..cache import GrowingLayer, SpecCache, cache_kwarg
 from .attention import QueryCapture, attention_probs
 from .policies import ScoreContext, ScorePolicy
 from .speckv import find_speckv
@@ -257,4 +257,4 @@ def prefill_blockwise(
 
 
 def _block_forward(model, chunk, cache, pos, keep):
-    return model(input_ids=chunk, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=keep)
+    return model(input_ids=chunk, **cache_kwarg(model, cache), position_ids=pos, use_cache=True, logits_to_keep=keep)

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..cache import SpecCache
+from ..cache import SpecCache, cache_kwarg
 from ..checks import num_layers
 from .budget import BudgetCache, prefill_blockwise
 from .policies import ScorePolicy
@@ -178,7 +178,7 @@ def memory_profile(model, policy: ScorePolicy, budget: int, block: int, prompt_l
     for n in prompt_lengths:
         ids = torch.randint(0, vocab_size, (1, n), generator=gen).to(model.device)
         full = SpecCache(num_layers(model), capacity=n)
-        model.base_model(input_ids=ids, past_key_values=full, use_cache=True)
+        model.base_model(input_ids=ids, **cache_kwarg(model.base_model, full), use_cache=True)
         small = BudgetCache(num_layers(model), capacity=budget + block)
         prefill_blockwise(model, ids, small, policy, budget, block)
         rows.append({"prompt_tokens": n, "full_peak_kv_bytes": full.nbytes(),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import SpecCache
+from ..cache import SpecCache, cache_kwarg
 from ..checks import num_layers
 from .attention import QueryCapture, attention_probs
 from .policies import ScorePolicy, SnapKV
@@ -62,7 +62,7 @@ class SpecKV(SnapKV):
         cache = SpecCache(num_layers(draft), capacity=len(prefix) + self.lookahead + 1)
         feed = torch.tensor([list(prefix) + tokens], device=device)  # [1, P + K]
         while len(tokens) < self.lookahead:
-            logits = draft(input_ids=feed, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            logits = draft(input_ids=feed, **cache_kwarg(draft, cache), use_cache=True, logits_to_keep=1).logits
             nxt = int(logits[0, -1].argmax())
             tokens.append(nxt)
             feed = torch.tensor([[nxt]], device=device)
@@ -80,8 +80,8 @@ class SpecKV(SnapKV):
         device = model.device
         positions = cache.position_ids(len(tokens), device=device)
         with QueryCapture(model) as cap:
-            model(input_ids=torch.tensor([tokens], device=device), past_key_values=cache, position_ids=positions,
-                  use_cache=True, logits_to_keep=1)
+            model(input_ids=torch.tensor([tokens], device=device), **cache_kwarg(model, cache),
+                  position_ids=positions, use_cache=True, logits_to_keep=1)
         attn = {}
         for i, layer in enumerate(cache.layers):
             q = cap.queries.get(i)

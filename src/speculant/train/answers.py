@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from ..cache import cache_kwarg
+
 __all__ = ["AnswerShard", "generate_answers", "load_shards", "shard_paths"]
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ def _answer_batch(model, prompts: list[list[int]], max_new_tokens: int, temperat
         mask[i, width - len(p):] = 1
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **cache_kwarg(model, cache),
                    use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
     stop = torch.tensor(stop_ids, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -111,8 +113,8 @@ def _answer_batch(model, prompts: list[list[int]], max_new_tokens: int, temperat
             break
         mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=device)], 1)
         position = position + 1
-        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position, past_key_values=cache,
-                       use_cache=True).logits[:, -1]
+        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=position,
+                       **cache_kwarg(model, cache), use_cache=True).logits[:, -1]
     packed = []
     for row in tops:
         packed.append((torch.stack([t[0] for t in row]).cpu().numpy().astype(np.int32),
