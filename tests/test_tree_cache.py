@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
-from speculant.cache import SpecCache, cache_kwarg
+from speculant.cache import SpecCache, cache_kwarg, output_cache
 from speculant.checks import num_layers
 from speculant.testing import tiny_model
 from speculant.tree import TreeAttention, ancestor_matrix
@@ -116,3 +118,16 @@ def test_growing_layer_append_crop_keep():
     assert cache.nbytes() == 2 * 4 * 4
     with pytest.raises(ValueError):
         cache.crop(9)
+
+
+def test_cache_kwarg_follows_the_forward_signature():
+    """The cache goes in under the name the model's forward declares (``cache`` from transformers 5.24,
+    ``past_key_values`` before) and comes back from the output under either name."""
+    model = tiny_model("llama")
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    cache = SpecCache(num_layers(model))
+    assert cache_kwarg(model, cache) == {name: cache}
+    out = model(input_ids=torch.tensor([[1, 2, 3]]), **cache_kwarg(model, cache), use_cache=True)
+    assert output_cache(out) is cache and cache.get_seq_length() == 3
+    assert output_cache({"past_key_values": cache}) is cache and output_cache({"cache": cache}) is cache
+    assert output_cache({"input_ids": None}) is None
