@@ -5,6 +5,13 @@ needles; the budget; peak KV bytes per context length for the full cache and und
 ``DIR/niah.png`` (accuracy against context length, one line per policy; peak KV against context length).
 
     python benchmarks/niah_report.py benchmarks/results/niah/kv_results.json
+
+Several runs with the same grid and settings (e.g. a policy added later) merge into the first one's folder:
+
+    python benchmarks/niah_report.py benchmarks/results/niah/kv_results.json benchmarks/results/niah-x/kv_results.json
+
+Their ``full`` (whole-cache) rows must agree (greedy decoding is deterministic); each policy is taken from the
+first run that has it.
 """
 
 from __future__ import annotations
@@ -92,12 +99,33 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
+def merge(reports: list[dict]) -> dict:
+    """One report from runs of the same grid: the first run's settings and memory, every policy once."""
+    first = reports[0]
+    rows = list(first["results"])
+    have = {r["policy"] for r in rows}
+    full = {(r["context_tokens"], r["depth"]): r["answers"] for r in rows if r["policy"] == "full"}
+    for other in reports[1:]:
+        for key in ("target", "dtype", "lengths", "depths", "needles", "budgets", "budget_fraction", "block"):
+            if first.get("settings", {}).get(key) != other.get("settings", {}).get(key):
+                raise SystemExit(f"runs differ in their setting {key!r}: they cannot share a table")
+        for r in other["results"]:
+            if r["policy"] == "full":
+                if full.get((r["context_tokens"], r["depth"]), r["answers"]) != r["answers"]:
+                    raise SystemExit(f"runs differ: the full cache answered differently at {r['context_tokens']} "
+                                     f"tokens, depth {r['depth']}")
+            elif r["policy"] not in have:
+                rows.append(r)
+        have |= {r["policy"] for r in other["results"]}
+    return {**first, "results": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", help="kv_results.json of a --task niah run")
+    ap.add_argument("results", nargs="+", help="kv_results.json of one or more --task niah runs (same grid)")
     args = ap.parse_args()
-    path = Path(args.results)
-    report = json.loads(path.read_text())
+    path = Path(args.results[0])
+    report = merge([json.loads(Path(p).read_text()) for p in args.results])
     table = path.parent / "niah_table.md"
     table.write_text(tables(report))
     print(table.read_text())

@@ -356,6 +356,16 @@ def test_parse_policy_and_names():
         parse_policy("nope")
     with pytest.raises(ValueError, match="wrapper"):
         parse_policy("bad:h2o")
+    # options after the base policy set its int/float/bool fields
+    w = parse_policy("caote:snapkv:window=32:kernel=3")
+    assert isinstance(w.inner, SnapKV) and (w.inner.window, w.inner.kernel) == (32, 3) and w.inner.queries == 32
+    for bad, message in [("snapkv:size=3", "unknown option 'size' of KV policy 'snapkv'.*its options: window, kernel"),
+                         ("snapkv:window=x", "bad value 'x' for option 'window' of KV policy 'snapkv': expected int"),
+                         ("window=3:snapkv", "expected \\[wrapper:\\]\\*policy"),
+                         ("snapkv:window=3:window=4", "given twice"),
+                         ("speckv:passes=3", "passes must be 1 or 2")]:
+        with pytest.raises(ValueError, match=message):
+            parse_policy(bad)
 
 
 # ---------------------------------------------------------------- attention from captured queries

@@ -54,7 +54,7 @@ def test_lookahead_attention_equals_brute_force_and_leaves_the_cache_unchanged(p
 
 def test_eviction_keeps_prompt_tokens_only_with_their_full_cache_values(pair):
     target, draft = pair
-    for spec in ("speckv", "caote:speckv"):
+    for spec in ("speckv", "caote:speckv", "speckv:passes=2", "caote:speckv:passes=2:lookahead=4"):
         policy = parse_policy(spec)
         policy_core = policy if isinstance(policy, SpecKV) else policy.inner
         policy_core.draft = draft
@@ -76,9 +76,9 @@ def test_scores_come_from_the_lookahead_at_the_last_block_only(pair, monkeypatch
     calls = []
     original = SpecKV.lookahead_attention
 
-    def spy(self, model, cache, prefix, known=()):
+    def spy(self, model, cache, prefix, known=(), **kwargs):
         calls.append((len(prefix), list(known)))
-        return original(self, model, cache, prefix, known)
+        return original(self, model, cache, prefix, known, **kwargs)
 
     monkeypatch.setattr(SpecKV, "lookahead_attention", spy)
     with torch.no_grad():
@@ -89,6 +89,51 @@ def test_scores_come_from_the_lookahead_at_the_last_block_only(pair, monkeypatch
         prefill_blockwise(target, torch.tensor([PROMPT]), BudgetCache(2, capacity=64),
                           SpecKV(draft=draft, every_block=True), 12, block=16, following=[9])
     assert calls == [(16, []), (32, []), (40, [9])]
+
+
+def test_two_passes_score_every_block_with_the_first_pass_end_queries(pair, monkeypatch):
+    """passes=2: the first pass (scratch cache) ends with the observation window's and the provisional answer's
+    queries; the second pass scores its blocks before the last with their plain softmax attention over the cache
+    (no causal mask: they come after every cached token), its last block with a fresh lookahead; the peak KV is
+    that of one pass."""
+    target, draft = pair
+    observers = {}
+    with torch.no_grad():
+        kv_budget._prefill_pass(target, torch.tensor([PROMPT]), BudgetCache(2, capacity=64), SpecKV(draft=draft),
+                                12, 16, False, [9], None, None, queries_out=observers)
+    heads, dim = target.config.num_attention_heads, target.config.hidden_size // target.config.num_attention_heads
+    # the last block holds 8 prompt tokens (< window 16), then 16 provisional tokens
+    assert sorted(observers) == [0, 1] and observers[0].shape == (1, heads, 8 + 16, dim)
+
+    seen, looks = [], []
+    original_evict, original_look = kv_budget.evict, SpecKV.lookahead_attention
+
+    def spy_evict(cache, policy, budget, protect_last=0, attn=None):
+        keys = {i: layer.keys.clone() for i, layer in enumerate(cache.layers)}
+        seen.append((keys, attn))
+        return original_evict(cache, policy, budget, protect_last, attn)
+
+    def spy_look(self, model, cache, prefix, known=(), **kwargs):
+        looks.append(len(prefix))
+        return original_look(self, model, cache, prefix, known, **kwargs)
+
+    monkeypatch.setattr(kv_budget, "evict", spy_evict)
+    monkeypatch.setattr(SpecKV, "lookahead_attention", spy_look)
+    one, two = BudgetCache(2, capacity=64), BudgetCache(2, capacity=64)
+    with torch.no_grad():
+        prefill_blockwise(target, torch.tensor([PROMPT]), one, SpecKV(draft=draft), 12, block=16, following=[9])
+        seen.clear(), looks.clear()
+        prefill_blockwise(target, torch.tensor([PROMPT]), two, SpecKV(draft=draft, passes=2), 12, block=16,
+                          following=[9])
+    assert looks == [40, 40] and len(seen) == 6  # 3 blocks per pass, a lookahead at each pass's last block
+    scaling = target.model.layers[0].self_attn.scaling
+    for keys, attn in seen[3:5]:  # the second pass's first two blocks
+        for i, q in observers.items():
+            k = keys[i].float().repeat_interleave(heads // keys[i].shape[1], dim=1)
+            brute = torch.softmax(q.float() @ k.transpose(-1, -2) * scaling, -1)
+            torch.testing.assert_close(attn[i], brute)
+    assert two.peak_nbytes == one.peak_nbytes
+    assert two.length == 12 and two.next_position == len(PROMPT)
 
 
 def test_generate_by_name_with_a_drafter_and_errors(pair):

@@ -98,7 +98,7 @@ def parse_baseline(spec: str) -> tuple[str, dict[str, Any]]:
         if key not in base.keys:
             known = ", ".join(base.keys) or "none"
             raise ValueError(f"unknown option {key!r} for baseline {name!r}; its options: {known}")
-        options[key] = base.keys[key].convert(name, key, value)
+        options[key] = base.keys[key].convert(name, key, value, kind="baseline")
         if isinstance(options[key], int) and options[key] < 1:
             raise ValueError(f"option {key!r} of baseline {name!r} must be >= 1, got {options[key]}")
     return name, options

@@ -36,7 +36,8 @@ DESCRIPTION = (
     "next-token KL, top-1 agreement, NLL ratio, averaged over the sequences; block-wise prefill then token-by-token "
     "decoding with eviction), accuracy on a synthetic dict retrieval task, and peak KV bytes of a full vs a "
     "block-wise budgeted prefill. "
-    f"Policies: {', '.join(policy_names())} (wrappers prefix a base policy, e.g. caote:h2o)."
+    f"Policies: {', '.join(policy_names())} (wrappers prefix a base policy, e.g. caote:h2o; options follow it, "
+    "e.g. snapkv:window=32 or speckv:passes=2)."
 )
 _DEFAULTS = EvalConfig()
 _HELPS = {

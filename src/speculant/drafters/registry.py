@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import inspect
 import re
-import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 
 from ..attached import is_feature_drafter
 from ..forward import FORWARDS
+from ..specs import NO_DEFAULT, Key, split_spec
 from .base import Drafter
 from .feature import FeatureDrafter
 from .model import DraftModelDrafter
@@ -52,15 +52,10 @@ __all__ = [
     "split_spec",
 ]
 
-NO_DEFAULT: Any = inspect.Parameter.empty
-"""Marks a key whose default is unknown to the registry (the factory decides)."""
-
 DEFAULT_METHOD = "chain"
 """The method a bare draft model gets (``generate(target, ids, drafter=draft_model)``, ``--method``'s default)."""
 
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]*$")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 def default_of(func: Callable, name: str) -> Any:
@@ -68,53 +63,6 @@ def default_of(func: Callable, name: str) -> Any:
     :data:`NO_DEFAULT`. Lets a registration show a drafter's default without restating it."""
     param = inspect.signature(func).parameters.get(name)
     return NO_DEFAULT if param is None else param.default
-
-
-@dataclass(frozen=True)
-class Key:
-    """One option of a method: ``type`` converts the spec's string (``list[T]`` splits on ``/``), ``doc`` says
-    what it does, ``default`` is for help texts only (the factory applies its own)."""
-
-    type: Any
-    doc: str
-    default: Any = NO_DEFAULT
-
-    def type_name(self) -> str:
-        if typing.get_origin(self.type) is list:
-            (item,) = typing.get_args(self.type) or (str,)
-            return f"{item.__name__}/{item.__name__}/..."
-        return getattr(self.type, "__name__", str(self.type))
-
-    def convert(self, method: str, key: str, value: Any) -> Any:
-        """Convert a string value; values of other types (from Python callers) are passed as given and left to
-        the factory to validate."""
-        if not isinstance(value, str):
-            return value
-        try:
-            if typing.get_origin(self.type) is list:
-                (item,) = typing.get_args(self.type) or (str,)
-                if not value.strip():
-                    raise ValueError("empty list")
-                return [_convert_scalar(item, part) for part in value.split("/")]
-            return _convert_scalar(self.type, value)
-        except ValueError:
-            raise ValueError(
-                f"bad value {value!r} for option {key!r} of method {method!r}: expected {self.type_name()}"
-            ) from None
-
-
-def _convert_scalar(typ: Any, text: str) -> Any:
-    text = text.strip()
-    if typ is bool:
-        low = text.lower()
-        if low in _TRUE:
-            return True
-        if low in _FALSE:
-            return False
-        raise ValueError(text)
-    if typ is str:
-        return text
-    return typ(text)  # int("2.5") and float("x") raise ValueError
 
 
 @dataclass(frozen=True)
@@ -210,25 +158,6 @@ def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
     """
     name, raw = split_spec(spec, "method", sorted(_REGISTRY))
     return name, _check_options(get_method(name), raw)
-
-
-def split_spec(spec: str, kind: str, known: Sequence[str]) -> tuple[str, dict[str, str]]:
-    """``NAME[:key=value...]`` -> ``(name, {key: raw string value})``, the syntax shared by method specs and
-    benchmark baselines (``kind`` and ``known`` only word the errors). Raises a one-line ValueError for an empty
-    spec, a malformed ``key=value`` or a repeated key; the caller checks the name and converts the values."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"empty {kind} spec; known {kind}s: {', '.join(known)}")
-    name, *parts = [p.strip() for p in spec.strip().split(":")]
-    raw: dict[str, str] = {}
-    for part in parts:
-        key, eq, value = part.partition("=")
-        key = key.strip()
-        if not eq or not key:
-            raise ValueError(f"bad {kind} option {part!r} in {spec!r}: expected key=value")
-        if key in raw:
-            raise ValueError(f"option {key!r} given twice in {spec!r}")
-        raw[key] = value
-    return name, raw
 
 
 def build_drafter(

@@ -80,14 +80,17 @@ class QueryCapture:
         return float(self.modules[layer].scaling)
 
 
-def attention_probs(queries: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal softmax attention of ``queries [B, H_q, Q, D]`` over ``keys [B, H_kv, T, D]`` -> ``[B, H_q, Q, T]``.
+def attention_probs(queries: torch.Tensor, keys: torch.Tensor, scaling: float, causal: bool = True) -> torch.Tensor:
+    """Softmax attention of ``queries [B, H_q, Q, D]`` over ``keys [B, H_kv, T, D]`` -> ``[B, H_q, Q, T]``.
 
-    The queries belong to the tokens in the last ``Q`` cache slots (query ``i`` sees slots ``<= T - Q + i``).
+    ``causal``: the queries belong to the tokens in the last ``Q`` cache slots (query ``i`` sees slots
+    ``<= T - Q + i``); otherwise they belong to later positions and see every key.
     """
     hq, q = queries.shape[1], queries.shape[2]
     hkv, t = keys.shape[1], keys.shape[2]
     k = keys.float().repeat_interleave(hq // hkv, dim=1)  # [B, H_q, T, D]
     logits = torch.matmul(queries.float(), k.transpose(-1, -2)) * scaling  # [B, H_q, Q, T]
+    if not causal:
+        return logits.softmax(-1)
     future = torch.arange(t, device=keys.device)[None, :] > (t - q + torch.arange(q, device=keys.device))[:, None]
     return logits.masked_fill(future, float("-inf")).softmax(-1)

@@ -224,6 +224,10 @@ def prefill_blockwise(
     With :class:`~speculant.kv.speckv.SpecKV` in ``policy``, the last block (every block with ``every_block``) is
     scored by the attention of the draft's provisional continuation (:meth:`SpecKV.lookahead_attention`);
     ``following`` are tokens known to come after ``input_ids`` (the engine's root), which start that continuation.
+    With ``passes=2`` and an empty cache (a prompt longer than the budget), a first pass over a scratch cache of the
+    same size ends with the observation queries, and the second pass scores every block but the last by their
+    attention (:meth:`SpecKV.observer_attention`); the scratch cache is released before the second pass fills
+    ``cache``, so the peak stays one cache.
     ``forward``: a :class:`speculant.forward.TargetForward` to run the blocks through (the engine passes its own,
     the lean forward where it applies); None calls the model's own forward. ``hidden_out`` (with ``forward``): a
     list that receives each block's final-normed hidden states ``[1, T_block, H]``.
@@ -232,6 +236,24 @@ def prefill_blockwise(
         raise ValueError(f"block must be >= 1, got {block}")
     if hidden_out is not None and forward is None:
         raise ValueError("hidden_out needs forward (a speculant.forward.TargetForward)")
+    spec = find_speckv(policy)
+    observers = None
+    if spec is not None and spec.passes == 2 and cache.length == 0 and input_ids.shape[1] > budget:
+        observers = {}
+        scratch = BudgetCache(len(cache.layers), capacity=cache.layers[0].capacity)
+        _prefill_pass(model, input_ids, scratch, policy, budget, block, False, following, forward, None,
+                      queries_out=observers)
+        del scratch
+    return _prefill_pass(model, input_ids, cache, policy, budget, block, all_logits, following, forward, hidden_out,
+                         observers=observers)
+
+
+def _prefill_pass(model, input_ids, cache, policy, budget, block, all_logits, following, forward, hidden_out,
+                  observers: dict[int, torch.Tensor] | None = None,
+                  queries_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """One block-wise pass of :func:`prefill_blockwise`. ``observers``: queries that score every block but the last
+    (SpecKV's second pass); ``queries_out`` receives, at the last block, the queries of its observation window
+    followed by the provisional answer's, ``[B, H_q, Q, D]`` per layer (SpecKV's first pass)."""
     spec = find_speckv(policy)
     keep = 0 if all_logits else 1
     logits = []
@@ -248,9 +270,14 @@ def prefill_blockwise(
                 out = _block_forward(model, chunk, cache, pos, keep).logits
         attn = observe(cache, cap) if cap is not None else None
         last = s + block >= total
-        if spec is not None and (last or spec.every_block) and cache.length > budget:
+        if observers and not last:
+            attn = spec.observer_attention(cache, observers, cap)
+        elif spec is not None and (last or spec.every_block) and cache.length > budget:
             prefix = input_ids[0, : s + chunk.shape[1]].tolist()
-            attn = spec.lookahead_attention(model, cache, prefix, following if last else ())
+            look = {} if last and queries_out is not None else None
+            attn = spec.lookahead_attention(model, cache, prefix, following if last else (), queries_out=look)
+            if look is not None:
+                queries_out.update({i: torch.cat([cap.queries[i], q], 2) for i, q in look.items() if i in cap.queries})
         evict(cache, policy, budget, attn=attn)
         logits.append(out if all_logits else out[:, -1])
     return torch.cat(logits, 1) if all_logits else logits[-1]

@@ -1,12 +1,16 @@
 """Names of KV eviction policies, as used on the command line: ``keydiff``, ``caote:h2o``, ``protect:tova``...
 
-A spec is ``[wrapper:]*base``; wrappers apply right to left (``caote:protect:snapkv`` = CAOTE over protected
-SnapKV). Defaults live in the policy dataclasses; this module only maps names to constructors.
+A spec is ``[wrapper:]*base[:key=value]*``; wrappers apply right to left (``caote:protect:snapkv`` = CAOTE over
+protected SnapKV); options set the base policy's numeric and boolean fields (``snapkv:window=32``,
+``caote:speckv:passes=2``). Defaults live in the policy dataclasses; this module only maps names to constructors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+
+from ..specs import Key, split_spec
 
 from .caote import CAOTE
 from .speckv import SpecKV
@@ -22,7 +26,7 @@ from .policies import (
     Streaming,
 )
 
-__all__ = ["POLICIES", "WRAPPERS", "parse_policy", "policy_names"]
+__all__ = ["POLICIES", "WRAPPERS", "parse_policy", "policy_names", "policy_options"]
 
 POLICIES: dict[str, Callable[[], ScorePolicy]] = {
     "keydiff": KeyDiff,
@@ -49,14 +53,39 @@ def policy_names() -> list[str]:
     return [*POLICIES, *(f"{w}:" for w in WRAPPERS)]
 
 
+def policy_options(policy: ScorePolicy) -> dict[str, Key]:
+    """The options a spec may set on ``policy``: its int, float and bool dataclass fields."""
+    if not dataclasses.is_dataclass(policy):
+        return {}
+    return {f.name: Key(type(getattr(policy, f.name)), f.name) for f in dataclasses.fields(policy)
+            if type(getattr(policy, f.name)) in (int, float, bool)}
+
+
 def parse_policy(spec: str) -> ScorePolicy:
-    """``"caote:h2o"`` -> ``CAOTE(inner=H2O())``. Raises ValueError naming the known names."""
+    """``"caote:h2o"`` -> ``CAOTE(inner=H2O())``; ``"speckv:passes=2"`` -> ``SpecKV(passes=2)``. Raises ValueError
+    naming the known names (or options)."""
     parts = [p.strip().lower() for p in spec.split(":")]
-    base = parts[-1]
+    names = [p for p in parts if "=" not in p]
+    if not names or parts[: len(names)] != names:
+        raise ValueError(f"bad KV policy {spec!r}: expected [wrapper:]*policy[:key=value]*")
+    base = names[-1]
     if base not in POLICIES:
         raise ValueError(f"unknown KV policy {base!r} in {spec!r}; known: {', '.join(POLICIES)}")
     policy = POLICIES[base]()
-    for wrapper in reversed(parts[:-1]):
+    _, raw = split_spec(":".join([base, *parts[len(names):]]), "KV policy", list(POLICIES))
+    if raw:
+        known = policy_options(policy)
+        values = {}
+        for key, value in raw.items():
+            if key not in known:
+                raise ValueError(f"unknown option {key!r} of KV policy {base!r} in {spec!r}; its options: "
+                                 f"{', '.join(known) or 'none'}")
+            values[key] = known[key].convert(base, key, value, kind="KV policy")
+        try:
+            policy = dataclasses.replace(policy, **values)
+        except ValueError as e:
+            raise ValueError(f"KV policy {spec!r}: {e}") from None
+    for wrapper in reversed(names[:-1]):
         if wrapper not in WRAPPERS:
             raise ValueError(f"unknown KV policy wrapper {wrapper!r} in {spec!r}; known: {', '.join(WRAPPERS)}")
         policy = WRAPPERS[wrapper](policy)

@@ -13,6 +13,13 @@ the last block (``every_block=True``: for every block, the draft continuing the 
 blocks, and eviction while decoding, score as SnapKV does, with the latest queries. It composes with CAOTE
 (``caote:speckv``: the draft queries' attention is CAOTE's ``alpha``).
 
+Under a strict budget the blocks before the last are evicted before the question at the end of the prompt has
+been read, so no end-of-prompt scoring can bring back what they dropped. ``passes=2`` prefills the prompt twice
+within the same budget: the first pass ends with the observation queries (the prompt's last ``window`` tokens
+and the provisional answer, post-RoPE, per layer); the second pass scores every block with the attention of
+those queries over the block's cache (they come from later positions, so they see every cached key). It costs a
+second prefill and keeps the peak KV memory of one.
+
 The draft is any causal LM with the target's tokenizer (``SpecKV(draft=model)``); ``generate`` fills it in from
 the drafter when the policy is given by name (``kv_policy="speckv"`` with a draft-model method).
 """
@@ -38,11 +45,14 @@ class SpecKV(SnapKV):
 
     lookahead: int = 16
     every_block: bool = False
+    passes: int = 1
     draft: torch.nn.Module | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.lookahead < 1:
             raise ValueError(f"speckv lookahead must be >= 1, got {self.lookahead}")
+        if self.passes not in (1, 2):
+            raise ValueError(f"speckv passes must be 1 or 2, got {self.passes}")
 
     def _need_draft(self) -> torch.nn.Module:
         if self.draft is None:
@@ -69,12 +79,13 @@ class SpecKV(SnapKV):
         return tokens
 
     @torch.no_grad()
-    def lookahead_attention(self, model: torch.nn.Module, cache, prefix: Sequence[int],
-                            known: Sequence[int] = ()) -> dict[int, torch.Tensor]:
+    def lookahead_attention(self, model: torch.nn.Module, cache, prefix: Sequence[int], known: Sequence[int] = (),
+                            queries_out: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         """Attention ``[B, H_q, n, T]`` per layer of the ``n`` provisional tokens over the ``T`` cached ones.
 
         The provisional tokens are fed through ``model`` on top of ``cache`` (original positions continuing) and
-        cropped off again: the cache is left exactly as it was."""
+        cropped off again: the cache is left exactly as it was. ``queries_out`` receives their post-RoPE queries
+        ``[B, H_q, n, D]`` per layer."""
         tokens = self.provisional(prefix, known)
         before = cache.length
         device = model.device
@@ -87,8 +98,17 @@ class SpecKV(SnapKV):
             q = cap.queries.get(i)
             if q is not None:
                 attn[i] = attention_probs(q, layer.keys, cap.scaling(i))[..., :before]  # [B, H_q, n, T]
+        if queries_out is not None:
+            queries_out.update(cap.queries)
         cache.crop(before)
         return attn
+
+    @staticmethod
+    def observer_attention(cache, observers: dict[int, torch.Tensor], capture: QueryCapture) -> dict[int, torch.Tensor]:
+        """Attention ``[B, H_q, Q, T]`` per layer of ``observers`` (queries ``[B, H_q, Q, D]`` from positions after
+        every cached token: a first pass's end of prompt) over the ``T`` cached keys."""
+        return {i: attention_probs(observers[i], layer.keys, capture.scaling(i), causal=False)
+                for i, layer in enumerate(cache.layers) if i in observers and layer.is_initialized}
 
 
 def find_speckv(policy: ScorePolicy | None) -> SpecKV | None:
