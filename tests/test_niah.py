@@ -117,3 +117,35 @@ def test_cli_niah_json(chat_dirs, tmp_path, capsys):
     assert (tmp_path / "out" / "kv_results.json").is_file()
     assert cli.main(["kv-eval", "--task", "niah", "--target", chat_dirs[0], "--depths", "2"]) == 2
     assert "--depths must be" in capsys.readouterr().err
+
+
+def _niah_report_module():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "niah_report.py"
+    spec = importlib.util.spec_from_file_location("niah_report", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_niah_report_merges_runs_of_one_grid():
+    """A policy run later joins the table; the full-cache rows must agree, and so must the settings."""
+    report = _niah_report_module()
+    settings = {"target": "t", "dtype": "bfloat16", "lengths": [200], "depths": [0.5], "needles": ["a"],
+                "budgets": None, "budget_fraction": 0.25, "block": 128}
+
+    def row(policy, acc, answers=("x",)):
+        return {"policy": policy, "budget": None if policy == "full" else 50, "context_tokens": 200, "depth": 0.5,
+                "retrieval_accuracy": acc, "answers": list(answers)}
+
+    first = {"settings": settings, "results": [row("full", 1.0), row("keydiff", 0.0)], "memory": []}
+    later = {"settings": settings, "results": [row("full", 1.0), row("keydiff", 1.0), row("speckv", 1.0)]}
+    merged = report.merge([first, later])
+    assert [(r["policy"], r["retrieval_accuracy"]) for r in merged["results"]] == [
+        ("full", 1.0), ("keydiff", 0.0), ("speckv", 1.0)]  # keydiff from the first run, speckv added
+    assert "`speckv` | 1.00" in report.tables(merged)
+    with pytest.raises(SystemExit, match="full cache answered differently"):
+        report.merge([first, {**later, "results": [row("full", 0.0, ("y",))]}])
+    with pytest.raises(SystemExit, match="setting 'block'"):
+        report.merge([first, {**later, "settings": {**settings, "block": 64}}])
