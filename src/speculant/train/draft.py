@@ -230,8 +230,9 @@ def _machine(cfg: DraftRunConfig) -> str:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    return (f"{os.cpu_count()} CPU cores ({cpu}), {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
-            "no GPU")
+    threads = torch.get_num_threads()
+    return (f"{os.cpu_count()} CPU cores ({cpu}), {threads} torch thread{'s' if threads != 1 else ''}, "
+            f"torch {torch.__version__}, no GPU")
 
 
 def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = True) -> Path:
