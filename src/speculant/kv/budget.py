@@ -241,20 +241,20 @@ def prefill_blockwise(
     if spec is not None and spec.passes == 2 and cache.length == 0 and input_ids.shape[1] > budget:
         observers = {}
         scratch = BudgetCache(len(cache.layers), capacity=cache.layers[0].capacity)
-        _prefill_pass(model, input_ids, scratch, policy, budget, block, False, following, forward, None,
+        _prefill_pass(model, input_ids, scratch, policy, spec, budget, block, False, following, forward, None,
                       queries_out=observers)
         del scratch
-    return _prefill_pass(model, input_ids, cache, policy, budget, block, all_logits, following, forward, hidden_out,
-                         observers=observers)
+    return _prefill_pass(model, input_ids, cache, policy, spec, budget, block, all_logits, following, forward,
+                         hidden_out, observers=observers)
 
 
-def _prefill_pass(model, input_ids, cache, policy, budget, block, all_logits, following, forward, hidden_out,
+def _prefill_pass(model, input_ids, cache, policy, spec, budget, block, all_logits, following, forward, hidden_out,
                   observers: dict[int, torch.Tensor] | None = None,
                   queries_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """One block-wise pass of :func:`prefill_blockwise`. ``observers``: queries that score every block but the last
-    (SpecKV's second pass); ``queries_out`` receives, at the last block, the queries of its observation window
-    followed by the provisional answer's, ``[B, H_q, Q, D]`` per layer (SpecKV's first pass)."""
-    spec = find_speckv(policy)
+    """One block-wise pass of :func:`prefill_blockwise` (``spec``: the SpecKV inside ``policy``, or None).
+    ``observers``: queries that score every block but the last (SpecKV's second pass); ``queries_out`` receives, at
+    the last block, the queries of its observation window followed by the provisional answer's, ``[B, H_q, Q, D]``
+    per layer (SpecKV's first pass)."""
     keep = 0 if all_logits else 1
     logits = []
     total = input_ids.shape[1]

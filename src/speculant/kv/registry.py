@@ -11,7 +11,6 @@ import dataclasses
 from collections.abc import Callable
 
 from ..specs import Key, split_spec
-
 from .caote import CAOTE
 from .speckv import SpecKV
 from .policies import (
