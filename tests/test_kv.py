@@ -31,13 +31,14 @@ from speculant.kv import (
     prefill_blockwise,
 )
 from speculant.cache import cache_kwarg
+from speculant.kv import budget as kv_budget
 from speculant.kv.registry import POLICIES
 from speculant.testing import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ALL_SPECS = [*POLICIES, "caote:h2o", "fastcaote:snapkv", "caote:keydiff", "protect:tova", "caote:protect:snapkv",
-             "caote:h2o-acc"]
+             "caote:h2o-acc", "snapkv:passes=2", "caote:snapkv:passes=2"]
 
 
 @dataclass
@@ -169,7 +170,7 @@ def test_evicted_cache_continues_with_original_positions(llama):
     torch.testing.assert_close(got[0, -1], ref[0, -1], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("spec", ["keydiff", "caote:h2o", "snapkv"])
+@pytest.mark.parametrize("spec", ["keydiff", "caote:h2o", "snapkv", "caote:snapkv:passes=2"])
 def test_peak_kv_bytes_bounded_by_budget_plus_block(llama, spec):
     n, b = 32, 16
     cache = BudgetCache(2, capacity=n + b)
@@ -179,6 +180,44 @@ def test_peak_kv_bytes_bounded_by_budget_plus_block(llama, spec):
     assert cache.peak_nbytes <= (n + b) * per_token
     assert cache.allocated_nbytes() <= (n + b) * per_token  # the buffers never grew
     assert cache.nbytes() == n * per_token
+
+
+def test_snapkv_two_passes_score_earlier_blocks_with_the_prompts_last_window(llama, monkeypatch):
+    """passes=2: a first pass (scratch cache) ends with the last block's observation window; the second pass scores
+    every block before the last by those queries' plain softmax over the block's cache (no causal mask: they come
+    after every cached token) and its last block with its own window, as one pass does; the peak KV is one pass's."""
+    ids, snap = _ids(100), SnapKV(window=8, passes=2)
+    observers = {}
+    with torch.no_grad():
+        kv_budget._prefill_pass(llama, ids, BudgetCache(2, capacity=64), snap, None, 24, 32, False, (), None, None,
+                                queries_out=observers)
+    heads = llama.config.num_attention_heads
+    dim = llama.config.hidden_size // heads
+    assert sorted(observers) == [0, 1] and observers[0].shape == (1, heads, 4, dim)  # last block: 4 tokens < 8
+
+    seen = []
+    original = kv_budget.evict
+
+    def spy(cache, policy, budget, protect_last=0, attn=None):
+        seen.append(({i: layer.keys.clone() for i, layer in enumerate(cache.layers)}, attn))
+        return original(cache, policy, budget, protect_last, attn)
+
+    monkeypatch.setattr(kv_budget, "evict", spy)
+    one, two = BudgetCache(2, capacity=64), BudgetCache(2, capacity=64)
+    with torch.no_grad():
+        prefill_blockwise(llama, ids, one, SnapKV(window=8), 24, block=32)
+        seen.clear()
+        prefill_blockwise(llama, ids, two, snap, 24, block=32)
+    assert len(seen) == 8  # 4 blocks per pass
+    scaling = llama.model.layers[0].self_attn.scaling
+    for keys, attn in seen[4:7]:  # the second pass's blocks before the last
+        for i, q in observers.items():
+            k = keys[i].float().repeat_interleave(heads // keys[i].shape[1], dim=1)
+            torch.testing.assert_close(attn[i], torch.softmax(q.float() @ k.transpose(-1, -2) * scaling, -1))
+    assert seen[7][1][0].shape[2] == 4  # the last block: its own (causal) window
+    assert two.peak_nbytes == one.peak_nbytes and two.length == 24 and two.next_position == 100
+    with pytest.raises(ValueError, match="snapkv passes must be 1 or 2"):
+        SnapKV(passes=0)
 
 
 def test_engine_style_tree_step_keeps_path_positions_and_rollback():

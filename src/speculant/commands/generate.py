@@ -190,8 +190,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="evict the target's KV cache with this policy (keydiff, keydiff-raw, streaming, h2o, h2o-acc, tova, "
         "snapkv, knorm, random, speckv (scored by the draft's provisional answer: needs a draft-model method), "
         "wrappers caote:/fastcaote:/protect:, e.g. caote:h2o; options after the name set its fields, e.g. "
-        "snapkv:window=32, speckv:passes=2 (prefill twice: the second pass keeps what the question at the end "
-        "of the prompt attends to)); needs --kv-budget",
+        "snapkv:window=32, snapkv:passes=2 or speckv:passes=2 (prefill twice: the second pass keeps what the "
+        "question at the end of the prompt, and for speckv the draft's provisional answer, attends to)); needs "
+        "--kv-budget",
     )
     p.add_argument(
         "--kv-budget",

@@ -37,7 +37,7 @@ DESCRIPTION = (
     "decoding with eviction), accuracy on a synthetic dict retrieval task, and peak KV bytes of a full vs a "
     "block-wise budgeted prefill. "
     f"Policies: {', '.join(policy_names())} (wrappers prefix a base policy, e.g. caote:h2o; options follow it, "
-    "e.g. snapkv:window=32 or speckv:passes=2)."
+    "e.g. snapkv:window=32, snapkv:passes=2 or speckv:passes=2)."
 )
 _DEFAULTS = EvalConfig()
 _HELPS = {

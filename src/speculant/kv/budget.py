@@ -22,10 +22,10 @@ import torch
 
 from ..cache import GrowingLayer, SpecCache, cache_kwarg
 from .attention import QueryCapture, attention_probs
-from .policies import ScoreContext, ScorePolicy
+from .policies import ScoreContext, ScorePolicy, SnapKV, find_policy
 from .speckv import find_speckv
 
-__all__ = ["BudgetCache", "BudgetLayer", "evict", "observe", "prefill_blockwise"]
+__all__ = ["BudgetCache", "BudgetLayer", "evict", "observe", "observer_attention", "prefill_blockwise"]
 
 
 class BudgetLayer(GrowingLayer):
@@ -164,6 +164,14 @@ def observe(cache: BudgetCache, capture: QueryCapture) -> dict[int, torch.Tensor
     return attn
 
 
+def observer_attention(cache: BudgetCache, observers: dict[int, torch.Tensor],
+                       capture: QueryCapture) -> dict[int, torch.Tensor]:
+    """Attention ``[B, H_q, Q, T]`` per layer of ``observers`` (queries ``[B, H_q, Q, D]`` from positions after
+    every cached token: a first pass's end of prompt) over the ``T`` cached keys (no causal mask)."""
+    return {i: attention_probs(observers[i], layer.keys, capture.scaling(i), causal=False)
+            for i, layer in enumerate(cache.layers) if i in observers and layer.is_initialized}
+
+
 @torch.no_grad()
 def evict(
     cache: BudgetCache,
@@ -224,10 +232,11 @@ def prefill_blockwise(
     With :class:`~speculant.kv.speckv.SpecKV` in ``policy``, the last block (every block with ``every_block``) is
     scored by the attention of the draft's provisional continuation (:meth:`SpecKV.lookahead_attention`);
     ``following`` are tokens known to come after ``input_ids`` (the engine's root), which start that continuation.
-    With ``passes=2`` and an empty cache (a prompt longer than the budget), a first pass over a scratch cache of the
-    same size ends with the observation queries, and the second pass scores every block but the last by their
-    attention (:meth:`SpecKV.observer_attention`); the scratch cache is released before the second pass fills
-    ``cache``, so the peak stays one cache.
+    With a :class:`~speculant.kv.policies.SnapKV` (or SpecKV) of ``passes=2`` in ``policy`` and an empty cache (a
+    prompt longer than the budget), a first pass over a scratch cache of the same size ends with the observation
+    queries (the last block's window, then SpecKV's provisional answer), and the second pass scores every block but
+    the last by their attention (:func:`observer_attention`); the scratch cache is released before the second pass
+    fills ``cache``, so the peak stays one cache.
     ``forward``: a :class:`speculant.forward.TargetForward` to run the blocks through (the engine passes its own,
     the lean forward where it applies); None calls the model's own forward. ``hidden_out`` (with ``forward``): a
     list that receives each block's final-normed hidden states ``[1, T_block, H]``.
@@ -237,8 +246,9 @@ def prefill_blockwise(
     if hidden_out is not None and forward is None:
         raise ValueError("hidden_out needs forward (a speculant.forward.TargetForward)")
     spec = find_speckv(policy)
+    snap = find_policy(policy, SnapKV)
     observers = None
-    if spec is not None and spec.passes == 2 and cache.length == 0 and input_ids.shape[1] > budget:
+    if snap is not None and snap.passes == 2 and cache.length == 0 and input_ids.shape[1] > budget:
         observers = {}
         scratch = BudgetCache(len(cache.layers), capacity=cache.layers[0].capacity)
         _prefill_pass(model, input_ids, scratch, policy, spec, budget, block, False, following, forward, None,
@@ -252,9 +262,9 @@ def _prefill_pass(model, input_ids, cache, policy, spec, budget, block, all_logi
                   observers: dict[int, torch.Tensor] | None = None,
                   queries_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """One block-wise pass of :func:`prefill_blockwise` (``spec``: the SpecKV inside ``policy``, or None).
-    ``observers``: queries that score every block but the last (SpecKV's second pass); ``queries_out`` receives, at
-    the last block, the queries of its observation window followed by the provisional answer's, ``[B, H_q, Q, D]``
-    per layer (SpecKV's first pass)."""
+    ``observers``: queries that score every block but the last (a second pass); ``queries_out`` receives, at the
+    last block, the queries of its observation window (followed by SpecKV's provisional answer's), ``[B, H_q, Q, D]``
+    per layer (a first pass)."""
     keep = 0 if all_logits else 1
     logits = []
     total = input_ids.shape[1]
@@ -270,14 +280,14 @@ def _prefill_pass(model, input_ids, cache, policy, spec, budget, block, all_logi
                 out = _block_forward(model, chunk, cache, pos, keep).logits
         attn = observe(cache, cap) if cap is not None else None
         last = s + block >= total
+        look: dict[int, torch.Tensor] = {}
         if observers and not last:
-            attn = spec.observer_attention(cache, observers, cap)
+            attn = observer_attention(cache, observers, cap)
         elif spec is not None and (last or spec.every_block) and cache.length > budget:
             prefix = input_ids[0, : s + chunk.shape[1]].tolist()
-            look = {} if last and queries_out is not None else None
             attn = spec.lookahead_attention(model, cache, prefix, following if last else (), queries_out=look)
-            if look is not None:
-                queries_out.update({i: torch.cat([cap.queries[i], q], 2) for i, q in look.items() if i in cap.queries})
+        if last and queries_out is not None:
+            queries_out.update({i: torch.cat([q, look[i]], 2) if i in look else q for i, q in cap.queries.items()})
         evict(cache, policy, budget, attn=attn)
         logits.append(out if all_logits else out[:, -1])
     return torch.cat(logits, 1) if all_logits else logits[-1]

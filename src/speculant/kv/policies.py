@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
+
+P = TypeVar("P", bound="ScorePolicy")
 
 __all__ = [
     "H2O",
@@ -38,6 +41,7 @@ __all__ = [
     "SnapKV",
     "Streaming",
     "WrapperPolicy",
+    "find_policy",
     "pin_window",
 ]
 
@@ -245,11 +249,24 @@ class TOVA(MassPolicy):
 class SnapKV(MassPolicy):
     """SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"): attention of the
     last ``window`` queries, summed, max-pooled over ``kernel`` neighbouring tokens (per KV head); the window's
-    own tokens are always kept."""
+    own tokens are always kept.
+
+    SnapKV scores the prompt with its *end* (the question) in view. Under a strict budget, block-wise prefill
+    (:func:`speculant.kv.budget.prefill_blockwise`) evicts from the blocks before the last with each block's own
+    last queries, before the question has been read. ``passes=2`` prefills the prompt twice within the same
+    budget: the first pass ends with the observation window's queries (post-RoPE, per layer), and the second pass
+    scores every block before the last with their attention over the block's cache (they come from later
+    positions, so they see every cached key): what the paper's end-of-prompt selection would see, at the peak
+    memory of one budgeted cache and the cost of a second prefill."""
 
     needs_attention = True
     window: int = 16
     kernel: int = 5
+    passes: int = 1
+
+    def __post_init__(self) -> None:
+        if self.passes not in (1, 2):
+            raise ValueError(f"{self.name} passes must be 1 or 2, got {self.passes}")
 
     @property
     def queries(self) -> int:  # type: ignore[override]
@@ -279,6 +296,15 @@ class WrapperPolicy(ScorePolicy):
     @property
     def queries(self) -> int:  # type: ignore[override]
         return self.inner.queries
+
+
+def find_policy(policy: ScorePolicy | None, cls: type[P]) -> P | None:
+    """The ``cls`` instance in ``policy``: itself, or inside wrappers (``caote:snapkv``), or None."""
+    while policy is not None:
+        if isinstance(policy, cls):
+            return policy
+        policy = getattr(policy, "inner", None)
+    return None
 
 
 @dataclass

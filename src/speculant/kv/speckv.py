@@ -13,12 +13,9 @@ the last block (``every_block=True``: for every block, the draft continuing the 
 blocks, and eviction while decoding, score as SnapKV does, with the latest queries. It composes with CAOTE
 (``caote:speckv``: the draft queries' attention is CAOTE's ``alpha``).
 
-Under a strict budget the blocks before the last are evicted before the question at the end of the prompt has
-been read, so no end-of-prompt scoring can bring back what they dropped. ``passes=2`` prefills the prompt twice
-within the same budget: the first pass ends with the observation queries (the prompt's last ``window`` tokens
-and the provisional answer, post-RoPE, per layer); the second pass scores every block with the attention of
-those queries over the block's cache (they come from later positions, so they see every cached key). It costs a
-second prefill and keeps the peak KV memory of one.
+``passes=2`` (from :class:`SnapKV`: prefill twice, the second pass scoring every block before the last with the
+first pass's end-of-prompt queries) adds the provisional answer's queries to the observation window's, so that
+every block is kept for what the answer will attend to.
 
 The draft is any causal LM with the target's tokenizer (``SpecKV(draft=model)``); ``generate`` fills it in from
 the drafter when the policy is given by name (``kv_policy="speckv"`` with a draft-model method).
@@ -34,7 +31,7 @@ import torch
 from ..cache import SpecCache, cache_kwarg
 from ..checks import num_layers
 from .attention import QueryCapture, attention_probs
-from .policies import ScorePolicy, SnapKV
+from .policies import ScorePolicy, SnapKV, find_policy
 
 __all__ = ["SpecKV", "find_speckv"]
 
@@ -45,14 +42,12 @@ class SpecKV(SnapKV):
 
     lookahead: int = 16
     every_block: bool = False
-    passes: int = 1
     draft: torch.nn.Module | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.lookahead < 1:
             raise ValueError(f"speckv lookahead must be >= 1, got {self.lookahead}")
-        if self.passes not in (1, 2):
-            raise ValueError(f"speckv passes must be 1 or 2, got {self.passes}")
 
     def _need_draft(self) -> torch.nn.Module:
         if self.draft is None:
@@ -103,18 +98,7 @@ class SpecKV(SnapKV):
         cache.crop(before)
         return attn
 
-    @staticmethod
-    def observer_attention(cache, observers: dict[int, torch.Tensor], capture: QueryCapture) -> dict[int, torch.Tensor]:
-        """Attention ``[B, H_q, Q, T]`` per layer of ``observers`` (queries ``[B, H_q, Q, D]`` from positions after
-        every cached token: a first pass's end of prompt) over the ``T`` cached keys."""
-        return {i: attention_probs(observers[i], layer.keys, capture.scaling(i), causal=False)
-                for i, layer in enumerate(cache.layers) if i in observers and layer.is_initialized}
-
 
 def find_speckv(policy: ScorePolicy | None) -> SpecKV | None:
     """The :class:`SpecKV` in ``policy`` (itself, or inside wrappers such as ``caote:speckv``), or None."""
-    while policy is not None:
-        if isinstance(policy, SpecKV):
-            return policy
-        policy = getattr(policy, "inner", None)
-    return None
+    return find_policy(policy, SpecKV)
