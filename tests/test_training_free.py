@@ -38,7 +38,7 @@ VOCAB = 96
 # repetitive prompts, so that lookup finds matches and the target's own loops are copied
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 3, 4, 9, 3, 4, 9, 3, 11, 12, 13, 9, 3], [40]]
 SPECS = ["lookup:ngram=2:k=3", "mask-probe", "mask-probe:masks=3:tree=2/2/1:init=last",
-         "mask-probe:budget=6:init=random", "hybrid", "hybrid:budget=5:ngram=2:k=4"]
+         "mask-probe:budget=6:init=random", "mask-probe:ema=0.5", "hybrid", "hybrid:budget=5:ngram=2:k=4:ema=1"]
 
 
 def test_lookup_continuation():

@@ -355,6 +355,7 @@ _MASK_KEYS = {
     "tree": Key(list[int], "static tree widths K1/K2/... per depth (default 4/2)"),
     "budget": Key(int, "dynamic tree instead: keep the best budget-i trajectories at depth i"),
     "init": Key(str, "mask embedding: mean (EMA of committed tokens), last or random", default="mean"),
+    "ema": Key(float, "lambda of the mean embedding's moving average, in (0, 1]", default=0.1),
 }
 register(
     "lookup",
@@ -378,7 +379,7 @@ register(
     _hybrid,
     needs_draft=False,
     keys={"masks": _MASK_KEYS["masks"], "tree": _MASK_KEYS["tree"], "budget": _MASK_KEYS["budget"],
-          "init": _MASK_KEYS["init"], "ngram": Key(int, "longest n-gram of the lookup branch", default=3),
+          "init": _MASK_KEYS["init"], "ema": _MASK_KEYS["ema"], "ngram": Key(int, "longest n-gram of the lookup branch", default=3),
           "k": Key(int, "tokens of the lookup branch", default=5)},
     doc="training-free hybrid: the prompt-lookup chain merged into the mask-probe tree, one forward; "
         "deterministic draft, no draft model",
