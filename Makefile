@@ -90,7 +90,7 @@ bench-training-free: $(STAMP)
 # Needle in a haystack under a 25% KV budget on SmolLM2 (issue 15): every policy, block-wise prefill, answers decoded
 # greedily; then the table and plot.
 NIAH_OUT ?= benchmarks/results/niah
-NIAH_POLICIES ?= keydiff,streaming,h2o,tova,snapkv,speckv,caote:h2o,caote:snapkv,speckv:passes=2:kernel=9,caote:speckv:passes=2:kernel=9
+NIAH_POLICIES ?= keydiff,streaming,h2o,tova,snapkv,speckv,caote:h2o,caote:snapkv,speckv:passes=2:kernel=9,caote:speckv:passes=2:kernel=9,snapkv:passes=2:kernel=9,caote:snapkv:passes=2:kernel=9
 NIAH_LENGTHS ?= 2048,4096,8000
 NIAH_THREADS ?= 2
 niah: $(STAMP)
