@@ -20,6 +20,11 @@ KEYDIFF_RIVALS = ("streaming", "h2o", "tova")
 ATTENTION_BASES = ("h2o", "h2o-acc", "tova", "snapkv", "snapkv:passes=2")
 
 
+def _short(name: str) -> str:
+    """A text's name as shown: the file name of a path (runs before file names were recorded kept the path)."""
+    return Path(name).name
+
+
 def _compare(a: dict, b: dict, key: str, higher_is_better: bool) -> str:
     """``a`` vs ``b`` on ``key``: the difference of the means and on how many texts ``a`` is better."""
     sign = 1 if higher_is_better else -1
@@ -56,7 +61,7 @@ def main() -> None:
     for r in sorted(rows, key=lambda r: (r["budget"], r["policy"])):
         lines.append(f"| `{r['policy']}` | {r['budget']} | {r['top1_agreement']:.3f} | {r['top1_agreement_se']:.3f} | "
                      f"{r['kl']:.4f} | {r['kl_se']:.4f} | {r['nll_ratio']:.3f} | {r['retrieval_accuracy']:.2f} |")
-    names = ", ".join(f"`{f['name']}`" for f in r0["per_file"])
+    names = ", ".join(f"`{_short(f['name'])}`" for f in r0["per_file"])
     lines += ["", (f"Mean over {r0['files']} texts ({names}), each cut to its first {r0['sequence_tokens']} "
                    f"tokens, the last {s['tail']} of each scored ({r0['positions']} positions in all; teacher-forced, "
                    f"block-wise prefill with block {s['block']}, then token-by-token decoding with eviction); "
@@ -71,7 +76,7 @@ def main() -> None:
     quarter = min(budgets, key=lambda b: abs(b - 0.25 * r0["sequence_tokens"]))
     at = sorted((r for r in rows if r["budget"] == quarter), key=lambda r: r["policy"])
     lines += ["", f"### Per text at budget {quarter} (top-1 agreement / KL)", "",
-              "| policy | " + " | ".join(f"`{f['name']}`" for f in r0["per_file"]) + " |",
+              "| policy | " + " | ".join(f"`{_short(f['name'])}`" for f in r0["per_file"]) + " |",
               "|---|" + "---:|" * len(r0["per_file"])]
     for r in at:
         lines.append(f"| `{r['policy']}` | " + " | ".join(f"{f['top1_agreement']:.3f} / {f['kl']:.3f}"

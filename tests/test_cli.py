@@ -523,6 +523,7 @@ def test_kv_eval_progress_threads_and_device(dirs, capsys, monkeypatch, tmp_path
     assert calls == [1]
     report = json.loads(out.strip().splitlines()[-1])
     assert [r["policy"] for r in report["results"]] == ["keydiff", "streaming"]
+    assert [f["name"] for f in report["results"][0]["per_file"]] == ["text.py"]  # the file's name, not its path
     assert "kv-eval" in err and "2/2" in err  # the progress bar over the policy x budget grid, on stderr
 
 

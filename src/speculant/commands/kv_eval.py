@@ -237,7 +237,11 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model_dir(resolve_model(args.target or "default-target"), args.dtype)
     _check_context(model, cfg)
     model.to(device)
-    text = {str(f): Path(f).read_text() for f in args.text} if args.text else None
+    text = None
+    if args.text:
+        names = [Path(f).name for f in args.text]  # file names, or paths where two files share a name
+        names = names if len(set(names)) == len(names) else [str(f) for f in args.text]
+        text = {name: Path(f).read_text() for name, f in zip(names, args.text)}
 
     with tqdm(total=_runs(cfg), desc="kv-eval", unit="run", file=sys.stderr) as bar:
         def progress(row: dict) -> None:
