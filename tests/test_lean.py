@@ -205,9 +205,10 @@ def test_decoding_through_the_lean_forward_gives_the_model_forward_tokens(arch, 
     assert outs["lean"][0] == plain
 
 
-@pytest.mark.parametrize("policy", ["keydiff", "h2o"])
+@pytest.mark.parametrize("policy", ["keydiff", "h2o", "caote:snapkv:passes=2"])
 def test_evicting_decoding_through_the_lean_forward(policy):
-    """Attention-scored policies read the queries the lean forward records (QueryCapture.record)."""
+    """Attention-scored policies read the queries the lean forward records (QueryCapture.record); two-pass SnapKV
+    keeps the first pass's window queries from it."""
     target = tiny_model("qwen3", seed=0)
     prompt = list(range(3, 43))
     outs = {forward: speculant.generate(target, prompt, max_new_tokens=16, eos_token_id=[], kv_policy=policy,
