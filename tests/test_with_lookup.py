@@ -75,8 +75,30 @@ def test_sampling_with_a_lookup_tree_matches_the_target_distribution():
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
 
 
-def test_a_sampled_chain_is_refused(pair):
-    target, draft = pair
-    with pytest.raises(ValueError, match="deterministic drafts only"):
-        speculant.generate(target, REPEATING, drafter=speculant.build_drafter("chain:lookup=4", draft),
-                           max_new_tokens=8, temperature=0.7, seed=0)
+def test_sampling_with_a_lookup_chain_matches_the_target_distribution(pair):
+    """A sampled chain with lookup merged in drops its q and is verified as a deterministic draft (point masses):
+    still the target's distribution; steps without a lookup match keep speculative sampling."""
+    from test_sampling_distribution import VOCAB, exact_joint, pvalues, sample_counts
+
+    target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
+    draft = perturbed(target, scale=0.3, seed=5)
+    params = SamplingParams(temperature=1.0)
+    drafter = speculant.build_drafter("chain:k=2:lookup=3", draft)
+    counts, hist, drafted = sample_counts(target, drafter, params, 3, 2000, seed0=4242)
+    assert hist[1:].sum() > 100  # drafts were accepted
+    bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
+    assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
+    # on a repeating prompt the lookup branch is merged and the step's tree carries no draft distribution
+    big, small = pair
+    chain = speculant.build_drafter("chain:k=2:lookup=4", small)
+    trees = []
+    original = chain.propose
+
+    def spy(state):
+        trees.append(original(state))
+        return trees[-1]
+
+    chain.propose = spy
+    gen = speculant.generate(big, REPEATING, drafter=chain, max_new_tokens=8, temperature=0.7, seed=0)
+    assert len(gen.token_ids) == 8
+    assert any(t.draft_probs is None and len(t.tokens) > 2 for t in trees)

@@ -257,7 +257,7 @@ def _model_drafter(cls: type, features: type | None = None) -> Callable[..., Dra
 _TRIM = Key(int, "VocabTrim: draft over the N most frequent tokens of the draft's calibration; 0 = full LM head; "
             "default: the size the draft ships with, if any")
 _LOOKUP = Key(int, "also merge a prompt-lookup chain of up to N tokens into each draft, verified in the same "
-              "forward (deterministic drafts only: chain at temperature 0, tree at any); 0 = none", 0)
+              "forward as a deterministic draft (a sampled chain's tokens then count as point masses); 0 = none", 0)
 
 
 def _keys(cls: type, **docs: tuple[Any, str]) -> dict[str, Key]:

@@ -7,9 +7,12 @@ the inner drafter's tree with the lookup chain added as a path from the root (sh
 has, :func:`~.lookup.merge_chain`). The inner drafter's nodes keep their indices, and it is told the accepted
 tokens as usual (it walks its own tree by token and keeps what it fed), so any drafter works inside.
 
-Only deterministic drafts merge (greedy or deterministic-draft verification): the greedy chain at temperature 0,
-the dynamic tree (``tree``) at any temperature. A sampled chain has a draft distribution that the lookup branch
-would break, so it is refused with a one-line error.
+The merged draft is verified as a deterministic one (greedy, or the deterministic-draft rule when sampling: at each
+node the target samples its token and descends if a child holds it), which is exact whatever proposed the tokens.
+The greedy chain and the dynamic tree (``tree``) are deterministic already. A chain sampled at temperature > 0
+carries its draft distribution q for speculative sampling; a lookup branch beside it has none, so the merged tree
+drops q and its sampled tokens are verified as point masses too: still exact, but a sampled draft token is then
+accepted with probability p(x) instead of min(1, p(x)/q(x)), so the chain's share of τ is lower than alone.
 """
 
 from __future__ import annotations
@@ -40,14 +43,13 @@ class WithLookup:
 
     def propose(self, state: DecodeState) -> DraftTree:
         tree = self.inner.propose(state)
-        if tree.draft_probs is not None or tree.probes is not None:
-            raise ValueError("lookup= merges prompt lookup into deterministic drafts only: use it with greedy "
-                             "decoding (temperature 0) or with the tree method, which drafts deterministically")
+        if tree.probes is not None:
+            raise ValueError("lookup= cannot merge into a draft that carries mask probes (use the hybrid method)")
         chain = lookup_continuation(state.ids, self.ngram, min(self.k, state.remaining - 1))
         if not chain:
-            return tree
+            return tree  # unchanged: a sampled chain keeps its q and speculative sampling
         tokens, parents = merge_chain(tree.tokens, tree.parents, chain)
-        return DraftTree(tokens=tokens, parents=parents)
+        return DraftTree(tokens=tokens, parents=parents)  # no draft_probs: verified as a deterministic draft
 
     def commit(self, state: DecodeState, accepted: list[int]) -> None:
         self.inner.commit(state, accepted)
