@@ -62,33 +62,24 @@ def test_the_tree_holds_the_inner_draft_and_the_lookup_chain(pair):
     assert len(path) == 4 and merged.draft_probs is None
 
 
-def test_sampling_with_a_lookup_tree_matches_the_target_distribution():
+@pytest.mark.parametrize("spec", ["tree:budget=4:topk=2:depth=2:lookup=3", "chain:k=2:lookup=3"])
+def test_sampling_with_lookup_merged_matches_the_target_distribution(spec):
+    """The dynamic tree drafts deterministically; a sampled chain with lookup merged in drops its q and is verified
+    as a deterministic draft (point masses); steps without a lookup match keep speculative sampling. Both give
+    the target's distribution."""
     from test_sampling_distribution import VOCAB, exact_joint, pvalues, sample_counts
 
     target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
     draft = perturbed(target, scale=0.3, seed=5)
     params = SamplingParams(temperature=1.0)
-    drafter = speculant.build_drafter("tree:budget=4:topk=2:depth=2:lookup=3", draft)
-    counts, hist, drafted = sample_counts(target, drafter, params, 3, 2000, seed0=4242)
+    counts, hist, drafted = sample_counts(target, speculant.build_drafter(spec, draft), params, 3, 2000, seed0=4242)
     assert hist[1:].sum() > 100  # drafts were accepted
     bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
 
 
-def test_sampling_with_a_lookup_chain_matches_the_target_distribution(pair):
-    """A sampled chain with lookup merged in drops its q and is verified as a deterministic draft (point masses):
-    still the target's distribution; steps without a lookup match keep speculative sampling."""
-    from test_sampling_distribution import VOCAB, exact_joint, pvalues, sample_counts
-
-    target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
-    draft = perturbed(target, scale=0.3, seed=5)
-    params = SamplingParams(temperature=1.0)
-    drafter = speculant.build_drafter("chain:k=2:lookup=3", draft)
-    counts, hist, drafted = sample_counts(target, drafter, params, 3, 2000, seed0=4242)
-    assert hist[1:].sum() > 100  # drafts were accepted
-    bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
-    assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
-    # on a repeating prompt the lookup branch is merged and the step's tree carries no draft distribution
+def test_a_sampled_chain_with_a_lookup_match_drops_its_draft_distribution(pair):
+    """On a repeating prompt the lookup branch is merged into the sampled chain: that step's tree has no q."""
     big, small = pair
     chain = speculant.build_drafter("chain:k=2:lookup=4", small)
     trees = []
