@@ -378,8 +378,7 @@ register(
     "hybrid",
     _hybrid,
     needs_draft=False,
-    keys={"masks": _MASK_KEYS["masks"], "tree": _MASK_KEYS["tree"], "budget": _MASK_KEYS["budget"],
-          "init": _MASK_KEYS["init"], "ema": _MASK_KEYS["ema"], "ngram": Key(int, "longest n-gram of the lookup branch", default=3),
+    keys={**_MASK_KEYS, "ngram": Key(int, "longest n-gram of the lookup branch", default=3),
           "k": Key(int, "tokens of the lookup branch", default=5)},
     doc="training-free hybrid: the prompt-lookup chain merged into the mask-probe tree, one forward; "
         "deterministic draft, no draft model",

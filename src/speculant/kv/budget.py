@@ -23,7 +23,7 @@ import torch
 from ..cache import GrowingLayer, SpecCache, cache_kwarg
 from .attention import QueryCapture, attention_probs
 from .policies import ScoreContext, ScorePolicy, SnapKV, find_policy
-from .speckv import find_speckv
+from .speckv import SpecKV
 
 __all__ = ["BudgetCache", "BudgetLayer", "evict", "observe", "observer_attention", "prefill_blockwise"]
 
@@ -245,8 +245,8 @@ def prefill_blockwise(
         raise ValueError(f"block must be >= 1, got {block}")
     if hidden_out is not None and forward is None:
         raise ValueError("hidden_out needs forward (a speculant.forward.TargetForward)")
-    spec = find_speckv(policy)
-    snap = find_policy(policy, SnapKV)
+    snap = find_policy(policy, SnapKV)  # SnapKV or SpecKV (a SnapKV), possibly inside wrappers
+    spec = snap if isinstance(snap, SpecKV) else None
     observers = None
     if snap is not None and snap.passes == 2 and cache.length == 0 and input_ids.shape[1] > budget:
         observers = {}
