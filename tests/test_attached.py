@@ -132,6 +132,55 @@ def test_a_run_grows_with_more_prompts(target_dir, tmp_path):
     assert [json.loads(r)["messages"] for r in saved] == [json.loads(r)["messages"] for r in rows]
 
 
+def test_a_run_grows_with_self_written_prompts(target_dir, tmp_path, capsys):
+    """--self-prompts N: the target writes N user requests after its template's user-turn prefix (Magpie); they
+    follow the configured prompts in the run's prompts file and are answered like them; the requests are a
+    function of the seed, and an interrupted batch is written again the same way."""
+    from speculant.chat import user_turn_prefix_ids
+    from speculant.train.answers import load_shards
+    from speculant.train.self_prompts import generate_self_prompts, read_self_prompts
+
+    _, tok = load_model_dir(target_dir, dtype=torch.float32)
+    prefix = user_turn_prefix_ids(tok)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
+    assert tok.decode(prefix) == rendered[:rendered.index("hello")] and prefix == chat_ids(tok, "hello")[:len(prefix)]
+    rows = [json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n" for i in range(4)]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(rows))
+    run = tmp_path / "run"
+    argv = ["train", "draft", "--target", target_dir, "--out", str(run), "--prompts", str(prompts), "--self-prompts",
+            "6", "--self-prompt-tokens", "8", "--max-new-tokens", "4", "--gen-batch", "4", "--gen-dtype", "float32",
+            "--steps", "2", "--batch-size", "3", "--warmup", "1", "--keep", "64", "--layers", "1"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    folder = run / "answers"
+    card = (run / "fkl" / "draft" / "MODEL_CARD.md").read_text()
+    assert "4 built-in" not in card and "and 6 requests the target wrote itself" in card
+    assert "min writing the self prompts" in card
+    written = read_self_prompts(run / "self_prompts.jsonl")
+    texts = [r["messages"][0]["content"] for r in written]
+    assert len(written) >= 6 and len(set(texts)) == len(texts) and all(len(t) >= 12 for t in texts)
+    assert all(r["kind"] == "self" and r["messages"][0]["role"] == "user" for r in written)
+    saved = [json.loads(r) for r in (run / "prompts.jsonl").read_text().splitlines()]
+    assert [r["messages"] for r in saved] == [json.loads(r)["messages"] for r in rows] + [r["messages"] for r in
+                                                                                             written[:6]]
+    assert sorted(i for s in load_shards(folder) for i in s.prompt_index) == list(range(10))
+    assert json.loads((run / "self_prompts.json").read_text())["rows"] == 6
+    # the same seed writes the same requests; a batch cut off mid-line is dropped and written again
+    target, _ = load_model_dir(target_dir, dtype=torch.float32)
+    path = tmp_path / "again.jsonl"
+    generate_self_prompts(target, tok, 6, path, stop_ids=stop_ids(tok, target), batch_size=4, max_new_tokens=8,
+                          progress=False)
+    whole = path.read_text()
+    assert [json.loads(line) for line in whole.splitlines()] == written
+    path.write_text(whole[:whole.rindex("\n", 0, len(whole) - 1) + 8])  # the last row cut off
+    generate_self_prompts(target, tok, 6, path, stop_ids=stop_ids(tok, target), batch_size=4, max_new_tokens=8,
+                          progress=False)
+    assert path.read_text() == whole
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        generate_self_prompts(target, tok, 2, tmp_path / "none.jsonl", stop_ids=[0], progress=False)
+
+
 def _exact_through_cli(target_dir, export, capsys) -> None:
     """The trained drafter in ``export`` gives plain greedy decoding's tokens through ``speculant generate``."""
     target, tok = load_model_dir(target_dir, dtype=torch.float32)
@@ -174,7 +223,8 @@ def test_train_draft_bad_input(target_dir, tmp_path, capsys):
     base = ["train", "draft", "--target", target_dir, "--out", str(tmp_path / "r")]
     for extra, needle in ((["--loss", "rkl"], "--loss"), (["--prompts", str(tmp_path / "none.jsonl")], "--prompts"),
                           (["--steps", "0"], "steps"), (["--kind", "eagle"], "--kind"),
-                          (["--kind", "feature", "--taps", "99"], "taps")):
+                          (["--kind", "feature", "--taps", "99"], "taps"), (["--self-prompts", "-1"], "--self-prompts"),
+                          (["--self-prompt-tokens", "0"], "self-prompt-tokens")):
         assert cli.main(base + extra) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err

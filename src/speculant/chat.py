@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["chat_ids", "check_messages", "has_chat_template", "stop_ids", "Message"]
+__all__ = ["chat_ids", "check_messages", "has_chat_template", "stop_ids", "user_turn_prefix_ids", "Message"]
 
 Message = Mapping[str, str]
 """``{"role": "system" | "user" | "assistant", "content": str}``, as in the OpenAI and transformers APIs."""
@@ -67,6 +67,32 @@ def chat_ids(tokenizer, messages: str | Sequence[Message], system: str | None = 
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+_SENTINEL = "\u2063speculant-user-turn\u2063"  # text no template alters (invisible separators around a name)
+
+
+def user_turn_prefix_ids(tokenizer, system: str | None = None) -> list[int]:
+    """Token ids of a conversation in the chat template up to where the user's first message begins (the
+    template's default system turn included, if it adds one): what a chat model sees before a user writes.
+
+    A chat model continuing these ids writes a user's request (Magpie, Xu et al. 2024), which is how
+    :mod:`speculant.train.self_prompts` makes instruction prompts from the target itself.
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or its template does not put the user's message
+            verbatim into the text.
+    """
+    if not has_chat_template(tokenizer):
+        raise ValueError("this tokenizer has no chat template, so there is no user turn to begin")
+    msgs = [{"role": "user", "content": _SENTINEL}]
+    if system is not None:
+        msgs.insert(0, {"role": "system", "content": system})
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)
+    if _SENTINEL not in text:
+        raise ValueError("the chat template does not copy the user's message verbatim: cannot find where it begins")
+    ids = tokenizer(text[:text.index(_SENTINEL)], add_special_tokens=False)["input_ids"]
     return [int(t) for t in ids]
 
 

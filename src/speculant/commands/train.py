@@ -92,6 +92,9 @@ _DRAFT_DOCS = {
     "prompts": "JSONL prompts file, rows {\"messages\": [...]} (chat template applied) or {\"prompt\": \"...\"}; "
                "default: the built-in instruction prompts",
     "num_prompts": "number of built-in prompts",
+    "self_prompts": "more prompts written by the target itself (Magpie: its chat template up to a user's message, "
+                    "sampled at temperature 1), appended to the others; chat targets only",
+    "self_prompt_tokens": "at most this many tokens per self-written prompt",
     "prompt_seed": "seed of the built-in prompts",
     "max_prompt_tokens": "prompts longer than this are skipped",
     "max_new_tokens": "tokens the target writes per answer (at most)",
@@ -145,6 +148,9 @@ def _run_train_draft(args: argparse.Namespace) -> int:
         raise ValueError(f"--loss: unknown loss {args.loss!r}; known: {', '.join(LOSSES)}, none")
     check_positive_int("steps", args.steps)
     check_positive_int("unroll", args.unroll)
+    check_positive_int("self-prompt-tokens", args.self_prompt_tokens)
+    if args.self_prompts < 0:
+        raise ValueError(f"--self-prompts must be >= 0, got {args.self_prompts}")
     if args.kind not in KINDS:
         raise ValueError(f"--kind: unknown drafter kind {args.kind!r}; known: {', '.join(KINDS)}")
     _check_layers(resolve_model(args.target), args.layers, args.taps)  # a clear error before any work

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from ..cache import cache_kwarg
 
-__all__ = ["AnswerShard", "generate_answers", "load_shards", "shard_paths"]
+__all__ = ["AnswerShard", "generate_answers", "load_shards", "sample_batch", "shard_paths"]
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,11 @@ def load_shards(folder: str | Path) -> list[AnswerShard]:
 
 
 @torch.inference_mode()
-def _answer_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float,
                   stop_ids: list[int], topk: int, generator: torch.Generator) -> tuple[list[list[int]], list]:
-    """Answers (stop token included when reached) and per-answer ``(topk ids [a, k], logprobs [a, k])``."""
+    """Continue each of ``prompts`` (token ids) until a stop id or ``max_new_tokens``, greedy at ``temperature``
+    0, sampled otherwise; returns the continuations (stop token included when reached) and per-continuation
+    ``(topk ids [a, k], logprobs [a, k])`` of the model's distribution at each of its tokens."""
     device = next(model.parameters()).device
     b, width = len(prompts), max(len(p) for p in prompts)
     ids = torch.full((b, width), stop_ids[0], dtype=torch.long, device=device)
@@ -150,7 +152,7 @@ def generate_answers(model, prompts: list[list[int]], out: str | Path, *, stop_i
             continue
         temperature = float(temperatures[n % len(temperatures)])
         gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed * 100003 + n)
-        answers, tops = _answer_batch(model, [prompts[i] for i in rows], max_new_tokens, temperature, stop_ids,
+        answers, tops = sample_batch(model, [prompts[i] for i in rows], max_new_tokens, temperature, stop_ids,
                                       topk, gen)
         shard = AnswerShard(
             prompt_ids=np.concatenate([np.asarray(prompts[i], np.int32) for i in rows]),

@@ -45,6 +45,8 @@ class DraftRunConfig:
     prompts: str | None = None  # JSONL of {"messages": [...]} or {"prompt": "..."} rows; default: built-in
     num_prompts: int = 1600
     prompt_seed: int = 0
+    self_prompts: int = 0  # more prompts written by the target itself (Magpie), appended to the others
+    self_prompt_tokens: int = 64  # at most this many tokens per self-written prompt
     max_prompt_tokens: int = 512
     max_new_tokens: int = 128
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
@@ -83,10 +85,34 @@ def tokenize_prompts(tokenizer, rows: list[dict], max_tokens: int) -> tuple[list
     return ids, kept
 
 
+def _self_prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
+    """``cfg.self_prompts`` requests written by the target (``RUN/self_prompts.jsonl``, resumable; the target is
+    loaded only when some are still missing). Its time is added up in ``RUN/self_prompts.json``."""
+    from .self_prompts import generate_self_prompts, read_self_prompts
+
+    path = run / "self_prompts.jsonl"
+    rows = read_self_prompts(path)
+    if len(rows) >= cfg.self_prompts:
+        return rows[:cfg.self_prompts]
+    from ..chat import stop_ids
+    from ..loading import load_pretrained
+
+    model, tokenizer = load_pretrained(cfg.target, dtype=cfg.gen_dtype)
+    info_path = run / "self_prompts.json"
+    info = json.loads(info_path.read_text()) if info_path.exists() else {"seconds": 0.0}
+    start = time.perf_counter()
+    rows = generate_self_prompts(model, tokenizer, cfg.self_prompts, path, stop_ids=stop_ids(tokenizer, model),
+                                 batch_size=cfg.gen_batch, max_new_tokens=cfg.self_prompt_tokens, seed=cfg.seed)
+    info = {"rows": len(rows), "seconds": info["seconds"] + time.perf_counter() - start}
+    info_path.write_text(json.dumps(info))
+    return rows
+
+
 def _prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
-    """The run's prompts (``RUN/prompts.jsonl``, written from ``cfg.prompts`` or the built-in set once). A run
-    grows when the configured prompts extend the saved ones (more ``--num-prompts`` of the same seed, or a prompts
-    file whose first rows are the saved ones): the new rows are appended and answered next."""
+    """The run's prompts (``RUN/prompts.jsonl``, written from ``cfg.prompts`` or the built-in set once, then
+    ``cfg.self_prompts`` written by the target). A run grows when the configured prompts extend the saved ones
+    (more ``--num-prompts`` of the same seed, a prompts file whose first rows are the saved ones, or self-written
+    prompts added): the new rows are appended and answered next."""
     from ..bench.prompts import load_prompts
 
     path = run / "prompts.jsonl"
@@ -97,6 +123,8 @@ def _prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
         from .instructions import instruction_prompts
 
         rows = instruction_prompts(cfg.num_prompts, seed=cfg.prompt_seed)
+    if cfg.self_prompts:
+        rows = rows + [{"messages": r["messages"], "kind": r["kind"]} for r in _self_prompt_rows(cfg, run)]
     if saved is not None:
         n = min(len(rows), len(saved))
         if _content(rows[:n]) != _content(saved[:n]):

@@ -82,7 +82,14 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     machine = meta.get("machine") or "machine not recorded"
     prompts_file = run / "prompts.jsonl"  # a grown run holds more rows than its first --num-prompts
     n_rows = len(prompts_file.read_text().splitlines()) if prompts_file.exists() else cfg["num_prompts"]
-    prompts = cfg["prompts"] or f"{n_rows} built-in instruction prompts (speculant.train.instructions)"
+    n_self = cfg.get("self_prompts", 0)
+    prompts = cfg["prompts"] or f"{n_rows - n_self:,} built-in instruction prompts (speculant.train.instructions)"
+    self_info = run / "self_prompts.json"
+    self_seconds = json.loads(self_info.read_text())["seconds"] if n_self and self_info.exists() else None
+    if n_self:
+        prompts += (f" and {n_self:,} requests the target wrote itself (Magpie: its chat template up to a user's "
+                    f"message, sampled at temperature 1, at most {cfg['self_prompt_tokens']} tokens; "
+                    "speculant.train.self_prompts)")
     text = f"""# {name or export.name}
 
 A drafter for `{meta['target']}`, made by `speculant train draft` the Direct Alignment way (Goel et al. 2024):
@@ -98,7 +105,7 @@ loss.
 | distillation data | {n_answers:,} answers of the target ({n_tokens:,} answer tokens) to {prompts}, chat template applied, up to {cfg['max_new_tokens']} new tokens, temperatures {temps} cycled per batch, the target's top-{cfg['topk']} log-probabilities kept at every answer token |
 | objective | `{meta['loss']}` between the target's top-{cfg['topk']} and the drafter over the {cfg['keep']:,} most frequent answer tokens (the VocabTrim set it drafts from) |
 | steps | {meta['steps']} × {cfg['batch_size']} answers (each with its prompt's last 96 tokens), AdamW, peak lr {cfg['lr']}, {cfg['warmup']} warm-up steps, cosine to 0.1× |
-| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done.get('seconds', done.get('seconds_this_session', 0)) / 60:.1f} min generating the answers" if done else ""} ({machine}) |
+| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done.get('seconds', done.get('seconds_this_session', 0)) / 60:.1f} min generating the answers" if done else ""}{f", {self_seconds / 60:.1f} min writing the self prompts" if self_seconds is not None else ""} ({machine}) |
 
 ## Validation (held-out {cfg['validation_fraction']:.0%} of the answers)
 Greedy agreement: the drafter's top token is the target's. α = Σ min(p, q) over the kept set: the probability that
