@@ -121,11 +121,12 @@ bench-serve: $(STAMP)
 	done
 
 # The drafter shipped for SmolLM2 (src/speculant/assets/smollm2-135m-instruct-draft), made on 2 CPU cores: 4,000
-# prompts, 1,000 steps. (The shipped one grew from the 1,600 answers of the previous drafter's run, copied into
-# runs/smollm2-draft-4k first, so only 2,400 prompts were answered anew; see its MODEL_CARD.md.)
+# built-in prompts and 2,400 the target writes itself, 1,200 steps. (The shipped one grew from the answers of the
+# previous drafters' runs, copied into runs/smollm2-draft-self first, so only the 2,400 new prompts were answered
+# anew; see its MODEL_CARD.md.)
 train-smollm2-draft: $(STAMP)
-	$(VENV)/bin/speculant train draft --target smollm2-135m-instruct --out runs/smollm2-draft-4k --num-prompts 4000 \
-		--steps 1000 --threads 1 --name smollm2-135m-instruct-draft
+	$(VENV)/bin/speculant train draft --target smollm2-135m-instruct --out runs/smollm2-draft-self --num-prompts 4000 \
+		--self-prompts 2400 --steps 1200 --threads 2 --name smollm2-135m-instruct-draft
 
 # A feature (EAGLE) drafter for SmolLM2 from the same answers: 1 layer reading the target's final state and the
 # outputs of its layers 9 and 19 (an experiment: see benchmarks/results/feature-drafter).
