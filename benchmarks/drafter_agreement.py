@@ -44,14 +44,16 @@ def main() -> None:
     names = args.drafts.split(",")
     drafts = {name: load_draft(name, target) for name in names}
     vocab = target.get_input_embeddings().weight.shape[0]
-    trims = {}  # (drafter, size) -> [V] bool: the kept set
+    sizes = [int(t) for t in args.trims.split(",") if t]
+    keeps: dict[str, dict[str, torch.Tensor | None]] = {}  # drafter -> row name -> [V] bool kept set (None: full head)
     for name in names:
         ranked = load_calibration(resolve_model(name))["token_ids"]
-        for size in (int(t) for t in args.trims.split(",") if t):
+        keeps[name] = {name: None}
+        for size in sizes:
             keep = torch.zeros(vocab, dtype=torch.bool)
             keep[torch.tensor(ranked[:size])] = True
-            trims[name, size] = keep
-    rows = [f"{n}" for n in names] + [f"{n}:trim={size}" for n, size in trims]
+            keeps[name][f"{name}:trim={size}"] = keep
+    rows = list(names) + [row for name in names for row in list(keeps[name])[1:]]
     prompts = results["prompts"]
     hits: dict[str, dict[str, list[int]]] = {r: defaultdict(lambda: [0, 0]) for r in rows}
     covered: dict[str, list[int]] = {r: [0, 0] for r in rows}
@@ -65,11 +67,8 @@ def main() -> None:
         want = target(full).logits[0, answer].argmax(-1)  # [A]
         for name, draft in drafts.items():
             logits = draft(full).logits[0, answer].float()  # [A, V]
-            variants = {name: (logits, None)}
-            for (n, size), keep in trims.items():
-                if n == name:
-                    variants[f"{name}:trim={size}"] = (logits.masked_fill(~keep, float("-inf")), keep)
-            for row, (scores, keep) in variants.items():
+            for row, keep in keeps[name].items():
+                scores = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
                 same = scores.argmax(-1) == want
                 for key in ["all"] + ([record["category"]] if record.get("category") else []):
                     hits[row][key][0] += int(same.sum())

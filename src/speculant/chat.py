@@ -73,7 +73,7 @@ def chat_ids(tokenizer, messages: str | Sequence[Message], system: str | None = 
 _SENTINEL = "\u2063speculant-user-turn\u2063"  # text no template alters (invisible separators around a name)
 
 
-def user_turn_prefix_ids(tokenizer, system: str | None = None) -> list[int]:
+def user_turn_prefix_ids(tokenizer) -> list[int]:
     """Token ids of a conversation in the chat template up to where the user's first message begins (the
     template's default system turn included, if it adds one): what a chat model sees before a user writes.
 
@@ -86,10 +86,8 @@ def user_turn_prefix_ids(tokenizer, system: str | None = None) -> list[int]:
     """
     if not has_chat_template(tokenizer):
         raise ValueError("this tokenizer has no chat template, so there is no user turn to begin")
-    msgs = [{"role": "user", "content": _SENTINEL}]
-    if system is not None:
-        msgs.insert(0, {"role": "system", "content": system})
-    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], add_generation_prompt=False,
+                                         tokenize=False)
     if _SENTINEL not in text:
         raise ValueError("the chat template does not copy the user's message verbatim: cannot find where it begins")
     ids = tokenizer(text[:text.index(_SENTINEL)], add_special_tokens=False)["input_ids"]

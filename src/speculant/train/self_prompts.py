@@ -15,14 +15,11 @@ of the arguments). Requests that are empty, shorter than ``min_chars`` or repeat
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import torch
 
 __all__ = ["SELF_KIND", "generate_self_prompts", "read_self_prompts"]
-
-log = logging.getLogger(__name__)
 
 SELF_KIND = "self"
 
@@ -33,13 +30,14 @@ def read_self_prompts(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.exists():
         return []
+    text = path.read_text(encoding="utf-8")
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
             break
-    if rows and not path.read_text(encoding="utf-8").endswith("\n"):
+    if rows and not text.endswith("\n"):
         last = rows[-1]["batch"]
         rows = [r for r in rows if r["batch"] != last]
     return rows
