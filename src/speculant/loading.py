@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from .attached import is_attached, load_attached
 from .sources import PACKAGED, convert_gguf, hub_cached_dir, is_hub_id, packaged_gguf
 
-__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "load_tokenizer", "draft_context", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED"]
+__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "default_method_for", "load_tokenizer", "draft_context", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED"]
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,21 @@ def default_draft_for(target: str | Path) -> str | None:
         if key == name and model.default_draft and bundled_dir(model.default_draft) is not None:
             return model.default_draft
     return None
+
+
+def default_method_for(target: str | Path, draft: str | Path | None = None) -> str | None:
+    """The method spec measured fastest for a packaged ``target`` with the drafter speculant ships for it
+    (:attr:`speculant.sources.PackagedModel.default_method`), when ``draft`` is None or that drafter (by name or
+    directory); else None, and callers use :data:`speculant.drafters.registry.DEFAULT_METHOD`."""
+    model = PACKAGED.get(str(target))
+    shipped = default_draft_for(target)
+    if model is None or model.default_method is None or shipped is None:
+        return None
+    if draft is not None and str(draft) != shipped:
+        same = Path(draft).expanduser().resolve() == bundled_dir(shipped).resolve()
+        if not same:
+            return None
+    return model.default_method
 
 
 def draft_context(draft: str | Path, target_tokenizer) -> dict:

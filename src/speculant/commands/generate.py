@@ -73,6 +73,13 @@ def _methods_with_k() -> str:
     )
 
 
+def _packaged_methods() -> str:
+    """``name: method`` for each packaged model with a default method (for the help of ``--method``)."""
+    from ..sources import PACKAGED
+
+    return ", ".join(f"{m.name}: {m.default_method}" for m in PACKAGED.values() if m.default_method)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant generate``'s options on ``p``."""
     from ..drafters.registry import DEFAULT_METHOD
@@ -122,9 +129,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--method",
         metavar="SPEC",
-        default=DEFAULT_METHOD,
+        default=None,
         help="drafting method: NAME or NAME:key=value[:key=value...] (list values separated by '/'), e.g. ar, "
-        "chain, chain:k=8; the methods are listed below; default: %(default)s",
+        "chain, chain:k=8; the methods are listed below; default: the method measured fastest for a packaged "
+        "target with its shipped drafter (" + _packaged_methods() + f"), else {DEFAULT_METHOD}",
     )
     p.add_argument(
         "--k",
@@ -268,11 +276,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ..chat import chat_ids, has_chat_template, stop_ids
     from ..checks import check_positive_int, resolve_device
-    from ..drafters.registry import build_drafter, engine_options, get_method, parse_method
+    from ..drafters.registry import DEFAULT_METHOD, build_drafter, engine_options, get_method, parse_method
     from ..engine import generate
     from ..loading import (
         check_model_dir,
         default_draft_for,
+        default_method_for,
         draft_context,
         load_draft,
         load_model_dir,
@@ -281,6 +290,9 @@ def run(args: argparse.Namespace) -> int:
     from ..types import SamplingParams
 
     # validate everything cheap before loading any model
+    if args.method is None:
+        args.method = default_method_for(args.target, args.draft) or DEFAULT_METHOD
+        log.info("method %s (pass --method to choose another)", args.method)
     name, options = parse_method(args.method)
     if (args.kv_policy is None) != (args.kv_budget is None):
         raise ValueError("--kv-policy and --kv-budget go together (e.g. --kv-policy keydiff --kv-budget 256)")

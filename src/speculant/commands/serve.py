@@ -80,8 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft model (same tokenizer), or an attached drafter; default: the drafter speculant ships "
                    "for the target, if any")
     p.add_argument("--method", metavar="SPEC", default=None,
-                   help="drafting method (registry spec, as for generate); default: chain when there is a draft "
-                   "(--draft or the shipped one), else ar (plain decoding)")
+                   help="drafting method (registry spec, as for generate); default: with a draft (--draft or the "
+                   "shipped one) the method measured fastest for a packaged target with its shipped drafter (as for "
+                   "generate), else chain; without one ar (plain decoding)")
     p.add_argument("--kv-policy", metavar="POLICY", default=None,
                    help="evict the target's KV cache with this policy (as for generate); needs --kv-budget")
     p.add_argument("--kv-budget", type=positive_int, metavar="N", default=None,

@@ -17,8 +17,9 @@ __all__ = ["ServeSettings", "check_settings"]
 class ServeSettings:
     """What ``speculant serve`` serves and how.
 
-    ``method`` None: ``chain`` when there is a draft (``draft``, or the drafter speculant ships for the target),
-    else ``ar``. ``model_name`` None: the target as given. ``max_queue``: requests that may wait behind the one
+    ``method`` None: when there is a draft (``draft``, or the drafter speculant ships for the target), the method
+    measured fastest for a packaged target with its shipped drafter (:func:`speculant.loading.default_method_for`)
+    or else ``chain``; without a draft ``ar``. ``model_name`` None: the target as given. ``max_queue``: requests that may wait behind the one
     being decoded; one more is answered 429. ``api_key`` None: no authentication."""
 
     target: str
@@ -46,7 +47,7 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
     ValueErrors for a bad method, KV options, device, or model. May convert a GGUF target once (see README)."""
     from ..checks import resolve_device
     from ..drafters.registry import DEFAULT_METHOD, engine_options, get_method, parse_method
-    from ..loading import check_model_dir, default_draft_for, resolve_model
+    from ..loading import check_model_dir, default_draft_for, default_method_for, resolve_model
 
     target_name = settings.target
     draft = settings.draft
@@ -54,7 +55,7 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         draft = default_draft_for(settings.target)
     spec = settings.method
     if spec is None:
-        spec = DEFAULT_METHOD if draft is not None else "ar"
+        spec = (default_method_for(settings.target, draft) or DEFAULT_METHOD) if draft is not None else "ar"
     name, options = parse_method(spec)
     engine_options(options)
     method = get_method(name)
