@@ -121,12 +121,12 @@ bench-serve: $(STAMP)
 	done
 
 # The drafter shipped for SmolLM2 (src/speculant/assets/smollm2-135m-instruct-draft), made on 2 CPU cores: 4,000
-# built-in prompts and 2,400 the target writes itself, 1,200 steps. (The shipped one grew from the answers of the
-# previous drafters' runs, copied into runs/smollm2-draft-self first, so only the 2,400 new prompts were answered
-# anew; see its MODEL_CARD.md.)
+# built-in prompts and 6,000 the target writes itself, 1,500 steps. (The shipped one grew from the answers of the
+# previous drafters' runs, copied into runs/smollm2-draft-self2 first, so only the new prompts were answered anew;
+# see its MODEL_CARD.md.)
 train-smollm2-draft: $(STAMP)
-	$(VENV)/bin/speculant train draft --target smollm2-135m-instruct --out runs/smollm2-draft-self --num-prompts 4000 \
-		--self-prompts 2400 --steps 1200 --threads 2 --name smollm2-135m-instruct-draft
+	$(VENV)/bin/speculant train draft --target smollm2-135m-instruct --out runs/smollm2-draft-self2 --num-prompts 4000 \
+		--self-prompts 6000 --steps 1500 --threads 2 --name smollm2-135m-instruct-draft
 
 # A feature (EAGLE) drafter for SmolLM2 from the same answers: 1 layer reading the target's final state and the
 # outputs of its layers 9 and 19 (an experiment: see benchmarks/results/feature-drafter).

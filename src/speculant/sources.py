@@ -82,8 +82,8 @@ PACKAGED: dict[str, PackagedModel] = {
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct (Hugging Face), a 30-layer Llama chat model, Q4_1 GGUF",
             default_draft="smollm2-135m-instruct-draft",
-            # the fastest method with that drafter on MT-Bench (80 q, 2 threads): 1.40x plain decoding greedy in
-            # bf16 (benchmarks/results/mtbench-80-bf16-self; chain:k=3 1.18x, the chain's default k=4 less),
+            # the fastest method with that drafter on MT-Bench (80 q, 2 threads): 1.43x plain decoding greedy in
+            # bf16 (benchmarks/results/mtbench-80-bf16-self2; chain:k=3 1.21x; 1.40x in mtbench-80-bf16-self),
             # 1.20x at T=0.7 (mtbench-80-t07-self), 1.31x through the server (serve-chain-lookup-self)
             default_method="chain:k=2:lookup=10",
         ),
