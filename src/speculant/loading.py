@@ -191,11 +191,9 @@ def default_method_for(target: str | Path, draft: str | Path | None = None) -> s
     shipped = default_draft_for(target)
     if model is None or model.default_method is None or shipped is None:
         return None
-    if draft is not None and str(draft) != shipped:
-        same = Path(draft).expanduser().resolve() == bundled_dir(shipped).resolve()
-        if not same:
-            return None
-    return model.default_method
+    if draft is None or str(draft) == shipped or Path(draft).expanduser().resolve() == bundled_dir(shipped).resolve():
+        return model.default_method
+    return None
 
 
 def draft_context(draft: str | Path, target_tokenizer) -> dict:

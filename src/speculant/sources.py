@@ -83,8 +83,8 @@ PACKAGED: dict[str, PackagedModel] = {
             description="SmolLM2-135M-Instruct (Hugging Face), a 30-layer Llama chat model, Q4_1 GGUF",
             default_draft="smollm2-135m-instruct-draft",
             # the fastest method with that drafter on MT-Bench (80 q, 2 threads): 1.43x plain decoding greedy in
-            # bf16 (benchmarks/results/mtbench-80-bf16-self2; chain:k=3 1.21x; 1.40x in mtbench-80-bf16-self),
-            # 1.20x at T=0.7 (mtbench-80-t07-self), 1.31x through the server (serve-chain-lookup-self)
+            # bf16 (benchmarks/results/mtbench-80-bf16-self2; chain:k=3 1.21x), level with chain:k=2 at T=0.7
+            # (1.19x vs 1.20x, mtbench-80-t07-self2), 1.44x through the server at c=1 (serve-default-self2)
             default_method="chain:k=2:lookup=10",
         ),
     )

@@ -19,8 +19,8 @@ class ServeSettings:
 
     ``method`` None: when there is a draft (``draft``, or the drafter speculant ships for the target), the method
     measured fastest for a packaged target with its shipped drafter (:func:`speculant.loading.default_method_for`)
-    or else ``chain``; without a draft ``ar``. ``model_name`` None: the target as given. ``max_queue``: requests that may wait behind the one
-    being decoded; one more is answered 429. ``api_key`` None: no authentication."""
+    or else ``chain``; without a draft ``ar``. ``model_name`` None: the target as given. ``max_queue``: requests
+    that may wait behind the one being decoded; one more is answered 429. ``api_key`` None: no authentication."""
 
     target: str
     draft: str | None = None
