@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from speculant.bench.prompts import prompt_ids
-from speculant.loading import load_pretrained
+from speculant.data.prompts import prompt_ids
+from speculant.models.loading import load_pretrained
 
 
 def main() -> None:

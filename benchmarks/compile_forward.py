@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from speculant.bench.speed import machine_info
-from speculant.cache import SpecCache
-from speculant.forward import lean_for
-from speculant.loading import load_pretrained
+from speculant.core.cache import SpecCache
+from speculant.core.forward import lean_for
+from speculant.models.loading import load_pretrained
 
 
 def halves(lean):

@@ -29,9 +29,9 @@ from tqdm.auto import tqdm
 
 import speculant
 from speculant.bench.speed import machine_info
-from speculant.kv.evaluate import default_texts
-from speculant.train.data import load_split
-from speculant.train.pretrain import evaluate
+from speculant.bench.kv_fidelity import default_texts
+from speculant.train.bundled.data import load_split
+from speculant.train.bundled.pretrain import evaluate
 
 
 def _row(tokens: np.ndarray, rng: np.random.Generator, seq_len: int, random_fraction: float,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import speculant
-from speculant.bench.prompts import code_prompts
+from speculant.data.prompts import code_prompts
 from speculant.bench.speed import MethodRun, machine_info, run_side_by_side, summarise
 
 

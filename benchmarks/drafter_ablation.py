@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from speculant.bench.mtbench import mtbench_questions
+from speculant.data.mtbench import mtbench_questions
 from speculant.bench.speed import machine_info
-from speculant.chat import chat_ids, stop_ids
+from speculant.models.chat import chat_ids, stop_ids
 from speculant.drafters.registry import build_drafter
-from speculant.engine import generate
-from speculant.loading import load_draft, load_pretrained
+from speculant.core.engine import generate
+from speculant.models.loading import load_draft, load_pretrained
 
 
 def stratified(rows: list[dict], n: int) -> list[dict]:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from speculant.bench.prompts import prompt_ids
+from speculant.data.prompts import prompt_ids
 from speculant.drafters.vocab_trim import load_calibration
-from speculant.loading import load_draft, load_pretrained, resolve_model
+from speculant.models.loading import load_draft, load_pretrained, resolve_model
 
 
 @torch.inference_mode()

@@ -2,7 +2,7 @@
 
 This ratio decides which methods pay off: a verification forward over a chain of k draft tokens or a tree of n
 nodes costs ``cost(n + 1) / cost(1)`` one-token forwards. The target forward the engine uses (``--forward lean``,
-the default: :mod:`speculant.lean`, packed where :mod:`speculant.packed` allows) or the model's own
+the default: :mod:`speculant.core.lean`, packed where :mod:`speculant.core.packed` allows) or the model's own
 (``--forward model``, transformers) is timed after a prompt of ``--context`` tokens is in its cache; each measured
 forward is cropped away again, the dtypes and token counts are interleaved per repeat, and the median of
 ``--repeats`` is reported.
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 from speculant.bench.speed import machine_info
-from speculant.cache import SpecCache
-from speculant.checks import num_layers
-from speculant.forward import TargetForward
-from speculant.loading import load_pretrained
+from speculant.core.cache import SpecCache
+from speculant.core.checks import num_layers
+from speculant.core.forward import TargetForward
+from speculant.models.loading import load_pretrained
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ import torch
 
 import speculant
 from speculant.bench.speed import machine_info
-from speculant.kv.evaluate import default_texts
+from speculant.bench.kv_fidelity import default_texts
 
 DROPS = (8, 32, 128, 256, 400)
 

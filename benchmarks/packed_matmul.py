@@ -7,7 +7,7 @@ the LM head; random values, distinct tensors so nothing stays in cache), and tim
 for each row count (median of ``--repeats``) with:
 
 * ``dense``: ``F.linear`` on the plain matrix (what transformers and an unpacked lean forward do);
-* ``packed``: the matrix reordered once for oneDNN (:class:`speculant.packed.PackedMatrix`), in the same dtype;
+* ``packed``: the matrix reordered once for oneDNN (:class:`speculant.core.packed.PackedMatrix`), in the same dtype;
 * for bfloat16 also torch's weight-only quantized CPU kernels: ``int8`` (``_weight_int8pack_mm``, a scale per
   row) and ``int4`` (``_weight_int4pack_mm_for_cpu``, groups of 32 with a scale and an offset, the layout of
   GGUF's Q4_1). These change the model's numbers; they are measured to show what a quantized path would buy.
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from speculant.bench.speed import machine_info
-from speculant.loading import resolve_model
-from speculant.packed import PackedMatrix, linear, packable
+from speculant.models.loading import resolve_model
+from speculant.core.packed import PackedMatrix, linear, packable
 
 
 def _shapes(target: str) -> list[tuple[int, int]]:

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import speculant
-from speculant.bench.prompts import builtin_prompts
+from speculant.data.prompts import builtin_prompts
 from speculant.bench.speed import machine_info
 from speculant.drafters.vocab_trim import load_calibration
 

@@ -26,10 +26,10 @@ import torch
 import speculant
 from speculant.bench.budget import at_budget, shape
 from speculant.bench.cost import drafter_params_per_forward, mbsu, params_per_forward
-from speculant.bench.prompts import builtin_prompts
+from speculant.data.prompts import builtin_prompts
 from speculant.bench.speed import MethodRun, machine_info, run_side_by_side, summarise
 from speculant.drafters.registry import build_drafter
-from speculant.loading import tokenizers_match
+from speculant.models.loading import tokenizers_match
 
 
 def _late(b: int) -> str:

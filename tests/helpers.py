@@ -58,9 +58,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}<
 
 def chat_model_pair(root, layers: int = 2, context: int = 256):
     """A tiny random target and its perturbed draft whose tokenizer has :data:`CHAT_TEMPLATE`; their dirs."""
-    from speculant.demo import save_model_pair, train_tokenizer
+    from speculant.testing import save_model_pair, tiny_tokenizer
 
-    tok = train_tokenizer(vocab_size=300)
+    tok = tiny_tokenizer(vocab_size=300)
     tok.chat_template = CHAT_TEMPLATE
     target, draft = save_model_pair(root, tok, hidden=32, layers=layers, context=context, init_std=0.5)
     return str(target), str(draft)

@@ -158,9 +158,9 @@ def test_stats_identity_holds_at_max_new_tokens(target):
 @pytest.fixture
 def fresh_warnings(monkeypatch, caplog):
     """Forget the warnings already given in this process (each is given once) and capture new ones."""
-    import speculant.checks
+    import speculant.core.checks
 
-    monkeypatch.setattr(speculant.checks, "_WARNED", set())
+    monkeypatch.setattr(speculant.core.checks, "_WARNED", set())
     caplog.set_level("WARNING", logger="speculant")
     return caplog
 

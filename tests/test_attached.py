@@ -10,11 +10,11 @@ import torch
 from safetensors import safe_open
 
 from speculant import cli
-from speculant.attached import build_attached, load_attached, save_attached
-from speculant.chat import chat_ids, stop_ids
+from speculant.models.attached import build_attached, load_attached, save_attached
+from speculant.models.chat import chat_ids, stop_ids
 from speculant.drafters.registry import build_drafter
-from speculant.engine import generate
-from speculant.loading import check_model_dir, load_draft, load_model_dir
+from speculant.core.engine import generate
+from speculant.models.loading import check_model_dir, load_draft, load_model_dir
 from speculant.testing import tiny_model
 
 from helpers import chat_model_pair
@@ -101,8 +101,8 @@ def test_train_draft_end_to_end(target_dir, tmp_path, capsys):
 def test_a_run_grows_with_more_prompts(target_dir, tmp_path):
     """Prompts appended to a finished run are answered in new shards numbered after the old ones (which stay as
     they are); an interrupted growth resumes with the same shards; every prompt row is answered once."""
-    from speculant.train.answers import AnswerShard, load_shards, shard_paths
-    from speculant.train.draft import DraftRunConfig, run_answers
+    from speculant.train.drafter.answers import AnswerShard, load_shards, shard_paths
+    from speculant.train.drafter.pipeline import DraftRunConfig, run_answers
 
     rows = [json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n" for i in range(10)]
     prompts = tmp_path / "p.jsonl"
@@ -136,9 +136,9 @@ def test_a_run_grows_with_self_written_prompts(target_dir, tmp_path, capsys):
     """--self-prompts N: the target writes N user requests after its template's user-turn prefix (Magpie); they
     follow the configured prompts in the run's prompts file and are answered like them; the requests are a
     function of the seed, and an interrupted batch is written again the same way."""
-    from speculant.chat import user_turn_prefix_ids
-    from speculant.train.answers import load_shards
-    from speculant.train.self_prompts import generate_self_prompts, read_self_prompts
+    from speculant.models.chat import user_turn_prefix_ids
+    from speculant.train.drafter.answers import load_shards
+    from speculant.train.drafter.self_prompts import generate_self_prompts, read_self_prompts
 
     _, tok = load_model_dir(target_dir, dtype=torch.float32)
     prefix = user_turn_prefix_ids(tok)

@@ -20,7 +20,7 @@ from speculant import cli, generate
 from speculant.bench import harness, load_prompts, run_bench
 from speculant.bench import models as bench_models
 from speculant.bench.hf import hf_runner, parse_baseline
-from speculant.bench.prompts import builtin_prompts, grounded_prompts
+from speculant.data.prompts import builtin_prompts, grounded_prompts
 from speculant.bench.report import category_table, render_markdown, write_plots
 from speculant.bench.speed import (
     MethodRun,
@@ -28,13 +28,13 @@ from speculant.bench.speed import (
     run_side_by_side,
     summarise,
 )
-from speculant.chat import chat_ids
-from speculant.demo import save_model_pair, stdlib_texts, train_tokenizer
-from speculant.loading import load_model_dir
+from speculant.models.chat import chat_ids
+from speculant.testing import save_model_pair, stdlib_texts, tiny_tokenizer
+from speculant.models.loading import load_model_dir
 from speculant.testing import perturbed, tiny_model
 
 from helpers import CHAT_TEMPLATE
-from speculant.train.corpus import split_of
+from speculant.data.corpus import split_of
 
 ROOT = Path(__file__).resolve().parent.parent
 N = 12  # new tokens per generation
@@ -59,7 +59,7 @@ def pair():
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     """Target and draft model directories with a BPE tokenizer, and a JSONL prompt file with ids."""
-    tok = train_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
+    tok = tiny_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
     root = tmp_path_factory.mktemp("bench-models")
     target, draft = save_model_pair(root, tok, hidden=32, layers=2, context=128, init_std=0.5, draft_scale=0.02)
     prompts = root / "prompts.jsonl"
@@ -75,7 +75,7 @@ MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "ex
 @pytest.fixture(scope="module")
 def chat_dirs(tmp_path_factory):
     """A target/draft pair whose tokenizer has a chat template, with a context long enough for MT-Bench."""
-    tok = train_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
+    tok = tiny_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
     tok.chat_template = CHAT_TEMPLATE
     root = tmp_path_factory.mktemp("bench-chat-models")
     target, draft = save_model_pair(root, tok, hidden=32, layers=2, context=1024, init_std=0.5, draft_scale=0.02)
@@ -227,7 +227,7 @@ def test_draft_defaults_to_the_one_shipped_for_the_target(dirs, monkeypatch):
 
 def test_attached_draft_runs_our_chain_and_hf_assisted(dirs, tmp_path):
     """An attached drafter (no tokenizer, the target's embedding and head) is loaded with load_draft."""
-    from speculant.attached import build_attached, save_attached
+    from speculant.models.attached import build_attached, save_attached
 
     target, _ = load_model_dir(dirs["target"])
     attached = save_attached(build_attached(target, [0]), target, tmp_path / "attached", "test-target",
@@ -242,7 +242,7 @@ def test_attached_draft_runs_our_chain_and_hf_assisted(dirs, tmp_path):
 def test_a_method_may_bring_its_own_draft(dirs, tmp_path):
     """``draft=DIR`` in a spec: that method drafts with its own model (here a feature drafter) in the same
     interleaved run, while the others and hf-assisted use --draft."""
-    from speculant.attached import build_attached, save_attached
+    from speculant.models.attached import build_attached, save_attached
 
     target, _ = load_model_dir(dirs["target"])
     feature = save_attached(build_attached(target, [0], features=True), target, tmp_path / "eagle", "test-target",

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from speculant.bench import mtbench
-from speculant.bench.prompts import check_record, is_chat, load_prompts, mt_bench_prompts, prompt_ids
-from speculant.demo import stdlib_texts, train_tokenizer
+from speculant.data import mtbench
+from speculant.data.prompts import check_record, is_chat, load_prompts, mt_bench_prompts, prompt_ids
+from speculant.testing import stdlib_texts, tiny_tokenizer
 
 from helpers import CHAT_TEMPLATE
 
@@ -21,7 +21,7 @@ CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction"
 
 @pytest.fixture(scope="module")
 def tok():
-    return train_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
+    return tiny_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
 
 
 @pytest.fixture

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from speculant import cli
-from speculant.chat import chat_ids, has_chat_template, stop_ids
-from speculant.demo import train_tokenizer
-from speculant.engine import generate
-from speculant.loading import load_model_dir
+from speculant.models.chat import chat_ids, has_chat_template, stop_ids
+from speculant.testing import tiny_tokenizer
+from speculant.core.engine import generate
+from speculant.models.loading import load_model_dir
 
 from helpers import chat_model_pair
 
@@ -37,14 +37,14 @@ def test_chat_ids_errors(chat_dirs):
         chat_ids(tok, [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}], system="c")
     with pytest.raises(ValueError, match="empty"):
         chat_ids(tok, [])
-    plain = train_tokenizer(vocab_size=300)
+    plain = tiny_tokenizer(vocab_size=300)
     with pytest.raises(ValueError, match="no chat template"):
         chat_ids(plain, "hi")
 
 
 def test_stop_ids_and_generation_stops_at_end_of_turn(chat_dirs):
     from speculant.drafters.registry import build_drafter
-    from speculant.loading import load_draft
+    from speculant.models.loading import load_draft
 
     target, tok = load_model_dir(chat_dirs[0])
     assert tok.convert_tokens_to_ids("</s>") in stop_ids(tok, target)

@@ -14,15 +14,15 @@ import shutil
 import pytest
 import torch
 
-import speculant.checks
-import speculant.loading
+import speculant.core.checks
+import speculant.models.loading
 from speculant import DraftModelDrafter, GenerationStats, cli, generate
 from speculant.commands import common
-from speculant.commands.generate import TextStream
-from speculant.demo import save_model_pair, stdlib_texts, train_tokenizer
+from speculant.commands.generate import _Writer
+from speculant.testing import save_model_pair, stdlib_texts, tiny_tokenizer
 from speculant.drafters import registry
 from speculant.drafters.registry import Key, build_drafter, default_of, parse_method, register
-from speculant.loading import check_model_dir, load_model_dir, tokenizers_match
+from speculant.models.loading import check_model_dir, load_model_dir, tokenizers_match
 
 PROMPT = "def add(a, b):\n    return a + b\n\n"
 N = 24  # new tokens per CLI run
@@ -39,8 +39,8 @@ def _threads(one_thread):
 def dirs(tmp_path_factory):
     """target, its perturbed draft, a draft with a different tokenizer (same vocab size) and a spare tokenizer."""
     texts = stdlib_texts(["textwrap.py"]) + [MULTIBYTE]
-    tok = train_tokenizer(texts, vocab_size=300)
-    other = train_tokenizer(["completely different corpus 0123456789 xyz " * 20, MULTIBYTE], vocab_size=300)
+    tok = tiny_tokenizer(texts, vocab_size=300)
+    other = tiny_tokenizer(["completely different corpus 0123456789 xyz " * 20, MULTIBYTE], vocab_size=300)
     assert len(other) == len(tok) == 300
     root = tmp_path_factory.mktemp("models")
     # init_std 0.5: well-separated logits (greedy decisions, not float noise); scale 0.02: partial acceptance
@@ -100,7 +100,7 @@ def test_ar_and_chain_stream_identical_greedy_text(dirs, capsys):
 
 
 def test_without_method_the_packaged_default_or_chain(dirs, capsys, monkeypatch):
-    from speculant import loading
+    from speculant.models import loading
 
     no_method = [PROMPT, "--target", dirs["target"], "--draft", dirs["draft"], "--max-new-tokens", str(N)]
     code, out, err = run(capsys, *no_method)
@@ -139,12 +139,12 @@ def test_stream_is_incremental_and_multibyte_safe(dirs):
             return super().write(s)
 
     out = Out()
-    stream = TextStream(tok, out)
+    stream = _Writer(tok, out)
     for i in ids:
         stream([i])
     assert len(out.writes) > 3  # written as it goes, not at the end
     assert all("\ufffd" not in w for w in out.writes)
-    assert stream.finish() == MULTIBYTE
+    stream.finish()
     assert out.getvalue() == MULTIBYTE + "\n"
 
 
@@ -428,7 +428,7 @@ def unusable_cuda() -> tuple[str, str]:
 
 
 def test_resolve_device():
-    from speculant.checks import resolve_device
+    from speculant.core.checks import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     best = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
@@ -454,7 +454,7 @@ def _no_loading(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad option was reported")
 
-    monkeypatch.setattr(speculant.loading, "load_model_dir", refuse)
+    monkeypatch.setattr(speculant.models.loading, "load_model_dir", refuse)
 
 
 @pytest.mark.parametrize("command", ["generate", "kv-eval", "train"])
@@ -486,7 +486,7 @@ def test_unusable_device_is_one_line_before_any_work(dirs, capsys, monkeypatch, 
     ],
 )
 def test_settings_without_effect_warn(dirs, capsys, monkeypatch, extra, warning):
-    monkeypatch.setattr(speculant.checks, "_WARNED", set())
+    monkeypatch.setattr(speculant.core.checks, "_WARNED", set())
     code, out, err = run(capsys, *base_args(dirs, "chain", "--json", "--max-new-tokens", "4"), *extra)
     assert code == 0, err
     assert json.loads(out)["token_ids"]
@@ -495,7 +495,7 @@ def test_settings_without_effect_warn(dirs, capsys, monkeypatch, extra, warning)
 
 
 def test_settings_with_effect_do_not_warn(dirs, capsys, monkeypatch):
-    monkeypatch.setattr(speculant.checks, "_WARNED", set())
+    monkeypatch.setattr(speculant.core.checks, "_WARNED", set())
     extra = ["--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--seed", "1", "--kv-policy", "caote:keydiff",
              "--kv-budget", "16", "--kv-block", "8", "--method", "chain:trim=0"]
     code, _, err = run(capsys, *base_args(dirs, "chain", "--json", "--max-new-tokens", "4"), *extra)

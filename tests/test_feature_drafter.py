@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import speculant
-from speculant.attached import build_attached, is_feature_drafter, load_attached, save_attached
+from speculant.models.attached import build_attached, is_feature_drafter, load_attached, save_attached
 from speculant.drafters.feature import FeatureDrafter
 from speculant.testing import tiny_model
-from speculant.types import SamplingParams
+from speculant.core.types import SamplingParams
 
 PROMPT = list(range(3, 20))
 

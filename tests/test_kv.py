@@ -30,7 +30,7 @@ from speculant.kv import (
     policy_names,
     prefill_blockwise,
 )
-from speculant.cache import cache_kwarg
+from speculant.core.cache import cache_kwarg
 from speculant.kv import budget as kv_budget
 from speculant.kv.registry import POLICIES
 from speculant.testing import tiny_model
@@ -447,7 +447,7 @@ class CharTokenizer:
 
 
 def _small_eval_config(**kw):
-    from speculant.kv.evaluate import EvalConfig
+    from speculant.bench.kv_fidelity import EvalConfig
 
     base = {"policies": "keydiff,caote:h2o", "seq_len": 96, "tail": 6, "retrieval_pairs": 3,
             "retrieval_examples": 2, "memory_lengths": "64,256", "block": 16, "files": 2}
@@ -455,7 +455,7 @@ def _small_eval_config(**kw):
 
 
 def test_eval_with_budget_above_length_matches_the_full_cache(llama):
-    from speculant.kv.evaluate import run_eval
+    from speculant.bench.kv_fidelity import run_eval
 
     report = run_eval(llama, CharTokenizer(), _small_eval_config(budgets="512"))
     assert [r["policy"] for r in report["results"]] == ["keydiff", "caote:h2o"]
@@ -468,7 +468,7 @@ def test_eval_with_budget_above_length_matches_the_full_cache(llama):
 
 
 def test_eval_small_budget_bounds_memory(llama):
-    from speculant.kv.evaluate import run_eval
+    from speculant.bench.kv_fidelity import run_eval
 
     report = run_eval(llama, CharTokenizer(), _small_eval_config(policies="streaming", budget_fraction=0.25))
     (r,) = report["results"]
@@ -480,7 +480,7 @@ def test_eval_small_budget_bounds_memory(llama):
 
 
 def test_eval_reports_the_mean_over_texts_and_each_text(llama):
-    from speculant.kv.evaluate import fidelity, run_eval
+    from speculant.bench.kv_fidelity import fidelity, run_eval
 
     texts = {"a": "def f(x):\n    return x + 1\n" * 5, "b": "import os\nprint(os.getcwd())\n" * 4}
     report = run_eval(llama, CharTokenizer(), _small_eval_config(policies="streaming", budgets="20", tail=10), texts)
@@ -499,7 +499,7 @@ def test_eval_reports_the_mean_over_texts_and_each_text(llama):
 def test_retrieval_prompts_ask_for_one_entry(fmt):
     import re
 
-    from speculant.kv.evaluate import retrieval_prompts
+    from speculant.bench.kv_fidelity import retrieval_prompts
 
     examples = retrieval_prompts(n_pairs=10, n_examples=5, seed=1, fmt=fmt)
     assert examples == retrieval_prompts(n_pairs=10, n_examples=5, seed=1, fmt=fmt)  # seeded
@@ -520,11 +520,11 @@ def test_kv_eval_cli_json(llama, monkeypatch, capsys, tmp_path):
     import argparse
     import json
 
-    import speculant.loading
+    import speculant.models.loading
     from speculant.commands import kv_eval
 
-    monkeypatch.setattr(speculant.loading, "resolve_model", lambda name: name)
-    monkeypatch.setattr(speculant.loading, "load_model_dir", lambda path, dtype=None: (llama, CharTokenizer()))
+    monkeypatch.setattr(speculant.models.loading, "resolve_model", lambda name: name)
+    monkeypatch.setattr(speculant.models.loading, "load_model_dir", lambda path, dtype=None: (llama, CharTokenizer()))
     parser = argparse.ArgumentParser()
     kv_eval.add_arguments(parser)
     args = parser.parse_args(["--policies", "snapkv", "--budgets", "32,48", "--seq-len", "80", "--tail", "4",

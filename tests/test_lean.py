@@ -11,15 +11,15 @@ import pytest
 import torch
 
 import speculant
-from speculant.cache import SpecCache, cache_kwarg
+from speculant.core.cache import SpecCache, cache_kwarg
 from speculant.drafters.registry import build_drafter
-from speculant.forward import TargetForward, lean_for
+from speculant.core.forward import TargetForward, lean_for
 from speculant.kv import BudgetCache
-from speculant.lean import COVERED, LeanForward, unsupported
-from speculant.packed import PACK_ENV, PackedMatrix, packable
+from speculant.core.lean import COVERED, LeanForward, unsupported
+from speculant.core.packed import PACK_ENV, PackedMatrix, packable
 from speculant.testing import perturbed, tiny_model
-from speculant.tree import TreeAttention
-from speculant.types import DraftTree
+from speculant.core.tree import TreeAttention
+from speculant.core.types import DraftTree
 
 LEAN_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
@@ -146,7 +146,7 @@ def test_fusing_keeps_one_copy_and_sees_in_place_updates(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_matrices_give_the_dense_results_and_follow_in_place_updates(monkeypatch, dtype):
-    """Packing (speculant.packed) changes the layout only: bf16 logits equal the unpacked lean forward's bit for
+    """Packing (speculant.core.packed) changes the layout only: bf16 logits equal the unpacked lean forward's bit for
     bit, float32 ones to rounding; a packed lean forward is a copy, so lean_for rebuilds it after an in-place
     update, and it is not built where SPECULANT_PACK=0 or the weights cannot be packed."""
     model = tiny_model("qwen3", seed=3).to(dtype)
@@ -188,7 +188,7 @@ def test_packed_matrices_give_the_dense_results_and_follow_in_place_updates(monk
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
 @pytest.mark.parametrize("pack", ["0", "1"])
 def test_decoding_through_the_lean_forward_gives_the_model_forward_tokens(arch, pack, monkeypatch):
-    monkeypatch.setenv(PACK_ENV, pack)  # the lean forward with dense and with packed matrices (speculant.packed)
+    monkeypatch.setenv(PACK_ENV, pack)  # the lean forward with dense and with packed matrices (speculant.core.packed)
     target = tiny_model(arch, seed=0)
     draft = perturbed(target, 0.05, seed=2)
     prompt = [3, 4, 5, 6, 7]

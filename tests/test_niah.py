@@ -1,4 +1,4 @@
-"""Needle in a haystack (speculant.kv.niah, ``kv-eval --task niah``): prompts of exactly the asked length with the
+"""Needle in a haystack (speculant.bench.niah, ``kv-eval --task niah``): prompts of exactly the asked length with the
 needle at the asked depth, needles from a file or made in code, and the evaluation grid end to end."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from speculant import cli
-from speculant.kv.niah import Needle, build_case, default_haystack, load_needles, make_needles, run_niah
-from speculant.loading import load_model_dir
+from speculant.bench.niah import Needle, build_case, default_haystack, load_needles, make_needles, run_niah
+from speculant.models.loading import load_model_dir
 
 from helpers import chat_model_pair
 

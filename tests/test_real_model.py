@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculant.chat import chat_ids, stop_ids
+from speculant.models.chat import chat_ids, stop_ids
 from speculant.drafters.registry import build_drafter, methods
-from speculant.engine import generate
-from speculant.loading import bundled_dir, default_draft_for, load_draft, load_pretrained
-from speculant.sources import packaged_gguf
+from speculant.core.engine import generate
+from speculant.models.loading import bundled_dir, default_draft_for, load_draft, load_pretrained
+from speculant.models.sources import packaged_gguf
 
 NAME = "smollm2-135m-instruct"
 
@@ -89,7 +89,7 @@ def test_greedy_equals_plain_every_method(pair, message):
 def test_feature_drafter_greedy_equals_plain(pair):
     """An (untrained) feature drafter reading the target's final state and layers 9 and 19: exact on the real
     model, through the lean forward and the model's own."""
-    from speculant.attached import build_attached
+    from speculant.models.attached import build_attached
 
     target, tok, _ = pair
     feature = build_attached(target, [0], features=True, taps=[9, 19])

@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import speculant
-import speculant.engine
+import speculant.core.engine
 from helpers import chisq_pvalue
-from speculant.cache import SpecCache
-from speculant.sampling import sample, uniform, warp
+from speculant.core.cache import SpecCache
+from speculant.core.sampling import sample, uniform, warp
 from speculant.testing import perturbed, tiny_model
-from speculant.types import SamplingParams, Verdict
+from speculant.core.types import SamplingParams, Verdict
 
 VOCAB = 5
 PROMPT = [0, 3, 1, 2]
@@ -214,7 +214,7 @@ def _resample_from_q(tree, target_logits, params, generator=None):
     return Verdict(path, sample(warp(target_logits[len(tree)], params), generator))
 
 
-_REAL_VERIFY = speculant.engine.verify
+_REAL_VERIFY = speculant.core.engine.verify
 
 
 def _stale_cache(monkeypatch):
@@ -231,7 +231,7 @@ def test_negative_control_bias_is_detected(models, monkeypatch, bug):
         _stale_cache(monkeypatch)
     else:
         biased = {"accept-all": _accept_all, "resample-from-q": _resample_from_q}[bug]
-        monkeypatch.setattr(speculant.engine, "verify", biased)
+        monkeypatch.setattr(speculant.core.engine, "verify", biased)
     counts, _ = sample_joint(target, draft, params, k=2, n=1500, seed0=77)
     pvalue = _chisq_pvalue(counts, expected)
     assert pvalue < FAIL_P, f"the bias went undetected (p = {pvalue:.3g})"

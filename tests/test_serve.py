@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from helpers import chat_model_pair  # noqa: E402
 from speculant import cli  # noqa: E402
-from speculant.serve.text import Detokenizer, StopMatcher  # noqa: E402
+from speculant.models.text import Detokenizer, StopMatcher  # noqa: E402
 
 KEY = "test-key-123"
 MODEL = "tiny-chat"
@@ -291,7 +291,7 @@ def _tokenizer_pieces(ids: list[int]) -> list[str]:
 
 @pytest.fixture(scope="module", autouse=True)
 def _load_tokenizer(models):
-    from speculant.loading import load_tokenizer
+    from speculant.models.loading import load_tokenizer
 
     _TOKENIZER["tok"] = load_tokenizer(models["target"])
 
@@ -614,7 +614,7 @@ def test_model_that_fails_to_load_ends_the_server(models, capsys, tmp_path):
 
 
 def test_settings_choose_the_method_when_none_is_given(models, monkeypatch):
-    from speculant import loading
+    from speculant.models import loading
     from speculant.serve import ServeSettings, check_settings
 
     pair = {"target": models["target"], "draft": models["draft"]}
@@ -628,17 +628,17 @@ def test_settings_choose_the_method_when_none_is_given(models, monkeypatch):
 def test_a_failing_request_does_not_take_the_server_down(models, monkeypatch):
     from fastapi.testclient import TestClient
 
-    import speculant.engine
+    import speculant.core.engine
     from speculant.serve import ServeSettings, check_settings, create_app
 
-    real = speculant.engine.generate
+    real = speculant.core.engine.generate
 
     def flaky(target, ids, **kw):
         if kw.get("max_new_tokens") == 3:
             raise RuntimeError("boom")
         return real(target, ids, **kw)
 
-    monkeypatch.setattr(speculant.engine, "generate", flaky)
+    monkeypatch.setattr(speculant.core.engine, "generate", flaky)
     app = create_app(check_settings(ServeSettings(target=models["target"], method="ar", model_name=MODEL)))
     with TestClient(app) as c:
         _wait_for(lambda: c.get("/health").status_code == 200, what="the model")

@@ -1,4 +1,4 @@
-"""Where models come from (speculant.sources via speculant.loading.resolve_model / load_pretrained).
+"""Where models come from (speculant.models.sources via speculant.models.loading.resolve_model / load_pretrained).
 
 Everything here is offline and tiny: a GGUF file is written in the test from a random-weight Llama with the
 ``gguf`` package, the way llama.cpp's converter writes one (F32 tensors, llama.cpp tensor names, Q/K rows
@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from speculant import cli, sources
-from speculant.demo import train_tokenizer
-from speculant.loading import load_pretrained, resolve_model
-from speculant.sources import (
+from speculant import cli
+from speculant.models import sources
+from speculant.testing import tiny_tokenizer
+from speculant.models.loading import load_pretrained, resolve_model
+from speculant.models.sources import (
     PACKAGED,
     SOURCE_FILE,
     PackagedModel,
@@ -122,7 +123,7 @@ def tiny(tmp_path_factory):
     """``(model, tokenizer, gguf_path)``: a random 2-layer Llama (hidden 64, 4 heads, 2 KV heads, random norms
     too) over a 300-token byte-level BPE, and the GGUF file written from it."""
     torch.manual_seed(0)
-    tokenizer = train_tokenizer(TEXTS, vocab_size=300)
+    tokenizer = tiny_tokenizer(TEXTS, vocab_size=300)
     model = tiny_model("llama", seed=0, vocab_size=len(tokenizer), hidden=64, layers=2, heads=4, kv_heads=2,
                        context=128, init_std=0.5)
     with torch.no_grad():  # norms are ones at init: make them random so a mis-mapped norm shows
@@ -394,7 +395,7 @@ def test_hub_id_found_in_the_cache_offline(hf_cache, tiny, one_thread, monkeypat
 
 
 def test_default_method_belongs_to_the_shipped_drafter(monkeypatch):
-    from speculant.loading import bundled_dir, default_method_for
+    from speculant.models.loading import bundled_dir, default_method_for
 
     fake = PackagedModel(name="fake-with-method", module="speculant_no_such_package_xyz", distribution="x",
                          version="1", filename="F.gguf", description="", default_draft="default-draft",

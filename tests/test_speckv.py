@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import speculant
-from speculant.cache import SpecCache, cache_kwarg
+from speculant.core.cache import SpecCache, cache_kwarg
 from speculant.drafters.registry import build_drafter
 from speculant.kv import BudgetCache, SpecKV, find_speckv, parse_policy, prefill_blockwise
 from speculant.kv import budget as kv_budget

@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import speculant
-from speculant.train.corpus import load_corpus, split_of
+from speculant.data.corpus import load_corpus, split_of
 from speculant.train.losses import distill_loss
-from speculant.train.pretrain import TrainConfig, train
-from speculant.train.tokenizer import save_tokenizer, train_tokenizer
+from speculant.train.bundled.pretrain import TrainConfig, train
+from speculant.train.bundled.tokenizer import save_tokenizer, train_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_load_pretrained_errors(tmp_path):
 
 
 def test_bundled_models_load_offline_and_generate():
-    from speculant.loading import bundled_dir
+    from speculant.models.loading import bundled_dir
 
     assert bundled_dir("default-target") is not None and bundled_dir("default-draft") is not None
     target, tok = speculant.load_pretrained("default-target")
@@ -126,7 +126,7 @@ def test_distill_data_then_fine_tune_and_calibrate(data_dir, tmp_path):
     """The Direct Alignment path on a tiny model: the target's completions of training prompts become a split, a
     draft fine-tunes on it from an existing model against the target, and VocabTrim calibrates on it."""
     from speculant.train.calibrate import write_calibration
-    from speculant.train.distill_data import DistillDataConfig, generate_distill_data
+    from speculant.train.bundled.distill_data import DistillDataConfig, generate_distill_data
 
     cfg = dict(data=str(data_dir), preset="tiny", batch_size=4, seq_len=32, long_fraction=0.0, lr=3e-3,
                warmup=2, ckpt_every=100, eval_batches=1, threads=1)

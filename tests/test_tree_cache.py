@@ -7,11 +7,11 @@ import inspect
 import pytest
 import torch
 
-from speculant.cache import SpecCache, cache_kwarg, output_cache
-from speculant.checks import num_layers
+from speculant.core.cache import SpecCache, cache_kwarg, output_cache
+from speculant.core.checks import num_layers
 from speculant.testing import tiny_model
-from speculant.tree import TreeAttention, ancestor_matrix
-from speculant.types import DraftTree
+from speculant.core.tree import TreeAttention, ancestor_matrix
+from speculant.core.types import DraftTree
 
 VOCAB = 96
 # root -> a, b ; a -> c, d ; c -> e ; b -> f     (node indices 0..5)

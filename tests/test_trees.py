@@ -16,8 +16,8 @@ from helpers import chisq_pvalue
 
 import speculant
 from speculant import cli
-from speculant.cache import SpecCache, cache_kwarg
-from speculant.checks import num_layers
+from speculant.core.cache import SpecCache, cache_kwarg
+from speculant.core.checks import num_layers
 from speculant.drafters import (
     DecodeState,
     DynamicTreeDrafter,
@@ -29,9 +29,9 @@ from speculant.drafters import (
 from speculant.drafters.calibration import AcceptanceCalibrator
 from speculant.drafters.registry import build_drafter, describe_methods, parse_method
 from speculant.drafters.trees import gumbel_keys, truncated_gumbel
-from speculant.sampling import make_generator, warp
+from speculant.core.sampling import make_generator, warp
 from speculant.testing import perturbed, tiny_model
-from speculant.types import DraftTree, SamplingParams
+from speculant.core.types import DraftTree, SamplingParams
 
 VOCAB = 96
 SPECS = ["chain:k=3", "specinfer:width=3:depth=3", "rsd-c:branching=3/2/1", "rsd-s:width=3:depth=3",
@@ -402,9 +402,9 @@ def test_cli_generate_and_bench_with_tree_methods(tmp_path, capsys):
     """``speculant generate --method`` and ``run_bench`` (what ``speculant bench --methods`` calls) take the tree
     specs; greedy output equals plain decoding."""
     from speculant.bench import run_bench
-    from speculant.demo import save_model_pair, stdlib_texts, train_tokenizer
+    from speculant.testing import save_model_pair, stdlib_texts, tiny_tokenizer
 
-    tok = train_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
+    tok = tiny_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
     target_dir, draft_dir = save_model_pair(tmp_path, tok, hidden=32, layers=2, context=128, init_std=0.5,
                                             draft_scale=0.02)
     prompt = "def add(a, b):\n    return a + b\n\n"

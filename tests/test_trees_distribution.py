@@ -23,7 +23,7 @@ from test_sampling_distribution import (  # noqa: F401 (models: the target/draft
 
 from speculant.drafters.registry import build_drafter
 from speculant.drafters.trees import RSDCDrafter, RSDSDrafter, SpecInferDrafter
-from speculant.types import SamplingParams
+from speculant.core.types import SamplingParams
 
 T1 = SamplingParams(temperature=1.0)
 TOP_P = SamplingParams(temperature=1.0, top_p=0.8)

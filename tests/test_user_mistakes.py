@@ -35,11 +35,15 @@ def test_help_and_version_do_not_import_torch(argv):
 
 
 def test_import_speculant_is_light_and_names_resolve_on_use():
+    # the submodules import under their own names and never shadow a public one (mock.patch on the package works)
     proc = python("import sys, speculant; light = 'torch' not in sys.modules; "
-                  "speculant.generate; import speculant.verify; "
-                  "print(light, 'torch' in sys.modules, callable(speculant.verify), type(speculant.engine).__name__)")
+                  "speculant.generate; import speculant.core.verification, speculant.core.types\n"
+                  "from unittest import mock\n"
+                  "with mock.patch('speculant.generate') as g: patched = speculant.generate is g\n"
+                  "print(light, 'torch' in sys.modules, callable(speculant.verify), patched, "
+                  "type(speculant.core.engine).__name__)")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True", "True", "True", "module"]
+    assert proc.stdout.split() == ["True", "True", "True", "True", "module"]
 
 
 def test_public_names():
@@ -47,7 +51,7 @@ def test_public_names():
     for name in speculant.__all__:
         assert getattr(speculant, name) is not None, name
     assert set(speculant.__all__) <= set(dir(speculant))
-    assert callable(speculant.verify)  # the function, not the submodule of the same name
+    assert callable(speculant.verify)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         speculant.nope  # noqa: B018
 
@@ -122,12 +126,12 @@ def assert_one_line_error(capsys, argv: list[str], *needles: str) -> str:
 @pytest.fixture
 def no_training(monkeypatch):
     """Fail the test if training starts: every mistake here must be reported before any work."""
-    import speculant.train.pretrain
+    import speculant.train.bundled.pretrain
 
     def refuse(*args, **kwargs):
         raise AssertionError("training started")
 
-    monkeypatch.setattr(speculant.train.pretrain, "train", refuse)
+    monkeypatch.setattr(speculant.train.bundled.pretrain, "train", refuse)
 
 
 @pytest.mark.parametrize("action", [["model", "--out", "run"], ["calibrate", "--model", "default-draft"],
@@ -159,8 +163,8 @@ def test_train_model_bad_options(capsys, tmp_path, no_training, extra, needles):
 
 def test_train_model_kd_options_with_teacher_pass_the_checks(tmp_path, monkeypatch):
     """--kd-loss with --teacher is fine, and options left out keep TrainConfig's defaults (not None)."""
-    import speculant.train.pretrain
-    from speculant.train.pretrain import TrainConfig
+    import speculant.train.bundled.pretrain
+    from speculant.train.bundled.pretrain import TrainConfig
 
     seen = {}
 
@@ -168,7 +172,7 @@ def test_train_model_kd_options_with_teacher_pass_the_checks(tmp_path, monkeypat
         seen["cfg"] = cfg
         raise ValueError("stop here")
 
-    monkeypatch.setattr(speculant.train.pretrain, "train", fake_train)
+    monkeypatch.setattr(speculant.train.bundled.pretrain, "train", fake_train)
     base = ["train", "model", "--data", str(tmp_path), "--out", str(tmp_path / "run")]
     assert cli.main([*base, "--teacher", "default-target", "--kd-loss", "tvd"]) == 2
     assert seen["cfg"].kd_loss == "tvd" and seen["cfg"].kd_weight == TrainConfig.kd_weight

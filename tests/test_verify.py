@@ -1,4 +1,4 @@
-"""Unit tests of the one verifier, ``speculant.verify.verify``, on hand-built distributions.
+"""Unit tests of the one verifier, ``speculant.core.verification.verify``, on hand-built distributions.
 
 Greedy cases are checked exactly. Sampling cases are checked statistically: the drafts are drawn in the test
 exactly as each rule assumes (numpy, independent of the library), the verifier is run many times with a fixed
@@ -17,15 +17,15 @@ import pytest
 import torch
 from helpers import chisq_pvalue
 
-from speculant.sampling import make_generator, warp
-from speculant.types import DraftTree, SamplingParams, Verdict
-from speculant.verify import kseq_rho, residual, verify
+from speculant.core.sampling import make_generator, warp
+from speculant.core.types import DraftTree, SamplingParams, Verdict
+from speculant.core.verification import kseq_rho, residual, verify
 
 SAMPLE = SamplingParams(temperature=1.0)  # warp == plain softmax
 GREEDY = SamplingParams(temperature=0.0)
 PASS_P = 1e-4  # a correct verifier passes (fixed seeds: not flaky)
 FAIL_P = 1e-6  # a wrong rule must be rejected at least this clearly
-verify_module = importlib.import_module("speculant.verify")  # the module (``speculant.verify`` is the function)
+verify_module = importlib.import_module("speculant.core.verification")
 
 
 # ----------------------------------------------------------------------------------------------- helpers

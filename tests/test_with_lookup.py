@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import speculant
-from speculant.attached import build_attached
+from speculant.models.attached import build_attached
 from speculant.drafters.base import DecodeState
 from speculant.drafters.lookup import lookup_continuation
 from speculant.drafters.with_lookup import WithLookup
 from speculant.testing import perturbed, tiny_model
-from speculant.types import SamplingParams
+from speculant.core.types import SamplingParams
 
 REPEATING = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 

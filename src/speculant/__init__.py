@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -38,17 +36,17 @@ _EXPORTS: dict[str, str] = {
     "MaskProbeDrafter": ".drafters.mask_probe",
     "HybridDrafter": ".drafters.hybrid",
     "build_drafter": ".drafters.registry",
-    "generate": ".engine",
-    "load_pretrained": ".loading",
-    "load_draft": ".loading",
-    "chat_ids": ".chat",
-    "stop_ids": ".chat",
-    "DraftTree": ".types",
-    "Generation": ".types",
-    "GenerationStats": ".types",
-    "SamplingParams": ".types",
-    "Verdict": ".types",
-    "verify": ".verify",
+    "generate": ".core.engine",
+    "load_pretrained": ".models.loading",
+    "load_draft": ".models.loading",
+    "chat_ids": ".models.chat",
+    "stop_ids": ".models.chat",
+    "DraftTree": ".core.types",
+    "Generation": ".core.types",
+    "GenerationStats": ".core.types",
+    "SamplingParams": ".core.types",
+    "Verdict": ".core.types",
+    "verify": ".core.verification",
 }
 
 # a literal list, as static type checkers read it (this package ships py.typed); the same names as _EXPORTS
@@ -82,7 +80,7 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import a public name (or a submodule such as ``speculant.engine``) on first access."""
+    """Import a public name (or a submodule such as ``speculant.core.engine``) on first access."""
     module = _EXPORTS.get(name)
     if module is not None:
         value = getattr(importlib.import_module(module, __name__), name)
@@ -96,20 +94,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
 
-
-class _Package(types.ModuleType):
-    """The package module. Why: importing a submodule sets it as an attribute of its package, and the submodule
-    ``speculant.verify`` shares its name with the function ``speculant.verify``; the public function must win (as it
-    did when this file imported everything eagerly), so a submodule is not stored under an exported name."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
 if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .drafters.base import DecodeState, Drafter
     from .drafters.feature import FeatureDrafter
@@ -119,8 +103,8 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .drafters.model import DraftModelDrafter
     from .drafters.registry import build_drafter
     from .drafters.trees import DynamicTreeDrafter, RSDCDrafter, RSDSDrafter, SpecInferDrafter, SpecTrDrafter
-    from .chat import chat_ids, stop_ids
-    from .engine import generate
-    from .loading import load_draft, load_pretrained
-    from .types import DraftTree, Generation, GenerationStats, SamplingParams, Verdict
-    from .verify import verify
+    from .models.chat import chat_ids, stop_ids
+    from .core.engine import generate
+    from .models.loading import load_draft, load_pretrained
+    from .core.types import DraftTree, Generation, GenerationStats, SamplingParams, Verdict
+    from .core.verification import verify

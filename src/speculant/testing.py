@@ -1,12 +1,16 @@
 """Tiny, randomly initialised transformers models of several architectures, built in-process (no download).
 
-Used by the test suite and by the demo until bundled models exist. ``perturbed`` makes a draft that partially
-agrees with its target (the target's weights plus noise).
+Used by the test suite and by the demo's ``--tiny`` mode. ``perturbed`` makes a draft that partially agrees with
+its target (the target's weights plus noise); :func:`tiny_tokenizer` trains a small byte-level BPE on a few
+standard-library files and :func:`save_model_pair` writes a target and its perturbed draft as model directories.
 """
 
 from __future__ import annotations
 
 import copy
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from transformers import (
@@ -21,9 +25,13 @@ from transformers import (
     Qwen3Config,
 )
 
-__all__ = ["ARCHITECTURES", "tiny_config", "tiny_model", "perturbed"]
+__all__ = ["ARCHITECTURES", "tiny_config", "tiny_model", "perturbed", "stdlib_texts", "tiny_tokenizer",
+           "save_model_pair"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gpt_neox", "phi")
+BOS, EOS = "<s>", "</s>"  # ids 0 and 1, the bos/eos ids of tiny_config
+_STDLIB_FILES = ("textwrap.py", "string.py", "functools.py", "bisect.py", "heapq.py")
+_FALLBACK_TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 50  # stdlib sources not installed
 
 
 def tiny_config(arch: str, vocab_size: int = 96, hidden: int = 32, layers: int = 2, heads: int = 4,
@@ -76,3 +84,48 @@ def perturbed(model: torch.nn.Module, scale: float = 0.3, seed: int = 1) -> torc
         for p in out.parameters():
             p.mul_(1 + scale * torch.randn(p.shape, generator=gen).to(p.dtype))
     return out.eval()
+
+
+def stdlib_texts(names: Iterable[str] = _STDLIB_FILES) -> list[str]:
+    """The sources of a few modules of the running interpreter's standard library (a fixed snippet if absent)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(root / n).read_text(encoding="utf-8") for n in names if (root / n).is_file()]
+    return texts or [_FALLBACK_TEXT]
+
+
+def tiny_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 1024):
+    """A byte-level BPE tokenizer trained on ``texts`` (default: :func:`stdlib_texts`), as a
+    ``transformers.PreTrainedTokenizerFast`` with ``<s>`` = 0 (bos) and ``</s>`` = 1 (eos), the ids of
+    :func:`tiny_config`. It adds no special tokens when encoding."""
+    from .train.bundled.tokenizer import train_tokenizer
+
+    return train_tokenizer(list(texts) if texts is not None else stdlib_texts(), vocab_size=vocab_size,
+                           min_frequency=0, bos=BOS, eos=EOS, pad=None)
+
+
+def save_model_pair(
+    out_dir: str | Path,
+    tokenizer,
+    hidden: int = 128,
+    layers: int = 4,
+    context: int = 1024,
+    init_std: float = 0.1,
+    draft_scale: float = 0.02,
+    seed: int = 0,
+    draft_tokenizer=None,
+) -> tuple[Path, Path]:
+    """Save a random Llama target (vocab = tokenizer size) and its perturbed copy as the draft, each with a
+    tokenizer (``draft_tokenizer`` defaults to ``tokenizer``), as HF directories ``out_dir/target`` and
+    ``out_dir/draft``. Returns both paths."""
+    target = tiny_model(
+        "llama", seed=seed, vocab_size=len(tokenizer), hidden=hidden, layers=layers, heads=4, kv_heads=2,
+        context=context, init_std=init_std,
+    )
+    draft = perturbed(target, scale=draft_scale, seed=seed + 1)
+    paths = []
+    for name, model, tok in (("target", target, tokenizer), ("draft", draft, draft_tokenizer or tokenizer)):
+        path = Path(out_dir) / name
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        paths.append(path)
+    return paths[0], paths[1]

@@ -7,7 +7,7 @@
 
 from .harness import DEFINITIONS, REFERENCE, run_bench
 from .hf import BASELINES, describe_baselines, parse_baseline
-from .prompts import BUILTIN_SETS, builtin_prompts, load_prompts, prompt_ids
+from ..data.prompts import BUILTIN_SETS, builtin_prompts, load_prompts, prompt_ids
 from .report import category_table, render_markdown, write_results
 from .speed import MethodRun, machine_info, run_side_by_side, summarise, summarise_by
 

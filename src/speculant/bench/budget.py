@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..checks import check_positive_int
+from ..core.checks import check_positive_int
 from ..drafters.registry import NO_DEFAULT, get_method, parse_method
 
 __all__ = ["at_budget", "at_depth", "format_spec", "matched_specs", "shape"]

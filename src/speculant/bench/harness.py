@@ -10,7 +10,7 @@ acceptance, target calls, median tokens/s, speed-up vs ``ar``, MBSU, peak memory
 and when the prompts carry a ``category`` (MT-Bench does), τ and speed-up per category.
 
 Chat prompts (``messages``) are tokenised with the target tokenizer's chat template and, unless stop tokens are
-given, every method and baseline stops at the end of the assistant's turn (:func:`speculant.chat.stop_ids`).
+given, every method and baseline stops at the end of the assistant's turn (:func:`speculant.models.chat.stop_ids`).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from ..chat import stop_ids
-from ..checks import check_fits_context, check_positive_int, resolve_device, resolve_eos
+from ..models.chat import stop_ids
+from ..core.checks import check_fits_context, check_positive_int, resolve_device, resolve_eos
 from ..drafters.registry import NO_DEFAULT, build_drafter, engine_options, get_method, parse_method, split_spec
-from ..engine import generate
-from ..loading import default_draft_for
-from ..types import SamplingParams
+from ..core.engine import generate
+from ..models.loading import default_draft_for
+from ..core.types import SamplingParams
 from .budget import matched_specs, shape
 from .cost import (
     drafter_models,
@@ -41,7 +41,7 @@ from . import llamacpp
 from .hf import BASELINES, hf_runner, parse_baseline
 from .models import load_bench_draft, load_bench_target
 from .probe import peak_kv_bytes, probing
-from .prompts import check_record, is_chat, load_prompts, prompt_ids
+from ..data.prompts import check_record, is_chat, load_prompts, prompt_ids
 from .speed import MethodRun, machine_info, run_side_by_side, summarise, summarise_by
 
 __all__ = ["DEFAULT_FAMILIES", "DEFAULT_METHODS", "DEFINITIONS", "REFERENCE", "check_out_dir", "run_bench",
@@ -235,19 +235,19 @@ def run_bench(
         baselines: ``hf-ar``, ``hf-assisted[:k=N]``, ``hf-prompt-lookup[:k=N][:ngram=M]`` (list or
             comma-separated; empty for none). The k of ``hf-assisted``/``hf-prompt-lookup`` defaults to the k of
             the first draft-model method (``chain:k=4`` -> 4).
-        target, draft: anything :func:`speculant.loading.resolve_model` takes (a model directory, a bundled or
+        target, draft: anything :func:`speculant.models.loading.resolve_model` takes (a model directory, a bundled or
             packaged name, a ``.gguf`` file, a cached Hub id) or a loaded model; the draft may be an attached
-            drafter (:func:`speculant.loading.load_draft`). When a method needs a draft and none is given, the
-            drafter speculant ships for the target (:func:`speculant.loading.default_draft_for`). Loaded models
+            drafter (:func:`speculant.models.loading.load_draft`). When a method needs a draft and none is given, the
+            drafter speculant ships for the target (:func:`speculant.models.loading.default_draft_for`). Loaded models
             need ``tokenizer`` for text and chat prompts.
         num_prompts: use only N prompts: the first N of a list or file, N stratified picks of a built-in set.
         max_new_tokens, temperature, top_k, top_p, seed: as :func:`speculant.generate`, for every method.
         repeats: rounds over the prompt set; warmup: untimed warm-up rounds (first prompt, <= 32 tokens).
         eos_token_id: stop token(s) for every method (``[]``: never stop early); None: the target's, plus the
-            end-of-turn tokens (:func:`speculant.chat.stop_ids`) when any prompt is a chat.
+            end-of-turn tokens (:func:`speculant.models.chat.stop_ids`) when any prompt is a chat.
         dtype: load dtype for both models (None: the loader's default; the bundled target loads in float32).
         device: move the target and draft loaded by name to this device (checked by
-            :func:`speculant.checks.resolve_device` before any model loads); None leaves them where the loader
+            :func:`speculant.core.checks.resolve_device` before any model loads); None leaves them where the loader
             puts them (the CPU). Loaded models passed in stay where they are.
         out: directory for results.json, results.md and the plots (an existing file is refused before any
             model is loaded); None writes nothing.

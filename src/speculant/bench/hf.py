@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ..checks import resolve_eos
+from ..core.checks import resolve_eos
 from ..drafters.registry import Key, split_spec
-from ..types import GenerationStats
+from ..core.types import GenerationStats
 from .probe import ForwardProbe, peak_kv_bytes, probing
 
 __all__ = ["BASELINES", "Baseline", "describe_baselines", "hf_generate", "parse_baseline", "stats_from_calls"]

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..sources import SOURCE_FILE
+from ..models.sources import SOURCE_FILE
 from .hf import stats_from_calls
 from .probe import ForwardCall
 

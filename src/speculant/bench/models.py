@@ -1,8 +1,8 @@
 """The models a benchmark runs: the target (and its tokenizer) and the draft, by name or in process.
 
-Names are anything :func:`speculant.loading.resolve_model` takes (model directories, bundled and packaged names,
-``.gguf`` files, cached Hub ids). A draft is loaded with :func:`speculant.loading.load_draft`, so an attached
-drafter (:mod:`speculant.attached`: no tokenizer, the target's embedding and LM head) works like any other.
+Names are anything :func:`speculant.models.loading.resolve_model` takes (model directories, bundled and packaged names,
+``.gguf`` files, cached Hub ids). A draft is loaded with :func:`speculant.models.loading.load_draft`, so an attached
+drafter (:mod:`speculant.models.attached`: no tokenizer, the target's embedding and LM head) works like any other.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from ..attached import is_attached
-from ..loading import check_model_dir, draft_context, load_draft, load_model_dir, resolve_model
+from ..models.attached import is_attached
+from ..models.loading import check_model_dir, draft_context, load_draft, load_model_dir, resolve_model
 
 __all__ = ["load_bench_draft", "load_bench_target"]
 
@@ -37,7 +37,7 @@ def load_bench_draft(draft: str | Path | torch.nn.Module, target: torch.nn.Modul
                      dtype: torch.dtype | str | None = None,
                      device: torch.device | None = None) -> tuple[torch.nn.Module, dict, str]:
     """``(draft model, drafter context, description)``: a loaded module (left on its device), or a name /
-    directory loaded with :func:`speculant.loading.load_draft` (an attached drafter shares the target's embedding
+    directory loaded with :func:`speculant.models.loading.load_draft` (an attached drafter shares the target's embedding
     and tokenizer), then moved to ``device`` when one is given. The context says whether the tokenizers match
     when both are known."""
     if isinstance(draft, torch.nn.Module):

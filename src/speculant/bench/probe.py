@@ -10,7 +10,7 @@ call's wall time and the bytes the KV cache holds after it. The benchmark harnes
   model (the storage actually allocated, so a preallocated buffer counts at its full capacity).
 
 Hooks fire only for calls of the hooked module itself: ``target.base_model(...)`` (the engine's prefill) is not
-seen by a probe on ``target``, which matches :class:`~speculant.types.GenerationStats`, where the prefill is not
+seen by a probe on ``target``, which matches :class:`~speculant.core.types.GenerationStats`, where the prefill is not
 a target call either.
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from speculant.cache import output_cache
+from speculant.core.cache import output_cache
 
 __all__ = ["ForwardCall", "ForwardProbe", "cache_bytes", "peak_kv_bytes", "probing"]
 

@@ -1,6 +1,6 @@
 """``speculant bench --profile``: where a target forward's time goes, and how far it is from the machine's floor.
 
-For each target forward (:mod:`speculant.forward`: the lean one where it applies, and the model's own):
+For each target forward (:mod:`speculant.core.forward`: the lean one where it applies, and the model's own):
 
 * ``step_ms``: the median time of a one-token decoding forward (after a prompt is in the cache), unprofiled;
 * its split into matmuls (``aten::mm``/``addmm``/``linear`` ... self time), attention (SDPA kernels) and the rest
@@ -11,7 +11,7 @@ For each target forward (:mod:`speculant.forward`: the lean one where it applies
 
 And for the weights a forward reads (every matrix of the layers plus the LM head, fused as the lean forward
 fuses them): ``bare_matmul_ms`` (the same matrix products as bare calls for 1 and 5 tokens, through the lean forward's kernels:
-packed matrices where it packs them, :mod:`speculant.packed`),
+packed matrices where it packs them, :mod:`speculant.core.packed`),
 ``weight_bytes``, the measured read bandwidth (a reduction over a buffer of that size) and
 ``bandwidth_floor_ms`` = bytes / bandwidth: no forward can read its weights faster.
 """
@@ -24,10 +24,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..cache import SpecCache
-from ..checks import num_layers
-from ..forward import TargetForward, lean_for
-from ..packed import PackedMatrix, linear
+from ..core.cache import SpecCache
+from ..core.checks import num_layers
+from ..core.forward import TargetForward, lean_for
+from ..core.packed import PackedMatrix, linear
 
 __all__ = ["profile_target"]
 

@@ -24,7 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..drafters.base import Drafter
-from ..engine import generate
+from ..core.engine import generate
 
 __all__ = ["MethodRun", "first_difference", "machine_info", "run_side_by_side", "summarise", "summarise_by"]
 

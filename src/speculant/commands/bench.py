@@ -19,10 +19,10 @@ import sys
 
 from ..bench.harness import DEFAULT_FAMILIES, DEFAULT_METHODS, REFERENCE, run_bench
 from ..bench.hf import describe_baselines
-from ..bench.prompts import BUILTIN_SETS
-from ..checks import resolve_device
+from ..data.prompts import BUILTIN_SETS
+from ..core.checks import resolve_device
 from ..drafters.registry import describe_methods
-from ..loading import DTYPES
+from ..models.loading import DTYPES
 from . import common
 from .common import (
     add_device_argument,

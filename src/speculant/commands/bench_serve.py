@@ -5,7 +5,7 @@ lines on stderr; stdout carries the results table and the files written, or with
 last line. Bad input (a URL that is not on this machine, a prompt file that is wrong, a server that does not
 answer) is one line ``speculant: error: ...`` and exit code 2.
 
-Defaults are read from :class:`speculant.serve.load.LoadSettings`, never restated here.
+Defaults are read from :class:`speculant.bench.serve_load.LoadSettings`, never restated here.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def epilog() -> str:
 
 
 def _defaults() -> dict:
-    from ..serve.load import LoadSettings
+    from ..bench.serve_load import LoadSettings
 
     return dataclass_defaults(LoadSettings)
 
@@ -90,15 +90,15 @@ def run(args: argparse.Namespace) -> int:
 
     from .. import __version__
     from ..bench.harness import check_out_dir
-    from ..bench.prompts import load_prompts
+    from ..data.prompts import load_prompts
 
     import importlib.util
 
     missing = [m for m in ("httpx", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise ValueError(f"speculant bench serve needs {', '.join(missing)}: pip install 'speculant[serve]'")
-    from ..serve.load import LoadSettings, check_url, run_load
-    from ..serve.load_report import level_table, write_results
+    from ..bench.serve_load import LoadSettings, check_url, run_load
+    from ..bench.serve_report import level_table, write_results
 
     check_url(args.url)
     if args.temperature < 0 or args.temperature > 2:

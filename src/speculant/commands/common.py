@@ -43,7 +43,7 @@ PROG = "speculant"
 def default_model_dir(role: str) -> Path | None:
     """The bundled default model directory for ``role`` (``"target"`` or ``"draft"``), or None when this
     installation ships none (then ``--target`` is required)."""
-    from ..loading import bundled_dir
+    from ..models.loading import bundled_dir
 
     return bundled_dir(f"default-{role}")
 
@@ -163,7 +163,7 @@ def _slash_list(item: type) -> Callable[[str], list]:
 
 
 def add_device_argument(p: argparse.ArgumentParser, what: str) -> None:
-    """``--device``, shared by the subcommands that run models (checked by :func:`speculant.checks.resolve_device`)."""
+    """``--device``, shared by the subcommands that run models (checked by :func:`speculant.core.checks.resolve_device`)."""
     p.add_argument(
         "--device",
         metavar="DEVICE",

@@ -25,9 +25,9 @@ from . import common
 from .common import PROG, add_device_argument, add_threads_argument, positive_int, set_threads
 
 if TYPE_CHECKING:
-    from ..types import GenerationStats
+    from ..core.types import GenerationStats
 
-__all__ = ["DESCRIPTION", "TextStream", "add_arguments", "epilog", "run"]
+__all__ = ["DESCRIPTION", "add_arguments", "epilog", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ ENVIRONMENT = """environment:
 @functools.cache
 def _gen_defaults() -> dict[str, Any]:
     """generate()'s defaults: the single definition of max_new_tokens, temperature, top_k, top_p, seed, kv_block."""
-    from ..engine import generate
+    from ..core.engine import generate
 
     return {name: p.default for name, p in inspect.signature(generate).parameters.items()}
 
@@ -75,7 +75,7 @@ def _methods_with_k() -> str:
 
 def _packaged_methods() -> str:
     """``name: method`` for each packaged model with a default method (for the help of ``--method``)."""
-    from ..sources import PACKAGED
+    from ..models.sources import PACKAGED
 
     return ", ".join(f"{m.name}: {m.default_method}" for m in PACKAGED.values() if m.default_method)
 
@@ -83,8 +83,8 @@ def _packaged_methods() -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant generate``'s options on ``p``."""
     from ..drafters.registry import DEFAULT_METHOD
-    from ..loading import DTYPES
-    from ..sources import PACKAGED
+    from ..models.loading import DTYPES
+    from ..models.sources import PACKAGED
 
     target_default = common.default_model_dir("target")
     d = _gen_defaults()
@@ -225,39 +225,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-class TextStream:
-    """Incremental detokenisation: decode every new id so far and write only the new suffix, holding back a
-    trailing U+FFFD (an incomplete multi-byte character whose remaining bytes are in the next tokens)."""
+class _Writer:
+    """Writes each step's new text to ``out`` as it comes (:class:`~speculant.models.text.Detokenizer`'s rule)."""
 
     def __init__(self, tokenizer, out: TextIO) -> None:
-        self.tokenizer = tokenizer
+        from ..models.text import Detokenizer
+
+        self.detok = Detokenizer(tokenizer)
         self.out = out
-        self.ids: list[int] = []
-        self.written = ""
 
-    def _text(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
-    def _write_upto(self, text: str) -> None:
-        if not text.startswith(self.written):  # decoding changed written text (rare, tokenizer-specific)
-            log.debug("detokenisation changed already written text; continuing after it")
-        piece = text[len(self.written) :]
+    def _write(self, piece: str) -> None:
         if piece:
             self.out.write(piece)
             self.out.flush()
-            self.written = text
 
     def __call__(self, new_ids: list[int]) -> None:
-        self.ids.extend(new_ids)
-        self._write_upto(self._text().rstrip("\ufffd"))
+        self._write(self.detok.push(new_ids))
 
-    def finish(self) -> str:
+    def finish(self) -> None:
         """Write what was held back (an invalid trailing byte sequence stays U+FFFD) and the final newline."""
-        text = self._text()
-        self._write_upto(text)
-        self.out.write("\n")
-        self.out.flush()
-        return text
+        self._write(self.detok.finish() + "\n")
 
 
 def _summary(method: str, stats: GenerationStats) -> str:
@@ -274,11 +261,11 @@ def run(args: argparse.Namespace) -> int:
     """Run ``speculant generate``; returns the exit code (bad input raises ValueError)."""
     import torch
 
-    from ..chat import chat_ids, has_chat_template, stop_ids
-    from ..checks import check_positive_int, resolve_device
+    from ..models.chat import chat_ids, has_chat_template, stop_ids
+    from ..core.checks import check_positive_int, resolve_device
     from ..drafters.registry import DEFAULT_METHOD, build_drafter, engine_options, get_method, parse_method
-    from ..engine import generate
-    from ..loading import (
+    from ..core.engine import generate
+    from ..models.loading import (
         check_model_dir,
         default_draft_for,
         default_method_for,
@@ -287,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         load_model_dir,
         resolve_model,
     )
-    from ..types import SamplingParams
+    from ..core.types import SamplingParams
 
     # validate everything cheap before loading any model
     if args.method is None:
@@ -343,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     if args.system is not None and not chat:
         raise ValueError("--system: the target's tokenizer has no chat template")
     ids = chat_ids(tokenizer, prompt, system=args.system) if chat else tokenizer(prompt)["input_ids"]
-    stream = None if args.json else TextStream(tokenizer, sys.stdout)
+    stream = None if args.json else _Writer(tokenizer, sys.stdout)
     kv_block = {} if args.kv_block is None else {"kv_block": args.kv_block}
     gen = generate(
         target,

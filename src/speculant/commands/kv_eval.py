@@ -1,15 +1,15 @@
 """``speculant kv-eval``: fidelity, retrieval accuracy and peak KV memory of eviction policies under a budget.
 
 Two tasks: ``--task fidelity`` (default; teacher-forced fidelity, the synthetic dict retrieval and the memory
-profile, :mod:`speculant.kv.evaluate`) and ``--task niah`` (needle in a haystack on real essays,
-:mod:`speculant.kv.niah`: ``--lengths``, ``--depths``, ``--haystack``, ``--needles``).
+profile, :mod:`speculant.bench.kv_fidelity`) and ``--task niah`` (needle in a haystack on real essays,
+:mod:`speculant.bench.niah`: ``--lengths``, ``--depths``, ``--haystack``, ``--needles``).
 
 Output: a table on stdout, or with ``--json`` one JSON object on its LAST line:
 ``{"results": [{"policy", "budget", "top1_agreement", "kl", "nll_ratio", "retrieval_accuracy", "per_file", ...}],
 "memory": [{"prompt_tokens", "full_peak_kv_bytes", "budget_peak_kv_bytes", ...}], "settings": {...}}``.
 With ``--out DIR`` the same object is written to ``DIR/kv_results.json``. A progress bar over the policy x budget
 grid goes to stderr. Bad input raises ValueError (reported as one line by ``speculant.cli.main``). Defaults come
-from :class:`speculant.kv.evaluate.EvalConfig`. The one-line help of ``speculant --help`` is in
+from :class:`speculant.bench.kv_fidelity.EvalConfig`. The one-line help of ``speculant --help`` is in
 ``speculant.cli.COMMANDS``.
 """
 
@@ -22,8 +22,9 @@ import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from ..checks import context_length, resolve_device, warn_policy_nesting
-from ..kv.evaluate import RETRIEVAL_FORMATS, EvalConfig, run_eval
+from ..core.checks import context_length, resolve_device
+from ..bench.kv_fidelity import RETRIEVAL_FORMATS, EvalConfig, run_eval
+from ..kv import warn_nesting
 from ..kv.registry import parse_policy, policy_names
 from .common import add_device_argument, add_threads_argument, set_threads
 
@@ -48,7 +49,7 @@ _HELPS = {
     "files": "held-out stdlib modules (the longest) for the fidelity sequences when --text is not given",
     "seq_len": "tokens of each fidelity sequence (the start of each text)",
     "tail": "next-token predictions scored at the end of each fidelity sequence (decoded one by one)",
-    "retrieval_format": f"retrieval query: {' or '.join(RETRIEVAL_FORMATS)} (see speculant.kv.evaluate)",
+    "retrieval_format": f"retrieval query: {' or '.join(RETRIEVAL_FORMATS)} (see speculant.bench.kv_fidelity)",
     "retrieval_pairs": "key/value pairs in each retrieval prompt",
     "retrieval_examples": "retrieval prompts",
     "memory_lengths": "comma-separated prompt lengths for the memory profile",
@@ -58,7 +59,7 @@ _HELPS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``kv-eval``; defaults are :class:`EvalConfig`'s."""
-    from ..loading import DTYPES
+    from ..models.loading import DTYPES
 
     p.add_argument("--task", choices=["fidelity", "niah"], default="fidelity",
                    help="fidelity: teacher-forced fidelity + synthetic dict retrieval + memory profile; niah: "
@@ -98,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> EvalConfig:
     cfg = EvalConfig(**{f.name: getattr(args, f.name) for f in fields(EvalConfig)})
     for spec in cfg.policies.split(","):
-        warn_policy_nesting(parse_policy(spec))  # one-line ValueError for an unknown name
+        warn_nesting(parse_policy(spec))  # one-line ValueError for an unknown name
     for name in ("budgets", "memory_lengths"):
         value = getattr(cfg, name)
         if value and not all(v.strip().isdigit() and int(v) > 0 for v in value.split(",")):
@@ -144,11 +145,11 @@ def _floats(name: str, text: str, low: float, high: float) -> list[float]:
 
 
 def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
-    """``--task niah``: the grid of :func:`speculant.kv.niah.run_niah`, a table or the JSON line."""
+    """``--task niah``: the grid of :func:`speculant.bench.niah.run_niah`, a table or the JSON line."""
     from tqdm.auto import tqdm
 
-    from ..kv.niah import load_needles, make_needles, run_niah
-    from ..loading import check_model_dir, load_model_dir, resolve_model
+    from ..bench.niah import load_needles, make_needles, run_niah
+    from ..models.loading import check_model_dir, load_model_dir, resolve_model
 
     lengths = [int(v) for v in _floats("lengths", args.lengths, 1, float("inf"))]
     depths = _floats("depths", args.depths, 0.0, 1.0)
@@ -157,7 +158,7 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     needles = load_needles(args.needles) if args.needles else make_needles(args.needle_count, cfg.seed)
     haystack = Path(args.haystack).read_text(encoding="utf-8") if args.haystack else None
     if haystack is None:
-        from ..kv.niah import essays_dir
+        from ..bench.niah import essays_dir
 
         essays_dir()  # a one-line error before the model loads
     policies = [p.strip() for p in cfg.policies.split(",") if p.strip()]
@@ -172,7 +173,7 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     model.to(device)
     draft = None
     if any("speckv" in p for p in policies):
-        from ..loading import default_draft_for, load_draft
+        from ..models.loading import default_draft_for, load_draft
 
         name = args.draft or default_draft_for(args.target or "smollm2-135m-instruct")
         if name is None:
@@ -227,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the evaluation; print a table (or the JSON line); return the exit code."""
     from tqdm.auto import tqdm
 
-    from ..loading import load_model_dir, resolve_model
+    from ..models.loading import load_model_dir, resolve_model
 
     cfg = _config(args)
     if args.task == "niah":

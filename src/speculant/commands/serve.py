@@ -67,8 +67,8 @@ def epilog() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant serve``'s options on ``p``."""
-    from ..loading import DTYPES
-    from ..sources import PACKAGED
+    from ..models.loading import DTYPES
+    from ..models.sources import PACKAGED
 
     d = _defaults()
     bundled = common.default_model_dir("target") is not None

@@ -3,7 +3,7 @@
 Actions: ``prepare`` (corpus, tokenizer, tokenised splits), ``model`` (pretrain or distil a model), ``calibrate``
 (VocabTrim token frequencies of a draft model), ``distill-data`` (a target's completions of training prompts) and
 ``draft`` (Direct Alignment: a drafter for any target). Each prints the path it wrote on stdout. Options are
-declared from the config dataclasses (:class:`speculant.train.pretrain.TrainConfig`, ...), which hold the
+declared from the config dataclasses (:class:`speculant.train.bundled.pretrain.TrainConfig`, ...), which hold the
 defaults. Bad options raise ValueError before any work, reported as one line by :func:`speculant.cli.main`.
 """
 
@@ -138,10 +138,10 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     """``train draft``: answers, training and export, each resuming an interrupted run; prints the export."""
     import shlex
 
-    from ..checks import check_positive_int
-    from ..loading import resolve_model
-    from ..train.draft import KINDS, DraftRunConfig, run_answers, run_features, run_training
-    from ..train.drafter_card import write_drafter_card
+    from ..core.checks import check_positive_int
+    from ..models.loading import resolve_model
+    from ..train.drafter.pipeline import KINDS, DraftRunConfig, run_answers, run_features, run_training
+    from ..train.drafter.card import write_drafter_card
     from ..train.losses import LOSSES
 
     if args.loss not in (*LOSSES, "none"):
@@ -169,9 +169,9 @@ def _run_train_draft(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant train``'s actions and their options on ``p``."""
-    from ..train.distill_data import DistillDataConfig
-    from ..train.draft import DraftRunConfig
-    from ..train.pretrain import TrainConfig
+    from ..train.bundled.distill_data import DistillDataConfig
+    from ..train.drafter.pipeline import DraftRunConfig
+    from ..train.bundled.pretrain import TrainConfig
 
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=Parser)
     prep = sub.add_parser("prepare", help="build the corpus, train the tokenizer, tokenise the splits",
@@ -221,9 +221,9 @@ _TRAIN_COUNTS = ("steps", "batch_size", "seq_len", "long_seq_len", "ckpt_every",
 
 def _check_train_model(args: argparse.Namespace) -> None:
     """Refuse bad 'train model' options with one line, before any work (data, device, counts, distillation)."""
-    from ..checks import check_positive_int, resolve_device
+    from ..core.checks import check_positive_int, resolve_device
     from ..train.losses import LOSSES
-    from ..train.pretrain import PRESETS
+    from ..train.bundled.pretrain import PRESETS
 
     resolve_device(args.device)
     _check_data_dir(args.data)
@@ -243,10 +243,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the chosen ``speculant train`` action; returns the exit code (bad input raises ValueError)."""
     import shlex
 
-    from ..loading import check_model_dir, resolve_model
+    from ..models.loading import check_model_dir, resolve_model
     from ..train.card import write_model_card
-    from ..train.data import prepare
-    from ..train.pretrain import TrainConfig
+    from ..train.bundled.data import prepare
+    from ..train.bundled.pretrain import TrainConfig
 
     if args.action == "prepare":
         out = prepare(args.out, vocab_size=args.vocab_size)
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         print(write_calibration(model_dir, args.data, args.split, args.default_size, args.default_size_sampling))
         return 0
     if args.action == "distill-data":
-        from ..train.distill_data import DistillDataConfig, generate_distill_data
+        from ..train.bundled.distill_data import DistillDataConfig, generate_distill_data
 
         _check_data_dir(args.data)
         args.teacher = str(check_model_dir(resolve_model(args.teacher)))
@@ -273,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, role):
             setattr(args, role, str(check_model_dir(resolve_model(getattr(args, role)))))
     cfg = dataclass_from_args(TrainConfig, args)
-    from ..train.pretrain import train
+    from ..train.bundled.pretrain import train
 
     export = train(cfg)
     command = "speculant train " + " ".join(shlex.quote(a) for a in sys.argv[2:] if a) if len(sys.argv) > 2 else ""

@@ -1,6 +1,6 @@
 """The drafter protocol and the per-generation state the engine shares with a drafter.
 
-A drafter proposes a :class:`~speculant.types.DraftTree` each step and is told what was committed; it never
+A drafter proposes a :class:`~speculant.core.types.DraftTree` each step and is told what was committed; it never
 verifies. The engine knows no drafter by name: everything method-specific lives behind this protocol.
 """
 
@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from ..types import DraftTree, GenerationStats, SamplingParams
+from ..core.types import DraftTree, GenerationStats, SamplingParams
 
 __all__ = ["DecodeState", "Drafter"]
 
@@ -62,7 +62,7 @@ class DecodeState:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """Proposes draft trees for the one verifier (``speculant.verify``)."""
+    """Proposes draft trees for the one verifier (``speculant.core.verification``)."""
 
     def begin(self, state: DecodeState) -> None:
         """Start a generation: validate against ``state.target`` and reset per-generation state (caches)."""

@@ -3,7 +3,7 @@
 A token-level drafter must rebuild, from tokens alone, what the target knows about the context; a feature drafter
 is handed it. The target's final-normed hidden state ``f_t`` (what its LM head reads to predict ``x_{t+1}``) and
 the embedding of the token that followed, ``x_{t+1}``, enter the drafter as one input row
-``feature_fc([emb(x_{t+1}) ; f_t])`` (:func:`speculant.attached.add_feature_input`); its layers and final norm turn
+``feature_fc([emb(x_{t+1}) ; f_t])`` (:func:`speculant.models.attached.add_feature_input`); its layers and final norm turn
 the row at ``t`` into ``f̂_{t+1}``, and the target's LM head reads ``f̂_{t+1}`` to draft ``x_{t+2}``. Deeper draft
 tokens feed the drafter's own ``f̂`` back in place of the target's (the target's are not known yet).
 
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..attached import feature_layers, is_feature_drafter
-from ..cache import cache_kwarg
-from ..checks import num_layers
+from ..models.attached import feature_layers, is_feature_drafter
+from ..core.cache import cache_kwarg
+from ..core.checks import num_layers
 from .base import DecodeState
 from .model import DraftModelDrafter
 
@@ -36,7 +36,7 @@ class FeatureDrafter(DraftModelDrafter):
     sampling, with inputs built from the target's hidden states.
 
     Args:
-        draft_model: an attached feature drafter (:func:`speculant.attached.is_feature_drafter`; e.g. loaded with
+        draft_model: an attached feature drafter (:func:`speculant.models.attached.is_feature_drafter`; e.g. loaded with
             :func:`speculant.load_draft`), sharing the target's embedding and LM head.
         k, tokenizers_match, vocab_trim: as :class:`DraftModelDrafter`.
     """

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..checks import check_positive_int
+from ..core.checks import check_positive_int
 from .base import DecodeState
 from .lookup import lookup_continuation, merge_chain
 from .mask_probe import MaskProbeDrafter

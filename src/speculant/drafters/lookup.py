@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..checks import check_positive_int
-from ..types import DraftTree
+from ..core.checks import check_positive_int
+from ..core.types import DraftTree
 from .base import DecodeState
 
 __all__ = ["PromptLookupDrafter", "lookup_continuation", "merge_chain"]

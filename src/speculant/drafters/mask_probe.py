@@ -1,7 +1,7 @@
 """ESP: training-free multi-token drafting by probing the target with mask tokens (Goel et al. 2026).
 
 No draft model. Each verification forward also carries ``masks`` probe inputs after the root and after every
-tree node (:class:`speculant.types.Probes`): mask j of node v sits at position ``pos(v) + j``, sees the cache,
+tree node (:class:`speculant.core.types.Probes`): mask j of node v sits at position ``pos(v) + j``, sees the cache,
 the path to v and v's earlier masks, and its logits guess the token j + 1 places after v. After verification
 the masks of the deepest accepted node v* hold guesses for the tokens after the bonus, and the next tree is
 drafted from them: a static tree (the top-``K_1`` candidates of mask 1, under each the top-``K_2`` of mask 2,
@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..checks import check_positive_int
-from ..types import DraftTree, Probes
+from ..core.checks import check_positive_int
+from ..core.types import DraftTree, Probes
 from .base import DecodeState
 
 __all__ = ["MaskProbeDrafter"]

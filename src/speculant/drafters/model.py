@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..attached import is_feature_drafter
-from ..cache import SpecCache, cache_kwarg
-from ..checks import (
+from ..models.attached import is_feature_drafter
+from ..core.cache import SpecCache, cache_kwarg
+from ..core.checks import (
     check_fits_context,
     check_positive_int,
     check_vocab_compatible,
@@ -31,10 +31,10 @@ from ..checks import (
     vocab_size,
     warn_once,
 )
-from ..forward import lean_for
-from ..lean import LeanForward
-from ..sampling import sample, warp
-from ..types import DraftTree
+from ..core.forward import lean_for
+from ..core.lean import LeanForward
+from ..core.sampling import sample, warp
+from ..core.types import DraftTree
 from .base import DecodeState
 from .vocab_trim import TrimmedHead, resolve_keep_ids
 
@@ -56,7 +56,7 @@ class DraftModelBase:
             (default) uses the size the draft model's calibration recommends if it ships one (the bundled draft
             does), else the full head. Lossless either way; trimming trades τ for a cheaper draft forward.
 
-    Llama-family drafts run through :class:`speculant.lean.LeanForward` (the same layers without transformers'
+    Llama-family drafts run through :class:`speculant.core.lean.LeanForward` (the same layers without transformers'
     per-module overhead, shared with the target); set ``lean_forward = False`` on a drafter to use the model's own
     forward.
 

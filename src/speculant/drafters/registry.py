@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ..attached import is_feature_drafter
-from ..forward import FORWARDS
-from ..specs import NO_DEFAULT, Key, split_spec
+from ..models.attached import is_feature_drafter
+from ..core.forward import FORWARDS
+from ..core.specs import NO_DEFAULT, Key, split_spec
 from .base import Drafter
 from .feature import FeatureDrafter
 from .model import DraftModelDrafter
@@ -81,7 +81,7 @@ _REGISTRY: dict[str, Method] = {}
 
 ENGINE_KEYS: dict[str, Key] = {
     "forward": Key(str, "the target forward: auto (the lean forward where it reproduces the model), lean, or model "
-                        "(transformers' own); see speculant.forward", "auto"),
+                        "(transformers' own); see speculant.core.forward", "auto"),
 }
 """Keys every method spec accepts; they set the decoding loop (``generate``), not the drafter:
 :func:`engine_options` splits them off."""

@@ -2,7 +2,7 @@
 
 (../shared/ALGORITHMS.md, Tree drafting.) Every drafter here builds its tree level by level with ONE batched draft
 forward per level: the nodes of a level are fed together with tree attention (a node sees the committed tokens,
-its ancestors and itself; position = root position + depth), using the mask machinery of :mod:`speculant.tree`
+its ancestors and itself; position = root position + depth), using the mask machinery of :mod:`speculant.core.tree`
 over the draft cache, whose layout after the root is exactly the fed nodes in feed order. Nodes of the last level
 are never fed (their distributions are not needed). On commit the draft cache keeps the fed nodes of the accepted
 path (:meth:`DraftModelBase.commit`), so nothing is re-prefilled.
@@ -35,10 +35,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..checks import check_positive_int
-from ..sampling import warp
-from ..tree import TreeAttention
-from ..types import DraftTree
+from ..core.checks import check_positive_int
+from ..core.sampling import warp
+from ..core.tree import TreeAttention
+from ..core.types import DraftTree
 from .base import DecodeState
 from .calibration import AcceptanceCalibrator
 from .model import DraftModelBase

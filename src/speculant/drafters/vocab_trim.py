@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..packed import PackedMatrix, linear, pack_enabled
+from ..core.packed import PackedMatrix, linear, pack_enabled
 
 __all__ = ["CALIBRATION_FILE", "TrimmedHead", "load_calibration", "resolve_keep_ids"]
 
@@ -96,7 +96,7 @@ class TrimmedHead:
         bias = getattr(lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach()[self.keep].contiguous()  # [M]
         self._keep_list = [int(i) for i in keep]
-        # [M, H] reordered once for the CPU's matmul kernels where allowed (speculant.packed): a drafter computes
+        # [M, H] reordered once for the CPU's matmul kernels where allowed (speculant.core.packed): a drafter computes
         # these logits at every draft step
         self._matrix = PackedMatrix(self.weight) if pack_enabled([self.weight]) else self.weight
 

@@ -17,8 +17,8 @@ accepted with probability p(x) instead of min(1, p(x)/q(x)), so the chain's shar
 
 from __future__ import annotations
 
-from ..checks import check_positive_int
-from ..types import DraftTree
+from ..core.checks import check_positive_int
+from ..core.types import DraftTree
 from .base import DecodeState, Drafter
 from .lookup import lookup_continuation, merge_chain
 

@@ -16,7 +16,7 @@ finally ``evict(cache, policy, budget, attn=attn)``.
 
 from .attention import QueryCapture, attention_probs
 from .budget import BudgetCache, BudgetLayer, evict, observe, prefill_blockwise
-from .caote import CAOTE, caote_scores
+from .caote import CAOTE, caote_scores, warn_nesting
 from .policies import (
     H2O,
     TOVA,
@@ -35,6 +35,7 @@ from .registry import POLICIES, WRAPPERS, parse_policy, policy_names
 from .speckv import SpecKV, find_speckv
 
 __all__ = [
+    "warn_nesting",
     "CAOTE",
     "H2O",
     "POLICIES",

@@ -1,6 +1,6 @@
 """A KV cache holding at most ``N`` tokens per layer, and block-wise prefill (../shared/ALGORITHMS.md).
 
-:class:`BudgetCache` is a :class:`speculant.cache.SpecCache` whose layers also store, per cached token, its
+:class:`BudgetCache` is a :class:`speculant.core.cache.SpecCache` whose layers also store, per cached token, its
 ORIGINAL position (``[B, H_kv, T]``; never renumbered) and the attention it has accumulated (for H2O). Eviction
 really compacts the keys/values (per KV head: heads may keep different tokens) into the front of the buffer, so
 the live tensors shrink; the buffer itself never grows past its initial capacity when that is ``N + B``. After
@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from ..cache import GrowingLayer, SpecCache, cache_kwarg
+from ..core.cache import GrowingLayer, SpecCache, cache_kwarg
 from .attention import QueryCapture, attention_probs
 from .policies import ScoreContext, ScorePolicy, SnapKV, find_policy
 from .speckv import SpecKV
@@ -237,14 +237,14 @@ def prefill_blockwise(
     queries (the last block's window, then SpecKV's provisional answer), and the second pass scores every block but
     the last by their attention (:func:`observer_attention`); the scratch cache is released before the second pass
     fills ``cache``, so the peak stays one cache.
-    ``forward``: a :class:`speculant.forward.TargetForward` to run the blocks through (the engine passes its own,
+    ``forward``: a :class:`speculant.core.forward.TargetForward` to run the blocks through (the engine passes its own,
     the lean forward where it applies); None calls the model's own forward. ``hidden_out`` (with ``forward``): a
     list that receives each block's final-normed hidden states ``[1, T_block, H]``.
     """
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     if hidden_out is not None and forward is None:
-        raise ValueError("hidden_out needs forward (a speculant.forward.TargetForward)")
+        raise ValueError("hidden_out needs forward (a speculant.core.forward.TargetForward)")
     snap = find_policy(policy, SnapKV)  # SnapKV or SpecKV (a SnapKV), possibly inside wrappers
     spec = snap if isinstance(snap, SpecKV) else None
     observers = None

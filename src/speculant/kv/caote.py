@@ -14,14 +14,16 @@ pinned tokens mass 0.)
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
 import torch
 
+from ..core.checks import warn_once
 from .policies import ScoreContext, WrapperPolicy
 
-__all__ = ["CAOTE", "caote_scores"]
+__all__ = ["CAOTE", "caote_scores", "warn_nesting"]
 
 _EPS = 1e-6
 
@@ -54,3 +56,18 @@ class CAOTE(WrapperPolicy):
         mass = base.float().nan_to_num(0.0, posinf=0.0).clamp_min(0.0)
         alpha = mass / mass.sum(-1, keepdim=True).clamp_min(_EPS)
         return caote_scores(alpha, values, self.fast).masked_fill(pinned, math.inf)
+
+
+def warn_nesting(policy) -> None:
+    """Warn (once) about a KV policy that wraps CAOTE in CAOTE (``caote:caote:h2o``, ``fastcaote:caote:...``):
+    the outer CAOTE reads the inner one's eviction-error scores as attention weights, which is not what either
+    method defines; one CAOTE level over the base policy is meant."""
+    levels, node = 0, policy
+    while node is not None:
+        levels += isinstance(node, CAOTE)
+        node = getattr(node, "inner", None)  # wrappers hold the wrapped policy in ``inner``
+    if levels > 1:
+        name = getattr(policy, "name", type(policy).__name__)
+        warn_once(logging.getLogger(__name__),
+                  f"KV policy {name!r} nests CAOTE {levels} times: the outer level reads CAOTE scores as attention "
+                  "weights, which is not a meaningful policy; use one level over the base policy (e.g. caote:h2o)")

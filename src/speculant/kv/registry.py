@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ..specs import Key, split_spec
+from ..core.specs import Key, split_spec
 from .caote import CAOTE
 from .speckv import SpecKV
 from .policies import (

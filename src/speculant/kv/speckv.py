@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache import SpecCache, cache_kwarg
-from ..checks import num_layers
+from ..core.cache import SpecCache, cache_kwarg
+from ..core.checks import num_layers
 from .attention import QueryCapture, attention_probs
 from .policies import ScorePolicy, SnapKV, find_policy
 

@@ -16,7 +16,7 @@ __all__ = ["ServeSettings", "check_settings", "create_app"]
 
 
 def __getattr__(name: str):
-    # lazy: `speculant.serve.load` (the load generator) must not import FastAPI or torch
+    # lazy: `speculant.bench.serve_load` (the load generator) must not import FastAPI or torch
     if name == "create_app":
         from .app import create_app
 

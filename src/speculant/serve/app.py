@@ -30,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..types import SamplingParams
+from ..core.types import SamplingParams
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .protocol import APIError, GenerationRequest, error_body, parse_body, parse_chat_request, parse_completion_request
 from .settings import ServeSettings
@@ -126,8 +126,8 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
 
     def prompt_ids(req: GenerationRequest) -> list[int]:
         """Token ids of the request, with 400s for what the model cannot take."""
-        from ..chat import chat_ids, has_chat_template
-        from ..checks import vocab_size
+        from ..models.chat import chat_ids, has_chat_template
+        from ..core.checks import vocab_size
 
         tok = worker.tokenizer
         with worker.tokenizer_lock:
@@ -155,8 +155,8 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         return ids
 
     def max_tokens(req: GenerationRequest, n_prompt: int) -> int:
-        from ..checks import check_fits_context
-        from ..engine import generate
+        from ..core.checks import check_fits_context
+        from ..core.engine import generate
 
         ctx = worker.context_length
         field = "messages" if req.kind == "chat" else "prompt"

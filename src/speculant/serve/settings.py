@@ -18,7 +18,7 @@ class ServeSettings:
     """What ``speculant serve`` serves and how.
 
     ``method`` None: when there is a draft (``draft``, or the drafter speculant ships for the target), the method
-    measured fastest for a packaged target with its shipped drafter (:func:`speculant.loading.default_method_for`)
+    measured fastest for a packaged target with its shipped drafter (:func:`speculant.models.loading.default_method_for`)
     or else ``chain``; without a draft ``ar``. ``model_name`` None: the target as given. ``max_queue``: requests
     that may wait behind the one being decoded; one more is answered 429. ``api_key`` None: no authentication."""
 
@@ -45,9 +45,9 @@ class ServeSettings:
 def check_settings(settings: ServeSettings) -> ServeSettings:
     """``settings`` with the method and draft chosen and model names resolved to checked directories; one-line
     ValueErrors for a bad method, KV options, device, or model. May convert a GGUF target once (see README)."""
-    from ..checks import resolve_device
+    from ..core.checks import resolve_device
     from ..drafters.registry import DEFAULT_METHOD, engine_options, get_method, parse_method
-    from ..loading import check_model_dir, default_draft_for, default_method_for, resolve_model
+    from ..models.loading import check_model_dir, default_draft_for, default_method_for, resolve_model
 
     target_name = settings.target
     draft = settings.draft

@@ -3,7 +3,7 @@
 The HTTP handlers (asyncio) tokenise a request and :meth:`Worker.submit` a :class:`Job`; the worker thread takes
 jobs in arrival order and decodes one at a time with :func:`speculant.generate`, a fresh drafter per job
 (drafters hold per-generation state). Each verification step's committed tokens go through the job's
-:class:`~speculant.serve.text.Detokenizer` and :class:`~speculant.serve.text.StopMatcher` and are handed back to
+:class:`~speculant.models.text.Detokenizer` and :class:`~speculant.models.text.StopMatcher` and are handed back to
 the handler's event loop as events (``("text", str)``, then ``("done", Result)`` or ``("error", str)``).
 
 Stopping a generation early: the engine has no cancel flag, so the stream callback raises (:class:`_Stop`) at the
@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..types import SamplingParams
+from ..core.types import SamplingParams
 from .metrics import ServerMetrics
 from .settings import ServeSettings
-from .text import Detokenizer, StopMatcher
+from ..models.text import Detokenizer, StopMatcher
 
 __all__ = ["Job", "QueueFull", "Result", "Worker"]
 
@@ -135,13 +135,13 @@ class Worker:
         """Load the target (and draft) of the settings; raises what loading raises."""
         import torch
 
-        from ..checks import context_length, resolve_device
-        from ..commands.common import set_threads
+        from ..core.checks import context_length, resolve_device
         from ..drafters.registry import build_drafter, engine_options, get_method, parse_method
-        from ..loading import draft_context, load_draft, load_model_dir
+        from ..models.loading import draft_context, load_draft, load_model_dir
 
         s = self.settings
-        set_threads(s.threads)
+        if s.threads is not None:
+            torch.set_num_threads(s.threads)
         name, options = parse_method(s.method)
         _, self._engine = engine_options(options)
         device = resolve_device(s.device)
@@ -163,7 +163,7 @@ class Worker:
     def stop_ids(self, chat: bool) -> list[int] | None:
         """The end-of-sequence ids of a request: end of the assistant's turn for chats, the model's own EOS
         (generate()'s default) for plain completions."""
-        from ..chat import stop_ids
+        from ..models.chat import stop_ids
 
         return stop_ids(self.tokenizer, self.target) if chat else None
 
@@ -259,9 +259,9 @@ class Worker:
 
     def _run(self, job: Job) -> tuple[str, Any] | None:
         """Decode ``job``, emitting its text as it comes; returns its last event (None: nobody listens)."""
-        from ..checks import resolve_eos
+        from ..core.checks import resolve_eos
         from ..drafters.registry import build_drafter
-        from ..engine import generate
+        from ..core.engine import generate
 
         m = self.metrics
         start = time.perf_counter()

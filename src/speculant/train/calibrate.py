@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..drafters.vocab_trim import CALIBRATION_FILE
-from .data import load_split
+from .bundled.data import load_split
 
 __all__ = ["token_ranking", "write_calibration", "write_calibration_tokens"]
 

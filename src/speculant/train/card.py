@@ -51,23 +51,12 @@ def _vocab_trim_section(model_dir: Path) -> str:
             f"frequency; coverage of that stream: {cover}. {default}\n")
 
 
-def _bench_section(results_path: str | Path | None) -> str:
-    if results_path is None:
-        return ""
-    from ..bench.report import readme_section
-
-    results = json.loads(Path(results_path).read_text())
-    return (f"## Speculative decoding with the bundled target\n`speculant bench` on held-out prompts "
-            f"(`{Path(results_path).as_posix()}`):\n\n{readme_section(results)}\n")
-
-
 def write_model_card(run_dir: str | Path, model_dir: str | Path, name: str, command: str,
-                     origin: str | None = None, bench_results: str | Path | None = None) -> Path:
+                     origin: str | None = None) -> Path:
     """Write ``model_dir/MODEL_CARD.md`` from ``run_dir``'s config, metrics and the data split listing.
 
     ``command`` is quoted under "Reproduce" (several lines for a multi-stage recipe); ``origin`` replaces the
-    "trained from scratch" / "fine-tuned from INIT" phrase of the first line. ``bench_results``: a
-    ``speculant bench`` results.json whose table is quoted (τ, speed-up of this model as a drafter)."""
+    "trained from scratch" / "fine-tuned from INIT" phrase of the first line."""
     run_dir, model_dir = Path(run_dir), Path(model_dir)
     cfg = json.loads((run_dir / "train_config.json").read_text())
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -111,7 +100,7 @@ train {splits['train']['tokens']:,} tokens, validation {splits['validation']['to
 - test modules (held out for benchmarks): {held_out('test')}
 {_distill_section(Path(cfg['data']), split)}{_vocab_trim_section(model_dir)}
 
-{_bench_section(bench_results)}## Sample (greedy, 64 tokens)
+## Sample (greedy, 64 tokens)
 ```python
 {SAMPLE_PROMPT}{sample}
 ```

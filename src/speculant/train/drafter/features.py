@@ -39,9 +39,9 @@ def sequence_lengths(shard: AnswerShard) -> np.ndarray:
 
 @torch.inference_mode()
 def _shard_features(target, shard: AnswerShard, taps: list[int]) -> np.ndarray:
-    from ..cache import SpecCache
-    from ..checks import num_layers
-    from ..forward import TargetForward
+    from ...core.cache import SpecCache
+    from ...core.checks import num_layers
+    from ...core.forward import TargetForward
 
     forward = TargetForward(target, taps=taps)
     device = target.device

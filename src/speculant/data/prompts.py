@@ -2,7 +2,7 @@
 
 A prompt record is a dict with an ``id`` and one of ``prompt`` (raw text, tokenised as is: the tokenizer's default
 special tokens, no chat template), ``messages`` (a chat: a list of ``{"role", "content"}``, tokenised with the
-target tokenizer's chat template and the assistant's generation prompt, :func:`speculant.chat.chat_ids`) or, in
+target tokenizer's chat template and the assistant's generation prompt, :func:`speculant.models.chat.chat_ids`) or, in
 process only, ``input_ids``. Every other field (``category``, ``source`` ...) is kept; a ``category`` gives the
 report a per-category table.
 
@@ -17,7 +17,7 @@ permutation within each):
     with type hints) and the start of its ``def`` line: the answer copies from the prompt, the regime where
     drafting from the context (prompt lookup) shines. Each record keeps the copied function in ``source``.
 ``mt-bench``
-    the first turns of MT-Bench's 80 questions as chats, with their ``category`` (:mod:`speculant.bench.mtbench`);
+    the first turns of MT-Bench's 80 questions as chats, with their ``category`` (:mod:`speculant.data.mtbench`);
     N of them are picked round-robin over the 8 categories (a fixed permutation within each).
 
 A JSONL file has one object per line with a ``prompt`` string or a ``messages`` list; every other field is kept.
@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..chat import chat_ids, check_messages, has_chat_template
-from ..train.corpus import Document, load_corpus
+from ..models.chat import chat_ids, check_messages, has_chat_template
+from .corpus import Document, load_corpus
 from .mtbench import jsonl_rows, mtbench_questions
 
 __all__ = ["BUILTIN_SETS", "builtin_prompts", "check_record", "code_prompts", "grounded_prompts", "is_chat",
@@ -175,7 +175,7 @@ def check_record(obj: Any, where: str, allow_ids: bool = False) -> dict:
 
     A record is a dict with exactly one of ``prompt`` (a non-empty string), ``messages`` (a non-empty list of
     ``{"role": str, "content": str}``) or, with ``allow_ids``, ``input_ids``. Role names are checked when the
-    chat template is applied (:func:`speculant.chat.chat_ids`).
+    chat template is applied (:func:`speculant.models.chat.chat_ids`).
     """
     kinds = ("prompt", "messages", "input_ids") if allow_ids else ("prompt", "messages")
     given = [k for k in kinds if isinstance(obj, dict) and k in obj]
@@ -204,7 +204,7 @@ def is_chat(record: Mapping) -> bool:
 def prompt_ids(record: Mapping, tokenizer: Any) -> list[int]:
     """The token ids of a prompt record: ``input_ids`` as given, ``prompt`` through ``tokenizer`` (its default
     special tokens, no chat template), ``messages`` through the tokenizer's chat template with the generation
-    prompt (:func:`speculant.chat.chat_ids`).
+    prompt (:func:`speculant.models.chat.chat_ids`).
 
     Raises:
         ValueError: one line naming the prompt: text without a tokenizer, a chat when the tokenizer has no chat

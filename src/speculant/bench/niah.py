@@ -131,7 +131,7 @@ _SENTINEL = "\x00DOC\x00"
 def _frame(tokenizer, question: str, answer_prefix: str = "") -> tuple[list[int], list[int]]:
     """Token ids before and after the document: the chat template (when the tokenizer has one) around
     :data:`QUESTION_FORMAT`, then the answer prefix, tokenized in pieces around a sentinel."""
-    from ..chat import has_chat_template
+    from ..models.chat import has_chat_template
 
     text = QUESTION_FORMAT.format(document=_SENTINEL, question=question)
     if has_chat_template(tokenizer):
@@ -204,10 +204,10 @@ def run_niah(model, tokenizer, policies: Sequence[str], lengths: Sequence[int], 
     ``{"results": [row...], "cases": [...]}``; a row holds ``policy``, ``budget``, ``context_tokens``, ``depth``,
     ``retrieval_accuracy`` (over ``needles``), ``answers`` and ``peak_kv_bytes`` (the largest over its needles).
     """
-    from ..chat import stop_ids
-    from ..engine import generate
-    from .registry import parse_policy
-    from .speckv import find_speckv
+    from ..models.chat import stop_ids
+    from ..core.engine import generate
+    from ..kv.registry import parse_policy
+    from ..kv.speckv import find_speckv
 
     objects = {}
     for spec in policies:

@@ -7,12 +7,12 @@ arithmetic: 30 layers of module calls, kwargs plumbing, per-call mask and RoPE b
 * q/k/v and gate/up projections fused into one matmul each, prepared once and without a second copy: the
   model's own q/k/v (gate/up) weights become views of the fused matrix (:func:`_fused`; Phi-3 ships them fused);
 * RoPE tables computed once (grown on demand), indexed by the step's position ids;
-* keys and values written straight into our :class:`~speculant.cache.SpecCache` (or its evicting subclass);
+* keys and values written straight into our :class:`~speculant.core.cache.SpecCache` (or its evicting subclass);
 * SDPA with the caller's tree mask, or the causal fast path (no mask for one token, ``is_causal`` for a prefill
   of an empty cache, a small boolean mask otherwise);
 * on a CPU, the matrices (and the LM head) reordered once into oneDNN's blocked layout
-  (:class:`~speculant.packed.PackedMatrix`) where :func:`~speculant.packed.pack_enabled` allows the copy: in
-  bfloat16 the same results bit for bit, 1.35-1.7x faster matmuls for decoding (see :mod:`speculant.packed`).
+  (:class:`~speculant.core.packed.PackedMatrix`) where :func:`~speculant.core.packed.pack_enabled` allows the copy: in
+  bfloat16 the same results bit for bit, 1.35-1.7x faster matmuls for decoding (see :mod:`speculant.core.packed`).
 
 One class serves the target (plain decoding, chains, trees, probe slots, evicted caches) and the draft models.
 Covered: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` (per-head q/k
@@ -168,11 +168,11 @@ class LeanForward:
     Build it with :meth:`build`, which returns None (and :func:`unsupported` says why) for a model it does not
     reproduce. Unpacked (:attr:`packed` False) it reads the model's weights in place (in-place updates are seen);
     rebuild it when parameters are replaced by new tensors or biases change (biases, rare in these models, are
-    concatenated copies), and, when packed, when weights change in place (:func:`speculant.forward.lean_for`
+    concatenated copies), and, when packed, when weights change in place (:func:`speculant.core.forward.lean_for`
     does both).
 
-    ``pack``: reorder the matrices once for the CPU's matmul kernels (:mod:`speculant.packed`); None (default)
-    lets :func:`~speculant.packed.pack_enabled` decide."""
+    ``pack``: reorder the matrices once for the CPU's matmul kernels (:mod:`speculant.core.packed`); None (default)
+    lets :func:`~speculant.core.packed.pack_enabled` decide."""
 
     def __init__(self, model: torch.nn.Module, pack: bool | None = None) -> None:
         cfg = model.config
@@ -262,7 +262,7 @@ class LeanForward:
                mask: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                capture=None, taps: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Final-normed hidden states ``[1, T, H]`` of the new tokens; their keys and values are appended to
-        ``cache`` (a :class:`~speculant.cache.SpecCache`, possibly evicting).
+        ``cache`` (a :class:`~speculant.core.cache.SpecCache`, possibly evicting).
 
         Args:
             input_ids: ``[1, T]``, or None when ``inputs_embeds`` ``[1, T, H]`` is given (probe slots).

@@ -53,7 +53,7 @@ def generate_self_prompts(model, tokenizer, n: int, path: str | Path, *, stop_id
     Args:
         model, tokenizer: a chat model and its tokenizer (with a chat template).
         n: requests wanted.
-        stop_ids: the ids that end a turn (:func:`speculant.chat.stop_ids`); a request cut at ``max_new_tokens``
+        stop_ids: the ids that end a turn (:func:`speculant.models.chat.stop_ids`); a request cut at ``max_new_tokens``
             is kept as written.
         temperature: sampling temperature (> 0).
 
@@ -63,7 +63,7 @@ def generate_self_prompts(model, tokenizer, n: int, path: str | Path, *, stop_id
     """
     from tqdm.auto import tqdm
 
-    from ..chat import user_turn_prefix_ids
+    from ...models.chat import user_turn_prefix_ids
     from .answers import sample_batch
 
     if n < 1 or batch_size < 1:

@@ -73,8 +73,8 @@ class DraftRunConfig:
 
 def tokenize_prompts(tokenizer, rows: list[dict], max_tokens: int) -> tuple[list[list[int]], list[int]]:
     """Token ids of each prompt record (chat template for ``messages`` rows,
-    :func:`speculant.bench.prompts.prompt_ids`) and the indices of the rows kept (at most ``max_tokens``)."""
-    from ..bench.prompts import prompt_ids
+    :func:`speculant.data.prompts.prompt_ids`) and the indices of the rows kept (at most ``max_tokens``)."""
+    from ...data.prompts import prompt_ids
 
     ids, kept = [], []
     for i, row in enumerate(rows):
@@ -94,8 +94,8 @@ def _self_prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
     rows = read_self_prompts(path)
     if len(rows) >= cfg.self_prompts:
         return rows[:cfg.self_prompts]
-    from ..chat import stop_ids
-    from ..loading import load_pretrained
+    from ...models.chat import stop_ids
+    from ...models.loading import load_pretrained
 
     model, tokenizer = load_pretrained(cfg.target, dtype=cfg.gen_dtype)
     info_path = run / "self_prompts.json"
@@ -113,14 +113,14 @@ def _prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
     ``cfg.self_prompts`` written by the target). A run grows when the configured prompts extend the saved ones
     (more ``--num-prompts`` of the same seed, a prompts file whose first rows are the saved ones, or self-written
     prompts added): the new rows are appended and answered next."""
-    from ..bench.prompts import load_prompts
+    from ...data.prompts import load_prompts
 
     path = run / "prompts.jsonl"
     saved = load_prompts(path) if path.exists() else None
     if cfg.prompts:
         rows = load_prompts(cfg.prompts)
     else:
-        from .instructions import instruction_prompts
+        from ...data.instructions import instruction_prompts
 
         rows = instruction_prompts(cfg.num_prompts, seed=cfg.prompt_seed)
     if cfg.self_prompts:
@@ -161,8 +161,8 @@ def _answer_parts(folder: Path) -> list[dict]:
 def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     """Stages 1 and 2: ``RUN/prompts.jsonl`` and the target's answers in ``RUN/answers`` (resumable; a grown run
     answers only its new rows, in shards numbered after the existing ones)."""
-    from ..chat import stop_ids
-    from ..loading import load_pretrained
+    from ...models.chat import stop_ids
+    from ...models.loading import load_pretrained
     from .answers import generate_answers, shard_paths
 
     run = Path(cfg.out)
@@ -205,7 +205,7 @@ KINDS = ("token", "feature")
 
 def run_features(cfg: DraftRunConfig, progress: bool = True) -> Path:
     """Feature drafters: the target's final hidden states over every answer, ``RUN/features`` (resumable)."""
-    from ..loading import load_pretrained
+    from ...models.loading import load_pretrained
     from .answers import shard_paths
     from .features import extract_features, features_dir
 
@@ -266,12 +266,12 @@ def _machine(cfg: DraftRunConfig) -> str:
 def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = True) -> Path:
     """Stage 3: fine-tune the attached drafter with ``loss`` (default ``cfg.loss``; ``"none"`` exports the
     untrained initialisation) and export it to ``RUN/<loss>/draft``; returns that directory."""
-    from ..attached import build_attached, save_attached
-    from ..chat import stop_ids
-    from ..loading import load_pretrained
-    from .calibrate import write_calibration_tokens
+    from ...models.attached import build_attached, save_attached
+    from ...models.chat import stop_ids
+    from ...models.loading import load_pretrained
+    from ..calibrate import write_calibration_tokens
     from .draft_train import TOKEN, kept_ids, train_attached
-    from .pretrain import autocast_dtype
+    from ..bundled.pretrain import autocast_dtype
 
     loss = loss or cfg.loss
     if cfg.kind not in KINDS:

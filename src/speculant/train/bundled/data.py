@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .corpus import SPLITS, load_corpus
+from ...data.corpus import SPLITS, load_corpus
 from .tokenizer import save_tokenizer, train_tokenizer
 
 __all__ = ["prepare", "load_split"]

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from .data import load_split
-from .losses import distill_loss
+from ..losses import distill_loss
 
 __all__ = ["ModelSpec", "PRESETS", "TrainConfig", "build_model", "train", "evaluate"]
 

@@ -78,7 +78,7 @@ def user_turn_prefix_ids(tokenizer) -> list[int]:
     template's default system turn included, if it adds one): what a chat model sees before a user writes.
 
     A chat model continuing these ids writes a user's request (Magpie, Xu et al. 2024), which is how
-    :mod:`speculant.train.self_prompts` makes instruction prompts from the target itself.
+    :mod:`speculant.train.drafter.self_prompts` makes instruction prompts from the target itself.
 
     Raises:
         ValueError: the tokenizer has no chat template, or its template does not put the user's message

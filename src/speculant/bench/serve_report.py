@@ -1,4 +1,4 @@
-"""Tables, Markdown and plots of a ``speculant bench serve`` run (:mod:`speculant.serve.load`)."""
+"""Tables, Markdown and plots of a ``speculant bench serve`` run (:mod:`speculant.bench.serve_load`)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,6 @@ def write_plot(results: dict, out: Path) -> list[Path]:
 
 def write_results(results: dict, out: str | Path) -> list[Path]:
     """Write results.json, results.md and serve.png into ``out`` (created); return the paths written."""
-    from ..bench.report import write_files
+    from .report import write_files
 
     return write_files(results, out, render_markdown, write_plot)

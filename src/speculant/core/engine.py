@@ -24,12 +24,12 @@ from .checks import (
     resolve_eos,
     vocab_size,
     warn_once,
-    warn_policy_nesting,
 )
-from .drafters.base import DecodeState, Drafter, _sync
-from .drafters.registry import resolve_drafter
+from ..drafters.base import DecodeState, Drafter, _sync
+from ..drafters.registry import resolve_drafter
 from .forward import FORWARDS, TargetForward
-from .kv import (
+from ..kv import (
+    warn_nesting,
     BudgetCache,
     QueryCapture,
     ScorePolicy,
@@ -41,7 +41,7 @@ from .kv import (
 from .sampling import make_generator
 from .tree import TreeAttention
 from .types import DraftTree, Generation, GenerationStats, SamplingParams
-from .verify import verify
+from .verification import verify
 
 __all__ = ["generate"]
 
@@ -87,12 +87,12 @@ def generate(
             evicting back to the budget after each (peak ``kv_budget + kv_block`` tokens), and committed tokens
             are evicted after every verification step (draft tokens are never evicted before they are
             verified). The output is then exact given the evicted cache, not equal to full-cache decoding.
-        forward: the target forward (:mod:`speculant.forward`): ``"auto"`` the lean forward
-            (:class:`speculant.lean.LeanForward`) where it reproduces the model, else the model's own;
+        forward: the target forward (:mod:`speculant.core.forward`): ``"auto"`` the lean forward
+            (:class:`speculant.core.lean.LeanForward`) where it reproduces the model, else the model's own;
             ``"lean"`` requires it; ``"model"`` always uses the model's own (transformers) forward.
 
     Returns:
-        :class:`speculant.types.Generation` with ``token_ids`` (new tokens only) and ``stats``.
+        :class:`speculant.core.types.Generation` with ``token_ids`` (new tokens only) and ``stats``.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if params.greedy and (top_k is not None or top_p not in (None, 1.0)):
@@ -126,10 +126,10 @@ def _check_kv(kv_policy, kv_budget, kv_block, drafter=None) -> tuple[ScorePolicy
         return None
     if kv_policy is None or kv_budget is None:
         raise ValueError("KV eviction needs both kv_policy and kv_budget (e.g. kv_policy='keydiff', kv_budget=256)")
-    from .kv import parse_policy
+    from ..kv import parse_policy
 
     policy = parse_policy(kv_policy) if isinstance(kv_policy, str) else kv_policy
-    warn_policy_nesting(policy)
+    warn_nesting(policy)
     spec = find_speckv(policy)
     if spec is not None and spec.draft is None:
         spec.draft = getattr(drafter, "model", None)

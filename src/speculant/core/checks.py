@@ -14,7 +14,6 @@ __all__ = [
     "check_token_ids",
     "resolve_device",
     "warn_once",
-    "warn_policy_nesting",
     "context_length",
     "check_fits_context",
     "resolve_eos",
@@ -213,20 +212,3 @@ def warn_once(logger: logging.Logger, message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         logger.warning(message)
-
-
-def warn_policy_nesting(policy) -> None:
-    """Warn (once) about a KV policy that wraps CAOTE in CAOTE (``caote:caote:h2o``, ``fastcaote:caote:...``):
-    the outer CAOTE reads the inner one's eviction-error scores as attention weights, which is not what either
-    method defines; one CAOTE level over the base policy is meant."""
-    from .kv.caote import CAOTE
-
-    levels, node = 0, policy
-    while node is not None:
-        levels += isinstance(node, CAOTE)
-        node = getattr(node, "inner", None)  # wrappers hold the wrapped policy in ``inner``
-    if levels > 1:
-        name = getattr(policy, "name", type(policy).__name__)
-        warn_once(logging.getLogger(__name__),
-                  f"KV policy {name!r} nests CAOTE {levels} times: the outer level reads CAOTE scores as attention "
-                  "weights, which is not a meaningful policy; use one level over the base policy (e.g. caote:h2o)")

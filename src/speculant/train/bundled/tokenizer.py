@@ -16,8 +16,13 @@ __all__ = ["EOS", "train_tokenizer", "save_tokenizer"]
 EOS = "<|endoftext|>"
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 16384, min_frequency: int = 2) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE of ``vocab_size`` tokens (``<|endoftext|>`` included) on ``texts``."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 16384, min_frequency: int = 2, bos: str = EOS,
+                    eos: str = EOS, pad: str | None = EOS) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE of ``vocab_size`` tokens on ``texts``. Its special tokens come first (ids 0, 1 ...):
+    ``bos`` and ``eos`` (one token ``<|endoftext|>`` by default, also the ``pad`` token; the test fixtures of
+    :mod:`speculant.testing` use ``<s>`` = 0 and ``</s>`` = 1 and no pad token). It adds no special tokens when
+    encoding."""
+    specials = list(dict.fromkeys([bos, eos]))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -25,12 +30,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 16384, min_frequency
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=[EOS],
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS,
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
                                    model_max_length=1 << 30, clean_up_tokenization_spaces=False)
 
 

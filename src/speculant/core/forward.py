@@ -1,11 +1,11 @@
 """The target's forward in the decoding loop: the lean forward where it reproduces the model, else its own.
 
-``forward="auto"`` (the default everywhere) takes :class:`~speculant.lean.LeanForward` when
-:func:`~speculant.lean.unsupported` finds nothing against the model and the generation fits in its sliding
+``forward="auto"`` (the default everywhere) takes :class:`~speculant.core.lean.LeanForward` when
+:func:`~speculant.core.lean.unsupported` finds nothing against the model and the generation fits in its sliding
 window, and logs once why it does not otherwise; ``"lean"`` insists (a ValueError naming the reason);
 ``"model"`` always calls the model's own forward (transformers), e.g. to compare the two.
 
-Both write the same :class:`~speculant.cache.SpecCache`, take the same tree mask and position ids, and return the
+Both write the same :class:`~speculant.core.cache.SpecCache`, take the same tree mask and position ids, and return the
 same logits up to float rounding, so the loop around them does not know which one runs.
 """
 
@@ -47,7 +47,7 @@ def _version(t: torch.Tensor) -> int:
 
 def lean_for(model: torch.nn.Module) -> LeanForward | None:
     """The model's lean forward, built once per model (and rebuilt when its parameters are replaced, or when
-    they change in place under a packed one); None when :func:`~speculant.lean.unsupported` names a reason."""
+    they change in place under a packed one); None when :func:`~speculant.core.lean.unsupported` names a reason."""
     if unsupported(model) is not None:
         return None
     hit = _BUILT.get(model)

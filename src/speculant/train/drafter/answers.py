@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ..cache import cache_kwarg
+from ...core.cache import cache_kwarg
 
 __all__ = ["AnswerShard", "generate_answers", "load_shards", "sample_batch", "shard_paths"]
 

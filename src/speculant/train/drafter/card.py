@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from .answers import shard_paths
-from .card import _vocab_trim_section
+from ..card import _vocab_trim_section
 
 __all__ = ["write_drafter_card"]
 
@@ -83,19 +83,19 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     prompts_file = run / "prompts.jsonl"  # a grown run holds more rows than its first --num-prompts
     n_rows = len(prompts_file.read_text().splitlines()) if prompts_file.exists() else cfg["num_prompts"]
     n_self = cfg.get("self_prompts", 0)
-    prompts = cfg["prompts"] or f"{n_rows - n_self:,} built-in instruction prompts (speculant.train.instructions)"
+    prompts = cfg["prompts"] or f"{n_rows - n_self:,} built-in instruction prompts (speculant.data.instructions)"
     self_info = run / "self_prompts.json"
     self_seconds = json.loads(self_info.read_text())["seconds"] if n_self and self_info.exists() else None
     if n_self:
         prompts += (f" and {n_self:,} requests the target wrote itself (Magpie: its chat template up to a user's "
                     f"message, sampled at temperature 1, at most {cfg['self_prompt_tokens']} tokens; "
-                    "speculant.train.self_prompts)")
+                    "speculant.train.drafter.self_prompts)")
     text = f"""# {name or export.name}
 
 A drafter for `{meta['target']}`, made by `speculant train draft` the Direct Alignment way (Goel et al. 2024):
 {len(meta['layers_from_target'])} transformer layers initialised from the target's layers {meta['layers_from_target']}
 and its final norm, sharing the target's token embedding and LM head (not stored here: they are the target's own
-tensors when loaded, see `speculant.attached`), fine-tuned on the target's own answers with the `{meta['loss']}`
+tensors when loaded, see `speculant.models.attached`), fine-tuned on the target's own answers with the `{meta['loss']}`
 loss.
 {_kind_paragraph(meta, cfg)}
 | | |

@@ -103,7 +103,7 @@ def tokenizers_match(tok_a, tok_b) -> bool:
     return tok_a.get_vocab() == tok_b.get_vocab()
 
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED = {
     "default-target": "default-target",
     "default-draft": "default-draft",
@@ -125,7 +125,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
     """The local model directory for a model name or path, converting or locating it as needed (no network).
 
     Accepted, in this order: a bundled name (``default-target``, ``default-draft``, the bundled drafters), a
-    packaged model name (:data:`speculant.sources.PACKAGED`, e.g. ``smollm2-135m-instruct``: its GGUF file is
+    packaged model name (:data:`speculant.models.sources.PACKAGED`, e.g. ``smollm2-135m-instruct``: its GGUF file is
     converted once into the cache), an existing directory, a ``.gguf`` file (converted once), a Hugging Face
     Hub id found in the local Hugging Face cache. Anything else is a one-line ValueError that says what was
     tried and how to get the model."""
@@ -185,7 +185,7 @@ def default_draft_for(target: str | Path) -> str | None:
 
 def default_method_for(target: str | Path, draft: str | Path | None = None) -> str | None:
     """The method spec measured fastest for a packaged ``target`` with the drafter speculant ships for it
-    (:attr:`speculant.sources.PackagedModel.default_method`), when ``draft`` is None or that drafter (by name or
+    (:attr:`speculant.models.sources.PackagedModel.default_method`), when ``draft`` is None or that drafter (by name or
     directory); else None, and callers use :data:`speculant.drafters.registry.DEFAULT_METHOD`."""
     model = PACKAGED.get(str(target))
     shipped = default_draft_for(target)
@@ -207,7 +207,7 @@ def draft_context(draft: str | Path, target_tokenizer) -> dict:
 
 
 def load_draft(name_or_path: str | Path, target: torch.nn.Module, dtype: torch.dtype | str | None = None):
-    """Load a draft model for ``target``: an attached drafter (:mod:`speculant.attached`, sharing the target's
+    """Load a draft model for ``target``: an attached drafter (:mod:`speculant.models.attached`, sharing the target's
     embedding and LM head, loaded in the target's dtype) or an ordinary model directory / name (in ``dtype``).
 
     Returns the draft model (eval mode). The caller checks that an ordinary draft's tokenizer matches the

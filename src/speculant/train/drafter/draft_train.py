@@ -1,6 +1,6 @@
 """Stage 3 of ``speculant train draft``: fine-tune an attached drafter on the target's answers.
 
-The drafter (:mod:`speculant.attached`: a few of the target's layers, the target's embedding and LM head frozen)
+The drafter (:mod:`speculant.models.attached`: a few of the target's layers, the target's embedding and LM head frozen)
 learns, at every answer position, the target's distribution ``q`` (its stored top-k) with one of the losses of
 :mod:`.losses` (FKL, TVD, TVD++). The student's distribution is taken over the VocabTrim kept set ``K`` (the
 most frequent tokens of the answers) because that is the head the deployed drafter drafts from: training and
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .answers import AnswerShard
-from .losses import distill_loss_probs
+from ..losses import distill_loss_probs
 
 __all__ = ["Sample", "collect_samples", "kept_ids", "kept_head", "Batch", "make_batch", "batches", "evaluate",
            "train_attached", "Objective", "TokenObjective"]
@@ -58,7 +58,7 @@ def collect_samples(shards: list[AnswerShard], context: int) -> list[Sample]:
 
 def kept_ids(samples: list[Sample], vocab: int, keep: int, always: list[int]) -> list[int]:
     """The ``keep`` most frequent answer tokens (VocabTrim's ranking), plus ``always`` (the stop tokens)."""
-    from .calibrate import token_ranking
+    from ..calibrate import token_ranking
 
     ranking, _ = token_ranking(np.concatenate([s.answer for s in samples]), vocab)
     ids = ranking[:keep]
@@ -183,7 +183,7 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
     learns to predict (:class:`TokenObjective`, or a feature drafter's)."""
     from tqdm.auto import tqdm
 
-    from ..attached import own_state
+    from ...models.attached import own_state
 
     out.mkdir(parents=True, exist_ok=True)
     kept_index, head = kept_head(draft, kept)  # [V], [K, H] frozen

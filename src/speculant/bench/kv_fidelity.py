@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..cache import SpecCache, cache_kwarg
-from ..checks import num_layers
-from .budget import BudgetCache, prefill_blockwise
-from .policies import ScorePolicy
+from ..core.cache import SpecCache, cache_kwarg
+from ..core.checks import num_layers
+from ..kv.budget import BudgetCache, prefill_blockwise
+from ..kv.policies import ScorePolicy
 
 __all__ = [
     "EvalConfig",
@@ -211,7 +211,7 @@ def _budgets(cfg: EvalConfig, length: int) -> list[int]:
 
 
 def _held_out(n: int) -> list:
-    from ..train.corpus import load_corpus
+    from ..data.corpus import load_corpus
 
     held_out = [d for d in load_corpus(include_topics=False) if d.split == "test"]
     return sorted(held_out, key=lambda d: (-len(d.text), d.module))[:n]
@@ -219,7 +219,7 @@ def _held_out(n: int) -> list:
 
 def default_texts(n: int = 4) -> dict[str, str]:
     """The fidelity texts when none is given: ``{module: source}`` of the ``n`` longest held-out (test-split)
-    standard-library modules, which the bundled models never saw in training (:mod:`speculant.train.corpus`)."""
+    standard-library modules, which the bundled models never saw in training (:mod:`speculant.data.corpus`)."""
     return {d.module: d.text for d in _held_out(n)}
 
 
@@ -235,7 +235,7 @@ def run_eval(model, tokenizer, cfg: EvalConfig, text: str | dict[str, str] | Non
     ``text``: one fidelity text, ``{name: text}`` for several, or None for :func:`default_texts` (``cfg.files``).
     Each result row holds the mean over the sequences (``kl``, ``top1_agreement``, ``nll_ratio``), standard errors
     over all scored positions, and the per-sequence numbers in ``per_file``."""
-    from .registry import parse_policy
+    from ..kv.registry import parse_policy
 
     specs = [p.strip() for p in cfg.policies.split(",") if p.strip()]
     policies = [parse_policy(p) for p in specs]  # results name each policy by its spec, as given

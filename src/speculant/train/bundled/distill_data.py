@@ -61,7 +61,7 @@ def _window_prompts(tokens: np.ndarray, newline_ids: set[int], n: int, lo: int, 
 
 
 def _docstring_prompts(tokenizer, n: int, lo: int, hi: int, rng: np.random.Generator) -> list[list[int]]:
-    from ..bench.prompts import (
+    from ...data.prompts import (
         code_prompts,  # signature + docstring extraction, here on the TRAIN split
     )
 

@@ -1,0 +1,1 @@
+"""The decoding core: data types, sampling, the one verifier, tree attention, the cache seam, the engine and the target's forward (lean, packed weights)."""

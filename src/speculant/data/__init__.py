@@ -1,0 +1,1 @@
+"""Prompt sets and corpora: built-in prompt sets, MT-Bench, the standard-library corpus, instruction prompts."""
