@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from .data import load_split
 from ..losses import distill_loss
+from ..precision import autocast_dtype
 
 __all__ = ["ModelSpec", "PRESETS", "TrainConfig", "build_model", "train", "evaluate"]
 
@@ -104,20 +105,6 @@ def _device(cfg: TrainConfig) -> torch.device:
 
 def _autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
     return autocast_dtype(cfg.precision, device)
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype for ``precision`` (auto | fp32 | bf16) on ``device``: auto is bf16 where the
-    hardware computes it natively, else None (fp32)."""
-    if precision == "fp32":
-        return None
-    if precision == "bf16":
-        return torch.bfloat16
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    if device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return torch.bfloat16  # CPUs with native bf16 (AVX512-BF16, AMX) train about twice as fast
-    return None
 
 
 def _lr(cfg: TrainConfig, step: int) -> float:

@@ -271,7 +271,7 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     from ...models.loading import load_pretrained
     from ..calibrate import write_calibration_tokens
     from .draft_train import TOKEN, kept_ids, train_attached
-    from ..bundled.pretrain import autocast_dtype
+    from ..precision import autocast_dtype
 
     loss = loss or cfg.loss
     if cfg.kind not in KINDS:
