@@ -52,7 +52,8 @@ class QuantMatrix:
     ``dtype`` (the model's dtype; the scales are stored rounded to it, so every form computes the same matrix).
 
     Build with :meth:`quantize` (from a float matrix), :meth:`int4` (from codes, e.g. a GGUF file's) or
-    :meth:`cat` (fused rows). ``codes``: int8 ``[out, in]`` (int8) or uint8 ``[out, in]`` in ``[0, 16)`` (int4);
+    :meth:`cat` (fused rows). ``codes``: int8 ``[out, in]`` (int8) or uint8 ``[out, in / 2]``, two 4-bit codes per
+    byte, the even input's in the low nibble (int4; :meth:`int4_codes` unpacks them);
     ``scale``: ``[out]`` (int8) or ``[out, in / 32]`` (int4); ``zero``: None (int8) or ``[out, in / 32]`` (int4,
     the kernel's form ``w = (q - 8) * scale + zero``)."""
 
@@ -64,7 +65,7 @@ class QuantMatrix:
             raise ValueError(f"quantized kind must be int8 or int4, got {kind!r}")
         if codes.dim() != 2:
             raise ValueError(f"codes must be a [out, in] matrix, got shape {tuple(codes.shape)}")
-        out, inp = codes.shape
+        out, inp = codes.shape[0], codes.shape[1] * (2 if kind == "int4" else 1)
         if kind == "int4" and inp % GROUP:
             raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {inp}")
         want = (out,) if kind == "int8" else (out, inp // GROUP)
@@ -73,6 +74,7 @@ class QuantMatrix:
         self.kind, self.shape, self.dtype = kind, torch.Size((out, inp)), dtype
         self.codes, self.scale, self.zero = codes, scale.to(dtype), None if zero is None else zero.to(dtype)
         # what the kernel holds: int8 codes as they are (1 byte per weight); int4 codes two per byte (reordered)
+        # (an int4 matrix also keeps its own nibble codes for cat and dequantize: another half byte per weight)
         self.nbytes = out * inp if kind == "int8" else out * inp // 2
         self._kernel = self._prepare()
 
@@ -104,8 +106,11 @@ class QuantMatrix:
         ``minimum = -dmin * m``), computed in ``dtype``."""
         if codes.dim() == 2 and codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
             raise ValueError("int4 codes must lie in [0, 16)")
+        if codes.dim() != 2 or codes.shape[1] % GROUP:
+            raise ValueError(f"int4 codes must be [out, in] with in a multiple of {GROUP}, got {tuple(codes.shape)}")
+        nibbles = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)
         scale = scale.float()
-        return cls("int4", codes.to(torch.uint8), scale, minimum.float() + 8 * scale, dtype)
+        return cls("int4", nibbles[..., 0] | (nibbles[..., 1] << 4), scale, minimum.float() + 8 * scale, dtype)
 
     @classmethod
     def cat(cls, parts: list[QuantMatrix]) -> QuantMatrix:
@@ -127,7 +132,7 @@ class QuantMatrix:
                 return self.codes.contiguous(), self.scale.contiguous()
             out = self.shape[0]
             pad = -out % _N_ALIGN
-            codes, scale, zero = self.codes.to(torch.int32), self.scale, self.zero
+            codes, scale, zero = self.int4_codes().to(torch.int32), self.scale, self.zero
             if pad:
                 codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
                 scale = torch.cat([scale, scale.new_zeros((pad, scale.shape[1]))])
@@ -138,12 +143,18 @@ class QuantMatrix:
 
     # ---------------------------------------------------------------------------------------------- use
 
+    def int4_codes(self) -> torch.Tensor:
+        """uint8 ``[out, in]``: the int4 codes, one per byte."""
+        if self.kind != "int4":
+            raise ValueError(f"int4_codes of a {self.kind} matrix")
+        return torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.shape)
+
     def dequantize(self) -> torch.Tensor:
         """``[out, in]`` in :attr:`dtype`: the matrix the quantized kernels multiply by (float32 arithmetic)."""
         if self.kind == "int8":
             w = self.codes.float() * self.scale.float()[:, None]
         else:
-            q = self.codes.float().reshape(self.shape[0], -1, GROUP) - 8
+            q = self.int4_codes().float().reshape(self.shape[0], -1, GROUP) - 8
             w = (q * self.scale.float()[..., None] + self.zero.float()[..., None]).reshape(self.shape)
         return w.to(self.dtype)
 
