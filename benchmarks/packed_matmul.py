@@ -10,7 +10,8 @@ for each row count (median of ``--repeats``) with:
 * ``packed``: the matrix reordered once for oneDNN (:class:`speculant.core.packed.PackedMatrix`), in the same dtype;
 * for bfloat16 also torch's weight-only quantized CPU kernels: ``int8`` (``_weight_int8pack_mm``, a scale per
   row) and ``int4`` (``_weight_int4pack_mm_for_cpu``, groups of 32 with a scale and an offset, the layout of
-  GGUF's Q4_1). These change the model's numbers; they are measured to show what a quantized path would buy.
+  GGUF's Q4_1), through :class:`speculant.core.quant.QuantMatrix`. These change the model's numbers (a quantized
+  model is another model, see :mod:`speculant.core.quant`).
 
     python benchmarks/packed_matmul.py [--target smollm2-135m-instruct] [--out benchmarks/results/packed_matmul.json]
 """
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from speculant.bench.speed import machine_info
 from speculant.models.loading import resolve_model
 from speculant.core.packed import PackedMatrix, linear, packable
+from speculant.core.quant import QuantMatrix
 
 
 def _shapes(target: str) -> list[tuple[int, int]]:
@@ -41,29 +43,6 @@ def _shapes(target: str) -> list[tuple[int, int]]:
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
     layer = [(qkv, h), (h, cfg.num_attention_heads * d), (2 * i, h), (h, i)]
     return layer * cfg.num_hidden_layers + [(cfg.vocab_size, h)]
-
-
-def _int8(w: torch.Tensor):
-    scale = w.abs().amax(1).clamp_min(1e-8) / 127  # [out]
-    q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return lambda x: torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), q, scale.to(x.dtype))
-
-
-def _int4(w: torch.Tensor, group: int = 32):
-    out, inp = w.shape
-    g = w.float().reshape(out, inp // group, group)
-    low, high = g.amin(-1), g.amax(-1)
-    scale = ((high - low) / 15).clamp_min(1e-8)  # [out, groups]
-    q = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(out, inp)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    # the kernel computes (q - 8) * scale + zero: zero = low + 8 * scale gives low + q * scale (Q4_1's form)
-    scale_zero = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()  # [groups, out, 2]
-
-    def mm(x):
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), packed, group,
-                                                          scale_zero.to(x.dtype))
-
-    return mm
 
 
 def main() -> None:
@@ -90,8 +69,8 @@ def main() -> None:
                 packed = [PackedMatrix(w) for w in weights]
                 kernels["packed"] = [lambda x, p=p: linear(x, p) for p in packed]
             if dtype == torch.bfloat16:
-                kernels["int8"] = [_int8(w) for w in weights]
-                kernels["int4"] = [_int4(w) for w in weights]
+                for kind in ("int8", "int4"):  # speculant.core.quant; benchmarks/quant_matmul.py compares them
+                    kernels[kind] = [lambda x, q=QuantMatrix.quantize(w, kind): linear(x, q) for w in weights]
             times = {k: {r: [] for r in rows} for k in kernels}
             inputs = {r: {i: torch.randn(1, r, i, generator=gen).to(dtype) for i in {s[1] for s in shapes}}
                       for r in rows}

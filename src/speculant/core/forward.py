@@ -20,6 +20,7 @@ import torch
 from .cache import cache_kwarg
 from .checks import warn_once
 from .lean import LeanForward, sliding_window, unsupported
+from .quant import quantization_of
 
 __all__ = ["FORWARDS", "TargetForward", "lean_for"]
 
@@ -34,10 +35,11 @@ _BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key
 def _key(model: torch.nn.Module, packed: bool) -> tuple:
     """Changes when a parameter is replaced or the model switches dtype/device, and, for a packed lean forward
     (which holds copies), when a parameter changes in place (its version counter). An unpacked one needs no
-    rebuild for in-place updates: it reads the model's tensors, see lean._fused."""
+    rebuild for in-place updates: it reads the model's tensors, see lean._fused. Quantizing the model (in place,
+    speculant.core.quant) changes it too."""
     if packed:
-        return tuple((id(p), p.dtype, p.device, _version(p)) for p in model.parameters())
-    return tuple((id(p), p.dtype, p.device) for p in model.parameters())
+        return (quantization_of(model), *((id(p), p.dtype, p.device, _version(p)) for p in model.parameters()))
+    return (quantization_of(model), *((id(p), p.dtype, p.device) for p in model.parameters()))
 
 
 def _version(t: torch.Tensor) -> int:

@@ -12,7 +12,10 @@ arithmetic: 30 layers of module calls, kwargs plumbing, per-call mask and RoPE b
   of an empty cache, a small boolean mask otherwise);
 * on a CPU, the matrices (and the LM head) reordered once into oneDNN's blocked layout
   (:class:`~speculant.core.packed.PackedMatrix`) where :func:`~speculant.core.packed.pack_enabled` allows the copy: in
-  bfloat16 the same results bit for bit, 1.35-1.7x faster matmuls for decoding (see :mod:`speculant.core.packed`).
+  bfloat16 the same results bit for bit, 1.35-1.7x faster matmuls for decoding (see :mod:`speculant.core.packed`);
+* for a model quantized by :func:`~speculant.core.quant.quantize_model` (int8, int4), the recorded quantized
+  matrices (fused where the projections are) multiplied by torch's weight-only quantized kernels
+  (:mod:`speculant.core.quant`).
 
 One class serves the target (plain decoding, chains, trees, probe slots, evicted caches) and the draft models.
 Covered: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM`` (per-head q/k
@@ -37,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .packed import PackedMatrix, linear, pack_enabled, packable
+from .quant import ATTR, QuantMatrix, quantization_of
 
 __all__ = ["COVERED", "LeanForward", "sliding_window", "unsupported"]
 
@@ -51,15 +55,15 @@ class _Layer:
     """One decoder layer's tensors, fused where the model keeps them apart."""
 
     in_norm: torch.Tensor  # [H]
-    qkv: torch.Tensor | PackedMatrix  # [(Hq + 2 Hkv) D, H]
+    qkv: torch.Tensor | PackedMatrix | QuantMatrix  # [(Hq + 2 Hkv) D, H]
     qkv_bias: torch.Tensor | None  # [(Hq + 2 Hkv) D]
     qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: Qwen3's per-head q and k norm weights, one row per head
-    o: torch.Tensor | PackedMatrix  # [H, Hq D]
+    o: torch.Tensor | PackedMatrix | QuantMatrix  # [H, Hq D]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [H]
-    gate_up: torch.Tensor | PackedMatrix  # [2 I, H]
+    gate_up: torch.Tensor | PackedMatrix | QuantMatrix  # [2 I, H]
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor | PackedMatrix  # [H, I]
+    down: torch.Tensor | PackedMatrix | QuantMatrix  # [H, I]
     down_bias: torch.Tensor | None
 
 
@@ -150,6 +154,23 @@ def _extract(layer: torch.nn.Module, heads: int, kv_heads: int) -> _Layer:
     )
 
 
+def _quantized(*linears: torch.nn.Module) -> QuantMatrix:
+    """The quantized matrices :func:`~speculant.core.quant.quantize_model` recorded on ``linears``, fused into one."""
+    matrices = [getattr(m, ATTR, None) for m in linears]
+    if any(q is None for q in matrices):
+        raise ValueError("the model is marked quantized but a projection has no quantized matrix")
+    return QuantMatrix.cat(matrices)
+
+
+def _quantize_layer(layer: torch.nn.Module, w: _Layer) -> _Layer:
+    """``w`` with its four matrices replaced by the layer's quantized ones (biases and norms unchanged)."""
+    a, m = layer.self_attn, layer.mlp
+    qkv = (a.qkv_proj,) if hasattr(a, "qkv_proj") else (a.q_proj, a.k_proj, a.v_proj)
+    gate_up = (m.gate_up_proj,) if hasattr(m, "gate_up_proj") else (m.gate_proj, m.up_proj)
+    return dataclasses.replace(w, qkv=_quantized(*qkv), o=_quantized(a.o_proj), gate_up=_quantized(*gate_up),
+                               down=_quantized(m.down_proj))
+
+
 def sliding_window(cfg) -> int | None:
     """The sliding window of a model config when any layer uses one, else None."""
     window = getattr(cfg, "sliding_window", None)
@@ -172,7 +193,11 @@ class LeanForward:
     does both).
 
     ``pack``: reorder the matrices once for the CPU's matmul kernels (:mod:`speculant.core.packed`); None (default)
-    lets :func:`~speculant.core.packed.pack_enabled` decide."""
+    lets :func:`~speculant.core.packed.pack_enabled` decide.
+
+    A model quantized by :func:`~speculant.core.quant.quantize_model` runs on its quantized matrices
+    (:attr:`quantization` names the kind; ``pack`` is then ignored) and, like a packed one, holds copies
+    (:attr:`packed` is True: rebuild after in-place changes)."""
 
     def __init__(self, model: torch.nn.Module, pack: bool | None = None) -> None:
         cfg = model.config
@@ -189,14 +214,20 @@ class LeanForward:
         self.layers = [_extract(layer, self.heads, self.kv_heads) for layer in base.layers]
         matrices = [m for w in self.layers for m in (w.qkv, w.o, w.gate_up, w.down)]
         head = self.lm_head.weight
-        if pack is None:
-            pack = pack_enabled([*matrices, head])
-        self.packed = bool(pack) and all(packable(m) for m in (*matrices, head))
-        if self.packed:
-            self.layers = [dataclasses.replace(w, qkv=PackedMatrix(w.qkv), o=PackedMatrix(w.o),
-                                               gate_up=PackedMatrix(w.gate_up), down=PackedMatrix(w.down))
-                           for w in self.layers]
-        self._head: PackedMatrix | None = None  # the packed LM head, made by the first head_matrix() call
+        self.quantization = quantization_of(model)
+        self._head: PackedMatrix | QuantMatrix | None = None  # the packed LM head, made by the first head_matrix()
+        if self.quantization != "none":  # the quantized matrices: private copies, like packed ones
+            self.packed = True
+            self.layers = [_quantize_layer(layer, w) for layer, w in zip(base.layers, self.layers)]
+            self._head = _quantized(self.lm_head)
+        else:
+            if pack is None:
+                pack = pack_enabled([*matrices, head])
+            self.packed = bool(pack) and all(packable(m) for m in (*matrices, head))
+            if self.packed:
+                self.layers = [dataclasses.replace(w, qkv=PackedMatrix(w.qkv), o=PackedMatrix(w.o),
+                                                   gate_up=PackedMatrix(w.gate_up), down=PackedMatrix(w.down))
+                               for w in self.layers]
         # SDPA on CPU is several times slower in bfloat16/float16 than in float32 for a few queries (measured:
         # 250 vs 80 us for one query over 300 keys): attend in float32 there (inputs upcast, output rounded back)
         low = self.embed.dtype in (torch.bfloat16, torch.float16)
@@ -236,9 +267,10 @@ class LeanForward:
         out = rot * cos + torch.cat([-rot[..., half:], rot[..., :half]], -1) * sin
         return out if rest is None else torch.cat([out, rest], -1)
 
-    def head_matrix(self) -> torch.Tensor | PackedMatrix:
-        """The LM head's ``[V, H]`` matrix as :meth:`logits` multiplies by it: packed when the layers are (made on
-        first use: a drafter's lean forward never needs its shared head), else the model's own weight."""
+    def head_matrix(self) -> torch.Tensor | PackedMatrix | QuantMatrix:
+        """The LM head's ``[V, H]`` matrix as :meth:`logits` multiplies by it: quantized when the model is, packed
+        when the layers are (made on first use: a drafter's lean forward never needs its shared head), else the
+        model's own weight."""
         if not self.packed:
             return self.lm_head.weight.detach()
         if self._head is None:

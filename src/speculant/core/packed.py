@@ -27,6 +27,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .quant import QuantMatrix
+
 __all__ = ["PACK_ENV", "PackedMatrix", "available_memory", "linear", "pack_enabled", "packable"]
 
 PACK_ENV = "SPECULANT_PACK"
@@ -50,10 +52,14 @@ class PackedMatrix:
         self.nbytes = weight.numel() * weight.element_size()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | PackedMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a dense or packed ``weight`` (``x [..., in]`` -> ``[..., out]``)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | PackedMatrix | QuantMatrix,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a dense, packed or quantized (:class:`~speculant.core.quant.QuantMatrix`)
+    ``weight`` (``x [..., in]`` -> ``[..., out]``)."""
     if type(weight) is PackedMatrix:
         return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+    if type(weight) is QuantMatrix:
+        return weight.linear(x, bias)
     return F.linear(x, weight, bias)
 
 

@@ -1,0 +1,225 @@
+"""Weight-only quantized matrices (int8, int4) for the lean forward, on torch's CPU kernels.
+
+Quantization is a choice of model, not of decoding method: :func:`quantize_model` turns a model into its int8 or
+int4 version, and from then on every method (plain decoding, chains, trees, lookup ...) runs that model, so
+"lossless" keeps its meaning: each method's output equals plain decoding of the same quantized model.
+
+* ``int8``: per output channel, symmetric: ``w[n, k] = scale[n] * q[n, k]``, ``q`` in ``[-127, 127]``
+  (``torch._weight_int8pack_mm``).
+* ``int4``: groups of :data:`GROUP` (32) along the input, asymmetric: ``w[n, k] = scale[n, g] * q[n, k] +
+  minimum[n, g]``, ``q`` in ``[0, 16)``, ``g = k // 32`` (``torch.ops.aten._weight_int4pack_mm_for_cpu``). This is
+  the shape GGUF's Q4_0/Q4_1/Q4_K blocks decode to (Q4_K: ``scale = d * sc``, ``minimum = -dmin * m`` per 32-weight
+  sub-block), so a loader can hand its codes over unchanged (:meth:`QuantMatrix.int4`).
+
+How it is wired: :func:`quantize_model` replaces each decoder-layer linear's and the LM head's weight *in place* by
+its dequantized value and records the :class:`QuantMatrix` on the module (attribute :data:`ATTR`). The model's
+own forward (transformers, or any fallback) therefore computes the quantized model with dense kernels, and
+:class:`~speculant.core.lean.LeanForward` finds the recorded matrices and multiplies by them with the quantized
+kernels (fused q/k/v and gate/up concatenated, :meth:`QuantMatrix.cat`). The two paths differ by float rounding
+only, as the lean and model forwards always have. The float weights stay (the embedding, the fallback forward,
+training need them): this path buys speed, not memory. A tied LM head quantizes the shared matrix, so the token
+embeddings become the dequantized rows too (as in a GGUF file, whose token_embd is quantized).
+
+Exactness rests on row independence: verification multiplies 1..16 rows by each matrix where plain decoding
+multiplies one, so a token's output row must not depend on how many rows are multiplied together. Both torch
+kernels loop over rows with the same arithmetic per row (checked bitwise in tests/test_quant.py for 1..16 and
+more rows, 1 and 2 threads). Note: torch's dense float kernels (``F.linear`` in float32/bfloat16, and oneDNN's
+packed ones of :mod:`speculant.core.packed` for larger matrices) are *not* row independent bit for bit; their
+differences are float rounding, which is why greedy equality there holds on well-separated logits but a near-tie
+may flip.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ATTR", "GROUP", "QUANTIZATIONS", "QuantMatrix", "attach", "quantization_of", "quantize_model"]
+
+QUANTIZATIONS = ("none", "int8", "int4")
+"""Accepted values of ``quantization=`` (``--quantization``)."""
+
+GROUP = 32
+"""Inputs per int4 group (one scale and one minimum each)."""
+
+ATTR = "speculant_quant"
+"""The attribute of a quantized ``nn.Linear`` that holds its :class:`QuantMatrix`."""
+
+_N_ALIGN = 16  # the int4 CPU kernel packs output rows in blocks of 16: pad the rows up to a multiple
+
+
+class QuantMatrix:
+    """A weight-only quantized ``[out, in]`` matrix; :meth:`linear` multiplies ``x [..., in]`` by it in
+    ``dtype`` (the model's dtype; the scales are stored rounded to it, so every form computes the same matrix).
+
+    Build with :meth:`quantize` (from a float matrix), :meth:`int4` (from codes, e.g. a GGUF file's) or
+    :meth:`cat` (fused rows). ``codes``: int8 ``[out, in]`` (int8) or uint8 ``[out, in / 2]``, two 4-bit codes per
+    byte, the even input's in the low nibble (int4; :meth:`int4_codes` unpacks them);
+    ``scale``: ``[out]`` (int8) or ``[out, in / 32]`` (int4); ``zero``: None (int8) or ``[out, in / 32]`` (int4,
+    the kernel's form ``w = (q - 8) * scale + zero``)."""
+
+    __slots__ = ("kind", "shape", "dtype", "codes", "scale", "zero", "nbytes", "_kernel")
+
+    def __init__(self, kind: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                 dtype: torch.dtype) -> None:
+        if kind not in ("int8", "int4"):
+            raise ValueError(f"quantized kind must be int8 or int4, got {kind!r}")
+        if codes.dim() != 2:
+            raise ValueError(f"codes must be a [out, in] matrix, got shape {tuple(codes.shape)}")
+        out, inp = codes.shape[0], codes.shape[1] * (2 if kind == "int4" else 1)
+        if kind == "int4" and inp % GROUP:
+            raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {inp}")
+        want = (out,) if kind == "int8" else (out, inp // GROUP)
+        if tuple(scale.shape) != want or (zero is not None and tuple(zero.shape) != want):
+            raise ValueError(f"{kind} scales must have shape {want}, got {tuple(scale.shape)}")
+        self.kind, self.shape, self.dtype = kind, torch.Size((out, inp)), dtype
+        self.codes, self.scale, self.zero = codes, scale.to(dtype), None if zero is None else zero.to(dtype)
+        # what the kernel holds: int8 codes as they are (1 byte per weight); int4 codes two per byte (reordered)
+        # (an int4 matrix also keeps its own nibble codes for cat and dequantize: another half byte per weight)
+        self.nbytes = out * inp if kind == "int8" else out * inp // 2
+        self._kernel = self._prepare()
+
+    # ------------------------------------------------------------------------------------------ construction
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, kind: str) -> QuantMatrix:
+        """The ``kind`` (int8, int4) quantization of ``weight [out, in]``, in ``weight``'s dtype (round to nearest;
+        int8 scale = max |w| / 127 per row; int4 scale = (max - min) / 15 and minimum = min per group)."""
+        w = weight.detach().float()
+        if kind == "int8":
+            scale = (w.abs().amax(1) / 127).clamp_min(1e-12).to(weight.dtype).float()  # [out], as the kernel sees it
+            codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+            return cls("int8", codes, scale, None, weight.dtype)
+        if kind == "int4":
+            if w.dim() != 2 or w.shape[1] % GROUP:
+                raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got shape {tuple(w.shape)}")
+            g = w.reshape(w.shape[0], -1, GROUP)  # [out, groups, 32]
+            low, high = g.amin(-1), g.amax(-1)
+            scale = ((high - low) / 15).clamp_min(1e-12)
+            codes = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+            return cls.int4(codes.reshape(w.shape), scale, low, weight.dtype)
+        raise ValueError(f"quantization must be int8 or int4 here, got {kind!r}")
+
+    @classmethod
+    def int4(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> QuantMatrix:
+        """An int4 matrix from its codes ``[out, in]`` (integers in ``[0, 16)``), ``scale`` and ``minimum``
+        ``[out, in / 32]``: ``w = scale * q + minimum`` (a GGUF Q4_K sub-block: ``scale = d * sc``,
+        ``minimum = -dmin * m``), computed in ``dtype``."""
+        if codes.dim() == 2 and codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
+            raise ValueError("int4 codes must lie in [0, 16)")
+        if codes.dim() != 2 or codes.shape[1] % GROUP:
+            raise ValueError(f"int4 codes must be [out, in] with in a multiple of {GROUP}, got {tuple(codes.shape)}")
+        nibbles = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)
+        scale = scale.float()
+        return cls("int4", nibbles[..., 0] | (nibbles[..., 1] << 4), scale, minimum.float() + 8 * scale, dtype)
+
+    @classmethod
+    def cat(cls, parts: list[QuantMatrix]) -> QuantMatrix:
+        """The matrices stacked along the output rows (fused q/k/v, gate/up): one matrix, one kernel call."""
+        first = parts[0]
+        if any(p.kind != first.kind or p.dtype != first.dtype or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("only quantized matrices of one kind, dtype and input size can be fused")
+        if len(parts) == 1:
+            return first
+        zero = None if first.zero is None else torch.cat([p.zero for p in parts])
+        return cls(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero,
+                   first.dtype)
+
+    def _prepare(self):
+        """The kernel's operands: int8 ``(codes, scale)``; int4 ``(packed codes, [groups, out', 2] scale/zero,
+        out')`` with the rows padded to a multiple of 16 (padding rows are zero: code 8, scale and zero 0)."""
+        with torch.inference_mode(False), torch.no_grad():
+            if self.kind == "int8":
+                return self.codes.contiguous(), self.scale.contiguous()
+            out = self.shape[0]
+            pad = -out % _N_ALIGN
+            codes, scale, zero = self.int4_codes().to(torch.int32), self.scale, self.zero
+            if pad:
+                codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
+                scale = torch.cat([scale, scale.new_zeros((pad, scale.shape[1]))])
+                zero = torch.cat([zero, zero.new_zeros((pad, zero.shape[1]))])
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+            scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out + pad, 2]
+            return packed, scale_zero
+
+    # ---------------------------------------------------------------------------------------------- use
+
+    def int4_codes(self) -> torch.Tensor:
+        """uint8 ``[out, in]``: the int4 codes, one per byte."""
+        if self.kind != "int4":
+            raise ValueError(f"int4_codes of a {self.kind} matrix")
+        return torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """``[out, in]`` in :attr:`dtype`: the matrix the quantized kernels multiply by (float32 arithmetic)."""
+        if self.kind == "int8":
+            w = self.codes.float() * self.scale.float()[:, None]
+        else:
+            q = self.int4_codes().float().reshape(self.shape[0], -1, GROUP) - 8
+            w = (q * self.scale.float()[..., None] + self.zero.float()[..., None]).reshape(self.shape)
+        return w.to(self.dtype)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in] @ W.T + bias -> [..., out]`` in ``x``'s dtype (which must be :attr:`dtype`)."""
+        if x.dtype != self.dtype:
+            raise ValueError(f"this {self.kind} matrix computes in {self.dtype}, got input in {x.dtype}")
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
+        if self.kind == "int8":
+            out = torch._weight_int8pack_mm(rows, *self._kernel)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self._kernel[0], GROUP, self._kernel[1])
+            if out.shape[1] != self.shape[0]:
+                out = out[:, : self.shape[0]].contiguous()
+        out = out.view(*x.shape[:-1], self.shape[0])
+        return out if bias is None else out + bias
+
+
+def attach(module: torch.nn.Module, matrix: QuantMatrix) -> None:
+    """Make ``module`` (an ``nn.Linear``) the quantized ``matrix``: its weight becomes the dequantized values (in
+    place, so tied and fused views follow) and the matrix is recorded for the lean forward (attribute
+    :data:`ATTR`). A loader that decodes quantized blocks itself (GGUF) calls this with :meth:`QuantMatrix.int4`."""
+    weight = module.weight
+    if tuple(weight.shape) != tuple(matrix.shape):
+        raise ValueError(f"quantized matrix {tuple(matrix.shape)} does not fit weight {tuple(weight.shape)}")
+    if matrix.dtype != weight.dtype:
+        raise ValueError(f"quantized matrix computes in {matrix.dtype}, the weight is {weight.dtype}")
+    with torch.inference_mode(False), torch.no_grad():
+        weight.copy_(matrix.dequantize())
+    setattr(module, ATTR, matrix)
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers' ``nn.Linear`` modules and the LM head (not the embedding, norms or other heads)."""
+    base = getattr(model, "base_model", model)
+    found = [m for m in base.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, torch.nn.Linear) and all(head is not m for m in found):
+        found.append(head)
+    return found
+
+
+def quantization_of(model: torch.nn.Module) -> str:
+    """``"none"``, ``"int8"`` or ``"int4"``: what :func:`quantize_model` made of ``model``."""
+    return getattr(model, "speculant_quantization", "none")
+
+
+def quantize_model(model: torch.nn.Module, quantization: str) -> torch.nn.Module:
+    """Quantize ``model`` in place to ``quantization`` (one of :data:`QUANTIZATIONS`) and return it: every linear of
+    its decoder layers and its LM head (see the module doc). ``"none"`` leaves it as it is; quantizing again to
+    the same kind is a no-op, to another kind a ValueError (reload the model instead). int4 needs each matrix's
+    input size to be a multiple of 32."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    current = quantization_of(model)
+    if quantization == "none" or quantization == current:
+        return model
+    if current != "none":
+        raise ValueError(f"the model is already quantized to {current}; load it again to quantize to {quantization}")
+    linears = _linears(model)
+    if quantization == "int4":
+        bad = [m for m in linears if m.weight.shape[1] % GROUP]
+        if bad:
+            raise ValueError(f"int4 needs input sizes that are multiples of {GROUP}, got {bad[0].weight.shape[1]}")
+    for m in linears:
+        attach(m, QuantMatrix.quantize(m.weight, quantization))
+    model.speculant_quantization = quantization
+    return model
