@@ -18,7 +18,7 @@ import torch
 
 from speculant import cli, generate
 from speculant.bench import harness, load_prompts, run_bench
-from speculant.bench import models as bench_models
+from speculant.models import loading as model_loading
 from speculant.bench.hf import hf_runner, parse_baseline
 from speculant.data.prompts import builtin_prompts, grounded_prompts
 from speculant.bench.report import category_table, render_markdown, write_plots
@@ -170,15 +170,15 @@ def test_cli_bad_input_one_line_exit_2(dirs, capsys, extra, needle):
 def test_cli_chain_without_draft(dirs, capsys):
     code = cli.main(["bench", "--prompts", dirs["prompts"], "--target", dirs["target"], "--baselines", "hf-ar"])
     _, stderr = capsys.readouterr()
-    assert code == 2 and "chain:k=4 need(s) a draft model" in stderr
+    assert code == 2 and "chain:k=4 needs a draft model" in stderr
 
 
 def test_out_that_is_a_file_is_refused_before_any_model_loads(dirs, capsys, tmp_path, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before --out was checked")
 
-    monkeypatch.setattr(bench_models, "load_model_dir", no_loading)
-    monkeypatch.setattr(bench_models, "load_draft", no_loading)
+    monkeypatch.setattr(model_loading, "load_model_dir", no_loading)
+    monkeypatch.setattr(model_loading, "load_draft", no_loading)
     taken = tmp_path / "results"
     taken.write_text("not a folder")
     for out, needle in ((taken, "is a file: give a directory"), (taken / "sub", "cannot be created")):
@@ -202,8 +202,8 @@ def test_device_option(dirs, capsys, tmp_path, monkeypatch):
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded before --device was checked")
 
-    monkeypatch.setattr(bench_models, "load_model_dir", no_loading)
-    monkeypatch.setattr(bench_models, "load_draft", no_loading)
+    monkeypatch.setattr(model_loading, "load_model_dir", no_loading)
+    monkeypatch.setattr(model_loading, "load_draft", no_loading)
     device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"
     code = cli.main([*argv, "--device", device, "--out", str(tmp_path / "gpu")])
     stdout, stderr = capsys.readouterr()
@@ -219,7 +219,8 @@ def test_default_out_is_ignored_by_git():
 
 
 def test_draft_defaults_to_the_one_shipped_for_the_target(dirs, monkeypatch):
-    monkeypatch.setattr(harness, "default_draft_for", lambda t: dirs["draft"] if str(t) == dirs["target"] else None)
+    monkeypatch.setattr(model_loading, "default_draft_for",
+                        lambda t: dirs["draft"] if str(t) == dirs["target"] else None)
     res = run_bench(dirs["prompts"], methods=["chain:k=2"], baselines=[], target=dirs["target"], num_prompts=1,
                     max_new_tokens=4, warmup=0, progress=False)
     assert res["settings"]["draft"] == dirs["draft"] and res["methods"]["chain:k=2"]["identical_to_ar"] == 1.0
@@ -545,7 +546,7 @@ def test_run_bench_adds_reference_first(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="unknown method 'hf-ar'"):
         run_bench(ids_prompts(1), methods=["hf-ar"], target=target, progress=False)
-    with pytest.raises(ValueError, match="need\\(s\\) a draft model"):
+    with pytest.raises(ValueError, match="hf-assisted needs a draft model"):
         run_bench(ids_prompts(1), methods=["ar"], baselines=["hf-assisted"], target=target, progress=False)
     res = run_bench(ids_prompts(1), methods="chain:k=2, ar", baselines="", target=target, draft=draft,
                     max_new_tokens=4, progress=False, warmup=0)

@@ -524,6 +524,7 @@ def test_kv_eval_cli_json(llama, monkeypatch, capsys, tmp_path):
     from speculant.commands import kv_eval
 
     monkeypatch.setattr(speculant.models.loading, "resolve_model", lambda name: name)
+    monkeypatch.setattr(speculant.models.loading, "check_model_dir", lambda path: path)  # resolved by the session
     monkeypatch.setattr(speculant.models.loading, "load_model_dir", lambda path, dtype=None: (llama, CharTokenizer()))
     parser = argparse.ArgumentParser()
     kv_eval.add_arguments(parser)

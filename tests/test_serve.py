@@ -601,7 +601,7 @@ def test_model_that_fails_to_load_ends_the_server(models, capsys, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(models["target"], broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
-    code = cli.main(["serve", "--target", str(broken), "--port", "0"])
+    code = cli.main(["serve", "--target", str(broken), "--method", "ar", "--port", "0"])
     out, err = capsys.readouterr()
     # the server listened (one line), then the load failed (one error line), exit 2
     lines = err.splitlines()
@@ -619,7 +619,9 @@ def test_settings_choose_the_method_when_none_is_given(models, monkeypatch):
 
     pair = {"target": models["target"], "draft": models["draft"]}
     assert check_settings(ServeSettings(**pair)).method == "chain"
-    assert check_settings(ServeSettings(target=models["target"])).method == "ar"  # no drafter for it
+    with pytest.raises(ValueError, match="needs a draft model.*--method ar"):  # no drafter for it: as generate
+        check_settings(ServeSettings(target=models["target"]))
+    assert check_settings(ServeSettings(target=models["target"], method="ar")).method == "ar"
     monkeypatch.setattr(loading, "default_method_for", lambda t, d: "chain:k=2:lookup=3" if d else None)
     assert check_settings(ServeSettings(**pair)).method == "chain:k=2:lookup=3"
     assert check_settings(ServeSettings(**pair, method="tree")).method == "tree"

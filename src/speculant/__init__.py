@@ -1,5 +1,8 @@
 """speculant: lossless speculative decoding for Hugging Face causal LMs on a single constrained machine.
 
+>>> session = speculant.load("default-target")       # resolves its draft and method, loads both (one way in)
+>>> session.generate("def fibonacci(n):", max_new_tokens=64).token_ids
+
 >>> gen = speculant.generate(target, input_ids, drafter=speculant.DraftModelDrafter(draft, k=4))
 >>> gen.token_ids, gen.stats.acceptance_length
 
@@ -35,6 +38,10 @@ _EXPORTS: dict[str, str] = {
     "PromptLookupDrafter": ".drafters.lookup",
     "MaskProbeDrafter": ".drafters.mask_probe",
     "HybridDrafter": ".drafters.hybrid",
+    "Session": ".session",
+    "SessionPlan": ".session",
+    "load": ".session",
+    "resolve": ".session",
     "build_drafter": ".drafters.registry",
     "generate": ".core.engine",
     "load_pretrained": ".models.loading",
@@ -65,6 +72,8 @@ __all__ = [
     "RSDCDrafter",
     "RSDSDrafter",
     "SamplingParams",
+    "Session",
+    "SessionPlan",
     "SpecInferDrafter",
     "SpecTrDrafter",
     "Verdict",
@@ -72,8 +81,10 @@ __all__ = [
     "build_drafter",
     "chat_ids",
     "generate",
+    "load",
     "load_draft",
     "load_pretrained",
+    "resolve",
     "stop_ids",
     "verify",
 ]
@@ -108,3 +119,4 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .models.loading import load_draft, load_pretrained
     from .core.types import DraftTree, Generation, GenerationStats, SamplingParams, Verdict
     from .core.verification import verify
+    from .session import Session, SessionPlan, load, resolve

@@ -30,18 +30,9 @@ from pathlib import Path
 import torch
 
 from . import cli
-from .drafters.registry import build_drafter
-from .core.engine import generate
-from .models.chat import chat_ids, stop_ids
-from .models.loading import (
-    bundled_dir,
-    default_draft_for,
-    default_method_for,
-    draft_context,
-    load_draft,
-    load_pretrained,
-)
+from .models.loading import bundled_dir, default_draft_for, default_method_for
 from .models.sources import PACKAGED, packaged_gguf
+from .session import load
 from .testing import save_model_pair, tiny_tokenizer
 
 __all__ = ["main", "PROMPT"]
@@ -60,20 +51,15 @@ def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tok
              tiny: bool, dtype: str = "float32", chat: bool = False) -> None:
     """Time ar, chain, chain with lookup and the dynamic tree on ``prompt`` (the same target, draft and dtype as
     the CLI run)."""
-    target, tok = load_pretrained(target_name, dtype=dtype)
-    draft = load_draft(draft_name, target, dtype=dtype)
-    context = draft_context(draft_name, tok)
-    ids = chat_ids(tok, prompt) if chat else tok(prompt)["input_ids"]
-    eos = stop_ids(tok, target) if chat else None
+    session = load(target_name, draft_name, f"chain:k={k}", dtype=dtype, device="cpu")  # the timings: on the CPU
+    ids, eos = session.encode(prompt, raw=not chat)
     with_lookup = default_method_for(target_name, draft_name) or f"chain:k={k}:lookup=8"
     specs = {"ar": "ar", "chain": f"chain:k={k}", "chain+lookup": with_lookup, "tree": TREE}
-    drafters = {name: build_drafter(spec, draft, **context) for name, spec in specs.items()}
     runs: dict[str, list] = {name: [] for name in specs}
     for r in range(repeats + 1):  # round 0 is the warm-up; the order alternates so drift hits both alike
         order = list(specs) if r % 2 == 0 else list(reversed(specs))
-        for name in order:
-            stats = generate(target, ids, drafter=drafters[name], max_new_tokens=max_new_tokens,
-                             eos_token_id=eos).stats
+        for name in order:  # a fresh drafter of each method per generation, built by the session
+            stats = session.generate(ids, method=specs[name], max_new_tokens=max_new_tokens, eos_token_id=eos).stats
             if r > 0:
                 runs[name].append(stats)
     print(f"\nplain (ar) vs speculative (a chain with k={k}, a chain with prompt lookup merged in, a dynamic tree), "

@@ -25,10 +25,9 @@ import torch
 
 from ..models.chat import stop_ids
 from ..core.checks import check_fits_context, check_positive_int, resolve_device, resolve_eos
-from ..drafters.registry import NO_DEFAULT, build_drafter, engine_options, get_method, parse_method, split_spec
-from ..core.engine import generate
-from ..models.loading import default_draft_for
+from ..drafters.registry import NO_DEFAULT, get_method, split_spec
 from ..core.types import SamplingParams
+from ..session import ParsedMethod, Session
 from .budget import matched_specs, shape
 from .cost import (
     drafter_models,
@@ -39,7 +38,7 @@ from .cost import (
 )
 from . import llamacpp
 from .hf import BASELINES, hf_runner, parse_baseline
-from .models import load_bench_draft, load_bench_target
+from .models import BenchModels, plan_bench_models
 from .probe import peak_kv_bytes, probing
 from ..data.prompts import check_record, is_chat, load_prompts, prompt_ids
 from .speed import MethodRun, machine_info, run_side_by_side, summarise, summarise_by
@@ -142,23 +141,22 @@ def _prompt_records(prompts, num_prompts: int | None) -> tuple[str, list[dict]]:
 
 class _EngineMethod:
     """``run(ids, max_new_tokens, **sampling)`` for one of our methods: a fresh drafter per generation (drafters
-    hold per-generation caches), every model it runs probed for KV-cache bytes. ``last_drafter`` is kept for
-    the cost figures (a drafter may size itself in ``begin``, e.g. a trimmed LM head)."""
+    hold per-generation caches) built by the session that holds its models, every model it runs probed for
+    KV-cache bytes. ``last_drafter`` is kept for the cost figures (a drafter may size itself in ``begin``, e.g. a
+    trimmed LM head)."""
 
-    def __init__(self, target, name: str, options: dict, draft, context: dict, stops: list[int]) -> None:
-        options, self.engine = engine_options(options)  # e.g. forward=model: set generate(), not the drafter
-        self.target, self.name, self.options, self.draft, self.context, self.stops = (
-            target, name, options, draft, context, stops)
-        self.last_drafter = build_drafter((name, options), draft, **context)
-        self.models = drafter_models(self.last_drafter, target)
+    def __init__(self, session: Session, method: ParsedMethod, stops: list[int]) -> None:
+        self.session, self.method, self.stops = session, method, stops
+        self.last_drafter = session.drafter(method)
+        self.models = drafter_models(self.last_drafter, session.target)
 
     def __call__(self, ids: list[int], max_new_tokens: int, **sampling) -> dict:
-        drafter = build_drafter((self.name, self.options), self.draft, **self.context)
+        drafter = self.session.drafter(self.method)
         # drafters may call a model's base (e.g. a VocabTrim head skips the full LM head): probe the bases, which
         # see every forward either way
-        with probing(self.target, *(getattr(m, "base_model", m) for m in self.models)) as probes:
-            gen = generate(self.target, ids, drafter=drafter, max_new_tokens=max_new_tokens,
-                           eos_token_id=self.stops, **self.engine, **sampling)
+        with probing(self.session.target, *(getattr(m, "base_model", m) for m in self.models)) as probes:
+            gen = self.session.generate(ids, method=self.method, drafter=drafter, max_new_tokens=max_new_tokens,
+                                        eos_token_id=self.stops, **sampling)
         self.last_drafter = drafter
         return {"token_ids": gen.token_ids, **gen.stats.as_dict(), "depth_reached": list(gen.stats.depth_reached),
                 "depth_accepted": list(gen.stats.depth_accepted), "kv_cache_peak_bytes": peak_kv_bytes(*probes)}
@@ -184,12 +182,12 @@ def _pad_id(model, stops: list[int]) -> int:
 _FALLBACK_K = 4  # only if the registry states no default k for chain
 
 
-def _default_k(parsed: list[tuple[str, str, dict]]) -> int:
+def _default_k(parsed: list[tuple[str, ParsedMethod]]) -> int:
     """The k of the first method that drafts with a model and has a k; else the chain drafter's default."""
-    for _, name, options in parsed:
-        method = get_method(name)
+    for _, m in parsed:
+        method = get_method(m.name)
         if method.needs_draft and "k" in method.keys:
-            k = options.get("k", method.keys["k"].default)
+            k = m.options.get("k", method.keys["k"].default)
             if k is not NO_DEFAULT:
                 return int(k)
     k = get_method("chain").keys["k"].default
@@ -237,18 +235,18 @@ def run_bench(
             the first draft-model method (``chain:k=4`` -> 4).
         target, draft: anything :func:`speculant.models.loading.resolve_model` takes (a model directory, a bundled or
             packaged name, a ``.gguf`` file, a cached Hub id) or a loaded model; the draft may be an attached
-            drafter (:func:`speculant.models.loading.load_draft`). When a method needs a draft and none is given, the
-            drafter speculant ships for the target (:func:`speculant.models.loading.default_draft_for`). Loaded models
-            need ``tokenizer`` for text and chat prompts.
+            drafter (:func:`speculant.models.loading.load_draft`). Resolved and loaded by :mod:`speculant.session`
+            (its rules): when a method needs a draft and none is given, the drafter speculant ships for the target,
+            and without one a ValueError. Loaded models need ``tokenizer`` for text and chat prompts.
         num_prompts: use only N prompts: the first N of a list or file, N stratified picks of a built-in set.
         max_new_tokens, temperature, top_k, top_p, seed: as :func:`speculant.generate`, for every method.
         repeats: rounds over the prompt set; warmup: untimed warm-up rounds (first prompt, <= 32 tokens).
         eos_token_id: stop token(s) for every method (``[]``: never stop early); None: the target's, plus the
             end-of-turn tokens (:func:`speculant.models.chat.stop_ids`) when any prompt is a chat.
-        dtype: load dtype for both models (None: the loader's default; the bundled target loads in float32).
+        dtype: load dtype for both models (None: float32, as every front-end).
         device: move the target and draft loaded by name to this device (checked by
-            :func:`speculant.core.checks.resolve_device` before any model loads); None leaves them where the loader
-            puts them (the CPU). Loaded models passed in stay where they are.
+            :func:`speculant.core.checks.resolve_device` before any model loads); None: the CPU. Loaded models
+            passed in stay where they are.
         out: directory for results.json, results.md and the plots (an existing file is refused before any
             model is loaded); None writes nothing.
         progress: a tqdm bar on stderr.
@@ -277,7 +275,7 @@ def run_bench(
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
     check_out_dir(out)
     if device is not None:
-        device = resolve_device(device)
+        device = resolve_device(device)  # before the prompts load
 
     matching = bool(budgets or depths)
     method_specs = split_specs(methods if methods is not None else DEFAULT_FAMILIES if matching else DEFAULT_METHODS)
@@ -285,59 +283,38 @@ def run_bench(
     if matching:
         method_specs, matched = matched_specs(method_specs, budgets or [], depths or [], skip=(REFERENCE,))
     method_drafts = {spec: _method_draft(spec) for spec in method_specs}  # spec -> its own draft=, or None
-    parsed = [(spec, *parse_method(_without_draft(spec))) for spec in method_specs]
-    if not any(spec == REFERENCE for spec, _, _ in parsed):
-        parsed.insert(0, (REFERENCE, *parse_method(REFERENCE)))
+    parsed = [(spec, ParsedMethod.parse(_without_draft(spec))) for spec in method_specs]  # each spec parsed once
+    if not any(spec == REFERENCE for spec, _ in parsed):
+        parsed.insert(0, (REFERENCE, ParsedMethod.parse(REFERENCE)))
     else:
         parsed.sort(key=lambda p: p[0] != REFERENCE)  # the reference first, the rest in the given order
     baseline_specs = split_specs(baselines)
     parsed_baselines = [(spec, *parse_baseline(spec)) for spec in baseline_specs]
-    needs_draft = any(get_method(n).needs_draft and not method_drafts.get(s) for s, n, _ in parsed) or any(
-        BASELINES[n].needs_draft for _, n, _ in parsed_baselines
-    )
+    draft_users = [s for s, m in parsed if m.needs_draft and not method_drafts.get(s)] + [
+        s for s, n, _ in parsed_baselines if BASELINES[n].needs_draft]
     source, records = _prompt_records(prompts, num_prompts)
     if any(BASELINES[n].runtime == "llama.cpp" for _, n, _ in parsed_baselines) and not llamacpp.available():
         raise ValueError(llamacpp.INSTALL_HINT)
+    plan = plan_bench_models(target, draft, tokenizer, dtype, device, draft_users)  # the no-draft rule, checked
 
-    if needs_draft and draft is None and isinstance(target, (str, Path)):
-        draft = default_draft_for(target)
-        if draft is not None:
-            log.info("draft: %s (the drafter speculant ships for %s)", draft, target)
-    if needs_draft and draft is None:
-        users = [s for s, n, _ in parsed if get_method(n).needs_draft and not method_drafts.get(s)] + [
-            s for s, n, _ in parsed_baselines if BASELINES[n].needs_draft
-        ]
-        raise ValueError(f"{', '.join(users)} need(s) a draft model and speculant ships none for this target: "
-                         "pass a draft (--draft DIR)")
-
-    target_model, target_tok, target_desc = load_bench_target(target, dtype, device)
-    tokenizer = tokenizer if tokenizer is not None else target_tok
-    ids_per_prompt = [prompt_ids(r, tokenizer) for r in records]  # before the draft loads: chat-template errors
-    draft_model, draft_desc, context = None, None, {}
-    if needs_draft:
-        draft_model, context, draft_desc = load_bench_draft(draft, target_model, tokenizer, dtype, device)
-        if context.get("tokenizers_match") is False and any(BASELINES[n].needs_draft for _, n, _ in parsed_baselines):
-            raise ValueError("hf-assisted needs a draft with the target's tokenizer (the tokenizers differ)")
-    elif draft is not None:
-        log.info("no method drafts with the default draft: it is not loaded")
-    own_drafts = {}  # a method's own draft= name -> (model, context, description)
-    for name in sorted({d for d in method_drafts.values() if d}):
-        own_drafts[name] = load_bench_draft(name, target_model, tokenizer, dtype, device)
+    models = BenchModels.load(plan, sorted({d for d in method_drafts.values() if d}))
+    session = models.session
+    target_model, tokenizer, draft_model = session.target, session.tokenizer, session.draft
+    target_desc, draft_desc = plan.target_name, plan.draft_name
+    ids_per_prompt = [prompt_ids(r, tokenizer) for r in records]
+    if session.context.get("tokenizers_match") is False and any(
+            BASELINES[n].needs_draft for _, n, _ in parsed_baselines):
+        raise ValueError("hf-assisted needs a draft with the target's tokenizer (the tokenizers differ)")
     for ids in ids_per_prompt:
         check_fits_context(target_model, len(ids), max_new_tokens)
-        for model in [draft_model] + [m for m, _, _ in own_drafts.values()]:
-            if model is not None:
-                check_fits_context(model, len(ids), max_new_tokens, role="draft")
+        for model in models.models:
+            check_fits_context(model, len(ids), max_new_tokens, role="draft")
 
     chats = sum(is_chat(r) for r in records)
     stops = _stops(target_model, tokenizer, eos_token_id, chat=chats > 0)
     pad = _pad_id(target_model, stops)
     k_default = _default_k(parsed)
-    ours = {}
-    for spec, name, options in parsed:
-        own = own_drafts.get(method_drafts.get(spec) or "")
-        ours[spec] = _EngineMethod(target_model, name, options, own[0] if own else draft_model,
-                                   own[1] if own else context, stops)
+    ours = {spec: _EngineMethod(models.for_draft(method_drafts.get(spec)), method, stops) for spec, method in parsed}
     runs = [MethodRun(spec, run=method) for spec, method in ours.items()]
     n_ctx = max(len(ids) for ids in ids_per_prompt) + max_new_tokens + 64
     for spec, name, options in parsed_baselines:
@@ -353,7 +330,7 @@ def run_bench(
                             warmup=warmup, progress=progress, rotate=True, **sampling)
     summary = summarise(rows, baseline=REFERENCE, check_identical=temperature == 0)
 
-    _compare_with_assisted(summary, rows, [spec for spec, _, _ in parsed],
+    _compare_with_assisted(summary, rows, [spec for spec, _ in parsed],
                            [spec for spec, name, _ in parsed_baselines if name == "hf-assisted"])
     target_ppf = params_per_forward(target_model)
     for spec, method in ours.items():
@@ -374,12 +351,12 @@ def run_bench(
         "settings": {
             "prompts": source,
             "num_prompts": len(records),
-            "methods": [spec for spec, _, _ in parsed],
+            "methods": [spec for spec, _ in parsed],
             "baselines": [spec for spec, _, _ in parsed_baselines],
             "reference": REFERENCE,
             "target": target_desc,
             "draft": draft_desc,
-            "method_drafts": {spec: own_drafts[d][2] for spec, d in method_drafts.items() if d},
+            "method_drafts": {spec: models.own[d].plan.draft_name for spec, d in method_drafts.items() if d},
             "target_dtype": str(target_model.dtype),
             "draft_dtype": None if draft_model is None else str(draft_model.dtype),
             "device": str(target_model.device),

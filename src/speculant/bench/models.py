@@ -1,51 +1,57 @@
-"""The models a benchmark runs: the target (and its tokenizer) and the draft, by name or in process.
+"""The models a benchmark runs, through :mod:`speculant.session`: one target with its tokenizer, the draft the
+methods share, and the draft of each method that names its own (``chain:draft=DIR``).
 
-Names are anything :func:`speculant.models.loading.resolve_model` takes (model directories, bundled and packaged names,
-``.gguf`` files, cached Hub ids). A draft is loaded with :func:`speculant.models.loading.load_draft`, so an attached
-drafter (:mod:`speculant.models.attached`: no tokenizer, the target's embedding and LM head) works like any other.
+Names are anything :func:`speculant.models.loading.resolve_model` takes (model directories, bundled and packaged
+names, ``.gguf`` files, cached Hub ids), or loaded modules (left on their device). A draft is loaded with
+:func:`speculant.models.loading.load_draft`, so an attached drafter (:mod:`speculant.models.attached`: no
+tokenizer, the target's embedding and LM head) works like any other. The session holds the models; the harness
+builds a fresh drafter per method spec and generation from it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..models.attached import is_attached
-from ..models.loading import check_model_dir, draft_context, load_draft, load_model_dir, resolve_model
+from ..session import Session, SessionPlan, resolve
 
-__all__ = ["load_bench_draft", "load_bench_target"]
+__all__ = ["BenchModels", "plan_bench_models"]
 
-
-def _in_process(model: torch.nn.Module) -> str:
-    return f"<in-process {type(model).__name__}>"
+Model = str | Path | torch.nn.Module
 
 
-def load_bench_target(model: str | Path | torch.nn.Module, dtype: torch.dtype | str | None = None,
-                      device: torch.device | None = None) -> tuple[torch.nn.Module, Any, str]:
-    """``(model, tokenizer or None, description)`` from a loaded module (left on its device) or any name
-    :func:`resolve_model` takes (loaded, then moved to ``device`` when one is given)."""
-    if isinstance(model, torch.nn.Module):
-        return model.eval(), None, _in_process(model)
-    path = check_model_dir(resolve_model(model))
-    m, tok = load_model_dir(path, dtype)
-    return (m if device is None else m.to(device)), tok, str(path)
+def plan_bench_models(target: Model, draft: Model | None, tokenizer: Any, dtype: torch.dtype | str | None,
+                      device: torch.device | str | None, draft_for: list[str]) -> SessionPlan:
+    """The session plan of a benchmark (nothing loaded): its method is the reference ``ar``; the draft is resolved
+    (the drafter speculant ships for the target when none is given) and loaded when ``draft_for`` (the method
+    specs and baselines that draft with the shared draft) is not empty, else a one-line ValueError as
+    everywhere (:func:`speculant.session.resolve`). ``device`` None: the CPU."""
+    return resolve(target, draft, "ar", tokenizer=tokenizer, dtype=dtype,
+                   device=device if device is not None else "cpu", draft_for=draft_for)
 
 
-def load_bench_draft(draft: str | Path | torch.nn.Module, target: torch.nn.Module, target_tok: Any = None,
-                     dtype: torch.dtype | str | None = None,
-                     device: torch.device | None = None) -> tuple[torch.nn.Module, dict, str]:
-    """``(draft model, drafter context, description)``: a loaded module (left on its device), or a name /
-    directory loaded with :func:`speculant.models.loading.load_draft` (an attached drafter shares the target's embedding
-    and tokenizer), then moved to ``device`` when one is given. The context says whether the tokenizers match
-    when both are known."""
-    if isinstance(draft, torch.nn.Module):
-        return draft.eval(), {}, _in_process(draft)
-    path = check_model_dir(resolve_model(draft))
-    model = load_draft(path, target, dtype)
-    if device is not None:
-        model = model.to(device)
-    if target_tok is None and not is_attached(path):
-        return model, {}, str(path)
-    return model, draft_context(path, target_tok), str(path)
+@dataclass
+class BenchModels:
+    """The loaded models: ``session`` (target, tokenizer and the shared draft, None when no method uses it) and
+    ``own`` (a method's own ``draft=`` name -> a session over the same target with that draft)."""
+
+    session: Session
+    own: dict[str, Session] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, plan: SessionPlan, own_drafts: list[str]) -> BenchModels:
+        """Load the plan's models, then each own draft next to the same target."""
+        session = plan.load()
+        return cls(session, {name: session.with_draft(name) for name in own_drafts})
+
+    def for_draft(self, own: str | None) -> Session:
+        """The session a method runs in: its own draft's, or the shared one."""
+        return self.own[own] if own else self.session
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """Every draft model loaded (for context checks)."""
+        return [s.draft for s in (self.session, *self.own.values()) if s.draft is not None]

@@ -22,11 +22,8 @@ from ..bench.hf import describe_baselines
 from ..data.prompts import BUILTIN_SETS
 from ..core.checks import resolve_device
 from ..drafters.registry import describe_methods
-from ..models.loading import DTYPES
 from . import common
 from .common import (
-    add_device_argument,
-    add_threads_argument,
     nonnegative_int,
     positive_int,
     positive_int_list,
@@ -80,7 +77,6 @@ def epilog() -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant bench``'s options on ``p``."""
     d = _DEFAULTS
-    target_default = common.default_model_dir("target")
     p.add_argument("--prompts", metavar="SOURCE", default=d["prompts"],
                    help="builtin:NAME or a JSONL file (see below); default: %(default)s")
     p.add_argument("--num-prompts", type=positive_int, metavar="N", default=d["num_prompts"],
@@ -100,13 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "its size already (chain:k=4) is refused")
     p.add_argument("--depths", metavar="D[,D...]", type=positive_int_list, default=None,
                    help="the same at equal draft depth (draft levels per step); may be combined with --budgets")
-    p.add_argument("--target", metavar="MODEL", required=target_default is None, default=target_default,
-                   help="target model: a directory, a bundled or packaged name (default-target, "
-                   "smollm2-135m-instruct), a .gguf file or a Hub id in the local cache; "
-                   + ("required" if target_default is None else "default: the bundled default-target"))
-    p.add_argument("--draft", metavar="MODEL", default=d["draft"],
-                   help="draft model (same forms; an attached drafter too), same tokenizer as the target, for "
-                   "draft-model methods and hf-assisted; default: the drafter speculant ships for the target")
+    common.add_model_arguments(p, method=False, kv=False)
     p.add_argument("--max-new-tokens", type=positive_int, metavar="N", default=d["max_new_tokens"],
                    help="at most N new tokens per generation; default: %(default)s")
     p.add_argument("--temperature", type=float, metavar="T", default=d["temperature"],
@@ -122,11 +112,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rounds over the prompt set; default: %(default)s")
     p.add_argument("--warmup", type=nonnegative_int, metavar="W", default=d["warmup"],
                    help="untimed warm-up rounds on the first prompt; default: %(default)s")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default=d["dtype"],
-                   help="load both models in this dtype (an attached drafter takes the target's); default: the "
-                   "loader's (float32 for the bundled models)")
-    add_threads_argument(p)
-    add_device_argument(p, "the target and draft models")
     p.add_argument("--out", metavar="DIR", default=DEFAULT_OUT,
                    help="output directory (created; an existing file is refused before anything runs); default: "
                    "%(default)s")

@@ -1,6 +1,7 @@
 """What the ``speculant`` subcommands share: the one-line-error parser, the help formatter, the subcommand
-descriptors (:class:`Command`, :class:`Subcommand`), option types, ``--device`` and ``--threads``, and options
-declared from a dataclass's fields.
+descriptors (:class:`Command`, :class:`Subcommand`), option types, the model options (:func:`add_model_arguments`:
+``--target/--draft/--method/--dtype/--device/--threads/--kv-*``, declared once with one help text each, read back
+by :func:`session_arguments` for :func:`speculant.session.resolve`), and options declared from a dataclass's fields.
 
 Light on purpose: :mod:`speculant.cli` imports this module to build ``speculant --help``, which must not import
 torch, so every heavy import here is inside the function that needs it.
@@ -24,6 +25,7 @@ __all__ = [
     "UsageError",
     "add_dataclass_arguments",
     "add_device_argument",
+    "add_model_arguments",
     "add_threads_argument",
     "dataclass_defaults",
     "dataclass_from_args",
@@ -34,6 +36,7 @@ __all__ = [
     "option_name",
     "positive_int",
     "positive_int_list",
+    "session_arguments",
     "set_threads",
 ]
 
@@ -177,6 +180,117 @@ def add_threads_argument(p: argparse.ArgumentParser) -> None:
     """``--threads``, shared by the subcommands that run models (applied by :func:`set_threads`)."""
     p.add_argument("--threads", type=positive_int, metavar="N", default=None,
                    help="torch CPU threads (torch.set_num_threads); default: left to torch")
+
+
+def _packaged_methods() -> str:
+    """``name: method`` for each packaged model with a default method (for the help of ``--method``)."""
+    from ..models.sources import PACKAGED
+
+    return ", ".join(f"{m.name}: {m.default_method}" for m in PACKAGED.values() if m.default_method)
+
+
+_BUNDLED = object()
+
+
+def add_model_arguments(
+    p: argparse.ArgumentParser,
+    *,
+    draft: bool = True,
+    method: bool = True,
+    kv: bool = True,
+    target_default: Any = _BUNDLED,
+    target_note: str | None = None,
+) -> None:
+    """The model options every subcommand that runs models shares, each declared here once with one help text:
+    ``--target``, ``--draft`` (unless ``draft`` is False), ``--method`` (unless ``method`` is False: e.g. bench
+    takes several with ``--methods``), ``--dtype``, ``--threads``, ``--device`` and ``--kv-policy/--kv-budget/
+    --kv-block`` (unless ``kv`` is False). ``--target`` defaults to the bundled default-target when this
+    installation ships it (else it is required), or to ``target_default`` with ``target_note`` as its help."""
+    from ..drafters.registry import DEFAULT_METHOD
+    from ..models.loading import DTYPES
+    from ..models.sources import PACKAGED
+
+    required = False
+    if target_default is _BUNDLED:
+        required = default_model_dir("target") is None
+        target_default = None if required else "default-target"
+        target_note = "required" if required else "default: the bundled default-target"
+    p.add_argument(
+        "--target",
+        metavar="MODEL",
+        required=required,
+        default=target_default,
+        help="target model: a packaged model name (" + ", ".join(PACKAGED) + "), a bundled name (default-target), "
+        "a model directory (save_pretrained output), a .gguf file (converted once into a cache, see README) or "
+        f"a Hugging Face Hub id already in the local HF cache; {target_note}",
+    )
+    if draft:
+        p.add_argument(
+            "--draft",
+            metavar="MODEL",
+            default=None,
+            help="draft model, same tokenizer as the target: a directory, a bundled name, or an attached drafter "
+            "(sharing the target's embedding); needed by methods that draft with a model (chain, trees); default: "
+            "the drafter speculant ships for the target (default-target: default-draft; smollm2-135m-instruct: "
+            "smollm2-135m-instruct-draft), else none, and a method that needs one stops with an error",
+        )
+    if method:
+        p.add_argument(
+            "--method",
+            metavar="SPEC",
+            default=None,
+            help="drafting method: NAME or NAME:key=value[:key=value...] (list values separated by '/'), e.g. ar, "
+            "chain, chain:k=8; the methods are listed below; default: the method measured fastest for a packaged "
+            "target with its shipped drafter (" + _packaged_methods() + f"), else {DEFAULT_METHOD}",
+        )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *DTYPES],
+        default=None,
+        help="load the models in this dtype ('auto': the one in config.json; an attached drafter takes the "
+        "target's); default: float32 (exact: greedy output token-identical to plain greedy decoding). bfloat16 "
+        "is faster on CPUs with native bf16 (benchmarks/results/forward_cost.json) but can round near-ties "
+        "differently between a verification forward and a one-token forward",
+    )
+    add_threads_argument(p)
+    add_device_argument(p, "the target and draft models" if draft else "the target model")
+    if kv:
+        from ..session import generate_defaults
+
+        p.add_argument(
+            "--kv-policy",
+            metavar="POLICY",
+            default=None,
+            help="evict the target's KV cache with this policy (keydiff, keydiff-raw, streaming, h2o, h2o-acc, "
+            "tova, snapkv, knorm, random, speckv (scored by the draft's provisional answer: needs a draft-model "
+            "method), wrappers caote:/fastcaote:/protect:, e.g. caote:h2o; options after the name set its fields, "
+            "e.g. snapkv:window=32, snapkv:passes=2 or speckv:passes=2 (prefill twice: the second pass keeps what "
+            "the question at the end of the prompt, and for speckv the draft's provisional answer, attends to)); "
+            "needs --kv-budget",
+        )
+        p.add_argument(
+            "--kv-budget",
+            type=positive_int,
+            metavar="N",
+            default=None,
+            help="keep at most N tokens per layer in the target's KV cache (block-wise prefill, then eviction "
+            "after each verified step); needs --kv-policy",
+        )
+        p.add_argument(
+            "--kv-block",
+            type=positive_int,
+            metavar="B",
+            default=None,  # None: not given (generate()'s default applies; without eviction it is a no-op)
+            help="prefill block size with --kv-budget (peak KV: N + B tokens per layer); default: "
+            f"{generate_defaults()['kv_block']}",
+        )
+
+
+def session_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`speculant.session.resolve` from the options of :func:`add_model_arguments`
+    (those a parser did not declare are left out)."""
+    names = ("draft", "method", "dtype", "device", "threads", "kv_policy", "kv_budget", "kv_block")
+    return {"target": args.target, **{n: getattr(args, n) for n in names if hasattr(args, n)}}
 
 
 def set_threads(threads: int | None) -> None:

@@ -22,11 +22,11 @@ import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
-from ..core.checks import context_length, resolve_device
+from ..core.checks import context_length
 from ..bench.kv_fidelity import RETRIEVAL_FORMATS, EvalConfig, run_eval
 from ..kv import warn_nesting
 from ..kv.registry import parse_policy, policy_names
-from .common import add_device_argument, add_threads_argument, set_threads
+from . import common
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -41,6 +41,8 @@ DESCRIPTION = (
     "e.g. snapkv:window=32, snapkv:passes=2 or speckv:passes=2)."
 )
 _DEFAULTS = EvalConfig()
+TARGETS = {"fidelity": "default-target", "niah": "smollm2-135m-instruct"}
+"""The target of each task when --target is not given."""
 _HELPS = {
     "policies": "comma-separated policy specs",
     "budgets": "comma-separated token budgets per layer (default: --budget-fraction of each prompt)",
@@ -59,15 +61,12 @@ _HELPS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``kv-eval``; defaults are :class:`EvalConfig`'s."""
-    from ..models.loading import DTYPES
-
     p.add_argument("--task", choices=["fidelity", "niah"], default="fidelity",
                    help="fidelity: teacher-forced fidelity + synthetic dict retrieval + memory profile; niah: "
                    "needle in a haystack on real essays, answers decoded greedily under each budget (%(default)s)")
-    p.add_argument("--target", default=None,
-                   help="model directory, bundled or packaged name, .gguf file (default: default-target for "
-                   "fidelity, smollm2-135m-instruct for niah)")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default=None, help="load dtype (default: float32)")
+    common.add_model_arguments(p, method=False, kv=False, target_default=None,
+                               target_note=f"default: {TARGETS['fidelity']} for --task fidelity, {TARGETS['niah']} "
+                               "for --task niah; --draft is the draft of the speckv policy")
     niah = p.add_argument_group("niah task")
     niah.add_argument("--lengths", default="1024,2048,4096,8000",
                       help="comma-separated context lengths in tokens, template and question included (%(default)s)")
@@ -80,15 +79,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help='JSONL file of {"needle", "question", "answer"} rows (default: --needle-count made-up '
                       "facts)")
     niah.add_argument("--needle-count", type=int, default=4, help="made-up needles per cell (%(default)s)")
-    niah.add_argument("--draft", default=None,
-                      help="draft model of the speckv policy (default: the drafter speculant ships for the target)")
     niah.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (%(default)s)")
     p.add_argument("--text", nargs="+", default=None,
                    help="text file(s) for the fidelity sequences (default: the --files longest held-out modules)")
     p.add_argument("--out", default=None, help="directory to write kv_results.json into")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
-    add_threads_argument(p)
-    add_device_argument(p, "the target model")
     for f in fields(EvalConfig):
         default = getattr(_DEFAULTS, f.name)
         kind = type(default) if default is not None else str
@@ -149,7 +144,7 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     from tqdm.auto import tqdm
 
     from ..bench.niah import load_needles, make_needles, run_niah
-    from ..models.loading import check_model_dir, load_model_dir, resolve_model
+    from ..session import resolve
 
     lengths = [int(v) for v in _floats("lengths", args.lengths, 1, float("inf"))]
     depths = _floats("depths", args.depths, 0.0, 1.0)
@@ -163,22 +158,15 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
         essays_dir()  # a one-line error before the model loads
     policies = [p.strip() for p in cfg.policies.split(",") if p.strip()]
     budgets = [int(b) for b in cfg.budgets.split(",")] if cfg.budgets else None
-    device = resolve_device(args.device)
-    set_threads(args.threads)
-    model, tokenizer = load_model_dir(resolve_model(args.target or "smollm2-135m-instruct"), args.dtype)
+    users = ["KV policy speckv"] if any("speckv" in p for p in policies) else []
+    plan = resolve(args.target or TARGETS["niah"], args.draft, "ar", dtype=args.dtype, device=args.device,
+                   threads=args.threads, draft_for=users)  # the no-draft rule of every front-end
+    session = plan.load()
+    model, tokenizer, draft = session.target, session.tokenizer, session.draft
     ctx = context_length(model)
     if ctx is not None and max(lengths) + args.max_new_tokens > ctx:
         raise ValueError(f"--lengths: {max(lengths)} tokens plus {args.max_new_tokens} new ones exceed the target "
                          f"model's context of {ctx} tokens")
-    model.to(device)
-    draft = None
-    if any("speckv" in p for p in policies):
-        from ..models.loading import default_draft_for, load_draft
-
-        name = args.draft or default_draft_for(args.target or "smollm2-135m-instruct")
-        if name is None:
-            raise ValueError("policy speckv needs a draft model: pass --draft")
-        draft = load_draft(check_model_dir(resolve_model(name)), model, args.dtype).to(device)
     total = len(lengths) * len(depths) * (1 + len(policies) * (len(budgets) if budgets else 1))
     with tqdm(total=total, desc="niah", unit="cell", file=sys.stderr) as bar:
         def progress(row: dict) -> None:
@@ -196,7 +184,7 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
         if r["policy"] != "full":
             m.update(budget=r["budget"], block=r["block"])
     report["memory"] = list(memory.values())
-    report["settings"] = {"task": "niah", "target": str(args.target or "smollm2-135m-instruct"),
+    report["settings"] = {"task": "niah", "target": str(args.target or TARGETS["niah"]),
                           "dtype": str(model.dtype), "lengths": lengths, "depths": depths,
                           "policies": policies, "budgets": budgets, "budget_fraction": cfg.budget_fraction,
                           "block": cfg.block, "needles": [n.__dict__ for n in needles],
@@ -228,16 +216,16 @@ def run(args: argparse.Namespace) -> int:
     """Run the evaluation; print a table (or the JSON line); return the exit code."""
     from tqdm.auto import tqdm
 
-    from ..models.loading import load_model_dir, resolve_model
+    from ..session import resolve
 
     cfg = _config(args)
     if args.task == "niah":
         return _run_niah(args, cfg)
-    device = resolve_device(args.device)
-    set_threads(args.threads)
-    model, tokenizer = load_model_dir(resolve_model(args.target or "default-target"), args.dtype)
+    plan = resolve(args.target or TARGETS["fidelity"], args.draft, "ar", dtype=args.dtype, device=args.device,
+                   threads=args.threads)
+    session = plan.load()
+    model, tokenizer = session.target, session.tokenizer
     _check_context(model, cfg)
-    model.to(device)
     text = None
     if args.text:
         names = [Path(f).name for f in args.text]  # file names, or paths where two files share a name
@@ -251,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
             bar.update()
 
         report = run_eval(model, tokenizer, cfg, text, progress=progress)
-    report["settings"] = {**asdict(cfg), "target": str(args.target or "default-target")}
+    report["settings"] = {**asdict(cfg), "target": str(args.target or TARGETS["fidelity"])}
     if _emit(args, report):
         return 0
     print(f"{'policy':<22}{'budget':>8}{'top1':>8}{'± se':>7}{'KL':>10}{'± se':>8}{'NLL ratio':>11}{'retrieval':>11}")

@@ -21,13 +21,7 @@ import socket
 import sys
 
 from . import common
-from .common import (
-    add_device_argument,
-    add_threads_argument,
-    dataclass_defaults,
-    nonnegative_int,
-    positive_int,
-)
+from .common import dataclass_defaults, nonnegative_int, positive_int
 
 __all__ = ["API_KEY_ENV", "DESCRIPTION", "add_arguments", "epilog", "run"]
 
@@ -67,32 +61,8 @@ def epilog() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant serve``'s options on ``p``."""
-    from ..models.loading import DTYPES
-    from ..models.sources import PACKAGED
-
     d = _defaults()
-    bundled = common.default_model_dir("target") is not None
-    p.add_argument("--target", metavar="MODEL", required=not bundled, default="default-target" if bundled else None,
-                   help="the served model: a packaged name (" + ", ".join(PACKAGED) + "), a bundled name, a model "
-                   "directory, a .gguf file or a Hub id in the local HF cache; "
-                   + ("default: %(default)s (bundled)" if bundled else "required"))
-    p.add_argument("--draft", metavar="MODEL", default=None,
-                   help="draft model (same tokenizer), or an attached drafter; default: the drafter speculant ships "
-                   "for the target, if any")
-    p.add_argument("--method", metavar="SPEC", default=None,
-                   help="drafting method (registry spec, as for generate); default: with a draft (--draft or the "
-                   "shipped one) the method measured fastest for a packaged target with its shipped drafter (as for "
-                   "generate), else chain; without one ar (plain decoding)")
-    p.add_argument("--kv-policy", metavar="POLICY", default=None,
-                   help="evict the target's KV cache with this policy (as for generate); needs --kv-budget")
-    p.add_argument("--kv-budget", type=positive_int, metavar="N", default=None,
-                   help="keep at most N tokens per layer in the target's KV cache; needs --kv-policy")
-    p.add_argument("--kv-block", type=positive_int, metavar="B", default=None,
-                   help="prefill block size with --kv-budget; default: generate()'s")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default=None,
-                   help="load the models in this dtype; default: float32 (exact, as generate)")
-    add_threads_argument(p)
-    add_device_argument(p, "the target and draft models")
+    common.add_model_arguments(p)
     p.add_argument("--host", metavar="HOST", default=d["host"],
                    help="listen on this address (0.0.0.0: every interface); default: %(default)s")
     p.add_argument("--port", type=nonnegative_int, metavar="N", default=d["port"],

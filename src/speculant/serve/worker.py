@@ -1,8 +1,8 @@
 """One model, one decoding thread, a bounded FIFO queue in front of it.
 
 The HTTP handlers (asyncio) tokenise a request and :meth:`Worker.submit` a :class:`Job`; the worker thread takes
-jobs in arrival order and decodes one at a time with :func:`speculant.generate`, a fresh drafter per job
-(drafters hold per-generation state). Each verification step's committed tokens go through the job's
+jobs in arrival order and decodes one at a time with its :class:`speculant.session.Session` (loaded from the
+settings, as every front-end loads), a fresh drafter per job (drafters hold per-generation state). Each verification step's committed tokens go through the job's
 :class:`~speculant.models.text.Detokenizer` and :class:`~speculant.models.text.StopMatcher` and are handed back to
 the handler's event loop as events (``("text", str)``, then ``("done", Result)`` or ``("error", str)``).
 
@@ -117,12 +117,9 @@ class Worker:
         self.ready = threading.Event()
         self.load_error: str | None = None
         self.tokenizer_lock = threading.Lock()
+        self.session = None  # a speculant.session.Session once loaded
         self.target = self.tokenizer = self.draft_model = None
         self.context_length: int | None = None
-        self._context: dict = {}
-        self._method: tuple[str, dict] = ("ar", {})
-        self._engine: dict = {}
-        self._kv: dict = {}
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._running: Job | None = None
@@ -132,33 +129,16 @@ class Worker:
     # ------------------------------------------------------------------------------------------ model
 
     def load(self) -> None:
-        """Load the target (and draft) of the settings; raises what loading raises."""
-        import torch
+        """Load the target (and draft) of the settings through :mod:`speculant.session`; raises what loading
+        raises."""
+        from ..core.checks import context_length
+        from .settings import plan
 
-        from ..core.checks import context_length, resolve_device
-        from ..drafters.registry import build_drafter, engine_options, get_method, parse_method
-        from ..models.loading import draft_context, load_draft, load_model_dir
-
-        s = self.settings
-        if s.threads is not None:
-            torch.set_num_threads(s.threads)
-        name, options = parse_method(s.method)
-        _, self._engine = engine_options(options)
-        device = resolve_device(s.device)
-        dtype = s.dtype if s.dtype is not None else torch.float32
-        target, tokenizer = load_model_dir(s.target, dtype)
-        target.to(device)
-        if get_method(name).needs_draft:
-            self.draft_model = load_draft(s.draft, target, dtype).to(device)
-            self._context = draft_context(s.draft, tokenizer)
-        build_drafter((name, options), self.draft_model, **self._context)  # fails now rather than per request
-        self._method = (name, options)
-        if s.kv_policy is not None:
-            self._kv = {"kv_policy": s.kv_policy, "kv_budget": s.kv_budget,
-                        **({} if s.kv_block is None else {"kv_block": s.kv_block})}
-        self.target, self.tokenizer = target, tokenizer
-        self.context_length = context_length(target)
-        log.info("loaded %s (method %s)", s.served_name, s.method)
+        session = plan(self.settings).load()
+        self.session = session
+        self.target, self.tokenizer, self.draft_model = session.target, session.tokenizer, session.draft
+        self.context_length = context_length(session.target)
+        log.info("loaded %s (method %s)", self.settings.served_name, session.method.spec)
 
     def stop_ids(self, chat: bool) -> list[int] | None:
         """The end-of-sequence ids of a request: end of the assistant's turn for chats, the model's own EOS
@@ -260,8 +240,6 @@ class Worker:
     def _run(self, job: Job) -> tuple[str, Any] | None:
         """Decode ``job``, emitting its text as it comes; returns its last event (None: nobody listens)."""
         from ..core.checks import resolve_eos
-        from ..drafters.registry import build_drafter
-        from ..core.engine import generate
 
         m = self.metrics
         start = time.perf_counter()
@@ -270,7 +248,7 @@ class Worker:
             m.cancelled.inc()
             return None
         m.prompt_tokens.inc(len(job.ids))
-        drafter = build_drafter(self._method, self.draft_model, **self._context)
+        drafter = self.session.drafter()
         counting = _CountingDrafter(drafter) if drafter is not None else None
         detok = Detokenizer(self.tokenizer, self.tokenizer_lock)
         stops = StopMatcher(job.stop)
@@ -306,9 +284,9 @@ class Worker:
 
         eos = [] if job.ignore_eos else self.stop_ids(job.chat)
         try:
-            generate(self.target, job.ids, drafter=counting, max_new_tokens=job.max_tokens,
-                     temperature=job.sampling.temperature, top_k=job.sampling.top_k, top_p=job.sampling.top_p,
-                     seed=job.sampling.seed, eos_token_id=eos, stream=on_step, **self._kv, **self._engine)
+            self.session.generate(job.ids, drafter=counting, max_new_tokens=job.max_tokens,
+                                  temperature=job.sampling.temperature, top_k=job.sampling.top_k,
+                                  top_p=job.sampling.top_p, seed=job.sampling.seed, eos_token_id=eos, stream=on_step)
         except _Stop:
             pass
         if job.cancelled.is_set() and not stops.hit:

@@ -1,0 +1,390 @@
+"""One way in: resolve target, draft and method once, load the models once, build a fresh drafter per generation.
+
+>>> session = speculant.load("smollm2-135m-instruct")          # its shipped drafter and measured method
+>>> gen = session.generate("Name three prime numbers.", max_new_tokens=64)
+>>> session.tokenizer.decode(gen.token_ids), gen.stats.acceptance_length
+
+Every front-end builds through here (``speculant generate``, ``serve``, ``bench``, ``kv-eval`` and the demo), so
+they resolve the same defaults and agree on the same rules:
+
+* **method** None: the method measured fastest for a packaged target with the drafter speculant ships for it
+  (:func:`speculant.models.loading.default_method_for`), else :data:`speculant.drafters.registry.DEFAULT_METHOD`.
+* **draft** None, for a method that drafts with a model: the drafter speculant ships for the target
+  (:func:`speculant.models.loading.default_draft_for`). When there is none, :func:`resolve` raises a one-line
+  ValueError naming the fix (pass a draft, or choose a method without one such as ``ar``): no front-end falls
+  back to plain decoding silently. A draft given to a method that drafts without a model is not loaded.
+* **dtype** None: float32 (the only dtype in which greedy speculative output is guaranteed token-identical to a
+  separately run plain decode); **device** None: the best available (:func:`speculant.core.checks.resolve_device`).
+
+Two phases, because a server checks its settings before it listens and loads afterwards: :func:`resolve` checks
+everything cheap and resolves names to model directories (:class:`SessionPlan`, nothing loaded), and
+:meth:`SessionPlan.load` loads the models (:class:`Session`). :func:`load` does both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .core.types import Generation
+    from .drafters.base import Drafter
+    from .kv.policies import ScorePolicy
+
+__all__ = ["Session", "SessionPlan", "load", "resolve"]
+
+log = logging.getLogger(__name__)
+
+Model = str | Path | torch.nn.Module
+"""A model as the session takes it: a name or directory (anything :func:`speculant.models.loading.resolve_model`
+takes) or a loaded module."""
+
+
+@functools.cache
+def generate_defaults() -> dict[str, Any]:
+    """``speculant.core.engine.generate``'s defaults (max_new_tokens, temperature, top_k, top_p, seed, kv_block):
+    their one definition, read by the session and the command-line help."""
+    from .core.engine import generate
+
+    return {name: p.default for name, p in inspect.signature(generate).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def _describe(model: Model | None) -> str | None:
+    if model is None:
+        return None
+    return f"<in-process {type(model).__name__}>" if isinstance(model, torch.nn.Module) else str(model)
+
+
+@dataclass(frozen=True)
+class ParsedMethod:
+    """A method spec parsed once: ``name``, the drafter's ``options`` and the ``engine`` options (``forward=``,
+    passed to ``generate``) split apart (:func:`speculant.drafters.registry.engine_options`)."""
+
+    spec: str
+    name: str
+    options: Mapping[str, Any]
+    engine: Mapping[str, Any]
+    needs_draft: bool
+
+    @classmethod
+    def parse(cls, spec: str) -> ParsedMethod:
+        """Parse ``NAME[:key=value...]``; a one-line ValueError for anything wrong (unknown method or option)."""
+        from .drafters.registry import engine_options, get_method, parse_method
+
+        name, options = parse_method(spec)
+        drafter_options, engine = engine_options(options)
+        return cls(spec, name, drafter_options, engine, get_method(name).needs_draft)
+
+    def with_options(self, **options: Any) -> ParsedMethod:
+        """This method with ``options`` set (e.g. ``k=`` from ``generate --k``), checked like a spec's."""
+        merged = {**self.options, **self.engine, **options}
+        spec = self.name + "".join(
+            f":{k}={'/'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in merged.items())
+        return ParsedMethod.parse(spec)
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """What a session loads, checked and resolved, before anything is loaded (:func:`resolve` makes it).
+
+    ``target``: a checked model directory (str) or the module as given; ``draft``: the same, or None when nothing
+    drafts with a model; ``target_name``/``draft_name``: the same as text (for reports); ``method``: the parsed
+    method; ``kv_policy``: the parsed policy (None: no eviction), ``kv_spec`` its spec as given."""
+
+    target: str | torch.nn.Module
+    method: ParsedMethod
+    draft: str | torch.nn.Module | None = None
+    tokenizer: Any = None
+    dtype: torch.dtype | str = torch.float32
+    device: torch.device | None = None
+    threads: int | None = None
+    kv_policy: ScorePolicy | None = None
+    kv_spec: str | None = None
+    kv_budget: int | None = None
+    kv_block: int | None = None
+    target_name: str = ""
+    draft_name: str | None = None
+    unused_draft: str | None = None  # a draft given to a method that drafts without one (not loaded)
+
+    def load(self) -> Session:
+        """Load the target (and its tokenizer) and the draft, on the device; build one drafter now, so that a
+        method that cannot be built fails here rather than at the first generation."""
+        from .core.checks import resolve_device
+        from .models.loading import draft_context, load_draft, load_model_dir
+
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        tokenizer = self.tokenizer
+        if isinstance(self.target, torch.nn.Module):
+            target = self.target.eval()  # a loaded module stays where it is
+        else:
+            target, tok = load_model_dir(self.target, self.dtype)
+            tokenizer = tokenizer if tokenizer is not None else tok
+            target.to(self.device if self.device is not None else resolve_device(None))
+        draft, context = None, {}
+        if isinstance(self.draft, torch.nn.Module):
+            draft = self.draft.eval()
+        elif self.draft is not None:
+            draft = load_draft(self.draft, target, self.dtype)
+            draft.to(target.device)
+            if tokenizer is not None or _attached(self.draft):
+                context = draft_context(self.draft, tokenizer)
+        session = Session(plan=self, target=target, tokenizer=tokenizer, draft=draft, context=context)
+        built = session.drafter()  # fails now (e.g. a tree the draft cannot build) rather than per generation
+        if self.unused_draft is not None:
+            if built is None:  # plain decoding: passing --draft to switch methods back and forth is fine
+                log.info("method %r drafts nothing: --draft is not used", self.method.name)
+            else:
+                log.warning("method %r drafts without a model: --draft is not used", self.method.name)
+        log.info("loaded %s%s (method %s)", self.target_name,
+                 f" with draft {self.draft_name}" if draft is not None else "", self.method.spec)
+        return session
+
+
+def _attached(path: str) -> bool:
+    from .models.attached import is_attached
+
+    return is_attached(Path(path))
+
+
+def resolve(
+    target: Model = "default-target",
+    draft: Model | None = None,
+    method: str | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    threads: int | None = None,
+    kv_policy: str | ScorePolicy | None = None,
+    kv_budget: int | None = None,
+    kv_block: int | None = None,
+    tokenizer: Any = None,
+    draft_for: Sequence[str] = (),
+) -> SessionPlan:
+    """Resolve and check what a session loads, loading nothing: packaged defaults, the method spec, the KV
+    policy, the device, model names to checked directories (a ``.gguf`` target is converted once into a cache).
+
+    Args:
+        target, draft: a model name or directory (a packaged or bundled name, a directory, a ``.gguf`` file, a
+            Hub id in the local cache), or a loaded module (kept where it is; pass its ``tokenizer`` for text).
+        method: a registry spec ``NAME[:key=value...]``; None: see the module docstring.
+        dtype: load dtype of the models loaded by name (None: float32); device: where the models loaded by name
+            go (None: the best available; a loaded target stays where it is, a draft follows the target); threads: ``torch.set_num_threads`` when loading (None: left to torch).
+        kv_policy, kv_budget, kv_block: KV-cache eviction of the target (a spec such as ``"caote:h2o"`` or a
+            policy object; policy and budget go together; ``kv_block`` None: ``generate``'s default).
+        draft_for: other users of the draft (e.g. ``["hf-assisted"]`` in a benchmark): the draft is then
+            resolved and loaded even if ``method`` drafts without a model.
+
+    Raises:
+        ValueError: one line, for a bad method, KV option, dtype, device or model, and for a method (or a
+            ``draft_for`` user) that needs a draft model when none is given and speculant ships none for the
+            target.
+    """
+    from .core.checks import check_positive_int, resolve_device
+    from .drafters.registry import DEFAULT_METHOD
+    from .models.loading import DTYPES, check_model_dir, default_draft_for, default_method_for, resolve_model
+
+    by_name = isinstance(target, (str, Path))
+    if method is None:
+        method = (default_method_for(target, draft) if by_name and not isinstance(draft, torch.nn.Module)
+                  else None) or DEFAULT_METHOD
+        log.info("method %s (pass a method to choose another)", method)
+    parsed = ParsedMethod.parse(method)
+    policy, kv_spec = _resolve_kv(kv_policy, kv_budget, kv_block)
+    dtype = torch.float32 if dtype is None else dtype
+    if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(DTYPES)}")
+    if threads is not None:
+        check_positive_int("threads", threads)
+    dev = resolve_device(device) if device is not None or by_name else None  # checked before anything loads
+    if not by_name:
+        dev = None  # a loaded target stays where it is
+
+    target_dir = target if isinstance(target, torch.nn.Module) else str(check_model_dir(resolve_model(target)))
+    users = ([f"method {parsed.name!r}"] if parsed.needs_draft else []) + list(draft_for)
+    if users and draft is None and by_name:
+        draft = default_draft_for(target)
+        if draft is not None:
+            log.info("draft: %s (the drafter speculant ships for %s)", draft, target)
+    if users and draft is None:
+        raise ValueError(
+            f"{', '.join(users)} need{'s' if len(users) == 1 else ''} a draft model and speculant ships none for "
+            f"{_describe(target)!r}: pass one (--draft MODEL), or choose a method without one (--method ar: plain "
+            "decoding)")
+
+    draft_dir = None
+    if users:
+        draft_dir = draft if isinstance(draft, torch.nn.Module) else str(check_model_dir(resolve_model(draft)))
+    return SessionPlan(target=target_dir, method=parsed, draft=draft_dir, tokenizer=tokenizer, dtype=dtype,
+                       device=dev, threads=threads, kv_policy=policy, kv_spec=kv_spec, kv_budget=kv_budget,
+                       kv_block=kv_block, target_name=_describe(target_dir), draft_name=_describe(draft_dir),
+                       unused_draft=_describe(draft) if draft is not None and not users else None)
+
+
+def _resolve_kv(kv_policy, kv_budget, kv_block) -> tuple[Any, str | None]:
+    """The parsed policy and its spec (None, None without eviction); one-line errors."""
+    from .core.checks import check_positive_int
+
+    if (kv_policy is None) != (kv_budget is None):
+        raise ValueError("--kv-policy and --kv-budget go together (e.g. --kv-policy keydiff --kv-budget 256)")
+    if kv_block is not None:
+        check_positive_int("kv_block", kv_block)
+    if kv_policy is None:
+        if kv_block is not None:
+            log.warning("--kv-block has no effect without eviction (--kv-policy and --kv-budget)")
+        return None, None
+    check_positive_int("kv_budget", kv_budget)
+    if not isinstance(kv_policy, str):
+        return kv_policy, type(kv_policy).__name__
+    from .kv import parse_policy, warn_nesting
+
+    policy = parse_policy(kv_policy)
+    warn_nesting(policy)
+    return policy, kv_policy
+
+
+def load(
+    target: Model = "default-target",
+    draft: Model | None = None,
+    method: str | None = None,
+    **kwargs: Any,
+) -> Session:
+    """Resolve (:func:`resolve`, same arguments) and load: the one way to get a target, its draft and a method
+    ready to generate. Raises a one-line ValueError for bad input before any model is loaded."""
+    return resolve(target, draft, method, **kwargs).load()
+
+
+@dataclass(eq=False)
+class Session:
+    """A loaded target (``target``, ``tokenizer``), its draft (``draft``, None when the method drafts without a
+    model) and the parsed method and KV policy of :attr:`plan`. :meth:`drafter` builds a fresh drafter (drafters
+    hold per-generation state); :meth:`generate` runs one generation with it."""
+
+    plan: SessionPlan
+    target: torch.nn.Module
+    tokenizer: Any = None
+    draft: torch.nn.Module | None = None
+    context: dict = field(default_factory=dict)  # drafter-building context, e.g. {"tokenizers_match": True}
+    _parsed: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def method(self) -> ParsedMethod:
+        """The session's method, parsed once."""
+        return self.plan.method
+
+    def parse(self, spec: str | None = None) -> ParsedMethod:
+        """``spec`` parsed (once per spec and session); None: the session's method."""
+        if spec is None or spec == self.plan.method.spec:
+            return self.plan.method
+        if spec not in self._parsed:
+            self._parsed[spec] = ParsedMethod.parse(spec)
+        return self._parsed[spec]
+
+    def drafter(self, spec: str | ParsedMethod | None = None, draft: torch.nn.Module | None = None,
+                context: Mapping[str, Any] | None = None) -> Drafter | None:
+        """A fresh drafter of ``spec`` (None: the session's method) over the session's draft (or ``draft`` with
+        its ``context``); None for plain decoding (``ar``)."""
+        from .drafters.registry import build_drafter
+
+        method = spec if isinstance(spec, ParsedMethod) else self.parse(spec)
+        model = draft if draft is not None else self.draft
+        ctx = dict(context) if context is not None else self.context
+        return build_drafter((method.name, dict(method.options)), model, **ctx)
+
+    def with_draft(self, draft: Model) -> Session:
+        """A session over the same loaded target with another draft (loaded like the first; e.g. a benchmark
+        that compares two drafters in one run)."""
+        plan = resolve(self.target, draft, self.plan.method.spec, tokenizer=self.tokenizer, dtype=self.plan.dtype,
+                       kv_policy=self.plan.kv_policy, kv_budget=self.plan.kv_budget, kv_block=self.plan.kv_block,
+                       draft_for=("another draft",))
+        plan = dataclasses.replace(plan, target_name=self.plan.target_name, kv_spec=self.plan.kv_spec)
+        return plan.load()
+
+    def encode(self, prompt: str | Sequence[int], raw: bool = False,
+               system: str | None = None) -> tuple[list[int], list[int] | None]:
+        """``(input ids, stop ids)`` of a prompt: text through the tokenizer's chat template when it has one
+        (stopping at the end of the assistant's turn) unless ``raw``, else plain text with the tokenizer's
+        defaults (stop ids None: the model's EOS); token ids as given."""
+        from .models.chat import chat_ids, has_chat_template, stop_ids
+
+        if not isinstance(prompt, str):
+            if system is not None:
+                raise ValueError("system needs a text prompt (token ids are used as given)")
+            return list(prompt), None
+        if not prompt:
+            raise ValueError("the prompt is empty: give some text")
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs the target's tokenizer: pass tokenizer= (or token ids)")
+        if raw and system is not None:
+            raise ValueError("--system needs the chat template: drop --raw")
+        if raw or not has_chat_template(self.tokenizer):
+            if system is not None:
+                raise ValueError("--system: the target's tokenizer has no chat template")
+            return self.tokenizer(prompt)["input_ids"], None
+        return chat_ids(self.tokenizer, prompt, system=system), stop_ids(self.tokenizer, self.target)
+
+    def generate_options(self, method: ParsedMethod | None = None) -> dict[str, Any]:
+        """The keyword arguments of ``generate`` that the session fixes: KV eviction and the engine options of
+        ``method`` (None: the session's)."""
+        p = self.plan
+        kv: dict[str, Any] = {}
+        if p.kv_policy is not None:
+            kv = {"kv_policy": p.kv_policy, "kv_budget": p.kv_budget,
+                  **({} if p.kv_block is None else {"kv_block": p.kv_block})}
+        return {**kv, **(method or p.method).engine}
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        stream: Callable[[list[int]], None] | None = None,
+        raw: bool = False,
+        system: str | None = None,
+        method: str | ParsedMethod | None = None,
+        drafter: Drafter | None | str = "new",
+    ) -> Generation:
+        """One generation with a fresh drafter of the session's method.
+
+        Args:
+            prompt: text (the chat template is applied when the tokenizer has one, unless ``raw``; ``system``
+                is then a system message) or token ids ``[T]`` (used as given).
+            max_new_tokens, temperature, top_k, top_p, seed, stream: as :func:`speculant.generate` (None:
+                its defaults).
+            eos_token_id: stop token(s); None: the end of the assistant's turn for a chat, else the model's EOS.
+            method: another method spec to run on the session's models (parsed once per session; its engine
+                options apply); None: the session's method.
+            drafter: ``"new"`` (default): a fresh drafter of the method; or a drafter built by the caller (e.g.
+                from :meth:`drafter`, wrapped), or None for plain decoding.
+
+        Returns:
+            the engine's :class:`speculant.core.types.Generation` (``token_ids``: the new tokens only).
+        """
+        from .core import engine
+
+        ids, stops = self.encode(prompt, raw=raw, system=system)
+        d = generate_defaults()
+        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                    "seed": seed}
+        sampling = {k: (d[k] if v is None else v) for k, v in sampling.items()}
+        parsed = method if isinstance(method, ParsedMethod) else self.parse(method)
+        if isinstance(drafter, str):
+            if drafter != "new":
+                raise ValueError(f"drafter must be 'new', a Drafter or None, got {drafter!r}")
+            drafter = self.drafter(parsed)
+        return engine.generate(self.target, ids, drafter=drafter, eos_token_id=eos_token_id if eos_token_id
+                               is not None else stops, stream=stream, **sampling, **self.generate_options(parsed))
