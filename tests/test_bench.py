@@ -662,3 +662,15 @@ def test_bad_forward_value_and_llamacpp_errors(pair, monkeypatch):
     monkeypatch.setattr(llamacpp, "available", lambda: True)
     with pytest.raises(ValueError, match="converted from a GGUF file"):
         run_bench(ids_prompts(1), methods=["ar"], baselines=["llamacpp-ar"], target=target, progress=False)
+
+
+def test_cli_code_chat_workload(chat_dirs, capsys, tmp_path):
+    """builtin:code-chat runs through the chat template, one table row per category."""
+    code = cli.main(["bench", "--prompts", "builtin:code-chat", "--num-prompts", "2", "--methods", "chain:k=3",
+                     "--baselines", "none", "--target", chat_dirs["target"], "--draft", chat_dirs["draft"],
+                     "--max-new-tokens", "4", "--warmup", "0", "--out", str(tmp_path / "res"), "--json"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    obj = json.loads(stdout.strip().splitlines()[-1])
+    assert obj["settings"]["prompts"] == "builtin:code-chat" and obj["settings"]["chat_prompts"] == 2
+    assert set(obj["categories"]) == {"write", "rename"}

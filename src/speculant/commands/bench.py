@@ -81,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="builtin:NAME or a JSONL file (see below); default: %(default)s")
     p.add_argument("--num-prompts", type=positive_int, metavar="N", default=d["num_prompts"],
                    help="use N prompts: the first N of a file; N of a built-in set, spread over its modules or "
-                   "categories; default: all (24 for builtin:code and builtin:grounded, 80 for builtin:mt-bench)")
+                   "categories; default: all (24 for builtin:code and builtin:grounded, 80 for builtin:mt-bench and "
+                   "builtin:code-chat)")
     p.add_argument("--methods", metavar="SPEC[,SPEC...]", default=d["methods"],
                    help=f"drafting methods, comma-separated registry specs; '{REFERENCE}' always runs as the "
                    "reference; a draft=NAME option gives a method its own draft model (e.g. chain:draft=DIR); "
