@@ -674,3 +674,56 @@ def test_cli_code_chat_workload(chat_dirs, capsys, tmp_path):
     obj = json.loads(stdout.strip().splitlines()[-1])
     assert obj["settings"]["prompts"] == "builtin:code-chat" and obj["settings"]["chat_prompts"] == 2
     assert set(obj["categories"]) == {"write", "rename"}
+
+
+# ---------------------------------------------------------------------------------------------- default methods
+
+
+def test_method_specs_default_stands_for_the_targets_default(monkeypatch):
+    assert harness.method_specs("default,lookup", "some/dir") == (["chain", "lookup"],
+                                                                   {"spec": "chain", "from": "registry"})
+    assert harness.method_specs(None, "some/dir") == (list(harness.DEFAULT_METHODS), None)
+    assert harness.method_specs(None, "some/dir", matching=True) == (list(harness.DEFAULT_FAMILIES), None)
+    monkeypatch.setattr(model_loading, "default_method_for", lambda target, draft=None: "chain:k=2:lookup=10")
+    packaged = (["chain:k=2:lookup=10"], {"spec": "chain:k=2:lookup=10", "from": "packaged"})
+    assert harness.method_specs(None, "smollm2-135m-instruct") == packaged
+    assert harness.method_specs(["default"], "smollm2-135m-instruct") == packaged
+    with pytest.raises(ValueError, match="'default' is 'chain:k=2:lookup=10' here, which is given too"):
+        harness.method_specs("chain:k=2:lookup=10,default", "smollm2-135m-instruct")
+    for empty in ("", " ", []):
+        with pytest.raises(ValueError, match="no methods given in .*: name at least one"):
+            harness.method_specs(empty, "some/dir")
+
+
+def test_cli_without_methods_runs_the_packaged_default(dirs, capsys, tmp_path, monkeypatch):
+    """A packaged target benches ar and its packaged default method when --methods is left out."""
+    monkeypatch.setattr(model_loading, "default_method_for",
+                        lambda target, draft=None: "chain:k=2" if target == dirs["target"] else None)
+    code = cli.main(["bench", "--prompts", dirs["prompts"], "--num-prompts", "1", "--baselines", "none",
+                     "--target", dirs["target"], "--draft", dirs["draft"], "--max-new-tokens", "4", "--warmup", "0",
+                     "--out", str(tmp_path / "res"), "--json"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    obj = json.loads(stdout.strip().splitlines()[-1])
+    assert list(obj["methods"]) == ["ar", "chain:k=2"]
+    assert obj["settings"]["default_method"] == {"spec": "chain:k=2", "from": "packaged"}
+
+
+def test_cli_methods_default_without_a_packaged_one_is_the_registry_default(dirs, capsys, tmp_path):
+    code = cli.main(["bench", "--prompts", dirs["prompts"], "--num-prompts", "1", "--baselines", "none",
+                     "--methods", "default", "--target", dirs["target"], "--draft", dirs["draft"],
+                     "--max-new-tokens", "4", "--warmup", "0", "--out", str(tmp_path / "res"), "--json"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    obj = json.loads(stdout.strip().splitlines()[-1])
+    assert list(obj["methods"]) == ["ar", "chain"]
+    assert obj["settings"]["default_method"] == {"spec": "chain", "from": "registry"}
+
+
+def test_cli_empty_methods_is_a_one_line_error(dirs, capsys, tmp_path):
+    code = cli.main(["bench", "--prompts", dirs["prompts"], "--methods", "", "--target", dirs["target"],
+                     "--out", str(tmp_path / "res")])
+    _, stderr = capsys.readouterr()
+    assert code == 2 and stderr.count("\n") == 1
+    assert stderr.startswith("speculant: error: no methods given in '': name at least one")
+    assert not (tmp_path / "res").exists()

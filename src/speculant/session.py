@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from .drafters.base import Drafter
     from .kv.policies import ScorePolicy
 
-__all__ = ["Session", "SessionPlan", "load", "resolve"]
+__all__ = ["Session", "SessionPlan", "default_method", "load", "resolve"]
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +156,21 @@ def _attached(path: str) -> bool:
     return is_attached(Path(path))
 
 
+def default_method(target: Model, draft: Model | None = None) -> tuple[str, str]:
+    """The method a session runs when none is given, and where it comes from: ``(spec, "packaged")`` for a
+    packaged target (by name) with the drafter speculant ships for it
+    (:func:`speculant.models.loading.default_method_for`), else ``(DEFAULT_METHOD, "registry")``
+    (:data:`speculant.drafters.registry.DEFAULT_METHOD`)."""
+    from .drafters.registry import DEFAULT_METHOD
+    from .models.loading import default_method_for
+
+    if isinstance(target, (str, Path)) and not isinstance(draft, torch.nn.Module):
+        spec = default_method_for(target, draft)
+        if spec:
+            return spec, "packaged"
+    return DEFAULT_METHOD, "registry"
+
+
 def resolve(
     target: Model = "default-target",
     draft: Model | None = None,
@@ -190,13 +205,11 @@ def resolve(
             target.
     """
     from .core.checks import check_positive_int, resolve_device
-    from .drafters.registry import DEFAULT_METHOD
-    from .models.loading import DTYPES, check_model_dir, default_draft_for, default_method_for, resolve_model
+    from .models.loading import DTYPES, check_model_dir, default_draft_for, resolve_model
 
     by_name = isinstance(target, (str, Path))
     if method is None:
-        method = (default_method_for(target, draft) if by_name and not isinstance(draft, torch.nn.Module)
-                  else None) or DEFAULT_METHOD
+        method, _ = default_method(target, draft)
         log.info("method %s (pass a method to choose another)", method)
     parsed = ParsedMethod.parse(method)
     policy, kv_spec = _resolve_kv(kv_policy, kv_budget, kv_block)

@@ -27,7 +27,7 @@ from ..models.chat import stop_ids
 from ..core.checks import check_fits_context, check_positive_int, resolve_device, resolve_eos
 from ..drafters.registry import NO_DEFAULT, get_method, split_spec
 from ..core.types import SamplingParams
-from ..session import ParsedMethod, Session
+from ..session import ParsedMethod, Session, default_method
 from .budget import matched_specs, shape
 from .cost import (
     drafter_models,
@@ -43,16 +43,21 @@ from .probe import peak_kv_bytes, probing
 from ..data.prompts import check_record, is_chat, load_prompts, prompt_ids
 from .speed import MethodRun, machine_info, run_side_by_side, summarise, summarise_by
 
-__all__ = ["DEFAULT_FAMILIES", "DEFAULT_METHODS", "DEFINITIONS", "REFERENCE", "check_out_dir", "run_bench",
-           "split_specs"]
+__all__ = ["DEFAULT", "DEFAULT_FAMILIES", "DEFAULT_METHODS", "DEFINITIONS", "REFERENCE", "check_out_dir",
+           "method_specs", "run_bench", "split_specs"]
 
 log = logging.getLogger(__name__)
 
 REFERENCE = "ar"
 """The method every speed-up and identity check is measured against."""
 
+DEFAULT = "default"
+"""In a method list: the target's packaged default method (:func:`speculant.session.default_method`: the method
+measured fastest for a packaged target with its shipped drafter), else the registry's ``DEFAULT_METHOD``."""
+
 DEFAULT_METHODS = ("chain:k=4",)
-"""The methods :func:`run_bench` compares with the reference when none are given."""
+"""The methods :func:`run_bench` compares with the reference when none are given and the target has no packaged
+default method (a packaged target with one runs :data:`DEFAULT`)."""
 
 DEFAULT_FAMILIES = ("chain",)
 """The same for a budget-matched comparison (families, sized by the budgets and depths)."""
@@ -228,8 +233,11 @@ def run_bench(
         methods: registry specs (``NAME[:key=value...]``), a list or one comma-separated string; results are
             keyed by the spec exactly as given. ``ar`` is added (first) when missing: it is the reference. A
             ``draft=NAME`` option runs that method with its own draft model (a name or directory, loaded like
-            ``draft``), e.g. to compare two drafters in one interleaved run.
-            None: :data:`DEFAULT_METHODS`, or :data:`DEFAULT_FAMILIES` with ``budgets``/``depths``.
+            ``draft``), e.g. to compare two drafters in one interleaved run. ``default`` (:data:`DEFAULT`) stands
+            for the target's packaged default method, else the registry's ``DEFAULT_METHOD``; results are keyed
+            by the spec it stands for, and ``settings["default_method"]`` says which (:func:`method_specs`).
+            None: the packaged default of a packaged target, else :data:`DEFAULT_METHODS`, or
+            :data:`DEFAULT_FAMILIES` with ``budgets``/``depths``. An empty list is a ValueError.
         baselines: ``hf-ar``, ``hf-assisted[:k=N]``, ``hf-prompt-lookup[:k=N][:ngram=M]`` (list or
             comma-separated; empty for none). The k of ``hf-assisted``/``hf-prompt-lookup`` defaults to the k of
             the first draft-model method (``chain:k=4`` -> 4).
@@ -278,12 +286,12 @@ def run_bench(
         device = resolve_device(device)  # before the prompts load
 
     matching = bool(budgets or depths)
-    method_specs = split_specs(methods if methods is not None else DEFAULT_FAMILIES if matching else DEFAULT_METHODS)
+    specs, default_note = method_specs(methods, target, draft, matching)
     matched = None
     if matching:
-        method_specs, matched = matched_specs(method_specs, budgets or [], depths or [], skip=(REFERENCE,))
-    method_drafts = {spec: _method_draft(spec) for spec in method_specs}  # spec -> its own draft=, or None
-    parsed = [(spec, ParsedMethod.parse(_without_draft(spec))) for spec in method_specs]  # each spec parsed once
+        specs, matched = matched_specs(specs, budgets or [], depths or [], skip=(REFERENCE,))
+    method_drafts = {spec: _method_draft(spec) for spec in specs}  # spec -> its own draft=, or None
+    parsed = [(spec, ParsedMethod.parse(_without_draft(spec))) for spec in specs]  # each spec parsed once
     if not any(spec == REFERENCE for spec, _ in parsed):
         parsed.insert(0, (REFERENCE, ParsedMethod.parse(REFERENCE)))
     else:
@@ -357,6 +365,7 @@ def run_bench(
             "target": target_desc,
             "draft": draft_desc,
             "method_drafts": {spec: models.own[d].plan.draft_name for spec, d in method_drafts.items() if d},
+            **({"default_method": default_note} if default_note is not None else {}),
             "target_dtype": str(target_model.dtype),
             "draft_dtype": None if draft_model is None else str(draft_model.dtype),
             "device": str(target_model.device),
@@ -394,6 +403,32 @@ def run_bench(
 
         results["files"] = [str(p) for p in write_results(results, out)]
     return results
+
+
+def method_specs(methods: str | Sequence[str] | None, target: Any, draft: Any = None,
+                 matching: bool = False) -> tuple[list[str], dict | None]:
+    """The method specs a benchmark runs, with :data:`DEFAULT` replaced by the target's default method, and what
+    that default was: ``{"spec", "from": "packaged" | "registry"}`` (None when it was not used).
+
+    ``methods`` None: the packaged default of a packaged target, else :data:`DEFAULT_METHODS` (with
+    ``matching``, a budget-matched run: :data:`DEFAULT_FAMILIES`). An empty list, or a default that repeats a
+    spec given too, is a one-line ValueError."""
+    if methods is None:
+        if matching:
+            return list(DEFAULT_FAMILIES), None
+        if default_method(target, draft)[1] != "packaged":
+            return list(DEFAULT_METHODS), None
+        methods = [DEFAULT]
+    specs = split_specs(methods)
+    if not specs:
+        raise ValueError(f"no methods given in {methods!r}: name at least one (e.g. '{REFERENCE}' or "
+                         f"'{DEFAULT}'), or leave the option out for the default")
+    if DEFAULT not in specs:
+        return specs, None
+    spec, source = default_method(target, draft)
+    if spec in specs:
+        raise ValueError(f"'{DEFAULT}' is {spec!r} here, which is given too: give it once")
+    return [spec if s == DEFAULT else s for s in specs], {"spec": spec, "from": source}
 
 
 def _method_draft(spec: str) -> str | None:

