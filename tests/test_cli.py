@@ -397,11 +397,10 @@ def test_register_rejects_duplicates_and_bad_names():
 
 
 def test_verbose_logs_info_to_stderr(dirs, capsys):
-    args = [PROMPT, "--target", dirs["target"], "--draft", dirs["draft"], "--method", "ar", "--max-new-tokens", "2",
-            "--json"]
+    args = [PROMPT, "--target", dirs["target"], "--method", "ar", "--max-new-tokens", "2", "--json"]
     assert cli.main(["-v", "generate", *args]) == 0
     err = capsys.readouterr().err
-    assert "speculant: INFO: loading model and tokenizer from" in err and "--draft is not used" in err
+    assert "speculant: INFO: loading model and tokenizer from" in err and "speculant: INFO: loaded " in err
     assert cli.main(["generate", *args]) == 0
     assert capsys.readouterr().err == ""
 

@@ -12,7 +12,8 @@ they resolve the same defaults and agree on the same rules:
 * **draft** None, for a method that drafts with a model: the drafter speculant ships for the target
   (:func:`speculant.models.loading.default_draft_for`). When there is none, :func:`resolve` raises a one-line
   ValueError naming the fix (pass a draft, or choose a method without one such as ``ar``): no front-end falls
-  back to plain decoding silently. A draft given to a method that drafts without a model is not loaded.
+  back to plain decoding silently. A draft given to a method that drafts without a model (``ar``, ``lookup``,
+  ``mask-probe`` ...) is not loaded, and loading warns once that it is not used.
 * **dtype** None: float32 (the only dtype in which greedy speculative output is guaranteed token-identical to a
   separately run plain decode); **device** None: the best available (:func:`speculant.core.checks.resolve_device`).
 
@@ -118,7 +119,7 @@ class SessionPlan:
     def load(self) -> Session:
         """Load the target (and its tokenizer) and the draft, on the device; build one drafter now, so that a
         method that cannot be built fails here rather than at the first generation."""
-        from .core.checks import resolve_device
+        from .core.checks import resolve_device, warn_once
         from .models.loading import draft_context, load_draft, load_model_dir
 
         if self.threads is not None:
@@ -139,12 +140,9 @@ class SessionPlan:
             if tokenizer is not None or _attached(self.draft):
                 context = draft_context(self.draft, tokenizer)
         session = Session(plan=self, target=target, tokenizer=tokenizer, draft=draft, context=context)
-        built = session.drafter()  # fails now (e.g. a tree the draft cannot build) rather than per generation
-        if self.unused_draft is not None:
-            if built is None:  # plain decoding: passing --draft to switch methods back and forth is fine
-                log.info("method %r drafts nothing: --draft is not used", self.method.name)
-            else:
-                log.warning("method %r drafts without a model: --draft is not used", self.method.name)
+        session.drafter()  # fails now (e.g. a tree the draft cannot build) rather than per generation
+        if self.unused_draft is not None:  # one rule for every method without a draft model, ar included
+            warn_once(log, f"method {self.method.name!r} drafts without a model: --draft is not used")
         log.info("loaded %s%s (method %s)", self.target_name,
                  f" with draft {self.draft_name}" if draft is not None else "", self.method.spec)
         return session

@@ -15,6 +15,7 @@ given, every method and baseline stops at the end of the assistant's turn (:func
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 from collections.abc import Sequence
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 from ..models.chat import stop_ids
-from ..core.checks import check_fits_context, check_positive_int, resolve_device, resolve_eos
+from ..core.checks import check_fits_context, check_positive_int, resolve_device, resolve_eos, warn_once
 from ..drafters.registry import NO_DEFAULT, get_method, split_spec
 from ..core.types import SamplingParams
 from ..session import ParsedMethod, Session, default_method
@@ -304,6 +305,9 @@ def run_bench(
     if any(BASELINES[n].runtime == "llama.cpp" for _, n, _ in parsed_baselines) and not llamacpp.available():
         raise ValueError(llamacpp.INSTALL_HINT)
     plan = plan_bench_models(target, draft, tokenizer, dtype, device, draft_users)  # the no-draft rule, checked
+    if plan.unused_draft is not None:  # the plan's own method is the reference: say it for the whole run
+        warn_once(log, "no method or baseline drafts with the shared draft model: --draft is not used")
+        plan = dataclasses.replace(plan, unused_draft=None)
 
     models = BenchModels.load(plan, sorted({d for d in method_drafts.values() if d}))
     session = models.session

@@ -310,7 +310,8 @@ def add_dataclass_arguments(
     p: argparse.ArgumentParser, cls: type, skip: set[str], docs: dict[str, str],
     deferred: frozenset[str] = frozenset(),
 ) -> None:
-    """One ``--field-name`` option per dataclass field; the dataclass holds the defaults (not restated).
+    """One ``--field-name`` option per dataclass field; the dataclass holds the defaults (not restated): the help
+    is ``docs[field]`` plus ``(default: VALUE)``, unless the doc already says its default in words.
 
     ``deferred`` fields default to None on the command line (the help still shows the dataclass default), so the
     runner can tell an option given explicitly from one left out; :func:`dataclass_from_args` then applies the
@@ -334,12 +335,15 @@ def add_dataclass_arguments(
             types = [t for t in (typing.get_args(hint) or (hint,)) if t is not type(None)]
             kind = types[0] if types and types[0] in (int, float) else str
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        doc = docs.get(f.name, "")
+        # a help text that says its default in words ("default: the built-in prompts") keeps only that one
+        shown = required or "default:" in doc
         p.add_argument(
             option_name(f.name),
             type=kind,
             default=None if f.name in deferred else default,
             required=required,
-            help=docs.get(f.name, "") + ("" if required else f" (default: {default})".replace("%", "%%")),
+            help=(doc + ("" if shown else f" (default: {default})")).replace("%", "%%"),
         )
 
 

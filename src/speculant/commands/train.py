@@ -64,7 +64,7 @@ _TRAIN_DOCS = {
     "teacher": "model directory of the target to distil from (draft training)",
     "kd_weight": "weight of the distillation loss (the rest is cross-entropy)",
     "kd_loss": "distillation loss: fkl, tvd or tvd++",
-    "threads": "torch CPU threads",
+    "threads": "torch CPU threads; default: left to torch",
     "init": "start from this model directory instead of a random initialisation (fine-tuning a drafter)",
     "train_split": "token stream to train on: train (the corpus) or a split made by 'train distill-data'",
 }
@@ -81,7 +81,7 @@ _DISTILL_DATA_DOCS = {
     "batch_size": "prompts generated together (left-padded)",
     "precision": "auto (bf16 on CPUs/GPUs with native bf16), fp32 or bf16; the teacher is re-run in training",
     "seed": "prompt choice and sampling seed",
-    "threads": "torch CPU threads",
+    "threads": "torch CPU threads; default: left to torch",
 }
 
 
@@ -118,7 +118,7 @@ _DRAFT_DOCS = {
     "keep": "VocabTrim set trained over and drafted from when sampling (most frequent answer tokens)",
     "validation_fraction": "answers held out for validation",
     "seed": "data order and sampling seed",
-    "threads": "torch CPU threads",
+    "threads": "torch CPU threads; default: left to torch",
 }
 
 
@@ -132,6 +132,26 @@ def _check_layers(target_dir, layers: list[int], taps: list[int]) -> None:
             raise ValueError(f"--{name}: the target has layers 0..{n - 1}, got {'/'.join(map(str, values))}")
     if not layers:
         raise ValueError("--layers: at least one target layer to start the drafter from")
+
+
+def _check_draft_prompts(args: argparse.Namespace) -> None:
+    """``train draft`` must have prompts to answer: a ``--prompts`` file with at least one, or ``--num-prompts``
+    built-in ones (0 only with ``--self-prompts``); a one-line ValueError naming the option otherwise."""
+    from ..data.prompts import load_prompts
+
+    if args.prompts is not None:
+        if not Path(args.prompts).is_file():
+            raise ValueError(f"--prompts: file {args.prompts!r} does not exist")
+        try:
+            load_prompts(args.prompts)
+        except ValueError as exc:
+            raise ValueError(f"--prompts: {exc}") from None
+        return
+    if args.num_prompts < 0:
+        raise ValueError(f"--num-prompts must be >= 0, got {args.num_prompts}")
+    if args.num_prompts == 0 and args.self_prompts == 0:
+        raise ValueError("--num-prompts 0: no prompts to answer; give --num-prompts N (N >= 1), a --prompts "
+                         "file, or --self-prompts N (prompts the target writes)")
 
 
 def _run_train_draft(args: argparse.Namespace) -> int:
@@ -154,8 +174,7 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     if args.kind not in KINDS:
         raise ValueError(f"--kind: unknown drafter kind {args.kind!r}; known: {', '.join(KINDS)}")
     _check_layers(resolve_model(args.target), args.layers, args.taps)  # a clear error before any work
-    if args.prompts is not None and not Path(args.prompts).is_file():
-        raise ValueError(f"--prompts: file {args.prompts!r} does not exist")
+    _check_draft_prompts(args)  # before the run directory is made: a refused run leaves nothing behind
     cfg = dataclass_from_args(DraftRunConfig, args)
     run_answers(cfg)
     if cfg.kind == "feature":
