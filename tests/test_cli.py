@@ -83,7 +83,8 @@ def test_json_output_matches_library_generate(dirs, capsys):
 
 
 def test_ar_and_chain_stream_identical_greedy_text(dirs, capsys):
-    code_ar, out_ar, err_ar = run(capsys, *base_args(dirs, "ar"))
+    code_ar, out_ar, err_ar = run(capsys, PROMPT, "--target", dirs["target"], "--method", "ar", "--max-new-tokens",
+                                  str(N))  # no --draft: ar would warn that it is not used
     code_ch, out_ch, err_ch = run(capsys, *base_args(dirs, "chain:k=3"))
     assert code_ar == code_ch == 0
     assert out_ar == out_ch and out_ar.strip()

