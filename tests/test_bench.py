@@ -727,3 +727,17 @@ def test_cli_empty_methods_is_a_one_line_error(dirs, capsys, tmp_path):
     assert code == 2 and stderr.count("\n") == 1
     assert stderr.startswith("speculant: error: no methods given in '': name at least one")
     assert not (tmp_path / "res").exists()
+
+
+def test_cli_a_draft_no_method_uses_warns_once(dirs, capsys, tmp_path, monkeypatch):
+    import speculant.core.checks
+
+    monkeypatch.setattr(speculant.core.checks, "_WARNED", set())
+    code = cli.main(["bench", "--prompts", dirs["prompts"], "--num-prompts", "1", "--baselines", "none",
+                     "--methods", "lookup", "--target", dirs["target"], "--draft", dirs["draft"],
+                     "--max-new-tokens", "4", "--warmup", "0", "--out", str(tmp_path / "res"), "--json"])
+    _, stderr = capsys.readouterr()
+    assert code == 0, stderr
+    warnings = [line for line in stderr.splitlines() if "WARNING" in line]
+    assert warnings == ["speculant: WARNING: no method or baseline drafts with the shared draft model: --draft is "
+                        "not used"]
