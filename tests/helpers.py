@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 from scipy import stats
 
@@ -64,3 +70,66 @@ def chat_model_pair(root, layers: int = 2, context: int = 256):
     tok.chat_template = CHAT_TEMPLATE
     target, draft = save_model_pair(root, tok, hidden=32, layers=layers, context=context, init_std=0.5)
     return str(target), str(draft)
+
+
+def start_server(args: list[str], log: Path, env: dict | None = None,
+                 ready: bool = False) -> tuple[subprocess.Popen, str]:
+    """Start ``python -m speculant serve ARGS --port 0 --threads 1`` and return it with its base URL (read from its
+    stderr line). ``ready``: also wait until ``/health`` answers 200 (the model is loaded)."""
+    err = log.open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "speculant", "serve", *args, "--port", "0", "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=env)
+    deadline = time.time() + 90
+    url = None
+    while time.time() < deadline and url is None:
+        match = re.search(r"at (http://\S+)/v1", log.read_text())
+        if match:
+            url = match.group(1)
+        elif proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}: {log.read_text()}")
+        else:
+            time.sleep(0.05)
+    if url is None:
+        proc.kill()
+        raise AssertionError(f"server did not start: {log.read_text()}")
+    if ready:
+        import httpx
+
+        deadline = time.time() + 300  # a real model may be converted first
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                stop_server(proc)
+                raise AssertionError(f"server not ready: {log.read_text()}")
+            time.sleep(0.1)
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (graceful shutdown), then kill after 15 s."""
+    if proc.poll() is None:
+        proc.send_signal(2)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def cli_error_line(capsys, argv: list[str], *needles: str) -> str:
+    """Run ``speculant ARGV`` in-process and check the house style of a mistake: exit code 2, nothing on stdout, one
+    line ``speculant: error: ...`` on stderr (no traceback) containing every needle; returns that line."""
+    from speculant import cli
+
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "Traceback" not in err, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and err.count("\n") == 1 and lines[0].startswith("speculant: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
