@@ -43,6 +43,38 @@ def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs_bins, exp_bins).pvalue)
 
 
+N_FAST = 1200
+"""Seeded generations per end-to-end distribution test in the default suite; each such test also runs at its
+full size (3,000-3,500) under ``@pytest.mark.slow`` (``make test-all``).
+
+Power. The tests pass at p > 1e-4 (chi-square). Against an error of total-variation distance δ in the first
+token's distribution (5 categories, df 4), the test statistic is noncentral chi-square with λ ≥ 4 N δ² (the
+chi-square divergence is at least 4 δ²); at α = 1e-4 (critical value 23.5) λ = 47.8 gives power 0.99. So N
+samples detect, with probability ≥ 0.99, any first-token error of δ ≥ sqrt(47.8 / (4 N)) (:func:`detectable_tv`):
+0.10 at N_FAST = 1,200 and 0.06 at 3,500. Every negative control (accept-all, resampling from q, a stale KV cache,
+trimmed probabilities on the wrong ids, the wrong sibling rules) runs at N_FAST and is caught with p < 1e-6; the
+full-size runs bound smaller errors."""
+
+
+def detectable_tv(n: int, categories: int = 5, alpha: float = 1e-4, power: float = 0.99) -> float:
+    """The smallest total-variation error of a ``categories``-way distribution that a chi-square test of ``n``
+    samples at level ``alpha`` detects with probability >= ``power`` (noncentrality 4 n δ², a lower bound)."""
+    from scipy import optimize
+
+    df = categories - 1
+    critical = stats.chi2.isf(alpha, df)
+    lam = optimize.brentq(lambda x: stats.ncx2.sf(critical, df, x) - power, 1e-6, 1e6)
+    return float(np.sqrt(lam / (4 * n)))
+
+
+def sizes(n_full: int, *values, id: str) -> list:
+    """Parameters ``(*values, N_FAST)`` for the default suite and ``(*values, n_full)`` marked slow (id + '-full')."""
+    import pytest
+
+    return [pytest.param(*values, N_FAST, id=id),
+            pytest.param(*values, n_full, id=f"{id}-full", marks=pytest.mark.slow)]
+
+
 def record_caches(monkeypatch, module, name: str) -> list:
     """Replace the cache class ``module.name`` with a subclass that records every instance; returns the list."""
     created: list = []
@@ -55,6 +87,12 @@ def record_caches(monkeypatch, module, name: str) -> list:
 
     monkeypatch.setattr(module, name, Recording)
     return created
+
+
+MULTIBYTE = "héllo wörld ✓ naïve café 日本語"
+"""Text with multi-byte UTF-8 characters, in the code tokenizer's corpus (streaming must not split them)."""
+CODE_CONTEXT = 128
+"""The context of the session's code pair (``code_models``): tests of prompts too long for it rely on it."""
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"

@@ -21,7 +21,6 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from helpers import chat_model_pair  # noqa: E402
 from helpers import cli_error_line as _one_line_error  # noqa: E402
 from helpers import start_server as _start, stop_server as _stop  # noqa: E402
 from speculant import cli  # noqa: E402
@@ -39,10 +38,9 @@ def _threads(one_thread):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-models")
-    target, draft = chat_model_pair(root, layers=2, context=2048)
-    return {"target": target, "draft": draft, "root": root}
+def models(chat_models):
+    """The session's chat pair (context 2048: room for long generations)."""
+    return {"target": chat_models[0], "draft": chat_models[1]}
 
 
 @pytest.fixture(scope="module")
