@@ -11,9 +11,10 @@ from helpers import CODE_CONTEXT, MULTIBYTE, chat_model_pair
 from speculant.testing import save_model_pair, stdlib_texts, tiny_tokenizer
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny models run fastest on one thread (two stall badly on a busy 2-core machine); restored afterwards."""
+    """Tiny models run fastest on one thread (two stall badly on a busy 2-core machine): every module runs on one
+    unless it sets another count itself; restored afterwards."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -51,9 +51,10 @@ Power. The tests pass at p > 1e-4 (chi-square). Against an error of total-variat
 token's distribution (5 categories, df 4), the test statistic is noncentral chi-square with λ ≥ 4 N δ² (the
 chi-square divergence is at least 4 δ²); at α = 1e-4 (critical value 23.5) λ = 47.8 gives power 0.99. So N
 samples detect, with probability ≥ 0.99, any first-token error of δ ≥ sqrt(47.8 / (4 N)) (:func:`detectable_tv`):
-0.10 at N_FAST = 1,200 and 0.06 at 3,500. Every negative control (accept-all, resampling from q, a stale KV cache,
-trimmed probabilities on the wrong ids, the wrong sibling rules) runs at N_FAST and is caught with p < 1e-6; the
-full-size runs bound smaller errors."""
+0.10 at N_FAST = 1,200 and 0.06 at 3,500. The negative controls of the chain engine (accept-all, resampling from q,
+a stale KV cache, trimmed probabilities on the wrong ids) run at N_FAST and are caught with p < 1e-6; the tree
+rules' controls need 1,500 (SpecInfer with its duplicate draws dropped is a smaller bias); the full-size runs
+bound smaller errors."""
 
 
 def detectable_tv(n: int, categories: int = 5, alpha: float = 1e-4, power: float = 0.99) -> float:
