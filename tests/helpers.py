@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 from scipy import stats
 
@@ -37,6 +43,39 @@ def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs_bins, exp_bins).pvalue)
 
 
+N_FAST = 1200
+"""Seeded generations per end-to-end distribution test in the default suite; each such test also runs at its
+full size (3,000-3,500) under ``@pytest.mark.slow`` (``make test-all``).
+
+Power. The tests pass at p > 1e-4 (chi-square). Against an error of total-variation distance δ in the first
+token's distribution (5 categories, df 4), the test statistic is noncentral chi-square with λ ≥ 4 N δ² (the
+chi-square divergence is at least 4 δ²); at α = 1e-4 (critical value 23.5) λ = 47.8 gives power 0.99. So N
+samples detect, with probability ≥ 0.99, any first-token error of δ ≥ sqrt(47.8 / (4 N)) (:func:`detectable_tv`):
+0.10 at N_FAST = 1,200 and 0.06 at 3,500. The negative controls of the chain engine (accept-all, resampling from q,
+a stale KV cache, trimmed probabilities on the wrong ids) run at N_FAST and are caught with p < 1e-6; the tree
+rules' controls need 1,500 (SpecInfer with its duplicate draws dropped is a smaller bias); the full-size runs
+bound smaller errors."""
+
+
+def detectable_tv(n: int, categories: int = 5, alpha: float = 1e-4, power: float = 0.99) -> float:
+    """The smallest total-variation error of a ``categories``-way distribution that a chi-square test of ``n``
+    samples at level ``alpha`` detects with probability >= ``power`` (noncentrality 4 n δ², a lower bound)."""
+    from scipy import optimize
+
+    df = categories - 1
+    critical = stats.chi2.isf(alpha, df)
+    lam = optimize.brentq(lambda x: stats.ncx2.sf(critical, df, x) - power, 1e-6, 1e6)
+    return float(np.sqrt(lam / (4 * n)))
+
+
+def sizes(n_full: int, *values, id: str) -> list:
+    """Parameters ``(*values, N_FAST)`` for the default suite and ``(*values, n_full)`` marked slow (id + '-full')."""
+    import pytest
+
+    return [pytest.param(*values, N_FAST, id=id),
+            pytest.param(*values, n_full, id=f"{id}-full", marks=pytest.mark.slow)]
+
+
 def record_caches(monkeypatch, module, name: str) -> list:
     """Replace the cache class ``module.name`` with a subclass that records every instance; returns the list."""
     created: list = []
@@ -49,6 +88,12 @@ def record_caches(monkeypatch, module, name: str) -> list:
 
     monkeypatch.setattr(module, name, Recording)
     return created
+
+
+MULTIBYTE = "héllo wörld ✓ naïve café 日本語"
+"""Text with multi-byte UTF-8 characters, in the code tokenizer's corpus (streaming must not split them)."""
+CODE_CONTEXT = 128
+"""The context of the session's code pair (``code_models``): tests of prompts too long for it rely on it."""
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
@@ -64,3 +109,66 @@ def chat_model_pair(root, layers: int = 2, context: int = 256):
     tok.chat_template = CHAT_TEMPLATE
     target, draft = save_model_pair(root, tok, hidden=32, layers=layers, context=context, init_std=0.5)
     return str(target), str(draft)
+
+
+def start_server(args: list[str], log: Path, env: dict | None = None,
+                 ready: bool = False) -> tuple[subprocess.Popen, str]:
+    """Start ``python -m speculant serve ARGS --port 0 --threads 1`` and return it with its base URL (read from its
+    stderr line). ``ready``: also wait until ``/health`` answers 200 (the model is loaded)."""
+    err = log.open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "speculant", "serve", *args, "--port", "0", "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=env)
+    deadline = time.time() + 90
+    url = None
+    while time.time() < deadline and url is None:
+        match = re.search(r"at (http://\S+)/v1", log.read_text())
+        if match:
+            url = match.group(1)
+        elif proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}: {log.read_text()}")
+        else:
+            time.sleep(0.05)
+    if url is None:
+        proc.kill()
+        raise AssertionError(f"server did not start: {log.read_text()}")
+    if ready:
+        import httpx
+
+        deadline = time.time() + 300  # a real model may be converted first
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                stop_server(proc)
+                raise AssertionError(f"server not ready: {log.read_text()}")
+            time.sleep(0.1)
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT (graceful shutdown), then kill after 15 s."""
+    if proc.poll() is None:
+        proc.send_signal(2)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def cli_error_line(capsys, argv: list[str], *needles: str) -> str:
+    """Run ``speculant ARGV`` in-process and check the house style of a mistake: exit code 2, nothing on stdout, one
+    line ``speculant: error: ...`` on stderr (no traceback) containing every needle; returns that line."""
+    from speculant import cli
+
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and "Traceback" not in err, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and err.count("\n") == 1 and lines[0].startswith("speculant: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]

@@ -29,11 +29,9 @@ from speculant.bench.speed import (
     summarise,
 )
 from speculant.models.chat import chat_ids
-from speculant.testing import save_model_pair, stdlib_texts, tiny_tokenizer
 from speculant.models.loading import load_model_dir
 from speculant.testing import perturbed, tiny_model
 
-from helpers import CHAT_TEMPLATE
 from speculant.data.corpus import split_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,29 +55,22 @@ def pair():
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    """Target and draft model directories with a BPE tokenizer, and a JSONL prompt file with ids."""
-    tok = tiny_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
-    root = tmp_path_factory.mktemp("bench-models")
-    target, draft = save_model_pair(root, tok, hidden=32, layers=2, context=128, init_std=0.5, draft_scale=0.02)
-    prompts = root / "prompts.jsonl"
+def dirs(code_models, tmp_path_factory):
+    """The session's code pair (target and draft directories) and a JSONL prompt file with ids."""
+    prompts = tmp_path_factory.mktemp("bench-prompts") / "prompts.jsonl"
     lines = [{"id": "add", "prompt": "def add(a, b):\n    return a + b\n\n", "tag": "x"},
              {"id": "wrap", "prompt": "def wrap(text, width=70):\n"}]
     prompts.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
-    return {"target": str(target), "draft": str(draft), "prompts": str(prompts)}
+    return {"target": code_models["target"], "draft": code_models["draft"], "prompts": str(prompts)}
 
 
 MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
 @pytest.fixture(scope="module")
-def chat_dirs(tmp_path_factory):
-    """A target/draft pair whose tokenizer has a chat template, with a context long enough for MT-Bench."""
-    tok = tiny_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
-    tok.chat_template = CHAT_TEMPLATE
-    root = tmp_path_factory.mktemp("bench-chat-models")
-    target, draft = save_model_pair(root, tok, hidden=32, layers=2, context=1024, init_std=0.5, draft_scale=0.02)
-    return {"target": str(target), "draft": str(draft)}
+def chat_dirs(chat_models):
+    """The session's chat pair: a tokenizer with a chat template, a context long enough for MT-Bench."""
+    return {"target": chat_models[0], "draft": chat_models[1]}
 
 
 def ids_prompts(n: int = 3) -> list[dict]:

@@ -12,16 +12,16 @@ import pytest
 
 from speculant.data import mtbench
 from speculant.data.prompts import check_record, is_chat, load_prompts, mt_bench_prompts, prompt_ids
-from speculant.testing import stdlib_texts, tiny_tokenizer
 
 from helpers import CHAT_TEMPLATE
 
 CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
+@pytest.fixture
+def tok(code_tokenizer):
+    """The session's code tokenizer (no chat template)."""
+    return code_tokenizer
 
 
 @pytest.fixture

@@ -9,15 +9,13 @@ import torch
 
 from speculant import cli
 from speculant.models.chat import chat_ids, has_chat_template, stop_ids
-from speculant.testing import tiny_tokenizer
 from speculant.core.engine import generate
 from speculant.models.loading import load_model_dir
 
-from helpers import chat_model_pair
 
 @pytest.fixture(scope="module")
-def chat_dirs(tmp_path_factory):
-    return chat_model_pair(tmp_path_factory.mktemp("chat"))
+def chat_dirs(chat_models):
+    return chat_models
 
 
 def test_chat_ids_round_trip(chat_dirs):
@@ -29,7 +27,7 @@ def test_chat_ids_round_trip(chat_dirs):
     assert chat_ids(tok, [{"role": "user", "content": "hello there"}]) == chat_ids(tok, "hello there")
 
 
-def test_chat_ids_errors(chat_dirs):
+def test_chat_ids_errors(chat_dirs, code_tokenizer):
     _, tok = load_model_dir(chat_dirs[0])
     with pytest.raises(ValueError, match="role"):
         chat_ids(tok, [{"role": "wizard", "content": "x"}])
@@ -37,7 +35,7 @@ def test_chat_ids_errors(chat_dirs):
         chat_ids(tok, [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}], system="c")
     with pytest.raises(ValueError, match="empty"):
         chat_ids(tok, [])
-    plain = tiny_tokenizer(vocab_size=300)
+    plain = code_tokenizer
     with pytest.raises(ValueError, match="no chat template"):
         chat_ids(plain, "hi")
 

@@ -19,15 +19,14 @@ import speculant.models.loading
 from speculant import DraftModelDrafter, GenerationStats, cli, generate
 from speculant.commands import common
 from speculant.commands.generate import _Writer
-from speculant.testing import save_model_pair, stdlib_texts, tiny_tokenizer
 from speculant.drafters import registry
 from speculant.drafters.registry import Key, build_drafter, default_of, parse_method, register
 from speculant.models.loading import check_model_dir, load_model_dir, tokenizers_match
 
+from helpers import CODE_CONTEXT as CONTEXT, MULTIBYTE
+
 PROMPT = "def add(a, b):\n    return a + b\n\n"
 N = 24  # new tokens per CLI run
-CONTEXT = 128
-MULTIBYTE = "héllo wörld ✓ naïve café 日本語"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,19 +35,9 @@ def _threads(one_thread):
 
 
 @pytest.fixture(scope="session")
-def dirs(tmp_path_factory):
+def dirs(code_models):
     """target, its perturbed draft, a draft with a different tokenizer (same vocab size) and a spare tokenizer."""
-    texts = stdlib_texts(["textwrap.py"]) + [MULTIBYTE]
-    tok = tiny_tokenizer(texts, vocab_size=300)
-    other = tiny_tokenizer(["completely different corpus 0123456789 xyz " * 20, MULTIBYTE], vocab_size=300)
-    assert len(other) == len(tok) == 300
-    root = tmp_path_factory.mktemp("models")
-    # init_std 0.5: well-separated logits (greedy decisions, not float noise); scale 0.02: partial acceptance
-    target, draft = save_model_pair(root, tok, hidden=32, layers=2, context=CONTEXT, init_std=0.5, draft_scale=0.02)
-    bad_root = tmp_path_factory.mktemp("mismatch")
-    _, bad_draft = save_model_pair(bad_root, tok, hidden=32, layers=2, context=CONTEXT, init_std=0.5,
-                                   draft_scale=0.02, draft_tokenizer=other)
-    return {"target": str(target), "draft": str(draft), "bad_draft": str(bad_draft), "tok": tok, "root": root}
+    return code_models
 
 
 def run(capsys, *args):

