@@ -5,8 +5,9 @@ activations quantized per row to int8 in 32-input blocks; see ``csrc/q4.cpp`` fo
 layout, :mod:`speculant.core.quant` for the quantization kind). Each weight block is loaded once for up to 16 rows,
 so a forward over the 1..16 tokens of a verification reads the weights once, as plain decoding does.
 
-Building: the source is plain C++ with a C ABI (no torch headers, no pybind, no ninja), compiled by ``$CXX`` (or
-``c++``) with ``-O3 -march=native -fopenmp`` in about two seconds into
+Building: the source is plain C++ with a C ABI (no torch headers, no pybind, no ninja: why not
+``torch.utils.cpp_extension.load``: it needs ninja, which is not a dependency, and compiling against torch's headers
+takes tens of seconds where this takes two), compiled by ``$CXX`` (or ``c++``) with ``-O3 -march=native -fopenmp`` in about two seconds into
 ``$SPECULANT_CACHE/kernels/`` (default ``~/.cache/speculant/kernels/``), named by a hash of the source, the flags,
 the compiler, the CPU's flags and the torch version, so a changed source or a different machine sharing the home
 directory builds its own. The library is written to a temporary name and renamed, so concurrent first uses are
