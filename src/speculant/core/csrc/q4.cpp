@@ -269,6 +269,8 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
     }
     float* dx = dxs;
     float* sx = dxs + M * G;
+    // rows quantized in parallel (each row by the same code whichever thread: the same bits)
+#pragma omp parallel for schedule(static) num_threads(threads) if (M > 1)
     for (int64_t m = 0; m < M; ++m) {
         if (bf16)
             quantize_row<true>((const uint16_t*)x + m * K, K, a + m * K, dx + m * G, sx + m * G);
