@@ -9,7 +9,9 @@ warm-up round) with:
 
 * ``bf16-packed``: bfloat16 reordered once for oneDNN (:class:`speculant.core.packed.PackedMatrix`, today's lean
   forward);
-* ``int8``, ``int4``: :class:`speculant.core.quant.QuantMatrix` on torch's weight-only kernels (activations bf16).
+* ``int8``, ``int4``: :class:`speculant.core.quant.QuantMatrix` on torch's weight-only kernels (activations bf16);
+* ``q4``: :class:`~speculant.core.quant.QuantMatrix` on speculant's own kernel (int4 weights, int8 activations;
+  :mod:`speculant.core.kernels`; the JSON records its code path).
 
 It writes the milliseconds, cost(T)/cost(1) per format and each format's time relative to bf16-packed, with machine
 info and settings, as JSON. Run it on a quiet machine (timings taken on a shared one are noise):
@@ -18,7 +20,8 @@ info and settings, as JSON. Run it on a quiet machine (timings taken on a shared
         [--target NAME]  # another model's shapes (read from its config, see packed_matmul.py)
         [--out benchmarks/results/quant_matmul.json]
 
-About 3 GB of bf16 weights plus 1.5 GB (int8) and 1.5 GB (int4 with its codes) are held at once.
+About 3 GB of bf16 weights plus 1.5 GB (int8), 1.5 GB (int4 with its codes) and 1.7 GB (q4 with its codes) are
+held at once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from speculant.bench.speed import machine_info
+from speculant.core.kernels import q4_isa
 from speculant.core.packed import PackedMatrix, linear, packable
 from speculant.core.quant import QuantMatrix
 
@@ -59,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="take the shapes of this model (default: Qwen2.5-1.5B's)")
     ap.add_argument("--layers", type=int, default=28, help="layers of the default shapes (fewer: a smoke run)")
-    ap.add_argument("--formats", default="bf16-packed,int8,int4", help="bf16-packed, bf16-dense, int8, int4")
+    ap.add_argument("--formats", default="bf16-packed,int8,int4,q4", help="bf16-packed, bf16-dense, int8, int4, q4")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -92,6 +96,7 @@ def main() -> None:
     base = names[0]
     result = {
         "settings": vars(args), "machine": machine_info(), "matrices": len(shapes),
+        "q4_kernel": q4_isa() if "q4" in names else None,
         "weights_mb": {n: sum(m.nbytes for m in mats[n]) / 1e6 for n in names},
         "ms": ms,
         "cost_vs_one_row": {n: {r: t[r] / t[rows[0]] for r in rows} for n, t in ms.items()},

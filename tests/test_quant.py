@@ -104,7 +104,7 @@ def test_bad_input_is_a_one_line_value_error():
     w = _weight(16, 48)
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantMatrix.quantize(w, "int4")
-    with pytest.raises(ValueError, match="int8 or int4"):
+    with pytest.raises(ValueError, match="int8, int4 or q4"):
         QuantMatrix.quantize(w, "int2")
     with pytest.raises(ValueError, match=r"\[0, 16\)"):
         QuantMatrix.int4(torch.full((16, 32), 16), torch.ones(16, 1), torch.zeros(16, 1), torch.float32)
@@ -120,7 +120,7 @@ def test_bad_input_is_a_one_line_value_error():
         quantize_model(model, "int4")
     with pytest.raises(ValueError, match="multiples of 32"):
         quantize_model(tiny_model("llama", hidden=48, heads=4), "int4")
-    assert QUANTIZATIONS == ("none", "int8", "int4")
+    assert QUANTIZATIONS == ("none", "int8", "int4", "q4")  # q4: tests/test_kernels.py
 
 
 # ------------------------------------------------------------------------------------------- models

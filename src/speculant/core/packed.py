@@ -54,8 +54,8 @@ class PackedMatrix:
 
 def linear(x: torch.Tensor, weight: torch.Tensor | PackedMatrix | QuantMatrix,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for a dense, packed or quantized (:class:`~speculant.core.quant.QuantMatrix`)
-    ``weight`` (``x [..., in]`` -> ``[..., out]``)."""
+    """``x @ weight.T + bias`` for a dense, packed or quantized (:class:`~speculant.core.quant.QuantMatrix`: int8,
+    int4, or q4 on speculant's own kernel) ``weight`` (``x [..., in]`` -> ``[..., out]``)."""
     if type(weight) is PackedMatrix:
         return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     if type(weight) is QuantMatrix:

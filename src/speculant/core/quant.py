@@ -1,4 +1,4 @@
-"""Weight-only quantized matrices (int8, int4) for the lean forward, on torch's CPU kernels.
+"""Quantized matrices (int8, int4 weight-only on torch's CPU kernels; q4 on speculant's own) for the lean forward.
 
 Quantization is a choice of model, not of decoding method: :func:`quantize_model` turns a model into its int8 or
 int4 version, and from then on every method (plain decoding, chains, trees, lookup ...) runs that model, so
@@ -10,6 +10,19 @@ int4 version, and from then on every method (plain decoding, chains, trees, look
   minimum[n, g]``, ``q`` in ``[0, 16)``, ``g = k // 32`` (``torch.ops.aten._weight_int4pack_mm_for_cpu``). This is
   the shape GGUF's Q4_0/Q4_1/Q4_K blocks decode to (Q4_K: ``scale = d * sc``, ``minimum = -dmin * m`` per 32-weight
   sub-block), so a loader can hand its codes over unchanged (:meth:`QuantMatrix.int4`).
+* ``q4``: int4 weights *and int8 activations*, on speculant's own kernel (:mod:`speculant.core.kernels`,
+  ``csrc/q4.cpp``). Weights as GGUF's Q4_1: groups of 32 inputs, ``w = scale * q + minimum``, ``q`` in ``[0, 16)``,
+  ``scale`` and ``minimum`` stored in float16 (the kind's definition: :meth:`QuantMatrix.dequantize` returns these
+  values). What changes from ``int4``: each input row is quantized too, per block of 32 inputs as GGUF's Q8_1:
+  ``d = max|x| / 127``, ``a = round(x / d)`` (``x * (1 / d)``, half to even) in ``[-127, 127]``; the product is
+  ``y[m, n] = sum_g (scale * d) * (q . a) + minimum * (d * sum(a))`` with exact integer dot products (VNNI
+  ``dpbusd`` / AVX2 ``maddubs``) and float32 fused multiply-adds over the groups in increasing order. Each weight
+  block is read once for up to 16 rows, so verifying 16 tokens costs little more than decoding one (torch's int4
+  kernel is compute-bound beyond one row). Without a compiler the same scheme runs in torch
+  (:func:`q4_reference`, slower; it agrees with the kernel to float64-vs-fma double rounding, a rare last-bit
+  difference). The model's own (transformers) forward multiplies the dequantized weights by *unquantized*
+  activations, so it approximates the q4 model (by the activation rounding, about 1/254 of each block's largest
+  value) rather than computing it; every decoding method runs the lean forward, so they all decode the same model.
 
 How it is wired: :func:`quantize_model` replaces each decoder-layer linear's and the LM head's weight *in place* by
 its dequantized value and records the :class:`QuantMatrix` on the module (attribute :data:`ATTR`). The model's
@@ -22,7 +35,8 @@ embeddings become the dequantized rows too (as in a GGUF file, whose token_embd 
 
 Exactness rests on row independence: verification multiplies 1..16 rows by each matrix where plain decoding
 multiplies one, so a token's output row must not depend on how many rows are multiplied together. Both torch
-kernels loop over rows with the same arithmetic per row (checked bitwise in tests/test_quant.py for 1..16 and
+kernels loop over rows with the same arithmetic per row, and q4's kernel is row independent by construction
+(same operations in the same order for every row whatever their number, threads split the columns only) (checked bitwise in tests/test_quant.py for 1..16 and
 more rows, 1 and 2 threads). Note: torch's dense float kernels (``F.linear`` in float32/bfloat16, and oneDNN's
 packed ones of :mod:`speculant.core.packed` for larger matrices) are *not* row independent bit for bit; their
 differences are float rounding, which is why greedy equality there holds on well-separated logits but a near-tie
@@ -33,13 +47,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ATTR", "GROUP", "QUANTIZATIONS", "QuantMatrix", "attach", "quantization_of", "quantize_model"]
+from . import kernels
 
-QUANTIZATIONS = ("none", "int8", "int4")
+__all__ = ["ATTR", "GROUP", "QUANTIZATIONS", "QuantMatrix", "attach", "q4_activations", "q4_reference",
+           "quantization_of", "quantize_model"]
+
+QUANTIZATIONS = ("none", "int8", "int4", "q4")
 """Accepted values of ``quantization=`` (``--quantization``)."""
 
 GROUP = 32
-"""Inputs per int4 group (one scale and one minimum each)."""
+"""Inputs per int4/q4 group (one scale and one minimum each; one activation scale per row in q4)."""
 
 ATTR = "speculant_quant"
 """The attribute of a quantized ``nn.Linear`` that holds its :class:`QuantMatrix`."""
@@ -54,63 +71,77 @@ class QuantMatrix:
     Build with :meth:`quantize` (from a float matrix), :meth:`int4` (from codes, e.g. a GGUF file's) or
     :meth:`cat` (fused rows). ``codes``: int8 ``[out, in]`` (int8) or uint8 ``[out, in / 2]``, two 4-bit codes per
     byte, the even input's in the low nibble (int4; :meth:`int4_codes` unpacks them);
-    ``scale``: ``[out]`` (int8) or ``[out, in / 32]`` (int4); ``zero``: None (int8) or ``[out, in / 32]`` (int4,
-    the kernel's form ``w = (q - 8) * scale + zero``)."""
+    ``scale``: ``[out]`` (int8) or ``[out, in / 32]`` (int4, q4); ``zero``: None (int8) or ``[out, in / 32]``
+    (int4: the kernel's form ``w = (q - 8) * scale + zero``; q4: the minimum, ``w = q * scale + zero``, scale
+    and zero in float16). q4 multiplies ``x`` quantized per row to int8 (see the module doc)."""
 
     __slots__ = ("kind", "shape", "dtype", "codes", "scale", "zero", "nbytes", "_kernel")
 
     def __init__(self, kind: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
-        if kind not in ("int8", "int4"):
-            raise ValueError(f"quantized kind must be int8 or int4, got {kind!r}")
+        if kind not in ("int8", "int4", "q4"):
+            raise ValueError(f"quantized kind must be int8, int4 or q4, got {kind!r}")
         if codes.dim() != 2:
             raise ValueError(f"codes must be a [out, in] matrix, got shape {tuple(codes.shape)}")
-        out, inp = codes.shape[0], codes.shape[1] * (2 if kind == "int4" else 1)
-        if kind == "int4" and inp % GROUP:
-            raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got {inp}")
+        out, inp = codes.shape[0], codes.shape[1] * (1 if kind == "int8" else 2)
+        if kind != "int8" and inp % GROUP:
+            raise ValueError(f"{kind} needs the input size to be a multiple of {GROUP}, got {inp}")
         want = (out,) if kind == "int8" else (out, inp // GROUP)
         if tuple(scale.shape) != want or (zero is not None and tuple(zero.shape) != want):
             raise ValueError(f"{kind} scales must have shape {want}, got {tuple(scale.shape)}")
         self.kind, self.shape, self.dtype = kind, torch.Size((out, inp)), dtype
-        self.codes, self.scale, self.zero = codes, scale.to(dtype), None if zero is None else zero.to(dtype)
-        # what the kernel holds: int8 codes as they are (1 byte per weight); int4 codes two per byte (reordered)
-        # (an int4 matrix also keeps its own nibble codes for cat and dequantize: another half byte per weight)
-        self.nbytes = out * inp if kind == "int8" else out * inp // 2
+        sdtype = torch.float16 if kind == "q4" else dtype
+        self.codes, self.scale, self.zero = codes, scale.to(sdtype), None if zero is None else zero.to(sdtype)
+        # what the kernel holds: int8 codes as they are (1 byte per weight); int4 codes two per byte (reordered);
+        # q4 codes two per byte and a float16 scale and minimum per 32 (5 bits per weight)
+        # (int4/q4 matrices also keep their own nibble codes for cat and dequantize: another half byte per weight)
+        self.nbytes = out * inp if kind == "int8" else out * inp // 2 + (out * inp // 8 if kind == "q4" else 0)
         self._kernel = self._prepare()
 
     # ------------------------------------------------------------------------------------------ construction
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str) -> QuantMatrix:
-        """The ``kind`` (int8, int4) quantization of ``weight [out, in]``, in ``weight``'s dtype (round to nearest;
-        int8 scale = max |w| / 127 per row; int4 scale = (max - min) / 15 and minimum = min per group)."""
+        """The ``kind`` (int8, int4, q4) quantization of ``weight [out, in]``, in ``weight``'s dtype (round to
+        nearest; int8 scale = max |w| / 127 per row; int4 scale = (max - min) / 15 and minimum = min per group; q4
+        the same rounded to float16 first, the codes taken against the rounded values)."""
         w = weight.detach().float()
         if kind == "int8":
             scale = (w.abs().amax(1) / 127).clamp_min(1e-12).to(weight.dtype).float()  # [out], as the kernel sees it
             codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             return cls("int8", codes, scale, None, weight.dtype)
-        if kind == "int4":
+        if kind in ("int4", "q4"):
             if w.dim() != 2 or w.shape[1] % GROUP:
-                raise ValueError(f"int4 needs the input size to be a multiple of {GROUP}, got shape {tuple(w.shape)}")
+                raise ValueError(f"{kind} needs the input size to be a multiple of {GROUP}, got shape "
+                                 f"{tuple(w.shape)}")
             g = w.reshape(w.shape[0], -1, GROUP)  # [out, groups, 32]
             low, high = g.amin(-1), g.amax(-1)
             scale = ((high - low) / 15).clamp_min(1e-12)
+            if kind == "q4":  # the stored float16 values; a scale that underflows to 0 keeps codes 0
+                low, scale = low.half().float(), scale.half().float()
+                scale = torch.where(scale > 0, scale, torch.inf)
             codes = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-            return cls.int4(codes.reshape(w.shape), scale, low, weight.dtype)
-        raise ValueError(f"quantization must be int8 or int4 here, got {kind!r}")
+            scale = torch.where(torch.isinf(scale), 0.0, scale)
+            return cls.int4(codes.reshape(w.shape), scale, low, weight.dtype, kind)
+        raise ValueError(f"quantization must be int8, int4 or q4 here, got {kind!r}")
 
     @classmethod
-    def int4(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> QuantMatrix:
-        """An int4 matrix from its codes ``[out, in]`` (integers in ``[0, 16)``), ``scale`` and ``minimum``
-        ``[out, in / 32]``: ``w = scale * q + minimum`` (a GGUF Q4_K sub-block: ``scale = d * sc``,
-        ``minimum = -dmin * m``), computed in ``dtype``."""
+    def int4(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
+             kind: str = "int4") -> QuantMatrix:
+        """An int4 (or ``kind="q4"``) matrix from its codes ``[out, in]`` (integers in ``[0, 16)``), ``scale`` and
+        ``minimum`` ``[out, in / 32]``: ``w = scale * q + minimum`` (a GGUF Q4_K sub-block: ``scale = d * sc``,
+        ``minimum = -dmin * m``; Q4_1: ``d``, ``m``), computed in ``dtype`` (q4: scale and minimum rounded to
+        float16)."""
+        if kind not in ("int4", "q4"):
+            raise ValueError(f"int4 codes make an int4 or q4 matrix, not {kind!r}")
         if codes.dim() == 2 and codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
             raise ValueError("int4 codes must lie in [0, 16)")
         if codes.dim() != 2 or codes.shape[1] % GROUP:
             raise ValueError(f"int4 codes must be [out, in] with in a multiple of {GROUP}, got {tuple(codes.shape)}")
         nibbles = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)
         scale = scale.float()
-        return cls("int4", nibbles[..., 0] | (nibbles[..., 1] << 4), scale, minimum.float() + 8 * scale, dtype)
+        zero = minimum.float() if kind == "q4" else minimum.float() + 8 * scale
+        return cls(kind, nibbles[..., 0] | (nibbles[..., 1] << 4), scale, zero, dtype)
 
     @classmethod
     def cat(cls, parts: list[QuantMatrix]) -> QuantMatrix:
@@ -126,10 +157,13 @@ class QuantMatrix:
 
     def _prepare(self):
         """The kernel's operands: int8 ``(codes, scale)``; int4 ``(packed codes, [groups, out', 2] scale/zero,
-        out')`` with the rows padded to a multiple of 16 (padding rows are zero: code 8, scale and zero 0)."""
+        out')`` with the rows padded to a multiple of 16 (padding rows are zero: code 8, scale and zero 0); q4
+        ``(packed,)``, see :meth:`_pack_q4`."""
         with torch.inference_mode(False), torch.no_grad():
             if self.kind == "int8":
                 return self.codes.contiguous(), self.scale.contiguous()
+            if self.kind == "q4":
+                return (self._pack_q4(),)
             out = self.shape[0]
             pad = -out % _N_ALIGN
             codes, scale, zero = self.int4_codes().to(torch.int32), self.scale, self.zero
@@ -141,11 +175,33 @@ class QuantMatrix:
             scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out + pad, 2]
             return packed, scale_zero
 
+    def _pack_q4(self) -> torch.Tensor:
+        """uint8 ``[out' / 16, in / 32, 320]``: the q4 kernel's blocks (``csrc/q4.cpp``), ``out`` padded to
+        ``out'``, a multiple of 16, with zero rows. Per block of 16 columns ``j`` x 32 inputs: byte ``64 c + 4 j + b``
+        holds input ``4 c + b`` of column ``j`` in its low nibble and input ``16 + 4 c + b`` in its high nibble
+        (c, b < 4), then the 16 float16 scales and the 16 float16 minimums."""
+        out, inp = self.shape
+        groups, pad = inp // GROUP, -out % kernels.Q4_COLUMNS
+        q, scale, minimum = self.int4_codes(), self.scale, self.zero  # [out, in], [out, groups] x 2
+        if pad:
+            q = torch.cat([q, q.new_zeros(pad, inp)])
+            scale = torch.cat([scale, scale.new_zeros(pad, groups)])
+            minimum = torch.cat([minimum, minimum.new_zeros(pad, groups)])
+        blocks = (out + pad) // kernels.Q4_COLUMNS
+        # input k = 32 g + 16 half + 4 c + b of column 16 nb + j  ->  [nb, g, c, j, b, half]
+        q = q.reshape(blocks, kernels.Q4_COLUMNS, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+        codes = (q[..., 0] | (q[..., 1] << 4)).reshape(blocks, groups, 256)
+
+        def per_block(v: torch.Tensor) -> torch.Tensor:  # [out', groups] float16 -> [nb, groups, 32] bytes
+            return v.reshape(blocks, kernels.Q4_COLUMNS, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+        return torch.cat([codes, per_block(scale), per_block(minimum)], -1).contiguous()
+
     # ---------------------------------------------------------------------------------------------- use
 
     def int4_codes(self) -> torch.Tensor:
-        """uint8 ``[out, in]``: the int4 codes, one per byte."""
-        if self.kind != "int4":
+        """uint8 ``[out, in]``: the int4 (q4) codes, one per byte."""
+        if self.kind == "int8":
             raise ValueError(f"int4_codes of a {self.kind} matrix")
         return torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.shape)
 
@@ -153,6 +209,9 @@ class QuantMatrix:
         """``[out, in]`` in :attr:`dtype`: the matrix the quantized kernels multiply by (float32 arithmetic)."""
         if self.kind == "int8":
             w = self.codes.float() * self.scale.float()[:, None]
+        elif self.kind == "q4":
+            q = self.int4_codes().float().reshape(self.shape[0], -1, GROUP)
+            w = (q * self.scale.float()[..., None] + self.zero.float()[..., None]).reshape(self.shape)
         else:
             q = self.int4_codes().float().reshape(self.shape[0], -1, GROUP) - 8
             w = (q * self.scale.float()[..., None] + self.zero.float()[..., None]).reshape(self.shape)
@@ -165,12 +224,52 @@ class QuantMatrix:
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
         if self.kind == "int8":
             out = torch._weight_int8pack_mm(rows, *self._kernel)
+        elif self.kind == "q4":
+            lib = kernels.q4_library()
+            if lib is None or rows.dtype not in (torch.float32, torch.bfloat16):  # (float16: the reference)
+                out = q4_reference(rows, self).to(self.dtype)
+            else:
+                out = kernels.q4_matmul(rows, self._kernel[0], self.shape[0], lib)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self._kernel[0], GROUP, self._kernel[1])
             if out.shape[1] != self.shape[0]:
                 out = out[:, : self.shape[0]].contiguous()
         out = out.view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
+
+
+def q4_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q4's activation quantization of ``x [M, K]``: ``(a [M, K / 32, 32], d [M, K / 32], s [M, K / 32])`` in
+    float32, ``a`` the int8 values (integers in [-127, 127]), ``d = max|x| / 127`` per block, ``s = d * sum(a)``;
+    the same float32 operations as the kernel's, so the same bits."""
+    v = x.float().reshape(x.shape[0], -1, GROUP)  # [M, G, 32]
+    d = v.abs().amax(-1) / 127
+    inv = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), 0)
+    a = (v * inv[..., None]).round()  # half to even, as nearbyintf
+    return a, d, d * a.sum(-1)
+
+
+def q4_reference(x: torch.Tensor, matrix: QuantMatrix, columns: int = 4096) -> torch.Tensor:
+    """The q4 product ``x [M, K] -> [M, N]`` (float32) in torch: the kernel's scheme, op for op, with each fused
+    multiply-add done in float64 and rounded to float32 (the same result but for rare double rounding). Row
+    independent (integer-valued matmuls are exact; the rest is elementwise). Used without a compiler and by the
+    tests; ``columns`` output columns at a time bound its memory."""
+    a, d, s = q4_activations(x)  # [M, G, 32], [M, G], [M, G]
+    n, k = matrix.shape
+    out = torch.empty(x.shape[0], n)
+    for c0 in range(0, n, columns):
+        c1 = min(n, c0 + columns)
+        q = torch.stack([matrix.codes[c0:c1] & 15, matrix.codes[c0:c1] >> 4], -1).reshape(c1 - c0, -1, GROUP)
+        q = q.float()  # [C, G, 32]
+        sw, mw = matrix.scale[c0:c1].float(), matrix.zero[c0:c1].float()  # [C, G]
+        acc = torch.zeros(x.shape[0], c1 - c0)
+        for g in range(k // GROUP):
+            dot = a[:, g] @ q[:, g].T  # [M, C] exact integers (|dot| < 2^24)
+            t = d[:, g, None] * sw[None, :, g]  # float32, as the kernel's multiply
+            acc = (acc.double() + t.double() * dot.double()).float()  # fma(t, dot, acc)
+            acc = (acc.double() + mw[None, :, g].double() * s[:, g, None].double()).float()  # fma(mw, s, acc)
+        out[:, c0:c1] = acc
+    return out
 
 
 def attach(module: torch.nn.Module, matrix: QuantMatrix) -> None:
@@ -198,15 +297,15 @@ def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def quantization_of(model: torch.nn.Module) -> str:
-    """``"none"``, ``"int8"`` or ``"int4"``: what :func:`quantize_model` made of ``model``."""
+    """``"none"``, ``"int8"``, ``"int4"`` or ``"q4"``: what :func:`quantize_model` made of ``model``."""
     return getattr(model, "speculant_quantization", "none")
 
 
 def quantize_model(model: torch.nn.Module, quantization: str) -> torch.nn.Module:
     """Quantize ``model`` in place to ``quantization`` (one of :data:`QUANTIZATIONS`) and return it: every linear of
     its decoder layers and its LM head (see the module doc). ``"none"`` leaves it as it is; quantizing again to
-    the same kind is a no-op, to another kind a ValueError (reload the model instead). int4 needs each matrix's
-    input size to be a multiple of 32."""
+    the same kind is a no-op, to another kind a ValueError (reload the model instead). int4 and q4 need each
+    matrix's input size to be a multiple of 32."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     current = quantization_of(model)
@@ -215,10 +314,11 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> torch.nn.Module
     if current != "none":
         raise ValueError(f"the model is already quantized to {current}; load it again to quantize to {quantization}")
     linears = _linears(model)
-    if quantization == "int4":
+    if quantization in ("int4", "q4"):
         bad = [m for m in linears if m.weight.shape[1] % GROUP]
         if bad:
-            raise ValueError(f"int4 needs input sizes that are multiples of {GROUP}, got {bad[0].weight.shape[1]}")
+            raise ValueError(f"{quantization} needs input sizes that are multiples of {GROUP}, got "
+                             f"{bad[0].weight.shape[1]}")
     for m in linears:
         attach(m, QuantMatrix.quantize(m.weight, quantization))
     model.speculant_quantization = quantization

@@ -1,0 +1,304 @@
+// speculant's "q4" matrix product: int4 weights (GGUF Q4_1-like blocks) x int8-quantized activations
+// (Q8_1-like blocks), for the 1..16 rows of a decoding / verification forward on a CPU.
+//
+// Built by speculant/core/kernels.py on first use (-O3 -march=native -fopenmp) and called through ctypes: plain
+// C ABI, no torch headers, so the build takes a couple of seconds and needs no ninja.
+//
+// The scheme (see speculant.core.quant, kind "q4"), per output column n, input block g of 32, row m:
+//   weights      w[n, 32g + i] = sw[n, g] * q[n, 32g + i] + mw[n, g],   q in [0, 16), sw and mw float16
+//   activations  x[m, 32g + i] ~ dx[m, g] * a[m, 32g + i],   a in [-127, 127] (int8),
+//                dx = max|x| / 127 over the block, a = round_half_even(x * (1 / dx)),  sx[m, g] = dx * sum_i a
+//   y[m, n] = sum over g in increasing order of:  t = sw * dx;  acc = fma(t, dot(q, a), acc);  acc = fma(mw, sx, acc)
+// in float32, acc starting at 0. dot(q, a) is an exact integer (|dot| <= 32 * 15 * 127 < 2^24, exact in float).
+//
+// Row independence by construction: every (row, column) is computed by the same float operations in the same
+// order whatever the number of rows M and the thread count: rows only ever share the loads of a weight block (each
+// block is read once per 16 rows), threads split the output columns (blocks of 16) and never the reduction. The
+// AVX-512, AVX2 and scalar paths perform the very same float operations per lane, so they agree bit for bit too.
+//
+// Packed weight layout, one 320-byte block per (16 output columns, 32 inputs), blocks ordered [N / 16][K / 32]:
+//   bytes [64 c + 4 j + b], c < 4, j < 16, b < 4:  low nibble  = q[n0 + j, k0 + 4 c + b]
+//                                                  high nibble = q[n0 + j, k0 + 16 + 4 c + b]
+//   bytes [256 + 2 j]: sw[n0 + j] (float16);  bytes [288 + 2 j]: mw[n0 + j] (float16)
+// Why: one 64-byte load gives, per 32-bit lane j, four consecutive inputs of column j for two steps (low and high
+// nibbles), which is what dpbusd (u8 x s8, four products summed per int32 lane) wants with the activations'
+// 4 bytes broadcast; an AVX2 register takes the first or second half of each load (columns 0-7, 8-15).
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+#define Q4_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q4_AVX2 1
+#endif
+
+namespace {
+
+constexpr int QK = 32;           // inputs per block
+constexpr int NC = 16;           // output columns per block
+constexpr int BLOCK = 320;       // bytes per packed block
+constexpr int MT_MAX = 16;       // rows per tile: each weight block is read once per tile
+
+[[maybe_unused]] float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  // subnormal: normalize
+            int e = -1;
+            do { ++e; man <<= 1; } while (!(man & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline float bf16_to_float(uint16_t v) {
+    uint32_t bits = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (NaN not special-cased)
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+inline int32_t load_i32(const int8_t* p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+// ---------------------------------------------------------------------------------------- activations
+
+// One row x[K] (float32 or bfloat16) -> a[K] int8, dx[K/32], sx[K/32].
+template <bool BF16>
+void quantize_row(const void* xv, int64_t K, int8_t* a, float* dx, float* sx) {
+    for (int64_t g = 0; g < K / QK; ++g) {
+        float v[QK];
+        for (int i = 0; i < QK; ++i)
+            v[i] = BF16 ? bf16_to_float(((const uint16_t*)xv)[g * QK + i]) : ((const float*)xv)[g * QK + i];
+        float amax = 0.f;
+        for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(v[i]));
+        const float d = amax / 127.f;
+        const float id = d != 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; ++i) {
+            // nearbyintf: round half to even in the default rounding mode, as torch.round
+            const int32_t q = (int32_t)nearbyintf(v[i] * id);
+            a[g * QK + i] = (int8_t)q;
+            sum += q;
+        }
+        dx[g] = d;
+        sx[g] = d * (float)sum;
+    }
+}
+
+// ---------------------------------------------------------------------------------------- one tile
+
+// MT rows x 16 columns over all G blocks of one column block: tile[MT][16] (float32).
+template <int MT>
+void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const float* sx, int64_t K, float* out) {
+#if defined(Q4_AVX512)
+    __m512 acc[MT];
+    for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int64_t g = 0; g < G; ++g, w += BLOCK) {
+        __m512i c[8];  // c[s]: per lane j, inputs 4s..4s+3 of column j (u8 codes)
+        for (int i = 0; i < 4; ++i) {
+            const __m512i raw = _mm512_loadu_si512((const void*)(w + 64 * i));
+            c[i] = _mm512_and_si512(raw, low);
+            c[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        }
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 256)));
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 288)));
+        for (int r = 0; r < MT; ++r) {
+            const int8_t* ar = a + r * K + g * QK;
+#if defined(__AVX512VNNI__)
+            // two independent chains (integer sums: any order gives the same exact result)
+            __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_set1_epi32(load_i32(ar)));
+            __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[1], _mm512_set1_epi32(load_i32(ar + 4)));
+            d0 = _mm512_dpbusd_epi32(d0, c[2], _mm512_set1_epi32(load_i32(ar + 8)));
+            d1 = _mm512_dpbusd_epi32(d1, c[3], _mm512_set1_epi32(load_i32(ar + 12)));
+            d0 = _mm512_dpbusd_epi32(d0, c[4], _mm512_set1_epi32(load_i32(ar + 16)));
+            d1 = _mm512_dpbusd_epi32(d1, c[5], _mm512_set1_epi32(load_i32(ar + 20)));
+            d0 = _mm512_dpbusd_epi32(d0, c[6], _mm512_set1_epi32(load_i32(ar + 24)));
+            d1 = _mm512_dpbusd_epi32(d1, c[7], _mm512_set1_epi32(load_i32(ar + 28)));
+            const __m512i dot = _mm512_add_epi32(d0, d1);
+#else
+            // u8 x s8 pairs summed to int16: |2 * 15 * 127| * 8 steps = 30480 fits int16 without saturation
+            __m512i s16 = _mm512_maddubs_epi16(c[0], _mm512_set1_epi32(load_i32(ar)));
+            for (int s = 1; s < 8; ++s)
+                s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(c[s], _mm512_set1_epi32(load_i32(ar + 4 * s))));
+            const __m512i dot = _mm512_madd_epi16(s16, _mm512_set1_epi16(1));
+#endif
+            const __m512 t = _mm512_mul_ps(sw, _mm512_set1_ps(dx[r * (K / QK) + g]));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(dot), acc[r]);
+            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * (K / QK) + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MT; ++r) _mm512_storeu_ps(out + NC * r, acc[r]);
+#elif defined(Q4_AVX2)
+    __m256 acc[MT][2];
+    for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    for (int64_t g = 0; g < G; ++g, w += BLOCK) {
+        for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7
+            __m256i c[8];
+            for (int i = 0; i < 4; ++i) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + 64 * i + 32 * h));
+                c[i] = _mm256_and_si256(raw, low);
+                c[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+            }
+            const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 256 + 16 * h)));
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 288 + 16 * h)));
+            for (int r = 0; r < MT; ++r) {
+                const int8_t* ar = a + r * K + g * QK;
+#if defined(__AVXVNNI__)
+                __m256i dot = _mm256_setzero_si256();
+                for (int s = 0; s < 8; ++s)
+                    dot = _mm256_dpbusd_avx_epi32(dot, c[s], _mm256_set1_epi32(load_i32(ar + 4 * s)));
+#else
+                __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(load_i32(ar)));
+                for (int s = 1; s < 8; ++s)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[s], _mm256_set1_epi32(load_i32(ar + 4 * s))));
+                const __m256i dot = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+#endif
+                const __m256 t = _mm256_mul_ps(sw, _mm256_set1_ps(dx[r * (K / QK) + g]));
+                acc[r][h] = _mm256_fmadd_ps(t, _mm256_cvtepi32_ps(dot), acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * (K / QK) + g]), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < MT; ++r) {
+        _mm256_storeu_ps(out + NC * r, acc[r][0]);
+        _mm256_storeu_ps(out + NC * r + 8, acc[r][1]);
+    }
+#else
+    float acc[MT][NC] = {};
+    for (int64_t g = 0; g < G; ++g, w += BLOCK) {
+        int q[NC][QK];
+        float sw[NC], mw[NC];
+        for (int j = 0; j < NC; ++j) {
+            for (int c = 0; c < 4; ++c)
+                for (int b = 0; b < 4; ++b) {
+                    const uint8_t byte = w[64 * c + 4 * j + b];
+                    q[j][4 * c + b] = byte & 15;
+                    q[j][16 + 4 * c + b] = byte >> 4;
+                }
+            uint16_t h;
+            memcpy(&h, w + 256 + 2 * j, 2);
+            sw[j] = half_to_float(h);
+            memcpy(&h, w + 288 + 2 * j, 2);
+            mw[j] = half_to_float(h);
+        }
+        for (int r = 0; r < MT; ++r) {
+            const int8_t* ar = a + r * K + g * QK;
+            const float d = dx[r * (K / QK) + g], s = sx[r * (K / QK) + g];
+            for (int j = 0; j < NC; ++j) {
+                int32_t dot = 0;
+                for (int i = 0; i < QK; ++i) dot += q[j][i] * ar[i];
+                const float t = sw[j] * d;
+                acc[r][j] = fmaf(t, (float)dot, acc[r][j]);
+                acc[r][j] = fmaf(mw[j], s, acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < MT; ++r) memcpy(out + NC * r, acc[r], sizeof(acc[r]));
+#endif
+}
+
+typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, float*);
+
+template <int... I>
+struct Tiles {
+    static constexpr TileFn table[sizeof...(I)] = {&tile<I + 1>...};
+};
+template <int... I>
+constexpr TileFn Tiles<I...>::table[sizeof...(I)];
+using Table = Tiles<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
+
+}  // namespace
+
+extern "C" {
+
+// Which code path this build compiled: 3 AVX-512 VNNI, 2 AVX-512 (maddubs), 1 AVX2, 0 scalar.
+int q4_isa(void) {
+#if defined(Q4_AVX512) && defined(__AVX512VNNI__)
+    return 3;
+#elif defined(Q4_AVX512)
+    return 2;
+#elif defined(Q4_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// y[M, N] = q4 product of x[M, K] (float32, or bfloat16 when bf16) by the packed weights w ([ceil(N / 16)][K / 32]
+// blocks, see the top of the file), written in x's dtype. K must be a multiple of 32. Returns 0, or -1 when out of
+// memory. Uses `threads` OpenMP threads over the column blocks.
+int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N, void* y, int threads) {
+    const int64_t G = K / QK, NB = (N + NC - 1) / NC;
+    int8_t* a = (int8_t*)malloc((size_t)(M * K + 64));
+    float* dxs = (float*)malloc(sizeof(float) * (size_t)(2 * M * G + 1));
+    if (!a || !dxs) {
+        free(a);
+        free(dxs);
+        return -1;
+    }
+    float* dx = dxs;
+    float* sx = dxs + M * G;
+    // rows quantized in parallel (each row by the same code whichever thread: the same bits)
+#pragma omp parallel for schedule(static) num_threads(threads) if (M > 1)
+    for (int64_t m = 0; m < M; ++m) {
+        if (bf16)
+            quantize_row<true>((const uint16_t*)x + m * K, K, a + m * K, dx + m * G, sx + m * G);
+        else
+            quantize_row<false>((const float*)x + m * K, K, a + m * K, dx + m * G, sx + m * G);
+    }
+    (void)threads;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t nb = 0; nb < NB; ++nb) {
+        alignas(64) float out[MT_MAX * NC];
+        const int64_t n0 = nb * NC, cols = N - n0 < NC ? N - n0 : NC;
+        for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
+            const int mt = (int)(M - m0 < MT_MAX ? M - m0 : MT_MAX);
+            Table::table[mt - 1](w + nb * G * BLOCK, G, a + m0 * K, dx + m0 * G, sx + m0 * G, K, out);
+            for (int r = 0; r < mt; ++r) {
+                const float* o = out + NC * r;
+                if (bf16) {
+                    uint16_t* yr = (uint16_t*)y + (m0 + r) * N + n0;
+                    for (int64_t j = 0; j < cols; ++j) yr[j] = float_to_bf16(o[j]);
+                } else {
+                    memcpy((float*)y + (m0 + r) * N + n0, o, sizeof(float) * (size_t)cols);
+                }
+            }
+        }
+    }
+    free(a);
+    free(dxs);
+    return 0;
+}
+
+}  // extern "C"

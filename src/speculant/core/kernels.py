@@ -1,0 +1,153 @@
+"""speculant's own CPU kernels (C++ in ``core/csrc/``), compiled on first use and called through ctypes.
+
+Today one kernel: the ``q4`` matrix product (int4 weights in 32-input blocks with a float16 scale and minimum,
+activations quantized per row to int8 in 32-input blocks; see ``csrc/q4.cpp`` for the scheme and the packed weight
+layout, :mod:`speculant.core.quant` for the quantization kind). Each weight block is loaded once for up to 16 rows,
+so a forward over the 1..16 tokens of a verification reads the weights once, as plain decoding does.
+
+Building: the source is plain C++ with a C ABI (no torch headers, no pybind, no ninja: why not
+``torch.utils.cpp_extension.load``: it needs ninja, which is not a dependency, and compiling against torch's headers
+takes tens of seconds where this takes two), compiled by ``$CXX`` (or ``c++``) with ``-O3 -march=native -fopenmp`` in about two seconds into
+``$SPECULANT_CACHE/kernels/`` (default ``~/.cache/speculant/kernels/``), named by a hash of the source, the flags,
+the compiler, the CPU's flags and the torch version, so a changed source or a different machine sharing the home
+directory builds its own. The library is written to a temporary name and renamed, so concurrent first uses are
+safe. OpenMP links ``libgomp.so.1`` by name, which the dynamic loader resolves to the copy torch already loaded:
+one thread pool for torch and us, sized by ``torch.get_num_threads()`` at every call.
+
+When no compiler is there, the build fails or ``SPECULANT_KERNELS=0``, :func:`q4_library` returns None after one
+logged warning and callers use their torch reference instead (never an error).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+__all__ = ["KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "cache_dir", "q4_isa", "q4_library", "q4_matmul"]
+
+log = logging.getLogger(__name__)
+
+KERNELS_ENV = "SPECULANT_KERNELS"
+"""Environment variable: ``0`` never builds nor loads the compiled kernels (the torch reference runs instead)."""
+
+Q4_COLUMNS = 16
+"""Output columns per packed q4 block."""
+Q4_BLOCK_BYTES = 320
+"""Bytes per packed q4 block: 16 columns x 32 inputs of 4-bit codes (256), 16 float16 scales, 16 float16 minimums."""
+
+_SOURCE = Path(__file__).parent / "csrc" / "q4.cpp"
+# -ffp-contract=off: the float operations are exactly the ones written (explicit fma), in every code path
+_COMMON = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off"]
+_ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=haswell"], "generic": []}
+_ISA_NAMES = {3: "avx512-vnni", 2: "avx512", 1: "avx2", 0: "scalar"}
+_libraries: dict[str, ctypes.CDLL | None] = {}
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$SPECULANT_CACHE/kernels``, else ``$XDG_CACHE_HOME/speculant/kernels``,
+    else ``~/.cache/speculant/kernels``."""
+    root = os.environ.get("SPECULANT_CACHE")
+    if root:
+        return Path(root) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return Path(xdg or Path.home() / ".cache") / "speculant" / "kernels"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), else the processor's name: part of the build key (-march=native)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(isa: str) -> Path:
+    """Compile ``csrc/q4.cpp`` for ``isa`` (``native``, or ``avx2``/``generic`` for tests) unless already cached;
+    the library's path. Raises (RuntimeError, OSError) when it cannot."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler found (set CXX)")
+    source = _SOURCE.read_bytes()
+    flags = _COMMON + _ISA_FLAGS[isa]
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cxx.encode(), _cpu_flags().encode(),
+                                     torch.__version__.encode(), platform.machine().encode()])).hexdigest()[:16]
+    path = cache_dir() / f"q4-{isa}-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        errors = ""
+        for openmp in (["-fopenmp"], []):  # no OpenMP (e.g. Apple clang without libomp): one thread
+            done = subprocess.run([cxx, *flags, *openmp, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
+            if done.returncode == 0:
+                os.replace(tmp, path)
+                return path
+            errors = done.stderr
+        raise RuntimeError(f"{cxx} failed: {errors.strip()[-2000:]}")
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def q4_library(isa: str = "native") -> ctypes.CDLL | None:
+    """The compiled q4 kernel library for ``isa`` (built on first use), or None when it is disabled
+    (``SPECULANT_KERNELS=0``) or cannot be built or loaded (one warning per ISA, logged)."""
+    if isa in _libraries:
+        return _libraries[isa]
+    lib = None
+    if os.environ.get(KERNELS_ENV, "1").strip() == "0":
+        log.info("%s=0: speculant's compiled kernels are off, the torch reference runs instead", KERNELS_ENV)
+    else:
+        try:
+            lib = ctypes.CDLL(str(_build(isa)))
+            lib.q4_matmul.restype = ctypes.c_int
+            lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+            lib.q4_isa.restype = ctypes.c_int
+            log.info("speculant q4 kernel (%s): %s", isa, _ISA_NAMES.get(lib.q4_isa(), "?"))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            log.warning("speculant's q4 kernel is unavailable (%s); using the slower torch reference", e)
+            lib = None
+    _libraries[isa] = lib
+    return lib
+
+
+def q4_isa(isa: str = "native") -> str | None:
+    """The code path the ``isa`` build compiled (``avx512-vnni``, ``avx512``, ``avx2``, ``scalar``), or None
+    without a library."""
+    lib = q4_library(isa)
+    return None if lib is None else _ISA_NAMES.get(lib.q4_isa(), "?")
+
+
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL) -> torch.Tensor:
+    """``x [M, K]`` (float32 or bfloat16, contiguous) times the packed q4 weights ``packed`` (uint8
+    ``[ceil(n / 16), K / 32, 320]``, see :func:`speculant.core.quant.QuantMatrix`) -> ``[M, n]`` in ``x``'s
+    dtype, on ``torch.get_num_threads()`` threads."""
+    m, k = x.shape
+    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or k % 32:
+        raise ValueError(f"q4_matmul takes a contiguous float32/bfloat16 [M, K] with K a multiple of 32, got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-n // Q4_COLUMNS), k // 32, Q4_BLOCK_BYTES):
+        raise ValueError(f"packed q4 weights of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
+    y = torch.empty(m, n, dtype=x.dtype)
+    if m and n:
+        rc = lib.q4_matmul(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, packed.data_ptr(), n, y.data_ptr(),
+                           torch.get_num_threads())
+        if rc:
+            raise MemoryError("q4_matmul: out of memory for the quantized activations")
+    return y

@@ -1,0 +1,249 @@
+"""speculant's own q4 kernel (speculant.core.kernels, csrc/q4.cpp) and the q4 quantization kind: the kernel equals
+the torch reference of the same scheme; its code paths (AVX-512, AVX2, scalar) agree bit for bit; each output row
+is bitwise independent of the row count and of the thread count; without a compiler the reference runs after one
+warning; a q4 model decodes the same tokens with every method as with plain decoding.
+
+The first use builds the library (about 2-3 s, cached in ~/.cache/speculant/kernels); the code-path test builds two
+more variants once. Kernel tests skip where no library can be built (the reference path is tested regardless)."""
+
+from __future__ import annotations
+
+import logging
+import platform
+
+import pytest
+import torch
+
+import speculant
+from speculant.core import kernels
+from speculant.core.cache import SpecCache
+from speculant.core.forward import lean_for
+from speculant.core.packed import linear
+from speculant.core.quant import GROUP, QuantMatrix, q4_activations, q4_reference, quantize_model
+from speculant.drafters.registry import build_drafter
+from speculant.testing import perturbed, tiny_model
+
+DTYPES = (torch.float32, torch.bfloat16)
+SHAPES = [(5, 32), (97, 64), (48, 160), (300, 1536)]  # N below 16, odd N, K = 1..5 groups, a wide one
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads(one_thread):
+    """One thread unless a test sets two."""
+
+
+@pytest.fixture(scope="module")
+def lib():
+    """The native library (built once per session), or a skip where none can be built."""
+    library = kernels.q4_library()
+    if library is None:
+        pytest.skip("speculant's q4 kernel cannot be built here (the torch reference is tested elsewhere)")
+    return library
+
+
+def _matrix(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> QuantMatrix:
+    return QuantMatrix.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype), "q4")
+
+
+def _rows(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+    x[:, :GROUP] *= 20  # blocks of very different ranges: the per-block activation scales matter
+    if m > 1:
+        x[1, GROUP:] = 0  # all-zero blocks (scale 0)
+    return x.to(dtype)
+
+
+# ------------------------------------------------------------------------------------------- the scheme
+
+
+def test_activation_quantization_is_per_row_blocks_of_32_in_int8():
+    x = _rows(3, 96, torch.float32)
+    a, d, s = q4_activations(x)
+    assert a.shape == (3, 3, GROUP) and d.shape == s.shape == (3, 3)
+    assert torch.equal(a, a.round()) and int(a.abs().max()) == 127  # integers, each block's largest at +-127
+    blocks = x.reshape(3, 3, GROUP)
+    torch.testing.assert_close(d, blocks.abs().amax(-1) / 127)
+    assert ((a * d[..., None] - blocks).abs() <= d[..., None] / 2 * (1 + 1e-5)).all()
+    assert (a[1, 1:] == 0).all() and (d[1, 1:] == 0).all()  # a zero block stays zero
+    torch.testing.assert_close(s, d * a.sum(-1))
+
+
+def test_q4_weights_are_float16_scale_times_code_plus_minimum():
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    q = QuantMatrix.quantize(w, "q4")
+    assert q.kind == "q4" and q.scale.dtype == q.zero.dtype == torch.float16 and q.scale.shape == (40, 2)
+    codes = q.int4_codes()
+    want = codes.float() * q.scale.float().repeat_interleave(GROUP, 1) + q.zero.float().repeat_interleave(GROUP, 1)
+    assert torch.equal(q.dequantize(), want)
+    err = (want - w).abs()
+    assert (err <= 0.5 * q.scale.float().repeat_interleave(GROUP, 1) + 2e-3 * w.abs().max()).all()
+    # a loader's Q4_1 codes map onto it unchanged
+    again = QuantMatrix.int4(codes, q.scale, q.zero, torch.float32, kind="q4")
+    assert torch.equal(again.dequantize(), q.dequantize())
+    # the packed layout: byte 64 c + 4 j + b of block (nb, g) holds inputs 4c+b (low) and 16+4c+b (high) of column j
+    packed = q._kernel[0]
+    assert packed.shape == (3, 2, kernels.Q4_BLOCK_BYTES)  # 40 columns padded to 48
+    nb, g, c, j, b = 1, 1, 2, 5, 3
+    byte = int(packed[nb, g, 64 * c + 4 * j + b])
+    n, k = 16 * nb + j, 32 * g + 4 * c + b
+    assert byte & 15 == int(codes[n, k]) and byte >> 4 == int(codes[n, k + 16])
+    assert float(packed[nb, g, 256 + 2 * j : 258 + 2 * j].view(torch.float16)) == float(q.scale[n, g])
+    assert float(packed[nb, g, 288 + 2 * j : 290 + 2 * j].view(torch.float16)) == float(q.zero[n, g])
+    assert (packed[2, :, 64 * c + 4 * 8 + b] == 0).all()  # column 40 + 0 = padding
+
+
+def test_the_reference_computes_the_quantized_product():
+    """The reference (and so the kernel) multiplies the dequantized weights by the quantized activations."""
+    q = _matrix(48, 160, torch.float32)
+    x = _rows(4, 160, torch.float32)
+    a, d, _ = q4_activations(x)
+    want = (a * d[..., None]).reshape(4, 160).double() @ q.dequantize().double().T
+    got = q4_reference(x, q)
+    torch.testing.assert_close(got.double(), want, atol=1e-5 * float(want.abs().max()), rtol=1e-5)
+    full = q4_reference(x, q, columns=7)  # column chunks do not change a bit
+    assert torch.equal(full, got)
+    # and it is close to the float product (activation rounding: well under 1%)
+    dense = x @ q.dequantize().T
+    assert float((got - dense).abs().max()) < 0.02 * float(dense.abs().max())
+
+
+# ------------------------------------------------------------------------------------------- the kernel
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_the_kernel_equals_the_torch_reference(lib, dtype, n, k):
+    q = _matrix(n, k, dtype)
+    for m in (1, 4, 16, 33):
+        x = _rows(m, k, dtype)
+        got = kernels.q4_matmul(x, q._kernel[0], n, lib)
+        assert got.shape == (m, n) and got.dtype == dtype
+        want = q4_reference(x, q).to(dtype)
+        # the same operations; the reference's float64 fma may round twice, a last-bit difference at most
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-6 * float(want.float().abs().max()),
+                                   rtol=1e-6 if dtype == torch.float32 else 1e-2)
+        assert torch.equal(linear(x[None], q, None)[0], got)  # the seam the lean forward calls
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the ISA variants are x86 builds")
+def test_every_code_path_computes_the_same_bits(lib):
+    """AVX-512 (VNNI or not), AVX2 and scalar code run the same float operations per lane: the same bits, so a
+    result does not depend on the CPU it was computed on either."""
+    paths = {isa: kernels.q4_library(isa) for isa in ("avx2", "generic")}
+    assert kernels.q4_isa("generic") == "scalar"
+    for dtype in DTYPES:
+        for n, k in ((97, 64), (300, 1536)):
+            q, x = _matrix(n, k, dtype), _rows(19, k, dtype)
+            want = kernels.q4_matmul(x, q._kernel[0], n, lib)
+            for isa, other in paths.items():
+                if other is not None:
+                    assert torch.equal(kernels.q4_matmul(x, q._kernel[0], n, other), want), (isa, dtype, n, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_row_is_independent_of_the_row_count_and_the_threads(lib, dtype):
+    """Verification multiplies 1..16 rows where plain decoding multiplies one: a row's result is the same bits with
+    any rows, on 1 or 2 threads (threads split the columns, never the reduction), on a real layer's shapes."""
+    before = torch.get_num_threads()
+    try:
+        for n, k in ((96, 32), (2048, 1536), (1536, 8960)):
+            q, x = _matrix(n, k, dtype, seed=n), _rows(33, k, dtype, seed=2)
+            torch.set_num_threads(1)
+            full = linear(x, q)  # [33, N]
+            torch.set_num_threads(2)
+            assert torch.equal(linear(x, q), full)
+            for rows in (*range(1, 17), 33):
+                torch.set_num_threads(1 + rows % 2)
+                assert torch.equal(linear(x[:rows], q), full[:rows]), (n, k, rows)
+            for r in (0, 7, 16, 32):  # a row alone
+                assert torch.equal(linear(x[r : r + 1], q), full[r : r + 1]), (n, k, r)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_reference_rows_are_independent_too():
+    q, x = _matrix(80, 96, torch.bfloat16), _rows(17, 96, torch.bfloat16)
+    full = q4_reference(x, q)
+    for rows in (1, 2, 5, 16, 17):
+        assert torch.equal(q4_reference(x[:rows], q), full[:rows])
+
+
+# ------------------------------------------------------------------------------------------- building
+
+
+def test_the_build_is_cached_by_source_and_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
+    if kernels.q4_library() is None:
+        pytest.skip("no compiler here")
+    path = kernels._build("native")
+    assert path.parent == tmp_path / "kernels" and path.name.startswith("q4-native-") and path.exists()
+    stamp = path.stat().st_mtime_ns
+    assert kernels._build("native") == path and path.stat().st_mtime_ns == stamp  # not built again
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+
+
+def test_without_a_compiler_the_reference_runs_after_one_warning(monkeypatch, caplog):
+    def fail(isa):
+        raise RuntimeError("no C++ compiler found (set CXX)")
+
+    monkeypatch.setattr(kernels, "_build", fail)
+    monkeypatch.setattr(kernels, "_libraries", {})
+    q, x = _matrix(48, 64, torch.bfloat16), _rows(5, 64, torch.bfloat16)
+    with caplog.at_level(logging.WARNING, logger="speculant.core.kernels"):
+        got = linear(x, q)
+        again = linear(x[:2], q)
+    assert torch.equal(got, q4_reference(x, q).to(torch.bfloat16)) and torch.equal(again, got[:2])
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "no C++ compiler" in warnings[0].getMessage()
+    assert kernels.q4_isa() is None
+    monkeypatch.setattr(kernels, "_libraries", {})
+    monkeypatch.setenv(kernels.KERNELS_ENV, "0")  # switched off: no build tried, no warning
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="speculant.core.kernels"):
+        assert kernels.q4_library() is None
+    assert not caplog.records
+
+
+def test_bad_operands_are_value_errors(lib):
+    q = _matrix(16, 64, torch.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.q4_matmul(torch.randn(2, 48), q._kernel[0], 16, lib)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 40, lib)
+    with pytest.raises(ValueError, match="computes in torch.float32"):
+        linear(torch.randn(2, 64).bfloat16(), q)
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+def test_a_q4_model_runs_its_kernel_in_the_lean_forward():
+    model = quantize_model(tiny_model("llama", seed=3), "q4")
+    lean = lean_for(model)
+    assert lean.quantization == "q4"
+    w = lean.layers[0]
+    assert all(type(m) is QuantMatrix and m.kind == "q4" for m in (w.qkv, w.o, w.gate_up, w.down, lean.head_matrix()))
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits  # dequantized weights, float activations: close, not equal
+    got = lean(ids, SpecCache(2))
+    assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
+
+
+SPECS = ("chain:k=3", "specinfer:width=2:depth=3", "lookup")
+
+
+@pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("qwen2", torch.bfloat16)])
+def test_greedy_output_of_every_method_equals_plain_decoding_of_the_q4_model(arch, dtype):
+    target = quantize_model(tiny_model(arch, seed=0, dtype=dtype), "q4")
+    draft = quantize_model(perturbed(tiny_model(arch, seed=0, dtype=dtype), 0.05, seed=2), "q4")
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7]
+    plain = speculant.generate(target, prompt, max_new_tokens=24, eos_token_id=[])
+    assert plain.stats.target_forward == "lean"
+    accepted = 0
+    for spec in SPECS:
+        drafter = build_drafter(spec, None if spec == "lookup" else draft)
+        gen = speculant.generate(target, prompt, drafter=drafter, max_new_tokens=24, eos_token_id=[])
+        assert gen.token_ids == plain.token_ids, spec
+        accepted += sum(i * c for i, c in enumerate(gen.stats.accepted_hist))
+    assert accepted > 0  # drafts were accepted: the multi-row verification paths ran
