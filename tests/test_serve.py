@@ -642,7 +642,7 @@ def test_a_failing_request_does_not_take_the_server_down(models, monkeypatch):
 
     monkeypatch.setattr(speculant.core.engine, "generate", flaky)
     app = create_app(check_settings(ServeSettings(target=models["target"], method="ar", model_name=MODEL)))
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:  # no API key: loopback Hosts only
         _wait_for(lambda: c.get("/health").status_code == 200, what="the model")
         r = c.post("/v1/completions", json={**_COMPLETION, "max_tokens": 3})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "boom" in r.text
