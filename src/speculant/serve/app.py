@@ -181,6 +181,11 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         n = req.max_tokens
         if n is None:
             n = ctx - n_prompt if ctx is not None else _default_max_new_tokens(generate)
+        elif ctx is not None and n_prompt + n > ctx:
+            raise APIError(400, f"{req.max_tokens_param} = {clip(str(n), 40)} is more than the {ctx - n_prompt} "
+                                f"tokens this model's context ({ctx}) leaves after the {n_prompt}-token prompt: "
+                                f"lower {req.max_tokens_param}", param=req.max_tokens_param,
+                           code="context_length_exceeded")
         try:
             check_fits_context(worker.target, n_prompt, n)
         except ValueError as exc:

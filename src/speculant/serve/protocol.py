@@ -118,10 +118,10 @@ def _check_text(body: Any) -> None:
             try:
                 value.encode("utf-8")
             except UnicodeEncodeError as exc:
-                name = where or "the request body"
-                raise APIError(400, f"'{name}' holds an unpaired surrogate ({value[exc.start]!r} at character "
-                                    f"{exc.start}), which is not valid Unicode text", param=where or None,
-                               code="invalid_value") from None
+                where = where.encode("utf-8", "backslashreplace").decode()  # a key may hold one too
+                raise APIError(400, f"'{where or 'the request body'}' holds an unpaired surrogate "
+                                    f"({value[exc.start]!r} at character {exc.start}), which is not valid Unicode "
+                                    "text", param=where or None, code="invalid_value") from None
         elif isinstance(value, dict):
             for key, item in value.items():
                 path = f"{where}.{clip(key, 40)}" if where else clip(key, 40)
