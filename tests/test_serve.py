@@ -424,6 +424,7 @@ def test_full_queue_is_429_at_once(server, raw, client):
             assert time.perf_counter() - t0 < 5
             assert info.value.status_code == 429
             assert info.value.body["code"] == "queue_full"
+            assert info.value.response.headers["retry-after"] == "1"
     cancelled = "speculant:requests_cancelled_total"
     after = _wait_metric(url, cancelled, _m(before, cancelled) + 2)
     assert _m(after, "vllm:num_requests_waiting") == 0
