@@ -39,11 +39,11 @@ _WILDCARD = {"0.0.0.0", "::", ""}
 _PREFLIGHT_MAX_AGE = "600"
 
 
-def check_origins(origins: Sequence[str]) -> tuple[str, ...]:
-    """``--allow-origin`` values normalised (``scheme://host[:port]``, lower case, no trailing slash), or ``*``;
+def check_origins(origins: str | Sequence[str]) -> tuple[str, ...]:
+    """``--allow-origin`` values (one string: one origin) normalised (``scheme://host[:port]``, lower case, no trailing slash), or ``*``;
     a one-line ValueError for anything else (a path, no scheme)."""
     out = []
-    for origin in origins:
+    for origin in [origins] if isinstance(origins, str) else origins:
         o = origin.strip()
         if o == "*":
             out.append(o)
