@@ -393,6 +393,7 @@ def test_full_queue_is_429_at_once(server, raw, client):
             assert time.perf_counter() - t0 < 5
             assert info.value.status_code == 429
             assert info.value.body["code"] == "queue_full"
+            assert info.value.response.headers["retry-after"] == "1"
     cancelled = "speculant:requests_cancelled_total"
     after = _wait_metric(url, cancelled, _m(before, cancelled) + 2)
     assert _m(after, "vllm:num_requests_waiting") == 0
@@ -602,7 +603,7 @@ def test_a_failing_request_does_not_take_the_server_down(models, monkeypatch):
 
     monkeypatch.setattr(speculant.core.engine, "generate", flaky)
     app = create_app(check_settings(ServeSettings(target=models["target"], method="ar", model_name=MODEL)))
-    with TestClient(app) as c:
+    with TestClient(app, base_url="http://127.0.0.1") as c:  # no API key: loopback Hosts only
         _wait_for(lambda: c.get("/health").status_code == 200, what="the model")
         r = c.post("/v1/completions", json={**_COMPLETION, "max_tokens": 3})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "boom" in r.text

@@ -83,7 +83,25 @@ class ParsedMethod:
 
         name, options = parse_method(spec)
         drafter_options, engine = engine_options(options)
-        return cls(spec, name, drafter_options, engine, get_method(name).needs_draft)
+        parsed = cls(spec, name, drafter_options, engine, get_method(name).needs_draft)
+        parsed._check_values()
+        return parsed
+
+    def _check_values(self) -> None:
+        """Raise the drafter's own one-line ValueError for an option value it refuses (``chain:k=0``), before any
+        model is loaded: the registry converts types only, the drafter classes check ranges, so the drafter is
+        built once over a stand-in (an empty module for methods that need a draft, else none). Drafter
+        constructors only store and check their options (the models are read at ``begin``), so this is cheap;
+        anything but a ValueError from the stand-in is left to the real build at load."""
+        from .drafters.registry import build_drafter
+
+        stand_in = torch.nn.Module() if self.needs_draft else None
+        try:
+            build_drafter((self.name, dict(self.options)), stand_in)
+        except ValueError as exc:
+            raise ValueError(f"method {self.spec!r}: {exc}") from None
+        except Exception:  # noqa: BLE001: the stand-in is no model; the real build reports real problems
+            log.debug("checking method %s on a stand-in", self.spec, exc_info=True)
 
     def with_options(self, **options: Any) -> ParsedMethod:
         """This method with ``options`` set (e.g. ``k=`` from ``generate --k``), checked like a spec's."""

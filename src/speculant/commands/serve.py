@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                "installed, else required")
     p.add_argument("--host", metavar="HOST", default=d["host"],
                    help="listen on this address (0.0.0.0: every interface); default: %(default)s")
-    p.add_argument("--port", type=nonnegative_int, metavar="N", default=d["port"],
+    p.add_argument("--port", type=_port, metavar="N", default=d["port"],
                    help="listen on this port (0: a free one, printed on stderr); default: %(default)s")
     p.add_argument("--max-queue", type=nonnegative_int, metavar="N", default=d["max_queue"],
                    help="requests that may wait behind the one being decoded; one more is answered 429 at once; "
@@ -77,6 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV, d["api_key"]),
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (401 otherwise); default: ${API_KEY_ENV} "
                    "if set (keeps the key out of the process list), else none")
+    p.add_argument("--allow-origin", dest="allow_origin", action="append", metavar="ORIGIN", default=None,
+                   help="let web pages from ORIGIN (e.g. http://localhost:3000; * for any) call the server, with "
+                   "CORS; repeat for several. Default: none: without --api-key, requests from other origins and "
+                   "with a Host that is not this server's address are refused (a web page cannot drive the "
+                   "server); with --api-key, Origin is checked only when this is given")
     p.add_argument("--served-model-name", dest="model_name", metavar="NAME", default=d["model_name"],
                    help="the model id clients send in 'model' and GET /v1/models lists; default: --target as "
                    "given")
@@ -88,6 +93,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", metavar="ADDRESS", default=None,
                    help="with --ray: join this Ray cluster (e.g. auto, or HEAD:6379); default: $RAY_ADDRESS, else a "
                    "new local cluster")
+
+
+def _port(text: str) -> int:
+    """An argparse type for a TCP port (0: a free one)."""
+    from ..serve.settings import MAX_PORT
+
+    value = nonnegative_int(text)
+    if value > MAX_PORT:
+        raise argparse.ArgumentTypeError(f"expected a port in [0, {MAX_PORT}], got {value}")
+    return value
 
 
 def _check_extra() -> None:
@@ -142,7 +157,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--ray-address needs --ray")
     _check_extra()
     names = {f.name for f in dataclasses.fields(ServeSettings)}
-    settings = ServeSettings(**{k: v for k, v in vars(args).items() if k in names})
+    given = {k: v for k, v in vars(args).items() if k in names}
+    given["allow_origin"] = tuple(given.get("allow_origin") or ())
+    settings = ServeSettings(**given)
     if args.ray:
         from ..serve.ray_app import run_ray
 

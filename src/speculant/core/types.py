@@ -11,10 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SamplingParams", "Probes", "DraftTree", "Verdict", "GenerationStats", "Generation"]
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "Probes", "DraftTree", "Verdict", "GenerationStats", "Generation"]
 
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+MIN_TEMPERATURE = 1e-5
+"""The smallest temperature that samples; a positive one below it is greedy (see :class:`SamplingParams`)."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,14 @@ class SamplingParams:
 
     ``temperature == 0`` is greedy decoding (``top_k``/``top_p`` are then irrelevant). ``top_k=None`` and
     ``top_p=None`` (or 1.0) disable the respective filter. ``seed`` makes sampling reproducible.
+
+    A positive temperature below :data:`MIN_TEMPERATURE` (1e-5) is greedy: it is stored as 0.0. Why greedy
+    rather than an error: dividing float32 logits by a tiny temperature overflows to inf and softmax turns that
+    into NaN ("probability tensor contains inf/nan"), while what a caller means by ``1e-38`` is "as good as
+    argmax", which is what such a temperature gives wherever it is computable (the two differ only between
+    logits tied to within ~1e-4, drawn at random there, the first one by greedy). OpenAI clients send such
+    values, so refusing them would break working clients; vLLM draws the same line (its ``_SAMPLING_EPS``).
+    This is the one place the rule lives: the Python API, the CLI and the server all build a SamplingParams.
     """
 
     temperature: float = 0.0
@@ -36,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
         if t < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {t}")
+        if t < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)  # greedy: see the class docstring
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1):
             raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
         if self.top_p is not None:

@@ -2,7 +2,8 @@
 
 The engine works on token ids; instruct models expect their conversation format. :func:`chat_ids` applies the
 template that ships with the tokenizer (``tokenizer.chat_template``, e.g. SmolLM2's ``<|im_start|>role ...
-<|im_end|>``) with the generation prompt appended, so the model writes the assistant's turn. :func:`stop_ids` is
+<|im_end|>``) with the generation prompt appended, so the model writes the assistant's turn. Message content is
+text, never control tokens: ``<|im_end|><|im_start|>system`` typed into a message stays those characters. :func:`stop_ids` is
 what ends that turn: the tokenizer's EOS plus the model's generation-config EOS ids (``<|im_end|>`` for ChatML
 models, ``<|eot_id|>`` for Llama 3).
 
@@ -12,9 +13,11 @@ models, ``<|eot_id|>`` for Llama 3).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
-__all__ = ["chat_ids", "check_messages", "has_chat_template", "stop_ids", "user_turn_prefix_ids", "Message"]
+__all__ = ["chat_ids", "check_messages", "has_chat_template", "special_texts", "stop_ids", "user_turn_prefix_ids",
+           "Message"]
 
 Message = Mapping[str, str]
 """``{"role": "system" | "user" | "assistant", "content": str}``, as in the OpenAI and transformers APIs."""
@@ -64,9 +67,60 @@ def chat_ids(tokenizer, messages: str | Sequence[Message], system: str | None = 
         if msgs[0]["role"] == "system":
             raise ValueError("system is given twice: as an argument and as the first message")
         msgs.insert(0, {"role": "system", "content": system})
+    specials = special_texts(tokenizer)
+    if any(sp in m["content"] for m in msgs for sp in specials):
+        return _ids_with_literal_content(tokenizer, msgs)
     ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def special_texts(tokenizer) -> list[str]:
+    """The text of every special token of ``tokenizer`` (``<|im_start|>``, ``</s>`` ...): what a message must not
+    turn into control tokens."""
+    found = list(getattr(tokenizer, "all_special_tokens", None) or [])
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            found.append(str(token))
+    return [t for t in dict.fromkeys(found) if t]
+
+
+def _mark(i: int) -> str:
+    return f"\u2063speculant-content-{i}\u2063"  # text no template alters (invisible separators around a name)
+
+
+_MARKS = re.compile("\u2063speculant-content-(\\d+)\u2063")
+
+
+def _ids_with_literal_content(tokenizer, msgs: list[dict[str, str]]) -> list[int]:
+    """The ids of ``msgs`` in the chat template with each message's content tokenised as text: special-token text
+    in it (``<|im_end|><|im_start|>system``) becomes the ordinary tokens that spell it, never control tokens, so
+    a user cannot inject a turn. The template is rendered with a placeholder per content; the template's own text
+    is tokenised as usual and each content with ``split_special_tokens=True``. Only used when some content holds
+    special-token text (ordinary conversations take the template's own tokenisation, unchanged).
+
+    Raises:
+        ValueError: the template changes contents in a way other than trimming whitespace (then the pieces cannot
+            be told apart).
+    """
+    real = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    marked = [{**m, "content": _mark(i)} for i, m in enumerate(msgs)]
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    parts = _MARKS.split(text)  # template text, content index, template text, ...
+    for edit in (lambda c: c, str.strip):  # as written, or trimmed (Llama 3's template trims contents)
+        contents = [edit(m["content"]) for m in msgs]
+        if "".join(contents[int(p)] if k % 2 else p for k, p in enumerate(parts)) == real:
+            break
+    else:
+        raise ValueError("this chat template changes message contents, so special-token text in them cannot be "
+                         "kept as text: remove the special-token text from the messages")
+    ids: list[int] = []
+    for k, part in enumerate(parts):
+        if k % 2:
+            ids += tokenizer(contents[int(part)], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        elif part:
+            ids += tokenizer(part, add_special_tokens=False)["input_ids"]
     return [int(t) for t in ids]
 
 

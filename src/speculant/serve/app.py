@@ -1,13 +1,16 @@
 """The OpenAI-compatible HTTP API (FastAPI): routes, authentication, responses and server-sent events.
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not), ``GET /v1/models``
-(and ``/v1/models/{id}``), ``GET /health`` (200 once the model is loaded, 503 before), ``GET /metrics``
-(Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs
-``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open.
+(and ``/v1/models/{id}``; the model object carries the context length as ``max_model_len`` and
+``context_length``), ``GET /health`` (200 once the model is loaded, 503 before), ``GET /metrics`` (Prometheus,
+:mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs ``Authorization: Bearer KEY`` (401
+otherwise); ``/health`` and ``/metrics`` stay open. Without one, web pages cannot drive the server
+(:mod:`speculant.serve.guard`: a foreign ``Host`` is 421, a foreign ``Origin`` 403, ``--allow-origin`` opens CORS).
 
 Every error has OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request
-(:mod:`speculant.serve.protocol`), 401, 404 (unknown model or route), 405, 429 (queue full, at once), 503 (model
-not loaded yet), 500 (a request that failed; the server goes on). A client that disconnects cancels its
+(:mod:`speculant.serve.protocol`), 401, 403 and 421 (:mod:`speculant.serve.guard`), 404 (unknown model or
+route), 405, 429 (queue full, at once, with ``Retry-After``), 503 (model not loaded yet), 500 (a request that
+failed; the server goes on). A client's value quoted in a message is cut to 80 characters. A client that disconnects cancels its
 generation at the next step (streaming: when the event stream is closed; non-streaming: checked every 0.5 s).
 
 Responses carry OpenAI's fields plus ``speculant``: this response's speculative statistics (method, τ =
@@ -32,7 +35,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.types import SamplingParams
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .protocol import APIError, GenerationRequest, error_body, parse_body, parse_chat_request, parse_completion_request
+from .guard import BrowserGuard
+from .protocol import (APIError, GenerationRequest, clip, error_body, parse_body, parse_chat_request,
+                       parse_completion_request)
 from .settings import ServeSettings
 from .worker import Job, QueueFull, Result, Worker
 
@@ -41,6 +46,8 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5
+RETRY_AFTER_S = "1"
+"""The ``Retry-After`` of a 429 (queue full): seconds; a queue slot frees when any request ends."""
 
 
 def create_app(settings: ServeSettings, load: str = "background", on_ready: Callable[[], None] | None = None,
@@ -68,19 +75,22 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
     app = FastAPI(title="speculant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     app.state.metrics = metrics
+    app.add_middleware(BrowserGuard, host=settings.host, api_key_set=settings.api_key is not None,
+                       allow_origin=settings.allow_origin)
 
     # ------------------------------------------------------------------------------------------ errors
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         message = str(exc.detail)
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path} (see /v1/chat/completions, /v1/completions)"
+            message = (f"no route {request.method} {clip(request.url.path)} (see /v1/chat/completions, "
+                       "/v1/completions)")
         return JSONResponse(error_body(message, "invalid_request_error", None, kind), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
@@ -118,11 +128,16 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
 
     def check_model(model: str) -> None:
         if model != settings.served_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{settings.served_name}'",
+            raise APIError(404, f"the model '{clip(model)}' does not exist; this server serves "
+                                f"'{settings.served_name}'",
                            param="model", code="model_not_found")
 
     def model_card() -> dict:
-        return {"id": settings.served_name, "object": "model", "created": created, "owned_by": "speculant"}
+        """OpenAI's model object plus the context length in tokens (None until the model is loaded) under the
+        names clients read: ``max_model_len`` (vLLM) and ``context_length`` (OpenRouter, LiteLLM)."""
+        ctx = worker.context_length
+        return {"id": settings.served_name, "object": "model", "created": created, "owned_by": "speculant",
+                "max_model_len": ctx, "context_length": ctx}
 
     def prompt_ids(req: GenerationRequest) -> list[int]:
         """Token ids of the request, with 400s for what the model cannot take."""
@@ -166,6 +181,11 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         n = req.max_tokens
         if n is None:
             n = ctx - n_prompt if ctx is not None else _default_max_new_tokens(generate)
+        elif ctx is not None and n_prompt + n > ctx:
+            raise APIError(400, f"{req.max_tokens_param} = {clip(str(n), 40)} is more than the {ctx - n_prompt} "
+                                f"tokens this model's context ({ctx}) leaves after the {n_prompt}-token prompt: "
+                                f"lower {req.max_tokens_param}", param=req.max_tokens_param,
+                           code="context_length_exceeded")
         try:
             check_fits_context(worker.target, n_prompt, n)
         except ValueError as exc:
@@ -221,7 +241,8 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         try:
             worker.submit(job)
         except QueueFull as exc:
-            raise APIError(429, f"{exc}: retry later", type="rate_limit_error", code="queue_full") from None
+            raise APIError(429, f"{exc}: retry later", type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
         shape = _Shape(req, settings.served_name)
         if req.stream:
             return StreamingResponse(_sse(worker, job, shape), media_type="text/event-stream",

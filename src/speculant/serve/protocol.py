@@ -36,16 +36,17 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 class APIError(Exception):
     """An error answered with OpenAI's body: HTTP ``status``, ``message``, ``type``, ``param`` (the field at
-    fault, or None) and ``code``."""
+    fault, or None) and ``code``; ``headers`` go on the response."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.headers = dict(headers or {})  # extra response headers (429: Retry-After)
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -58,6 +59,16 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 def _bad(param: str, message: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+CLIP = 80
+"""At most this many characters of a client's value are echoed back in an error message."""
+
+
+def clip(text: str, limit: int = CLIP) -> str:
+    """``text`` cut to ``limit`` characters (with ``...`` when cut): a client's value quoted in an error, so that a
+    5 MB model name is not answered with 5 MB."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -89,9 +100,40 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: json reads it as inf
+        raise APIError(400, f"the number {clip(text, 40)} in the request body is out of range (beyond what a "
+                            "64-bit float holds)", code="invalid_value")
+    return value
+
+
+def _check_text(body: Any) -> None:
+    """APIError 400 naming the field when a string (a value or a key) holds a lone surrogate (``"\\ud800"``: JSON
+    escapes can spell one, but it is no Unicode text and no tokenizer takes it)."""
+    stack: list[tuple[Any, str]] = [(body, "")]
+    while stack:  # iterative: the body may be nested as deeply as json allows
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                where = where.encode("utf-8", "backslashreplace").decode()  # a key may hold one too
+                raise APIError(400, f"'{where or 'the request body'}' holds an unpaired surrogate "
+                                    f"({value[exc.start]!r} at character {exc.start}), which is not valid Unicode "
+                                    "text", param=where or None, code="invalid_value") from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{clip(key, 40)}" if where else clip(key, 40)
+                stack.append((key, path))
+                stack.append((item, path))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]") for i, item in enumerate(value))
+
+
 def parse_body(raw: bytes) -> dict:
-    """The JSON object of a request body, or APIError 400 (not UTF-8, not JSON, NaN/Infinity, too deeply
-    nested, or not an object)."""
+    """The JSON object of a request body, or APIError 400 (not UTF-8, not JSON, NaN/Infinity, a number beyond
+    float64 such as ``1e400``, a lone surrogate in a string, too deeply nested, or not an object)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -99,13 +141,14 @@ def parse_body(raw: bytes) -> dict:
     if not text.strip():
         raise APIError(400, "the request body is empty: send a JSON object", code="invalid_json")
     try:
-        body = json.loads(text, parse_constant=_reject_constant)
+        body = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except RecursionError:
         raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     except ValueError as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}", code="invalid_json")
+    _check_text(body)
     return body
 
 
@@ -132,7 +175,7 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _number(body: Mapping, name: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
@@ -141,9 +184,10 @@ def _number(body: Mapping, name: str, lo: float, hi: float, lo_open: bool = Fals
         return None
     if not _is_number(v):
         raise _bad(name, f"'{name}' must be a number, got {_kind(v)}", "invalid_type")
-    if v < lo or v > hi or (lo_open and v == lo):
+    # compared before any float(): an integer of 400 digits is out of range, not an OverflowError
+    if not (isinstance(v, int) or math.isfinite(v)) or v < lo or v > hi or (lo_open and v == lo):
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-        raise _bad(name, f"'{name}' must be in {interval}, got {v}")
+        raise _bad(name, f"'{name}' must be in {interval}, got {clip(str(v), 40)}")
     return float(v)
 
 
@@ -155,7 +199,7 @@ def _int(body: Mapping, name: str, lo: int, hi: int | None = None) -> int | None
         raise _bad(name, f"'{name}' must be an integer, got {_kind(v)}", "invalid_type")
     if v < lo or (hi is not None and v > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise _bad(name, f"'{name}' must be an integer {bound}, got {v}")
+        raise _bad(name, f"'{name}' must be an integer {bound}, got {clip(str(v), 40)}")
     return v
 
 
@@ -182,6 +226,10 @@ def _same(a: Any, b: Any) -> bool:
 _Neutral = tuple[tuple[Any, ...], str]
 """(values meaning "nothing asked for", what the server does not support)."""
 
+_NO_LOGPROBS = "logprobs are not supported yet"
+"""Why ``logprobs`` / ``top_logprobs`` are refused: the engine does not yet hand out the target's probabilities of
+the tokens it emits (see the server's notes in README)."""
+
 _COMMON_NEUTRAL: dict[str, _Neutral] = {
     "n": ((None, 1), "one choice per request (n = 1)"),
     "frequency_penalty": ((None, 0), "no frequency penalty"),
@@ -197,8 +245,8 @@ _COMMON_NEUTRAL: dict[str, _Neutral] = {
     "service_tier": ((None, "auto", "default"), "one service tier"),
 }
 _CHAT_NEUTRAL: dict[str, _Neutral] = {
-    "logprobs": ((None, False), "no log-probabilities (logprobs: false)"),
-    "top_logprobs": ((None, 0), "no log-probabilities"),
+    "logprobs": ((None, False), _NO_LOGPROBS + " (logprobs: false)"),
+    "top_logprobs": ((None, 0), _NO_LOGPROBS + " (top_logprobs: 0)"),
     "response_format": ((None, {"type": "text"}), "plain text responses (response_format type 'text')"),
     "tools": ((None, []), "no tools"),
     "tool_choice": ((None, "none", "auto"), "no tools (tool_choice 'none')"),
@@ -217,7 +265,7 @@ _CHAT_NEUTRAL: dict[str, _Neutral] = {
     "continue_final_message": ((None, False), "a new assistant turn is always started"),
 }
 _COMPLETION_NEUTRAL: dict[str, _Neutral] = {
-    "logprobs": ((None,), "no log-probabilities (logprobs: null)"),
+    "logprobs": ((None,), _NO_LOGPROBS + " (logprobs: null)"),
     "echo": ((None, False), "echo: false"),
     "best_of": ((None, 1), "best_of = 1"),
     "suffix": ((None, ""), "no suffix"),
@@ -243,13 +291,16 @@ def _check_fields(body: Mapping, known: set[str], neutral: dict[str, _Neutral]) 
         if name in neutral:
             allowed, what = neutral[name]
             if not any(_same(value, a) for a in allowed):
-                raise _bad(name, f"'{name}' = {json.dumps(value)[:80]} is not supported: this server supports "
-                                 f"{what}", "unsupported_value")
+                shown = clip(json.dumps(value))
+                if what.startswith(_NO_LOGPROBS):
+                    raise _bad(name, f"{what}: '{name}' = {shown} asks for them", "unsupported_value")
+                raise _bad(name, f"'{name}' = {shown} is not supported: this server supports {what}",
+                           "unsupported_value")
         elif name in _FREE:
             if not _FREE[name](value):
                 raise _bad(name, f"'{name}' has the wrong type ({_kind(value)})", "invalid_type")
         else:
-            raise _bad(name, f"Unrecognized request argument supplied: {name}", "unknown_parameter")
+            raise _bad(clip(name, 40), f"Unrecognized request argument supplied: {clip(name)}", "unknown_parameter")
 
 
 def _stop(body: Mapping) -> list[str]:
@@ -285,6 +336,7 @@ def _stream(body: Mapping) -> tuple[bool, bool]:
                 raise _bad("stream_options.continuous_usage_stats",
                            "'stream_options.continuous_usage_stats' is not supported", "unsupported_value")
         else:
+            key = clip(key, 40)
             raise _bad(f"stream_options.{key}", f"Unrecognized request argument supplied: stream_options.{key}",
                        "unknown_parameter")
     return stream, bool(options.get("include_usage"))
@@ -337,7 +389,7 @@ def _content(i: int, content: Any) -> str:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else _kind(part)
                 raise _bad(f"{where}[{j}]", f"'{where}[{j}]' must be a text part {{\"type\": \"text\", \"text\": "
-                                            f"...}}; this server reads text only (got {kind!r})",
+                                            f"...}}; this server reads text only (got {clip(repr(kind), 40)})",
                            "unsupported_value")
             texts.append(part["text"])
         return "".join(texts)
@@ -362,6 +414,7 @@ def _messages(body: Mapping) -> list[dict[str, str]]:
                                               f"{json.dumps(role)[:40]}")
         for key in m:
             if key not in ("role", "content", "name"):
+                key = clip(key, 40)
                 raise _bad(f"messages[{i}].{key}", f"'messages[{i}].{key}' is not supported (messages carry role, "
                                                    "content and name)", "unsupported_value")
         if "name" in m and not isinstance(m["name"], str):

@@ -10,11 +10,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_TARGET", "ServeSettings", "check_settings", "default_target", "plan"]
+from .guard import check_origins
+
+__all__ = ["DEFAULT_TARGET", "MAX_PORT", "ServeSettings", "check_settings", "default_target", "plan"]
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 """What ``speculant serve`` serves without ``--target``: a packaged chat model (the bundled toy default-target has
 no chat template, so an OpenAI client's chat calls would all fail)."""
+
+
+MAX_PORT = 65535
+"""The largest TCP port."""
 
 
 def default_target() -> str:
@@ -41,7 +47,10 @@ class ServeSettings:
     shipped drafter, else ``chain``, which needs a draft: ``draft`` or the drafter speculant ships for the target).
     ``target`` None: :func:`default_target` (a packaged chat model, or an error). ``model_name`` None: the target
     as given. ``max_queue``: requests that may wait behind the one being decoded; one more is answered 429.
-    ``api_key`` None: no authentication."""
+    ``api_key`` None: no authentication (printable ASCII: HTTP headers carry ASCII). ``port``: 0 to 65535 (0: a
+    free one). ``allow_origin``: the browser origins (``http://localhost:3000``, or ``*``) allowed to call the
+    server cross-origin, with CORS; without an API key every other origin, and any ``Host`` that is not this
+    server's address or a loopback name, is refused (:mod:`speculant.serve.guard`)."""
 
     target: str | None = None
     draft: str | None = None
@@ -57,6 +66,7 @@ class ServeSettings:
     max_queue: int = 64
     api_key: str | None = None
     model_name: str | None = None
+    allow_origin: tuple[str, ...] = ()
 
     @property
     def served_name(self) -> str:
@@ -80,8 +90,14 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
     (see README). Without a target: :func:`default_target`."""
     if settings.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {settings.max_queue}")
+    if not 0 <= settings.port <= MAX_PORT:
+        raise ValueError(f"--port must be in [0, {MAX_PORT}], got {settings.port}")
     if settings.api_key is not None and not settings.api_key.strip():
         raise ValueError("--api-key is empty")
+    if settings.api_key is not None and not (settings.api_key.isascii() and settings.api_key.isprintable()):
+        # a client's header is read as Latin-1 bytes: a non-ASCII key could never match
+        raise ValueError("--api-key must be printable ASCII (it travels in an HTTP header)")
+    settings = dataclasses.replace(settings, allow_origin=check_origins(settings.allow_origin))
     if settings.target is None:
         settings = dataclasses.replace(settings, target=default_target())
     p = plan(settings)

@@ -43,8 +43,10 @@ class _Stop(Exception):
 @dataclass
 class Result:
     """How a generation ended: ``finish_reason`` (``stop``: end-of-sequence token or stop string; ``length``),
-    token counts, the generated ids (every token generated, a stop string's included) and the speculative
-    statistics of this response (the ``speculant`` field)."""
+    token counts, the ids of the returned text and the speculative statistics of this response (the ``speculant``
+    field). After a stop string, ``completion_tokens`` and ``token_ids`` cover what was returned only: the
+    shortest prefix of the generated tokens whose text holds the returned text (a token the cut falls inside
+    counts; the tokens a speculative step generated past the stop string do not)."""
 
     finish_reason: str
     prompt_tokens: int
@@ -256,6 +258,8 @@ class Worker:
         first: list[float] = []
         generated: list[int] = []
 
+        returned = [0]  # characters of text handed to the client
+
         def on_step(new_ids: list[int]) -> None:
             proposed = counting.proposed if counting is not None else 0
             if counting is not None:
@@ -278,6 +282,7 @@ class Worker:
                 raise _Stop
             text = stops.feed(detok.push(new_ids))
             if text:
+                returned[0] += len(text)
                 job.emit("text", text)
             if stops.hit:
                 raise _Stop
@@ -300,6 +305,8 @@ class Worker:
                 job.emit("text", tail)
         ended_by_eos = bool(generated) and generated[-1] in resolve_eos(self.target, eos)
         reason = "stop" if stops.hit or ended_by_eos else "length"
+        if stops.hit:
+            generated = generated[:self._tokens_for(generated, returned[0])]
         end = time.perf_counter()
         m.e2e.observe(end - job.arrived)
         if first and steps["tokens"] > 1:
@@ -314,5 +321,19 @@ class Worker:
             "accepted_per_position": steps["per_pos"],
             "decode_s": round(end - start, 6),
         }
-        return "done", Result(reason, len(job.ids), steps["tokens"], stats, generated)
+        return "done", Result(reason, len(job.ids), len(generated), stats, generated)
+
+    def _tokens_for(self, ids: list[int], chars: int) -> int:
+        """The fewest leading tokens of ``ids`` whose text (as the detokenizer decodes it) has ``chars``
+        characters: a binary search, since a longer prefix never decodes shorter."""
+        lo, hi = 0, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            with self.tokenizer_lock:
+                n = len(self.tokenizer.decode(ids[:mid], skip_special_tokens=True))
+            if n >= chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
