@@ -12,6 +12,7 @@ import json
 import random
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
