@@ -60,12 +60,111 @@ def q4_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, d * sc.float(), dmin * mn.float()
 
 
-def gguf_architecture(path: str | Path) -> str:
-    """The ``general.architecture`` of GGUF file ``path`` (read from its memory-mapped header)."""
-    from gguf import GGUFReader
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value types
+_STRING, _ARRAY = 8, 9
 
-    field = GGUFReader(str(path)).fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
+
+class _Header:
+    """A GGUF file's architecture and tensor index, read without materialising its metadata values.
+
+    gguf's ``GGUFReader`` builds a numpy memmap object per metadata item: for a 151,936-token vocabulary and its
+    merges that took 10-25 s here, more than dequantizing the whole 0.5B. This walks the same layout
+    (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) with ``struct``, keeping only
+    ``general.architecture``, ``general.alignment`` and each tensor's name, type, shape and bytes (plain numpy
+    views of one memory map)."""
+
+    def __init__(self, path: str | Path):
+        import mmap
+        import struct
+
+        with open(path, "rb") as f:
+            self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf, pos = self.buf, 0
+
+        def take(fmt: str):
+            nonlocal pos
+            value = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize("<" + fmt)
+            return value[0]
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            pos += n
+            return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
+
+        def skip(kind: int) -> None:
+            nonlocal pos
+            if kind == _STRING:
+                n = take("Q")  # not `pos += take(...)`: that reads pos before take() moves it
+                pos += n
+            elif kind == _ARRAY:
+                inner, count = take("I"), take("Q")
+                if inner in _SCALAR:
+                    pos += count * struct.calcsize(_SCALAR[inner])
+                else:
+                    for _ in range(count):
+                        skip(inner)
+            else:
+                pos += struct.calcsize(_SCALAR[kind])
+
+        if take("4s") != b"GGUF":
+            raise ValueError(f"{str(path)!r} is not a GGUF file")
+        version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} of {str(path)!r} is not supported")
+        self.architecture, alignment = "", 32
+        for _ in range(n_kv):
+            key, kind = string(), take("I")
+            if key == "general.architecture" and kind == _STRING:
+                self.architecture = string()
+            elif key == "general.alignment" and kind in _SCALAR:
+                alignment = take(_SCALAR[kind])
+            else:
+                skip(kind)
+        infos = []
+        for _ in range(n_tensors):
+            name, n_dims = string(), take("I")
+            dims = [take("Q") for _ in range(n_dims)]
+            infos.append((name, dims, take("I"), take("Q")))
+        start = -(-pos // alignment) * alignment
+        self.tensors: list[tuple[str, int, np.ndarray]] = []  # (name, ggml type, data as GGUFReader gives it)
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        for name, dims, qtype, offset in infos:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            shape = list(reversed(dims))  # ggml lists the fastest dimension first
+            row_bytes = shape[-1] // block * size
+            count = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
+            raw = np.frombuffer(buf, dtype=np.uint8, count=count, offset=start + offset)
+            if qtype == 0:  # F32: the values themselves
+                data = raw.view(np.float32).reshape(shape)
+            elif qtype == 1:
+                data = raw.view(np.float16).reshape(shape)
+            else:
+                data = raw.reshape(*shape[:-1], row_bytes)
+            self.tensors.append((name, qtype, data))
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """The ``general.architecture`` of GGUF file ``path`` (read from its header, without its other metadata)."""
+    return _Header(path).architecture
+
+
+def _weights_map(model: torch.nn.Module, arch: str) -> dict[str, str]:
+    """GGUF tensor name -> parameter name, as transformers' ``get_gguf_hf_weights_map`` maps a Llama/Qwen2 model
+    (whose top-level map covers every parameter), with gguf's name map built once instead of once per submodule."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    key = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = get_tensor_name_map(key, model.config.num_hidden_layers)
+    out = {}
+    for hf_name in model.state_dict():
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base) if suffix in ("weight", "bias") else name_map.get_name(hf_name)
+        if gguf_name is not None:
+            out[gguf_name + ("." + suffix if suffix in ("weight", "bias") else "")] = hf_name
+    return out
 
 
 def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -75,30 +174,25 @@ def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32
 
     Raises ValueError for an architecture outside :data:`DIRECT_ARCHITECTURES` or a file whose tensors do not
     cover the model's parameters."""
-    from gguf import GGUFReader, dequantize
+    from gguf import dequantize
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    reader = GGUFReader(str(path))
-    field = reader.fields["general.architecture"]
-    arch = bytes(field.parts[field.data[0]]).decode()
+    header = _Header(path)
+    arch = header.architecture
     if arch not in DIRECT_ARCHITECTURES:
         raise ValueError(f"GGUF architecture {arch!r} is not read directly; known: {', '.join(sorted(DIRECT_ARCHITECTURES))}")
     with no_init_weights():  # every parameter is overwritten below: skip the (slow) random initialisation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    names = _weights_map(model, arch)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
-        for tensor in reader.tensors:
-            weights = dequantize(tensor.data, tensor.tensor_type)  # float32, as transformers' loader
-            result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
+        for name, qtype, data in header.tensors:
+            weights = dequantize(data, qtype)  # float32, as transformers' loader
+            result = processor.process(weights=weights, name=name, tensor_key_mapping=names,
                                        parsed_parameters={"tensors": {}})
             if result.name not in names:
                 continue
@@ -108,7 +202,7 @@ def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32
             values = np.ascontiguousarray(result.weights)
             values = torch.from_numpy(values if values.flags.writeable else values.copy())  # F32: a read-only map
             if values.numel() != target.numel():
-                raise ValueError(f"GGUF tensor {tensor.name} has {values.numel()} values; "
+                raise ValueError(f"GGUF tensor {name} has {values.numel()} values; "
                                  f"{names[result.name]} needs {target.numel()}")
             target.copy_(values.reshape(target.shape))  # casts to the model's dtype, as transformers does
             loaded.add(names[result.name])
