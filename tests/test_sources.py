@@ -585,6 +585,33 @@ def test_q4_k_codes_decode_like_gguf():
     assert np.array_equal(values.numpy().view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("qtype, scale_at", [("Q4_K", (0, 2)), ("Q6_K", (208,)), ("Q5_0", (0,)), ("Q8_0", (0,)),
+                                             ("Q4_0", (0,)), ("F32", ()), ("F16", ())])
+def test_decode_equals_gguf_dequantize(qtype, scale_at, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speculant.models import gguf as direct
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(1)
+    rows, blocks_per_row = 37, 3
+    if qtype in ("F32", "F16"):
+        data = rng.normal(size=(rows, 64)).astype(np.float32 if qtype == "F32" else np.float16)
+    else:
+        data = rng.integers(0, 256, (rows * blocks_per_row, size), dtype=np.uint8)
+        for at in scale_at:  # finite fp16 scales
+            data[:, at:at + 2] = rng.uniform(-0.05, 0.05, (len(data), 1)).astype(np.float16).view(np.uint8)
+        data = data.reshape(rows, blocks_per_row * size)
+    want = gguf.dequantize(data, kind)
+    monkeypatch.setattr(direct, "_CHUNK_BLOCKS", 5)  # many chunks, out of step with the rows
+    with ThreadPoolExecutor(2) as pool:
+        for p in (None, pool):
+            got = direct.decode(data, int(kind), p)
+            assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
+            assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+
+
 def test_direct_directory_without_its_gguf_file_says_so(tmp_path, cache):
     from speculant.models.loading import check_model_dir
 
@@ -594,3 +621,32 @@ def test_direct_directory_without_its_gguf_file_says_so(tmp_path, cache):
     with pytest.raises(ValueError, match="GGUF file") as err:
         check_model_dir(d)
     _assert_one_line(err.value)
+
+
+@pytest.mark.slow
+def test_real_qwen_05b_reads_its_gguf_like_transformers(cache, monkeypatch, one_thread):
+    """~4 min and ~3 GB in a temporary cache: Qwen2.5-Coder-0.5B-Instruct assembled from its 6 wheels, read
+    directly, continues a chat prompt greedily exactly as transformers' own float32 GGUF conversion does."""
+    from speculant.models import gguf as direct
+
+    name = "qwen2.5-coder-0.5b-instruct"
+    if not sources.packaged_installed(name):
+        pytest.skip(f"{name}'s wheels are not installed (make qwen-models)")
+    path = packaged_gguf(name)
+    assert path.stat().st_size == PACKAGED[name].size
+    d = resolve_model(name)
+    assert sources.gguf_backing(d) == path.resolve()
+    model, tok = load_pretrained(name, dtype="float32")
+    assert model.config.model_type == "qwen2" and model.config.num_hidden_layers == 24 and tok.chat_template
+    ids = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a string."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    del model
+    with monkeypatch.context() as m:  # transformers' own conversion of the same file
+        m.setattr(direct, "DIRECT_ARCHITECTURES", frozenset())
+        converted = convert_gguf(path, name)
+    reference, _ = load_pretrained(converted, dtype="float32")
+    with torch.no_grad():
+        want = reference.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    assert got.tolist() == want.tolist(), (tok.decode(got), tok.decode(want))

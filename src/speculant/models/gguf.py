@@ -7,10 +7,10 @@ requested dtype. :func:`load_gguf_model` does exactly that, one tensor at a time
 initialising its weights, so the weights are bit-identical to transformers' conversion while peak memory stays near
 the model's own size; it reuses transformers' processors and name map, so the reorderings cannot drift.
 
-Decoding uses gguf's own numpy code (the reference itself): vectorised torch decoders for Q4_K/Q6_K/Q5_0/Q8_0,
-written bit-exact, were 1.5-3x slower than it on this 2-core machine, and the 1.5B loads well inside its budget
-without them (README, "Packaged Qwen2.5-Coder models"). :func:`q4_k_codes` exposes a Q4_K tensor's raw block codes
-(4-bit codes, per-group scales and minimums, as tensors) for quantized linears.
+Decoding runs gguf's own numpy block decoders (the reference itself) over chunks of blocks in threads, straight
+into the output (:func:`decode`); vectorised torch decoders for Q4_K/Q6_K/Q5_0/Q8_0, written bit-exact, were
+1.5-3x slower than gguf's numpy on this 2-core machine, so there are none. :func:`q4_k_codes` exposes a Q4_K
+tensor's raw block codes (4-bit codes, per-group scales and minimums, as tensors) for quantized linears.
 
 Only architectures whose transform is per tensor are read directly (:data:`DIRECT_ARCHITECTURES`); anything else
 takes transformers' full conversion (:func:`speculant.models.sources.convert_gguf`).
@@ -19,12 +19,13 @@ takes transformers' full conversion (:func:`speculant.models.sources.convert_ggu
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 
-__all__ = ["DIRECT_ARCHITECTURES", "q4_k_codes", "load_gguf_model", "gguf_architecture"]
+__all__ = ["DIRECT_ARCHITECTURES", "decode", "q4_k_codes", "load_gguf_model", "gguf_architecture"]
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,46 @@ class _Header:
             self.tensors.append((name, qtype, data))
 
 
+_CHUNK_BLOCKS = 8192  # blocks decoded per task: a few MB of temporaries each
+
+
+def decode(data: np.ndarray, qtype: int, pool: ThreadPoolExecutor | None = None) -> torch.Tensor:
+    """A GGUF tensor's values as float32 ``[..., cols]``, bit-equal to ``gguf.dequantize(data, qtype)``.
+
+    ``data`` is the tensor as ``GGUFReader`` (or :class:`_Header`) gives it: uint8 ``[..., row_bytes]`` for block
+    types, the values for F32/F16. Block types run gguf's own ``dequantize_blocks`` (elementwise per block, so
+    the same values) over chunks of blocks written straight into one output buffer, in ``pool``'s threads (numpy
+    releases the GIL): gguf's ``dequantize`` decodes groups of 16 rows and concatenates them, which cost about
+    as much again as the decoding here."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import dequantize as gguf_dequantize
+    from gguf import quants
+
+    kind = GGMLQuantizationType(qtype)
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        return torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the memory map is read-only
+    block, size = GGML_QUANT_SIZES[kind]
+    decoder = getattr(quants, kind.name, None)
+    if decoder is None or getattr(decoder, "grid_hex", None) is not None:  # grid types need gguf's set-up
+        return torch.from_numpy(gguf_dequantize(data, kind))
+    shape = (*data.shape[:-1], data.shape[-1] // size * block)
+    blocks = np.asarray(data).reshape(-1, size)
+    out = torch.empty(blocks.shape[0] * block, dtype=torch.float32)
+
+    def run(start: int) -> None:
+        stop = min(start + _CHUNK_BLOCKS, blocks.shape[0])
+        values = decoder.dequantize_blocks(blocks[start:stop])
+        out[start * block:stop * block] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+
+    starts = range(0, blocks.shape[0], _CHUNK_BLOCKS)
+    if pool is None or len(starts) == 1:
+        for start in starts:
+            run(start)
+    else:
+        list(pool.map(run, starts))
+    return out.reshape(shape)
+
+
 def gguf_architecture(path: str | Path) -> str:
     """The ``general.architecture`` of GGUF file ``path`` (read from its header, without its other metadata)."""
     return _Header(path).architecture
@@ -174,7 +215,6 @@ def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32
 
     Raises ValueError for an architecture outside :data:`DIRECT_ARCHITECTURES` or a file whose tensors do not
     cover the model's parameters."""
-    from gguf import dequantize
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
@@ -189,22 +229,27 @@ def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32
     names = _weights_map(model, arch)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
-    with torch.no_grad():
+    with torch.no_grad(), ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         for name, qtype, data in header.tensors:
-            weights = dequantize(data, qtype)  # float32, as transformers' loader
-            result = processor.process(weights=weights, name=name, tensor_key_mapping=names,
-                                       parsed_parameters={"tensors": {}})
-            if result.name not in names:
+            if names.get(name) not in params:  # llama/qwen2 processors never rename: skip unused tensors undecoded
                 continue
-            target = params.get(names[result.name])
+            values = decode(data, qtype, pool)  # float32 [rows, cols], equal to gguf.dequantize
+            decoded = values.numpy()
+            result = processor.process(weights=decoded, name=name, tensor_key_mapping=names,
+                                       parsed_parameters={"tensors": {}})
+            target = params.get(names.get(result.name, ""))
             if target is None:
                 continue
-            values = np.ascontiguousarray(result.weights)
-            values = torch.from_numpy(values if values.flags.writeable else values.copy())  # F32: a read-only map
+            if result.weights is not decoded:  # reordered (Llama's Q/K rows)
+                values = torch.from_numpy(np.ascontiguousarray(result.weights))
             if values.numel() != target.numel():
                 raise ValueError(f"GGUF tensor {name} has {values.numel()} values; "
                                  f"{names[result.name]} needs {target.numel()}")
-            target.copy_(values.reshape(target.shape))  # casts to the model's dtype, as transformers does
+            values = values.reshape(target.shape)
+            if target.dtype == values.dtype:
+                target.data = values  # float32: take the decoded buffer itself (the empty one is never touched)
+            else:
+                target.copy_(values)  # cast, as transformers' loader does after dequantizing
             loaded.add(names[result.name])
     missing = [n for n in params if n not in loaded and not _tied(model, n)]
     if missing:
