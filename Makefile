@@ -36,7 +36,7 @@ qwen-models: $(QWEN_STAMP)
 
 # First and later load times of the packaged Qwen models (README), in fresh processes and temporary caches.
 qwen-load: $(QWEN_STAMP)
-	$(PY) benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json
+	$(PY) benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json --readme README.md
 
 demo: $(STAMP) $(QWEN_STAMP)
 	$(PY) -m speculant.demo

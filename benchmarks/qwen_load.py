@@ -4,7 +4,10 @@ Each load runs in a fresh Python process (imports included in neither figure: th
 "first" in an empty SPECULANT_CACHE (assembling the parts, checking the SHA-256, deriving config and tokenizer),
 "later" against the filled cache. Writes JSON with machine info:
 
-    python benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json
+    python benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json --readme README.md
+
+``--readme`` rewrites the README block between ``<!-- qwen-load:start -->`` and ``<!-- qwen-load:end -->``;
+``--render`` only re-renders it from an existing ``--out`` file.
 """
 
 from __future__ import annotations
@@ -40,11 +43,40 @@ def run(name: str, dtype: str, cache: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def table(result: dict, source: str) -> str:
+    """The README block: one row per model and load, from ``result`` (this script's JSON)."""
+    lines = ["| model | load | dtype | seconds | peak RSS (GB) |", "|---|---|---|---:|---:|"]
+    disk = {r["model"]: r["cache_bytes"] for r in result["rows"] if "cache_bytes" in r}
+    for r in result["rows"]:
+        if "phase" in r:
+            lines.append(f"| {r['model']} | {r['phase']} | {r['dtype']} | {r['total_s']:.1f} | {r['peak_rss_gb']:.1f} |")
+    cache = ", ".join(f"{m} {b / 1e9:.2f} GB" for m, b in disk.items())
+    return "\n".join(lines) + (f"\n\nCache on disk after loading: {cache}. " if cache else "\n\n") + (
+        f"Load average {result['machine']['load_average'][0]:.1f} on {result['machine']['cpus']} cores at the end "
+        f"(a shared machine: upper bounds); `{source}`, {result['date']}.")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--readme", help="rewrite this README's qwen-load block from the results")
+    parser.add_argument("--render", action="store_true", help="do not measure: render --out into --readme")
     args = parser.parse_args()
+    if not args.render:
+        measure(args)
+    if args.readme:
+        from readme_table import rewrite  # benchmarks/readme_table.py, next to this script
+
+        with open(args.out) as f:
+            block = table(json.load(f), args.out)
+        with open(args.readme) as f:
+            text = f.read()
+        with open(args.readme, "w") as f:
+            f.write(rewrite(text, block, "qwen-load"))
+
+
+def measure(args: argparse.Namespace) -> None:
     rows = []
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory(prefix="speculant-cache-") as cache:

