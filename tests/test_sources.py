@@ -610,6 +610,11 @@ def test_decode_equals_gguf_dequantize(qtype, scale_at, monkeypatch):
             got = direct.decode(data, int(kind), p)
             assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
             assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+            out = torch.empty(want.shape, dtype=torch.bfloat16)  # cast chunk by chunk into a given tensor
+            assert direct.decode(data, int(kind), p, out=out) is out
+            assert torch.equal(out, torch.from_numpy(want).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="elements"):
+        direct.decode(data, int(kind), None, out=torch.empty(want.size + 1))
 
 
 def test_direct_directory_without_its_gguf_file_says_so(tmp_path, cache):

@@ -150,33 +150,43 @@ class _Header:
 _CHUNK_BLOCKS = 8192  # blocks decoded per task: a few MB of temporaries each
 
 
-def decode(data: np.ndarray, qtype: int, pool: ThreadPoolExecutor | None = None) -> torch.Tensor:
+def decode(data: np.ndarray, qtype: int, pool: ThreadPoolExecutor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """A GGUF tensor's values as float32 ``[..., cols]``, bit-equal to ``gguf.dequantize(data, qtype)``.
 
     ``data`` is the tensor as ``GGUFReader`` (or :class:`_Header`) gives it: uint8 ``[..., row_bytes]`` for block
     types, the values for F32/F16. Block types run gguf's own ``dequantize_blocks`` (elementwise per block, so
     the same values) over chunks of blocks written straight into one output buffer, in ``pool``'s threads (numpy
     releases the GIL): gguf's ``dequantize`` decodes groups of 16 rows and concatenates them, which cost about
-    as much again as the decoding here."""
+    as much again as the decoding here. With ``out`` (a contiguous tensor of as many elements, any dtype) each
+    chunk is cast into it as it is decoded (a bf16 model's weight, without a float32 copy of the whole tensor),
+    and ``out`` is returned as it was shaped."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf import dequantize as gguf_dequantize
     from gguf import quants
 
     kind = GGMLQuantizationType(qtype)
-    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        return torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the memory map is read-only
     block, size = GGML_QUANT_SIZES[kind]
+    count = data.size // size * block if data.dtype == np.uint8 else data.size
+    if out is not None and (out.numel() != count or not out.is_contiguous()):
+        raise ValueError(f"decode: out has {out.numel()} elements (contiguous: {out.is_contiguous()}), "
+                         f"the tensor {count}")
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        values = torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the memory map is read-only
+        return values if out is None else out.copy_(values.reshape(out.shape))
     decoder = getattr(quants, kind.name, None)
     if decoder is None or getattr(decoder, "grid_hex", None) is not None:  # grid types need gguf's set-up
-        return torch.from_numpy(gguf_dequantize(data, kind))
+        values = torch.from_numpy(gguf_dequantize(data, kind))
+        return values if out is None else out.copy_(values.reshape(out.shape))
     shape = (*data.shape[:-1], data.shape[-1] // size * block)
     blocks = np.asarray(data).reshape(-1, size)
-    out = torch.empty(blocks.shape[0] * block, dtype=torch.float32)
+    result = torch.empty(shape, dtype=torch.float32) if out is None else out
+    flat = result.view(-1)
 
     def run(start: int) -> None:
         stop = min(start + _CHUNK_BLOCKS, blocks.shape[0])
         values = decoder.dequantize_blocks(blocks[start:stop])
-        out[start * block:stop * block] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+        flat[start * block:stop * block] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
 
     starts = range(0, blocks.shape[0], _CHUNK_BLOCKS)
     if pool is None or len(starts) == 1:
@@ -184,7 +194,7 @@ def decode(data: np.ndarray, qtype: int, pool: ThreadPoolExecutor | None = None)
             run(start)
     else:
         list(pool.map(run, starts))
-    return out.reshape(shape)
+    return result
 
 
 def gguf_architecture(path: str | Path) -> str:
@@ -232,6 +242,11 @@ def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32
     with torch.no_grad(), ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         for name, qtype, data in header.tensors:
             if names.get(name) not in params:  # llama/qwen2 processors never rename: skip unused tensors undecoded
+                continue
+            if type(processor) is TensorProcessor:  # no reordering (qwen2): decode straight into the parameter
+                target = params[names[name]]
+                decode(data, qtype, pool, out=target.data)  # cast per chunk, as transformers casts per tensor
+                loaded.add(names[name])
                 continue
             values = decode(data, qtype, pool)  # float32 [rows, cols], equal to gguf.dequantize
             decoded = values.numpy()
