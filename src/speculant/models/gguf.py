@@ -235,6 +235,7 @@ def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32
         raise ValueError(f"GGUF architecture {arch!r} is not read directly; known: {', '.join(sorted(DIRECT_ARCHITECTURES))}")
     with no_init_weights():  # every parameter is overwritten below: skip the (slow) random initialisation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # a tied head shares the embedding's parameter: one tensor to fill, not two
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     names = _weights_map(model, arch)
     params = dict(model.named_parameters())
