@@ -111,6 +111,8 @@ def write_llama_gguf(path: Path, model, tokenizer, qtype=None) -> Path:
     assert set(weights) <= set(names), set(weights) - set(names)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     for hf in weights:
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # a tied head is the embedding: llama.cpp writes no output.weight
         name = names[hf]
         w = weights[hf].float().numpy()
         if arch == "llama" and ".attn_q." in name:
@@ -525,26 +527,32 @@ def test_packaged_model_can_name_a_packaged_draft(fake_parts, monkeypatch):
 # ------------------------------------------------------------------------------ direct GGUF loading
 
 
-def _tiny_gguf(tmp_path, arch, qtype):
+def _tiny_gguf(tmp_path, arch, qtype, tied=False):
     tokenizer = tiny_tokenizer(TEXTS, vocab_size=300)
     model = tiny_model(arch, seed=1, vocab_size=len(tokenizer), hidden=64, layers=2, heads=4, kv_heads=2,
                        context=128, init_std=0.5)
+    if tied:  # the head shares the embedding (SmolLM2, Qwen2.5-0.5B as released): no output.weight in the file
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(0.3 * torch.randn_like(p))
-    name = f"tiny-{arch}-{'f32' if qtype is None else qtype.name}.gguf"
+    name = f"tiny-{arch}-{'f32' if qtype is None else qtype.name}{'-tied' if tied else ''}.gguf"
     return model, write_llama_gguf(tmp_path / name, model, tokenizer, qtype)
 
 
-@pytest.mark.parametrize("arch, qtype", [
-    ("llama", None), ("llama", gguf.GGMLQuantizationType.Q8_0), ("qwen2", None),
-    ("qwen2", gguf.GGMLQuantizationType.Q5_0),
+@pytest.mark.parametrize("arch, qtype, tied", [
+    ("llama", None, False), ("llama", gguf.GGMLQuantizationType.Q8_0, False), ("llama", None, True),
+    ("qwen2", None, False), ("qwen2", gguf.GGMLQuantizationType.Q5_0, False),
+    ("qwen2", gguf.GGMLQuantizationType.Q8_0, True),
 ])
-def test_direct_gguf_load_equals_the_transformers_conversion(arch, qtype, tmp_path, cache, monkeypatch, one_thread):
+def test_direct_gguf_load_equals_the_transformers_conversion(arch, qtype, tied, tmp_path, cache, monkeypatch,
+                                                             one_thread):
     from speculant.models import gguf as direct
 
-    model, path = _tiny_gguf(tmp_path, arch, qtype)
+    model, path = _tiny_gguf(tmp_path, arch, qtype, tied)
     d = resolve_model(path)
     assert sources.gguf_backing(d) == path.resolve()
     assert not list(d.glob("*.safetensors"))  # config and tokenizer only: the weights stay in the GGUF file
@@ -556,6 +564,8 @@ def test_direct_gguf_load_equals_the_transformers_conversion(arch, qtype, tmp_pa
         got, tok = load_pretrained(path, dtype=dtype)
         want, want_tok = load_pretrained(converted, dtype=dtype)
         assert type(got) is type(want) and got.config.model_type == arch
+        assert got.config.tie_word_embeddings is want.config.tie_word_embeddings is tied
+        assert (got.lm_head.weight is got.model.embed_tokens.weight) is tied
         got_sd, want_sd = got.state_dict(), want.state_dict()
         assert set(got_sd) == set(want_sd)
         for key in want_sd:
@@ -564,7 +574,7 @@ def test_direct_gguf_load_equals_the_transformers_conversion(arch, qtype, tmp_pa
         with torch.no_grad():
             assert torch.equal(got(IDS).logits, want(IDS).logits)
         assert tok.get_vocab() == want_tok.get_vocab()
-    if qtype is None and arch == "llama":  # and the file's F32 weights are the model's (Q/K permutation undone)
+    if qtype is None and arch == "llama" and not tied:  # and the file's F32 weights are the model's (Q/K permutation undone)
         with torch.no_grad():
             torch.testing.assert_close(load_pretrained(path, dtype="float32")[0](IDS).logits, model(IDS).logits,
                                        rtol=0, atol=1e-5)
