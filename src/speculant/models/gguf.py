@@ -33,7 +33,6 @@ DIRECT_ARCHITECTURES = frozenset({"llama", "qwen2"})
 """GGUF ``general.architecture`` values :func:`load_gguf_model` reads (tested equal to transformers' conversion)."""
 
 
-
 def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 scalar at byte ``start`` of each block, as float32 ``[nb, 1]``."""
     return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
