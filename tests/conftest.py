@@ -4,8 +4,14 @@ directory works on a copy)."""
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+# One thread in this process and in the commands tests start, unless the developer says otherwise: before torch
+# is imported (torch reads it once), and ``--threads auto`` keeps it rather than sampling the CPU load per command.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from helpers import CODE_CONTEXT, MULTIBYTE, chat_model_pair
 from speculant.testing import save_model_pair, stdlib_texts, tiny_tokenizer

@@ -9,6 +9,9 @@ generator for a running server) is dispatched before the parser: ``bench`` itsel
 Output conventions shared by every subcommand: stdout carries the result, stderr the library's warnings
 (``speculant: WARNING: ...``) and errors. Every bad input is one line ``speculant: error: <message>`` on stderr and
 exit code 2, never a traceback; a stdout closed by its reader exits 141, an interrupt 130.
+
+Before anything imports torch, :func:`main` sets the OpenMP wait policy unless the environment sets one
+(:mod:`speculant.core.threads`: idle threads sleep rather than spin against a busy neighbour).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from .commands.common import (
     default_model_dir,
     module_command,
 )
+from .core.threads import set_default_wait_policy
 
 __all__ = ["main", "build_parser", "default_model_dir", "COMMANDS", "Command", "Subcommand", "PROG",
            "EXIT_BROKEN_PIPE"]
@@ -157,6 +161,7 @@ def _stdout_to_devnull() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``speculant`` command line; returns the exit code (0 ok, 2 bad input, 130 interrupted,
     141 stdout closed by its reader, e.g. ``speculant generate ... | head``)."""
+    _wait_policy()
     try:
         code = _main(argv)
         sys.stdout.flush()  # here, so that a reader gone away is noticed now, not at interpreter exit
@@ -164,6 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _stdout_to_devnull()
         return EXIT_BROKEN_PIPE
+
+
+def _wait_policy() -> None:
+    """The OpenMP wait policy (:func:`speculant.core.threads.set_default_wait_policy`), set here because the
+    runtime reads it when torch is imported, which a subcommand does later. Not when torch is already imported
+    (``main`` called from Python): it would have no effect on this process, only leak into its children."""
+    if "torch" not in sys.modules:
+        set_default_wait_policy()
 
 
 def _bench_serve_argv(argv: Sequence[str]) -> list[str] | None:

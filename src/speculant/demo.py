@@ -51,7 +51,8 @@ def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tok
              tiny: bool, dtype: str = "float32", chat: bool = False) -> None:
     """Time ar, chain, chain with lookup and the dynamic tree on ``prompt`` (the same target, draft and dtype as
     the CLI run)."""
-    session = load(target_name, draft_name, f"chain:k={k}", dtype=dtype, device="cpu")  # the timings: on the CPU
+    session = load(target_name, draft_name, f"chain:k={k}", dtype=dtype, device="cpu",  # the timings: on the CPU
+                   threads=None)  # the demo's --threads, set already
     ids, eos = session.encode(prompt, raw=not chat)
     with_lookup = default_method_for(target_name, draft_name) or f"chain:k={k}:lookup=8"
     specs = {"ar": "ar", "chain": f"chain:k={k}", "chain+lookup": with_lookup, "tree": TREE}

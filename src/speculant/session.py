@@ -125,7 +125,7 @@ class SessionPlan:
     tokenizer: Any = None
     dtype: torch.dtype | str = torch.float32
     device: torch.device | None = None
-    threads: int | None = None
+    threads: int | str | None = None
     kv_policy: ScorePolicy | None = None
     kv_spec: str | None = None
     kv_budget: int | None = None
@@ -138,10 +138,10 @@ class SessionPlan:
         """Load the target (and its tokenizer) and the draft, on the device; build one drafter now, so that a
         method that cannot be built fails here rather than at the first generation."""
         from .core.checks import resolve_device, warn_once
+        from .core.threads import apply_threads
         from .models.loading import draft_context, load_draft, load_model_dir
 
-        if self.threads is not None:
-            torch.set_num_threads(self.threads)
+        apply_threads(self.threads)
         tokenizer = self.tokenizer
         if isinstance(self.target, torch.nn.Module):
             target = self.target.eval()  # a loaded module stays where it is
@@ -194,7 +194,7 @@ def resolve(
     *,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
-    threads: int | None = None,
+    threads: int | str | None = "auto",
     kv_policy: str | ScorePolicy | None = None,
     kv_budget: int | None = None,
     kv_block: int | None = None,
@@ -209,7 +209,9 @@ def resolve(
             Hub id in the local cache), or a loaded module (kept where it is; pass its ``tokenizer`` for text).
         method: a registry spec ``NAME[:key=value...]``; None: see the module docstring.
         dtype: load dtype of the models loaded by name (None: float32); device: where the models loaded by name
-            go (None: the best available; a loaded target stays where it is, a draft follows the target); threads: ``torch.set_num_threads`` when loading (None: left to torch).
+            go (None: the best available; a loaded target stays where it is, a draft follows the target);
+            threads: ``torch.set_num_threads`` when loading: an int, ``"auto"`` (the cores free at the first load,
+            see :mod:`speculant.core.threads`) or None (left to torch).
         kv_policy, kv_budget, kv_block: KV-cache eviction of the target (a spec such as ``"caote:h2o"`` or a
             policy object; policy and budget go together; ``kv_block`` None: ``generate``'s default).
         draft_for: other users of the draft (e.g. ``["hf-assisted"]`` in a benchmark): the draft is then
@@ -220,7 +222,8 @@ def resolve(
             ``draft_for`` user) that needs a draft model when none is given and speculant ships none for the
             target.
     """
-    from .core.checks import check_positive_int, resolve_device
+    from .core.checks import resolve_device
+    from .core.threads import check_threads
     from .models.loading import DTYPES, check_model_dir, default_draft_for, resolve_model
 
     by_name = isinstance(target, (str, Path))
@@ -232,8 +235,7 @@ def resolve(
     dtype = torch.float32 if dtype is None else dtype
     if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(DTYPES)}")
-    if threads is not None:
-        check_positive_int("threads", threads)
+    check_threads(threads)
     dev = resolve_device(device) if device is not None or by_name else None  # checked before anything loads
     if not by_name:
         dev = None  # a loaded target stays where it is
@@ -333,8 +335,8 @@ class Session:
         """A session over the same loaded target with another draft (loaded like the first; e.g. a benchmark
         that compares two drafters in one run)."""
         plan = resolve(self.target, draft, self.plan.method.spec, tokenizer=self.tokenizer, dtype=self.plan.dtype,
-                       kv_policy=self.plan.kv_policy, kv_budget=self.plan.kv_budget, kv_block=self.plan.kv_block,
-                       draft_for=("another draft",))
+                       threads=None, kv_policy=self.plan.kv_policy, kv_budget=self.plan.kv_budget,
+                       kv_block=self.plan.kv_block, draft_for=("another draft",))  # threads: set by the first load
         plan = dataclasses.replace(plan, target_name=self.plan.target_name, kv_spec=self.plan.kv_spec)
         return plan.load()
 

@@ -30,7 +30,8 @@ def plan_bench_models(target: Model, draft: Model | None, tokenizer: Any, dtype:
     specs and baselines that draft with the shared draft) is not empty, else a one-line ValueError as
     everywhere (:func:`speculant.session.resolve`). ``device`` None: the CPU."""
     return resolve(target, draft, "ar", tokenizer=tokenizer, dtype=dtype,
-                   device=device if device is not None else "cpu", draft_for=draft_for)
+                   device=device if device is not None else "cpu", draft_for=draft_for,
+                   threads=None)  # the caller's (speculant bench: --threads), not auto's
 
 
 @dataclass

@@ -38,6 +38,7 @@ __all__ = [
     "positive_int_list",
     "session_arguments",
     "set_threads",
+    "threads_option",
 ]
 
 PROG = "speculant"
@@ -131,6 +132,21 @@ positive_int = int_at_least(1)
 nonnegative_int = int_at_least(0)
 
 
+def threads_option(text: str) -> int | str:
+    """An argparse type for ``--threads``: ``auto`` or an integer >= 1, with a one-line error."""
+    from ..core.threads import AUTO
+
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer >= 1, got {value}")
+    return value
+
+
 def dataclass_defaults(cls) -> dict:
     """``{field: default}`` of a settings dataclass (the defaults a command's options show)."""
     import dataclasses
@@ -178,8 +194,14 @@ def add_device_argument(p: argparse.ArgumentParser, what: str) -> None:
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
     """``--threads``, shared by the subcommands that run models (applied by :func:`set_threads`)."""
-    p.add_argument("--threads", type=positive_int, metavar="N", default=None,
-                   help="torch CPU threads (torch.set_num_threads); default: left to torch")
+    from ..core.threads import AUTO, DEFAULT_WAIT_POLICY, WAIT_POLICY_VAR
+
+    p.add_argument("--threads", type=threads_option, metavar="N", default=AUTO,
+                   help="torch CPU threads (torch.set_num_threads): N, or auto: the cores free when the model loads "
+                   "(the usable cores minus those other processes keep busy, at least 1; OMP_NUM_THREADS, if set, "
+                   "is kept), said with -v; default: auto. The command also sets "
+                   f"{WAIT_POLICY_VAR}={DEFAULT_WAIT_POLICY} unless the environment sets it (idle threads sleep "
+                   "instead of spinning against a busy neighbour)")
 
 
 def _packaged_methods() -> str:
@@ -293,12 +315,12 @@ def session_arguments(args: argparse.Namespace) -> dict[str, Any]:
     return {"target": args.target, **{n: getattr(args, n) for n in names if hasattr(args, n)}}
 
 
-def set_threads(threads: int | None) -> None:
-    """``--threads``: torch CPU threads, left to torch when not given."""
-    if threads is not None:
-        import torch
+def set_threads(threads: int | str | None) -> int | None:
+    """``--threads``: torch CPU threads, an int or ``auto`` (:func:`speculant.core.threads.apply_threads`; None:
+    left to torch); returns the count set."""
+    from ..core.threads import apply_threads
 
-        torch.set_num_threads(threads)
+    return apply_threads(threads)
 
 
 def option_name(field: str) -> str:

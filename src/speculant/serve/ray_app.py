@@ -66,7 +66,8 @@ def run_ray(settings: ServeSettings, replicas: int, address: str | None = None,
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    cpus = cpus_per_replica if cpus_per_replica is not None else float(settings.threads or 1)
+    threads = settings.threads if isinstance(settings.threads, int) else 1  # auto / None: at least one core
+    cpus = cpus_per_replica if cpus_per_replica is not None else float(threads)
     init = {"address": address} if address else {"include_dashboard": False, "object_store_memory": 256 * 2**20}
     ray.init(**init, logging_level=logging.WARNING, log_to_driver=False)
     logging.getLogger("ray.serve").setLevel(logging.WARNING)

@@ -59,7 +59,7 @@ class ServeSettings:
     kv_budget: int | None = None
     kv_block: int | None = None
     dtype: str | None = None
-    threads: int | None = None
+    threads: int | str | None = None
     device: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
