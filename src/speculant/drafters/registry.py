@@ -199,7 +199,7 @@ def resolve_drafter(drafter: Drafter | torch.nn.Module | str | None) -> Drafter 
     * a method spec string (``"lookup"``, ``"mask-probe:masks=3"``): that method, built by :func:`build_drafter`;
       a method that drafts with a model raises a ValueError saying to pass ``build_drafter(spec, draft_model)``.
     """
-    if drafter is None or callable(getattr(drafter, "propose", None)):
+    if drafter is None or isinstance(drafter, Drafter):  # structural: begin/propose/commit
         return drafter
     if isinstance(drafter, torch.nn.Module):
         return build_drafter(DEFAULT_METHOD, drafter)
