@@ -270,7 +270,9 @@ def _prefill_pass(model, input_ids, cache, policy, budget, block, all_logits, fo
     for s in range(0, total, block):
         chunk = input_ids[:, s : s + block]
         pos = cache.position_ids(chunk.shape[1], device=chunk.device)
-        cap = QueryCapture(model, last=policy.queries) if policy.needs_attention else None
+        # a two-pass prefill reads queries whatever the policy scores with (the first collects, the second observes)
+        two_pass = observers is not None or queries_out is not None
+        cap = QueryCapture(model, last=policy.queries) if policy.needs_attention or two_pass else None
         if forward is not None:
             out = forward(cache, input_ids=chunk, positions=pos, capture=cap, logits_to_keep=keep,
                           hidden_out=hidden_out)  # [1, T | 1, V]
