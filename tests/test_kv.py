@@ -189,7 +189,7 @@ def test_snapkv_two_passes_score_earlier_blocks_with_the_prompts_last_window(lla
     ids, snap = _ids(100), SnapKV(window=8, passes=2)
     observers = {}
     with torch.no_grad():
-        kv_budget._prefill_pass(llama, ids, BudgetCache(2, capacity=64), snap, None, 24, 32, False, (), None, None,
+        kv_budget._prefill_pass(llama, ids, BudgetCache(2, capacity=64), snap, 24, 32, False, (), None, None,
                                 queries_out=observers)
     heads = llama.config.num_attention_heads
     dim = llama.config.hidden_size // heads

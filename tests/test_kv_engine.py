@@ -10,7 +10,7 @@ import torch
 from helpers import record_caches
 
 import speculant
-import speculant.core.engine
+import speculant.kv.budget
 from speculant.drafters.registry import build_drafter
 from speculant.testing import perturbed, tiny_model
 
@@ -41,7 +41,7 @@ def test_budget_above_length_changes_nothing(pair, spec, policy):
 
 @pytest.mark.parametrize("spec", SPECS)
 def test_small_budget_bounds_the_cache_with_every_drafter(pair, spec, monkeypatch):
-    caches = record_caches(monkeypatch, speculant.core.engine, "BudgetCache")
+    caches = record_caches(monkeypatch, speculant.kv.budget, "BudgetCache")
     target, draft = pair
     budget, block = 12, 8
     gen = speculant.generate(target, PROMPT, drafter=build_drafter(spec, draft), max_new_tokens=24,
@@ -70,7 +70,7 @@ def test_kv_errors(pair):
 def test_h2o_keeps_its_recent_window_inside_generate(pair, policy, monkeypatch):
     """The engine's evictions pass the budget to the policy: H2O keeps the latest half of it (int(0.5 * 12) = 6
     consecutive positions ending at the last committed token) next to its heavy hitters."""
-    caches = record_caches(monkeypatch, speculant.core.engine, "BudgetCache")
+    caches = record_caches(monkeypatch, speculant.kv.budget, "BudgetCache")
     target, draft = pair
     gen = speculant.generate(target, PROMPT, drafter=build_drafter("chain:k=3", draft), max_new_tokens=16,
                              eos_token_id=[], kv_policy=policy, kv_budget=12, kv_block=8)

@@ -100,7 +100,7 @@ def test_two_passes_score_every_block_with_the_first_pass_end_queries(pair, monk
     observers = {}
     with torch.no_grad():
         spec = SpecKV(draft=draft)
-        kv_budget._prefill_pass(target, torch.tensor([PROMPT]), BudgetCache(2, capacity=64), spec, spec,
+        kv_budget._prefill_pass(target, torch.tensor([PROMPT]), BudgetCache(2, capacity=64), spec,
                                 12, 16, False, [9], None, None, queries_out=observers)
     heads, dim = target.config.num_attention_heads, target.config.hidden_size // target.config.num_attention_heads
     # the last block holds 8 prompt tokens (< window 16), then 16 provisional tokens

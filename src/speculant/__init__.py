@@ -43,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     "load": ".session",
     "resolve": ".session",
     "build_drafter": ".drafters.registry",
-    "generate": ".core.engine",
+    "generate": ".api",
     "load_pretrained": ".models.loading",
     "load_draft": ".models.loading",
     "chat_ids": ".models.chat",
@@ -115,7 +115,7 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .drafters.registry import build_drafter
     from .drafters.trees import DynamicTreeDrafter, RSDCDrafter, RSDSDrafter, SpecInferDrafter, SpecTrDrafter
     from .models.chat import chat_ids, stop_ids
-    from .core.engine import generate
+    from .api import generate
     from .models.loading import load_draft, load_pretrained
     from .core.types import DraftTree, Generation, GenerationStats, SamplingParams, Verdict
     from .core.verification import verify

@@ -2,15 +2,19 @@
 
 ../shared/ALGORITHMS.md asks trees to be compared both ways. A *family* is a registry spec without its size, e.g.
 ``chain``, ``specinfer:width=2``, ``rsd-c:branching=2`` (a branching prefix, continued with 1s),
-``rsd-s:width=4`` or ``tree:topk=2:depth=8``; :func:`at_budget` and :func:`at_depth` size it:
+``rsd-s:width=4`` or ``tree:topk=2:depth=8``; :func:`at_budget` and :func:`at_depth` size it by the keys its
+registration declares (:class:`speculant.drafters.registry.Sizing`), so a newly registered method is sized too:
 
 ====================================  ==============================  ==========================
-family                                at budget B (tree tokens)       at depth D (draft levels)
+sizing declared (in-tree methods)     at budget B (tree tokens)       at depth D (draft levels)
 ====================================  ==============================  ==========================
-``chain``, ``lookup``                 ``k=B``                         ``k=D``
-``specinfer``, ``spectr``, ``rsd-s``  ``depth=B/W`` (W divides B)     ``depth=D``
-``rsd-c:branching=b1/..``             the prefix then 1s, B nodes     the prefix then 1s, D levels
-``tree``                              ``budget=B``                    ``depth=D``
+budget = depth key (``chain``,        ``k=B``                         ``k=D``
+``lookup``: ``k``)
+width x depth (``specinfer``,         ``depth=B/W`` (W divides B)     ``depth=D``
+``spectr``, ``rsd-s``)
+a list depth key (``rsd-c``'s         the prefix then 1s, B nodes     the prefix then 1s, D levels
+``branching``)
+own budget key (``tree``)             ``budget=B``                    ``depth=D``
 ====================================  ==============================  ==========================
 
 A family with no configuration of exactly that size gives None (the comparison skips it). A family that already
@@ -22,22 +26,35 @@ tokens one target call verifies and the draft levels per step.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 from ..core.checks import check_positive_int
-from ..drafters.registry import NO_DEFAULT, get_method, parse_method
+from ..drafters.registry import NO_DEFAULT, Method, Sizing, get_method, methods, parse_method
 
 __all__ = ["at_budget", "at_depth", "format_spec", "matched_specs", "shape"]
 
 
-def _option(name: str, options: dict[str, Any], key: str) -> Any:
+def _option(method: Method, options: dict[str, Any], key: str) -> Any:
+    """The value of ``key``: from the spec, else the declared default (a list key's default as a list)."""
     if key in options:
         return options[key]
-    default = get_method(name).keys[key].default
-    if default is NO_DEFAULT:
-        raise ValueError(f"{name} needs {key}= to be sized")
-    return [int(x) for x in str(default).split("/")] if key == "branching" else default
+    spec = method.keys[key]
+    if spec.default is NO_DEFAULT:
+        raise ValueError(f"{method.name} needs {key}= to be sized")
+    if _is_list(method, key):
+        return [int(x) for x in str(spec.default).split("/")]
+    return spec.default
+
+
+def _is_list(method: Method, key: str) -> bool:
+    return typing.get_origin(method.keys[key].type) is list
+
+
+def _branching_nodes(b: Sequence[int]) -> int:
+    """Tree tokens of a constant-branching tree ``b1/b2/...``: level i has ``b1 * ... * bi`` nodes."""
+    return sum(math.prod(b[: i + 1]) for i in range(len(b)))
 
 
 def format_spec(name: str, options: dict[str, Any]) -> str:
@@ -54,61 +71,55 @@ def format_spec(name: str, options: dict[str, Any]) -> str:
 
 def shape(spec: str) -> tuple[int, int] | None:
     """``(nodes, depth)`` of a registry spec: the most tree tokens one target call verifies (the root excluded)
-    and the draft levels per step; None for methods without a fixed tree (``ar``, ``mask-probe``)."""
+    and the draft levels per step; None for methods that declare no sizing (``ar``, ``mask-probe``)."""
     name, options = parse_method(spec)
-    if name in ("chain", "lookup"):
-        k = _option(name, options, "k")
-        return k, k
-    if name in ("specinfer", "spectr", "rsd-s"):
-        width, depth = _option(name, options, "width"), _option(name, options, "depth")
-        return width * depth, depth
-    if name == "rsd-c":
-        b = _option(name, options, "branching")
-        return sum(math.prod(b[: i + 1]) for i in range(len(b))), len(b)
-    if name == "tree":
-        return _option(name, options, "budget"), _option(name, options, "depth")
-    return None
+    method = get_method(name)
+    sizing = method.sizing
+    if sizing is None:
+        return None
+    if _is_list(method, sizing.depth):
+        b = _option(method, options, sizing.depth)
+        return _branching_nodes(b), len(b)
+    depth = _option(method, options, sizing.depth)
+    if sizing.budget is not None:
+        return _option(method, options, sizing.budget), depth
+    return _option(method, options, sizing.width) * depth, depth
 
 
-_SIZE_KEYS = {  # family: (the key sizing to a budget sets, the key sizing to a depth sets)
-    "chain": ("k", "k"),
-    "lookup": ("k", "k"),
-    "specinfer": ("depth", "depth"),
-    "spectr": ("depth", "depth"),
-    "rsd-s": ("depth", "depth"),
-    "tree": ("budget", "depth"),
-}  # rsd-c: its branching is a prefix that sizing continues with 1s, not overwritten
+def _sets(method: Method, budget: int | None) -> str | None:
+    """The key sizing sets on the budget axis (``budget`` given) or the depth axis; None for a list depth key
+    (a branching prefix is continued, not overwritten)."""
+    sizing = method.sizing
+    if _is_list(method, sizing.depth):
+        return None
+    if budget is not None and sizing.budget is not None:
+        return sizing.budget
+    return sizing.depth
 
 
-def _check_unsized(name: str, options: dict[str, Any], family: str, budget: int | None) -> None:
+def _check_unsized(method: Method, options: dict[str, Any], family: str, budget: int | None) -> None:
     """A family must not set the key that sizing sets: ``chain:k=4`` at budget 8 would silently run ``k=8``."""
-    keys = _SIZE_KEYS.get(name)
-    key = None if keys is None else keys[0 if budget is not None else 1]
+    key = _sets(method, budget)
     if key in options:
         axis = "--budgets" if budget is not None else "--depths"
-        bare = format_spec(name, {k: v for k, v in options.items() if k != key})
+        bare = format_spec(method.name, {k: v for k, v in options.items() if k != key})
         raise ValueError(f"{family!r} already sets {key}, the size that {axis} sets: give the family without it "
                          f"({bare!r})")
 
 
 def _sized(family: str, budget: int | None, depth: int | None) -> str | None:
     name, options = parse_method(family)
+    method = get_method(name)
+    sizing: Sizing | None = method.sizing
+    if sizing is None:
+        sized = ", ".join(sorted(n for n, m in methods().items() if m.sizing is not None))
+        raise ValueError(f"{family!r}: {name} has no tree size to match (families: {sized})")
     options = dict(options)
-    _check_unsized(name, options, family, budget)
-    if name in ("chain", "lookup"):
-        options["k"] = budget if budget is not None else depth
-    elif name in ("specinfer", "spectr", "rsd-s"):
+    _check_unsized(method, options, family, budget)
+    if _is_list(method, sizing.depth):  # a branching prefix continued with 1s
+        b = list(_option(method, options, sizing.depth))
         if budget is not None:
-            width = _option(name, options, "width")
-            if budget % width:
-                return None
-            options["depth"] = budget // width
-        else:
-            options["depth"] = depth
-    elif name == "rsd-c":
-        b = list(_option(name, options, "branching"))
-        if budget is not None:
-            nodes, width = shape(format_spec(name, {"branching": b}))[0], math.prod(b)
+            nodes, width = _branching_nodes(b), math.prod(b)
             if budget < nodes or (budget - nodes) % width:
                 return None
             b += [1] * ((budget - nodes) // width)
@@ -116,12 +127,16 @@ def _sized(family: str, budget: int | None, depth: int | None) -> str | None:
             if depth < len(b):
                 return None
             b += [1] * (depth - len(b))
-        options["branching"] = b
-    elif name == "tree":
-        options["budget" if budget is not None else "depth"] = budget if budget is not None else depth
-    else:
-        raise ValueError(f"{family!r}: {name} has no tree size to match (families: chain, lookup, specinfer, "
-                         "spectr, rsd-c, rsd-s, tree)")
+        options[sizing.depth] = b
+    elif budget is None:
+        options[sizing.depth] = depth
+    elif sizing.budget is not None:
+        options[sizing.budget] = budget
+    else:  # width x depth tree tokens
+        width = _option(method, options, sizing.width)
+        if budget % width:
+            return None
+        options[sizing.depth] = budget // width
     return format_spec(name, options)
 
 

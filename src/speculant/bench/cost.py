@@ -8,14 +8,16 @@ MBSU = τ / (c·γ + 1) (../shared/ALGORITHMS.md, Metrics), where
 
 "Parameters a forward reads": every parameter of the model except the input-embedding table, of which a forward
 reads only the rows of its input tokens (when the embedding is tied to the LM head, the head reads all of it, so
-it counts). A drafter may state its own figure with an attribute or method ``params_per_forward`` (e.g. a draft
-with a trimmed LM head); otherwise the nn.Modules held in the drafter's attributes are counted, and a drafter
-holding none (prompt lookup, say) costs 0.
+it counts). A drafter may declare its own figure (the capability ``params_per_forward`` of
+:class:`speculant.core.drafting.Drafter`, e.g. a draft with a trimmed LM head); where it declares none, the
+nn.Modules held in the drafter's attributes are counted, and a drafter holding none costs 0.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..core.drafting import capability
 
 __all__ = ["drafter_models", "drafter_params_per_forward", "mbsu", "param_bytes", "params_per_forward"]
 
@@ -59,9 +61,9 @@ def drafter_params_per_forward(drafter, target: torch.nn.Module | None = None) -
     """Parameters one draft forward of ``drafter`` reads (see the module doc); 0 for None (plain decoding)."""
     if drafter is None:
         return 0
-    own = getattr(drafter, "params_per_forward", None)
+    own = capability(drafter, "params_per_forward")
     if own is not None:
-        return int(own() if callable(own) else own)
+        return int(own)
     return sum(params_per_forward(m) for m in drafter_models(drafter, target))
 
 

@@ -207,15 +207,11 @@ def run_niah(model, tokenizer, policies: Sequence[str], lengths: Sequence[int], 
     from ..models.chat import stop_ids
     from ..core.engine import generate
     from ..kv.registry import parse_policy
-    from ..kv.speckv import find_speckv
 
     objects = {}
     for spec in policies:
         objects[spec] = parse_policy(spec)
-        speckv = find_speckv(objects[spec])
-        if speckv is not None:
-            speckv.draft = draft
-            speckv._need_draft()
+        objects[spec].bind_draft(draft)  # SpecKV drafts with it (a one-line error without one); others ignore it
 
     text = haystack if haystack is not None else default_haystack()
     hay_ids = tokenizer(text, add_special_tokens=False)["input_ids"]

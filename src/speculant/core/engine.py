@@ -25,19 +25,9 @@ from .checks import (
     vocab_size,
     warn_once,
 )
-from ..drafters.base import DecodeState, Drafter, _sync
-from ..drafters.registry import resolve_drafter
+from .drafting import DecodeState, Drafter, capability, sync
+from .eviction import BudgetedKV, EvictionPolicy
 from .forward import FORWARDS, TargetForward
-from ..kv import (
-    warn_nesting,
-    BudgetCache,
-    QueryCapture,
-    ScorePolicy,
-    evict,
-    find_speckv,
-    observe,
-    prefill_blockwise,
-)
 from .sampling import make_generator
 from .tree import TreeAttention
 from .types import DraftTree, Generation, GenerationStats, SamplingParams
@@ -52,7 +42,7 @@ _EMPTY = DraftTree.empty()
 def generate(
     target: torch.nn.Module,
     input_ids,
-    drafter: Drafter | torch.nn.Module | str | None = None,
+    drafter: Drafter | None = None,
     max_new_tokens: int = 128,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -60,39 +50,18 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
     stream: Callable[[list[int]], None] | None = None,
-    kv_policy: str | ScorePolicy | None = None,
+    kv_policy: EvictionPolicy | None = None,
     kv_budget: int | None = None,
     kv_block: int = 128,
     forward: str = "auto",
 ) -> Generation:
-    """Generate up to ``max_new_tokens`` tokens after ``input_ids`` with ``target``, losslessly accelerated.
+    """The decoding loop behind :func:`speculant.generate` (see it for every argument), on resolved objects only.
 
-    Args:
-        target: any transformers causal LM (``AutoModelForCausalLM``).
-        input_ids: the prompt: a list of ints, a 1-D or a ``[1, T]`` LongTensor (one sequence).
-        drafter: proposes draft tokens (e.g. :class:`speculant.DraftModelDrafter`); ``None`` is plain
-            autoregressive decoding through the same model-call code. A draft model (``torch.nn.Module``) gets
-            the default chain drafter; a method spec string (``"lookup"``, ``"mask-probe:masks=3"``) builds that
-            method (:func:`speculant.build_drafter`; methods that draft with a model need it built with the model).
-        temperature: 0 for greedy decoding (output token-identical to plain greedy); > 0 samples, and the
-            output distribution is exactly the target's under the same temperature/top-k/top-p.
-        top_k, top_p: filters applied identically to target and draft.
-        seed: makes sampling reproducible.
-        eos_token_id: stop token(s); ``None`` takes them from the model's generation config. The stop token
-            is included in the output. Token ids (prompt and stop tokens) must be in ``[0, vocab)``.
-        stream: called with each list of newly committed token ids as soon as they are committed.
-        kv_policy, kv_budget: KV-cache eviction (:mod:`speculant.kv`): the target's cache keeps at most
-            ``kv_budget`` tokens per layer, chosen by the policy (a name such as ``"keydiff"`` or
-            ``"caote:h2o"``, or a policy object). The prompt is prefilled in blocks of ``kv_block`` tokens,
-            evicting back to the budget after each (peak ``kv_budget + kv_block`` tokens), and committed tokens
-            are evicted after every verification step (draft tokens are never evicted before they are
-            verified). The output is then exact given the evicted cache, not equal to full-cache decoding.
-        forward: the target forward (:mod:`speculant.core.forward`): ``"auto"`` the lean forward
-            (:class:`speculant.core.lean.LeanForward`) where it reproduces the model, else the model's own;
-            ``"lean"`` requires it; ``"model"`` always uses the model's own (transformers) forward.
-
-    Returns:
-        :class:`speculant.core.types.Generation` with ``token_ids`` (new tokens only) and ``stats``.
+    ``drafter`` is a :class:`~speculant.core.drafting.Drafter` (any object with ``begin``/``propose``/``commit``)
+    or None for plain decoding; ``kv_policy`` a ``speculant.kv.ScorePolicy`` (:class:`EvictionPolicy`) or None.
+    Method names, draft models and policy names are resolved by :func:`speculant.generate` (``speculant.api``),
+    not here: the engine knows no method or policy by name. The engine reads only the drafter's declared
+    capabilities (:func:`~speculant.core.drafting.capability`) and the policy's interface.
     """
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     if params.greedy and (top_k is not None or top_p not in (None, 1.0)):
@@ -105,38 +74,48 @@ def generate(
     stops = resolve_eos(target, eos_token_id)
     if eos_token_id is not None:
         check_token_ids(sorted(stops), vocab, "eos_token_id")
-    drafter = resolve_drafter(drafter)
+    _check_drafter(drafter)
     if forward not in FORWARDS:
         raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
     if target.training:
         log.warning("target model was in training mode (dropout active); switching it to eval mode")
         target.eval()
     device = target.device
-    budget = _check_kv(kv_policy, kv_budget, kv_block, drafter)
+    _check_kv(kv_policy, kv_budget, kv_block)
+    kv: BudgetedKV | None = None
+    if kv_policy is not None:
+        kv_policy.bind_draft(capability(drafter, "model"))  # SpecKV drafts with the drafter's model
+        kv = kv_policy.budgeted(num_layers(target), kv_budget, kv_block)
     with torch.inference_mode():
         fwd = TargetForward(target, forward, max_length=len(ids) + max_new_tokens,
-                            taps=getattr(drafter, "target_taps", ()))
-        return _run(target, fwd, ids, drafter, max_new_tokens, params, stops, stream, device, budget)
+                            taps=capability(drafter, "target_taps"))
+        return _run(target, fwd, ids, drafter, max_new_tokens, params, stops, stream, device, kv)
 
 
-def _check_kv(kv_policy, kv_budget, kv_block, drafter=None) -> tuple[ScorePolicy, int, int] | None:
-    """``(policy, budget, block)`` or None (no eviction); one-line errors for inconsistent settings. A SpecKV
-    policy given by name drafts its provisional answer with the drafter's model."""
+_RESOLVE = "use speculant.generate, which resolves names and models, or pass the resolved object"
+
+
+def _check_drafter(drafter) -> None:
+    """A one-line ValueError unless ``drafter`` is None or a Drafter (a name or a model belongs to the wrapper)."""
+    if drafter is None or isinstance(drafter, Drafter):
+        return
+    got = repr(drafter) if isinstance(drafter, str) else type(drafter).__name__
+    raise ValueError(f"drafter: speculant.core.engine.generate takes a Drafter or None, got {got:.80}; {_RESOLVE} "
+                     "(speculant.build_drafter)")
+
+
+def _check_kv(kv_policy, kv_budget, kv_block) -> None:
+    """One-line errors for inconsistent KV settings (eviction needs a policy object and a budget)."""
     if kv_policy is None and kv_budget is None:
         return None
     if kv_policy is None or kv_budget is None:
         raise ValueError("KV eviction needs both kv_policy and kv_budget (e.g. kv_policy='keydiff', kv_budget=256)")
-    from ..kv import parse_policy
-
-    policy = parse_policy(kv_policy) if isinstance(kv_policy, str) else kv_policy
-    warn_nesting(policy)
-    spec = find_speckv(policy)
-    if spec is not None and spec.draft is None:
-        spec.draft = getattr(drafter, "model", None)
-        spec._need_draft()  # a one-line error when there is none
+    if not isinstance(kv_policy, EvictionPolicy):
+        got = repr(kv_policy) if isinstance(kv_policy, str) else type(kv_policy).__name__
+        raise ValueError(f"kv_policy: speculant.core.engine.generate takes a ScorePolicy or None, got {got:.80}; "
+                         f"{_RESOLVE} (speculant.kv.parse_policy)")
     check_positive_int("kv_budget", kv_budget)
     check_positive_int("kv_block", kv_block)
-    return policy, kv_budget, kv_block
 
 
 def _with_probes(target, inputs: torch.Tensor, probes) -> torch.Tensor:
@@ -146,7 +125,7 @@ def _with_probes(target, inputs: torch.Tensor, probes) -> torch.Tensor:
 
 
 def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops, stream, device,
-         budget) -> Generation:
+         kv: BudgetedKV | None) -> Generation:
     stats = GenerationStats(target_forward=fwd.kind)
     state = DecodeState(
         target=target,
@@ -162,22 +141,21 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
     if drafter is not None:
         drafter.begin(state)
     tree_attn = TreeAttention(target.dtype, device)
-    # a feature drafter reads the target's final hidden states of every token entering its cache
-    hidden = [] if getattr(drafter, "uses_target_hidden", False) else None
-    if budget is None:
+    # a drafter declaring uses_target_hidden reads the target's hidden states of every token entering its cache
+    hidden = [] if capability(drafter, "uses_target_hidden") else None
+    if kv is None:
         cache = SpecCache(num_layers(target), capacity=state.max_length + 64)
         if prompt_len > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
             fwd.prefill(cache, torch.tensor([ids[:-1]], device=device), hidden_out=hidden)
     else:
-        policy, kv_budget, kv_block = budget
-        cache = BudgetCache(num_layers(target), capacity=kv_budget + kv_block + 64)
-        if prompt_len > 1:  # block-wise: at most kv_budget + kv_block tokens per layer at any time
-            prefill_blockwise(target, torch.tensor([ids[:-1]], device=device), cache, policy, kv_budget, kv_block,
-                              following=ids[-1:], forward=fwd, hidden_out=hidden)
+        cache = kv.cache  # block-wise prefill: at most kv_budget + kv_block tokens per layer at any time
+        if prompt_len > 1:
+            kv.prefill(target, torch.tensor([ids[:-1]], device=device), following=ids[-1:], forward=fwd,
+                       hidden_out=hidden)
     if hidden:
         state.target_hidden.extend(h[0] for h in hidden)  # [T_i, F] blocks
         hidden.clear()
-    _sync(device)
+    sync(device)
     stats.prefill_s = time.perf_counter() - t_start
 
     new: list[int] = []
@@ -197,15 +175,15 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
         else:
             mask, positions = tree_attn.build(tree, cache_len)  # [1, 1, Q, L + Q], [1, Q]
         capture = None
-        if budget is not None:  # evicted caches: positions are the original ones, not the cache length
-            positions = (cache.position_ids(len(tree) + 1, device) if positions is None
-                         else positions + (cache.next_position - cache_len))
-            if policy.needs_attention:
-                capture = QueryCapture(target)
+        if kv is not None:  # evicted caches: positions are the original ones, not the cache length
+            if positions is None:
+                positions = torch.arange(cache_len, cache_len + len(tree) + 1, device=device).unsqueeze(0)  # [1, Q]
+            positions = positions + (kv.next_position - cache_len)
+            capture = kv.capture(target)
         t0 = time.perf_counter()
         out = fwd(cache, input_ids=None if embeds is not None else inputs, inputs_embeds=embeds,
                   positions=positions, mask=mask, capture=capture, hidden_out=hidden)  # [1, Q (+ P), V]
-        _sync(device)
+        sync(device)
         stats.target_forward_s += time.perf_counter() - t0
         logits = out[0]  # [Q (+ P), V]
         verdict = verify(tree, logits[: len(tree) + 1], params, state.generator)
@@ -214,12 +192,8 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
             state.target_hidden.append(hidden.pop()[0, [0] + [1 + n for n in verdict.accepted]])  # [1 + a, F]
 
         cache.keep(cache_len, [cache_len] + [cache_len + 1 + n for n in verdict.accepted])
-        if budget is not None:  # only verified tokens are in the cache now
-            attn = None
-            if capture is not None:
-                capture.keep_rows([0] + [1 + n for n in verdict.accepted])
-                attn = observe(cache, capture)
-            evict(cache, policy, kv_budget, attn=attn)
+        if kv is not None:  # only verified tokens are in the cache now
+            kv.after_step(capture, [0] + [1 + n for n in verdict.accepted])
         accepted = [tree.tokens[n] for n in verdict.accepted]
         emitted = accepted + [verdict.bonus]
         if len(emitted) > state.remaining:
@@ -245,5 +219,5 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
 
     stats.wall_s = time.perf_counter() - t_start
     # a full cache only grows (a tree's rejected slots are dropped again, not counted); a budget cache keeps its peak
-    stats.kv_peak_bytes = cache.peak_nbytes if budget is not None else cache.nbytes()
+    stats.kv_peak_bytes = kv.peak_nbytes if kv is not None else cache.nbytes()
     return Generation(token_ids=new, stats=stats)

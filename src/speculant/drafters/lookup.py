@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from ..core.checks import check_positive_int
 from ..core.types import DraftTree
-from .base import DecodeState
+from .base import DecodeState, Drafter
 
 __all__ = ["PromptLookupDrafter", "lookup_continuation", "merge_chain"]
 
@@ -48,7 +48,7 @@ def merge_chain(tokens: list[int], parents: list[int], chain: Sequence[int]) -> 
     return tokens, parents
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(Drafter):
     """Drafts up to ``k`` tokens copied from earlier text after a matching n-gram (at most ``ngram`` long)."""
 
     def __init__(self, ngram: int = 3, k: int = 8) -> None:

@@ -25,14 +25,14 @@ import torch
 
 from ..core.checks import check_positive_int
 from ..core.types import DraftTree, Probes
-from .base import DecodeState
+from .base import DecodeState, Drafter
 
 __all__ = ["MaskProbeDrafter"]
 
 _INITS = ("mean", "last", "random")
 
 
-class MaskProbeDrafter:
+class MaskProbeDrafter(Drafter):
     """Self-speculative drafting from mask-token probes of the target.
 
     Args:

@@ -35,7 +35,7 @@ from ..core.forward import lean_for
 from ..core.lean import LeanForward
 from ..core.sampling import sample, warp
 from ..core.types import DraftTree
-from .base import DecodeState
+from .base import DecodeState, Drafter
 from .vocab_trim import TrimmedHead, resolve_keep_ids
 
 __all__ = ["DraftModelBase", "DraftModelDrafter"]
@@ -43,7 +43,7 @@ __all__ = ["DraftModelBase", "DraftModelDrafter"]
 log = logging.getLogger(__name__)
 
 
-class DraftModelBase:
+class DraftModelBase(Drafter):
     """Shared plumbing of the drafters that run a draft model (subclasses implement ``propose``).
 
     Args:
@@ -78,10 +78,10 @@ class DraftModelBase:
                 f"{type(draft_model).__name__} {draft_model!r:.80}: load one with speculant.load_pretrained(name_or_dir)"
                 " or, for an attached drafter, speculant.load_draft(name_or_dir, target)"
             )
-        if is_feature_drafter(draft_model) and not getattr(self, "uses_target_hidden", False):
+        if is_feature_drafter(draft_model) and not self.uses_target_hidden:
             raise ValueError(f"the draft model is a feature (EAGLE) drafter, which {type(self).__name__} cannot "
                              "drive: draft with it through the chain method (speculant.drafters.FeatureDrafter)")
-        self.model = draft_model
+        self.model = draft_model  # the declared capability (Drafter.model)
         self._lean: LeanForward | None = None
         self.tokenizers_match = tokenizers_match
         self.vocab_trim = vocab_trim

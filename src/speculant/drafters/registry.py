@@ -41,6 +41,7 @@ __all__ = [
     "NO_DEFAULT",
     "Key",
     "Method",
+    "Sizing",
     "build_drafter",
     "default_of",
     "describe_methods",
@@ -66,15 +67,38 @@ def default_of(func: Callable, name: str) -> Any:
 
 
 @dataclass(frozen=True)
+class Sizing:
+    """Which of a method's keys set the size of its draft tree, so that ``speculant.bench.budget`` can size it to a
+    number of tree tokens per target call (a *budget*) or of draft levels per step (a *depth*).
+
+    ``depth``: the key holding the draft levels per step. A list key (``rsd-c``'s ``branching``) is a branching
+    prefix: its length is the depth, and sizing continues it with 1s (each added level gives every leaf one
+    child). ``budget``: the key holding the tree tokens per call (``chain``'s ``k`` is both, ``tree``'s ``budget``
+    is its own); None when the tree tokens are ``width x depth`` for the key named ``width`` (i.i.d. trees), which
+    a budget then sizes through the depth (a budget the width does not divide has no configuration).
+    """
+
+    depth: str
+    budget: str | None = None
+    width: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.width is not None:
+            raise ValueError("Sizing takes a budget key or a width key, not both")
+
+
+@dataclass(frozen=True)
 class Method:
     """A registered method: ``factory(draft_model, **options, **context)`` returns a Drafter or None (plain
-    decoding). Context entries the factory does not name as parameters are not passed to it."""
+    decoding). Context entries the factory does not name as parameters are not passed to it. ``sizing``: the
+    keys that size its tree (:class:`Sizing`), or None for a method without a fixed tree size."""
 
     name: str
     factory: Callable[..., Drafter | None]
     needs_draft: bool
     keys: Mapping[str, Key] = field(default_factory=dict)
     doc: str = ""
+    sizing: Sizing | None = None
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -94,6 +118,7 @@ def register(
     keys: Mapping[str, Key] | None = None,
     doc: str = "",
     replace: bool = False,
+    sizing: Sizing | None = None,
 ) -> Method:
     """Register a drafting method under ``name`` (lowercase letters, digits, ``-``, ``_``).
 
@@ -104,12 +129,20 @@ def register(
         keys: the options a spec may set, key -> :class:`Key` (type, doc, default shown in help).
         doc: one line for help texts, citing the method's paper.
         replace: allow replacing an existing registration.
+        sizing: the keys that size the method's tree (:class:`Sizing`; what budget-matched benchmarks set), or
+            None when it has no fixed tree size.
     """
     if not _NAME_RE.match(name):
         raise ValueError(f"method name {name!r} must match {_NAME_RE.pattern}")
     if name in _REGISTRY and not replace:
         raise ValueError(f"method {name!r} is already registered")
-    method = Method(name=name, factory=factory, needs_draft=needs_draft, keys=dict(keys or {}), doc=doc)
+    keys = dict(keys or {})
+    if sizing is not None:
+        named = [k for k in (sizing.depth, sizing.budget, sizing.width) if k is not None]
+        missing = [k for k in named if k not in keys]
+        if missing:
+            raise ValueError(f"method {name!r}: sizing names {', '.join(missing)}, which are not among its keys")
+    method = Method(name=name, factory=factory, needs_draft=needs_draft, keys=keys, doc=doc, sizing=sizing)
     _REGISTRY[name] = method
     return method
 
@@ -199,7 +232,7 @@ def resolve_drafter(drafter: Drafter | torch.nn.Module | str | None) -> Drafter 
     * a method spec string (``"lookup"``, ``"mask-probe:masks=3"``): that method, built by :func:`build_drafter`;
       a method that drafts with a model raises a ValueError saying to pass ``build_drafter(spec, draft_model)``.
     """
-    if drafter is None or callable(getattr(drafter, "propose", None)):
+    if drafter is None or isinstance(drafter, Drafter):  # structural: begin/propose/commit
         return drafter
     if isinstance(drafter, torch.nn.Module):
         return build_drafter(DEFAULT_METHOD, drafter)
@@ -278,17 +311,20 @@ register(
     _model_drafter(DraftModelDrafter, features=FeatureDrafter),
     needs_draft=True,
     keys={**_keys(DraftModelDrafter, k=(int, "draft tokens per step (gamma)")), "lookup": _LOOKUP},
+    sizing=Sizing(depth="k", budget="k"),
     doc="draft-model chain, speculative sampling (Leviathan et al. 2023; Chen et al. 2023); with a feature "
         "draft model, an EAGLE chain drafted from the target's hidden states (Li et al. 2024)",
 )
 # SpecInfer and SpecTr draft the same tree of i.i.d. sequences (they differ in the verification rule only)
 _IID_TREE = {"width": (int, "i.i.d. draft sequences W (nodes per level <= W)"),
              "depth": (int, "tokens per sequence L (draft forwards per step)")}
+_IID_SIZING = Sizing(depth="depth", width="width")  # W x L tree tokens
 register(
     "specinfer",
     _model_drafter(SpecInferDrafter),
     needs_draft=True,
     keys=_keys(SpecInferDrafter, **_IID_TREE),
+    sizing=_IID_SIZING,
     doc="SpecInfer token tree: W i.i.d. drafts merged into a prefix tree, multi-draft rejection sampling with "
         "replacement (Miao et al. 2024); greedy: beam search",
 )
@@ -297,6 +333,7 @@ register(
     _model_drafter(SpecTrDrafter),
     needs_draft=True,
     keys=_keys(SpecTrDrafter, **_IID_TREE),
+    sizing=_IID_SIZING,
     doc="SpecTr: SpecInfer's tree of W i.i.d. drafts verified by the K-SEQ coupling at each node (Sun et al. "
         "2023); greedy: beam search",
 )
@@ -306,6 +343,7 @@ register(
     needs_draft=True,
     keys=_keys(RSDCDrafter, branching=(list[int], ("children per node at each level, b1/b2/...: Gumbel-top-b "
                                                    "(without replacement); the depth is the list's length"))),
+    sizing=Sizing(depth="branching"),
     doc="Recursive Speculative Decoding, constant branching: Gumbel-top-b children, recursive rejection without "
         "replacement (Jeon et al. 2024); greedy: top-b children",
 )
@@ -315,6 +353,7 @@ register(
     needs_draft=True,
     keys=_keys(RSDSDrafter, width=(int, "beam width W (nodes per level)"),
                depth=(int, "levels L (draft forwards per step)")),
+    sizing=_IID_SIZING,
     doc="Recursive Speculative Decoding, stochastic beam search (Jeon et al. 2024; Kool et al. 2019); greedy: "
         "beam search",
 )
@@ -327,6 +366,7 @@ register(
                depth=(int, "levels L (draft forwards per step)"),
                calibrate=(bool, "rank nodes by acceptance rates learned online from verification (0: by raw "
                                 "draft probability, as EAGLE-2)")) | {"lookup": _LOOKUP},
+    sizing=Sizing(depth="depth", budget="budget"),
     doc="greedy dynamic draft tree (EAGLE-2 style, Li et al. 2024); deterministic: exact at any temperature "
         "(greedy / deterministic-draft verification)",
 )
@@ -363,6 +403,7 @@ register(
     needs_draft=False,
     keys={"ngram": Key(int, "longest n-gram matched against earlier text", default=3),
           "k": Key(int, "tokens copied per step", default=8)},
+    sizing=Sizing(depth="k", budget="k"),
     doc="prompt-lookup drafting: copy what followed the last n-gram's earlier occurrence (Saxena 2023); "
         "deterministic draft",
 )

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from ..core.checks import check_positive_int
 from ..core.types import DraftTree
-from .base import DecodeState, Drafter
+from .base import DecodeState, Drafter, capability
 from .lookup import lookup_continuation, merge_chain
 
 __all__ = ["WithLookup"]
 
 
-class WithLookup:
+class WithLookup(Drafter):
     """``inner``'s draft tree plus the prompt-lookup chain (``ngram``, ``k`` as in
     :class:`~.lookup.PromptLookupDrafter`)."""
 
@@ -33,10 +33,10 @@ class WithLookup:
         self.inner = inner
         self.ngram = check_positive_int("ngram", ngram)
         self.k = check_positive_int("k", k)
-        # what the engine and the bench read from a drafter
-        self.model = getattr(inner, "model", None)
-        self.uses_target_hidden = getattr(inner, "uses_target_hidden", False)
-        self.target_taps = getattr(inner, "target_taps", ())
+        # the inner drafter's declared capabilities are this drafter's (lookup adds no model and reads no states)
+        self.model = capability(inner, "model")
+        self.uses_target_hidden = capability(inner, "uses_target_hidden")
+        self.target_taps = capability(inner, "target_taps")
 
     def begin(self, state: DecodeState) -> None:
         self.inner.begin(state)
@@ -54,7 +54,7 @@ class WithLookup:
     def commit(self, state: DecodeState, accepted: list[int]) -> None:
         self.inner.commit(state, accepted)
 
-    def params_per_forward(self) -> int:
-        """What one draft forward of the inner drafter reads (lookup reads none), for MBSU."""
-        own = getattr(self.inner, "params_per_forward", None)
-        return int(own()) if callable(own) else 0
+    def params_per_forward(self) -> int | None:
+        """What one draft forward of the inner drafter reads (lookup reads none), for MBSU; None where the inner
+        drafter declares none (the bench then counts the model this drafter holds)."""
+        return capability(self.inner, "params_per_forward")

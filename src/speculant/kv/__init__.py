@@ -11,11 +11,14 @@ In the speculative decoding loop (after ``cache.keep(...)`` of the accepted path
 verified tokens): position ids are ``cache.position_ids(Q)`` for a chain and the tree's positions shifted by
 ``cache.next_position - cache.length`` for a tree; attention policies wrap the target forward in
 ``QueryCapture(target)``, then ``cap.keep_rows([0] + [1 + n for n in accepted])`` and ``attn = observe(cache, cap)``;
-finally ``evict(cache, policy, budget, attn=attn)``.
+finally ``evict(cache, policy, budget, attn=attn)``. The engine does all of this through one object,
+``policy.budgeted(num_layers, budget, block)`` (:class:`BudgetedKV`, the interface
+:mod:`speculant.core.eviction` declares), after ``policy.bind_draft(drafter_model)``; a policy shapes prefill
+through its hooks (:meth:`ScorePolicy.prefill_passes`, :meth:`ScorePolicy.prefill_observers`).
 """
 
 from .attention import QueryCapture, attention_probs
-from .budget import BudgetCache, BudgetLayer, evict, observe, prefill_blockwise
+from .budget import BudgetCache, BudgetedKV, BudgetLayer, evict, observe, prefill_blockwise
 from .caote import CAOTE, caote_scores, warn_nesting
 from .policies import (
     H2O,
@@ -42,6 +45,7 @@ __all__ = [
     "TOVA",
     "WRAPPERS",
     "BudgetCache",
+    "BudgetedKV",
     "BudgetLayer",
     "KeyDiff",
     "KeyNorm",

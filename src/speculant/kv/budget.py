@@ -22,10 +22,10 @@ import torch
 
 from ..core.cache import GrowingLayer, SpecCache, cache_kwarg
 from .attention import QueryCapture, attention_probs
-from .policies import ScoreContext, ScorePolicy, SnapKV, find_policy
-from .speckv import SpecKV
+from .caote import warn_nesting
+from .policies import ScoreContext, ScorePolicy
 
-__all__ = ["BudgetCache", "BudgetLayer", "evict", "observe", "observer_attention", "prefill_blockwise"]
+__all__ = ["BudgetCache", "BudgetLayer", "BudgetedKV", "evict", "observe", "observer_attention", "prefill_blockwise"]
 
 
 class BudgetLayer(GrowingLayer):
@@ -229,14 +229,15 @@ def prefill_blockwise(
     original positions; peak KV is ``budget + block`` tokens per layer. The cache may already hold tokens:
     feeding continues from :attr:`BudgetCache.next_position` (``block=1`` is token-by-token decoding).
 
-    With :class:`~speculant.kv.speckv.SpecKV` in ``policy``, the last block (every block with ``every_block``) is
-    scored by the attention of the draft's provisional continuation (:meth:`SpecKV.lookahead_attention`);
-    ``following`` are tokens known to come after ``input_ids`` (the engine's root), which start that continuation.
-    With a :class:`~speculant.kv.policies.SnapKV` (or SpecKV) of ``passes=2`` in ``policy`` and an empty cache (a
-    prompt longer than the budget), a first pass over a scratch cache of the same size ends with the observation
-    queries (the last block's window, then SpecKV's provisional answer), and the second pass scores every block but
-    the last by their attention (:func:`observer_attention`); the scratch cache is released before the second pass
-    fills ``cache``, so the peak stays one cache.
+    The policy's prefill hooks shape it (:class:`~speculant.kv.policies.ScorePolicy`): a block to be evicted is
+    scored by the attention of the policy's observer queries where :meth:`~ScorePolicy.prefill_observers` gives
+    some (SpecKV: the draft's provisional continuation of the last block, or of every block with ``every_block``;
+    ``following`` are tokens known to come after ``input_ids``, the engine's root, which start it). When
+    :meth:`~ScorePolicy.prefill_passes` is 2 (SnapKV or SpecKV with ``passes=2``, possibly inside wrappers) and the
+    cache is empty and the prompt longer than the budget, a first pass over a scratch cache of the same size ends
+    with the observation queries (the last block's window, then the policy's observers'), and the second pass
+    scores every block but the last by their attention (:func:`observer_attention`); the scratch cache is released
+    before the second pass fills ``cache``, so the peak stays one cache.
     ``forward``: a :class:`speculant.core.forward.TargetForward` to run the blocks through (the engine passes its own,
     the lean forward where it applies); None calls the model's own forward. ``hidden_out`` (with ``forward``): a
     list that receives each block's final-normed hidden states ``[1, T_block, H]``.
@@ -245,33 +246,33 @@ def prefill_blockwise(
         raise ValueError(f"block must be >= 1, got {block}")
     if hidden_out is not None and forward is None:
         raise ValueError("hidden_out needs forward (a speculant.core.forward.TargetForward)")
-    snap = find_policy(policy, SnapKV)  # SnapKV or SpecKV (a SnapKV), possibly inside wrappers
-    spec = snap if isinstance(snap, SpecKV) else None
     observers = None
-    if snap is not None and snap.passes == 2 and cache.length == 0 and input_ids.shape[1] > budget:
+    if policy.prefill_passes() == 2 and cache.length == 0 and input_ids.shape[1] > budget:
         observers = {}
         scratch = BudgetCache(len(cache.layers), capacity=cache.layers[0].capacity)
-        _prefill_pass(model, input_ids, scratch, policy, spec, budget, block, False, following, forward, None,
+        _prefill_pass(model, input_ids, scratch, policy, budget, block, False, following, forward, None,
                       queries_out=observers)
         del scratch
-    return _prefill_pass(model, input_ids, cache, policy, spec, budget, block, all_logits, following, forward,
+    return _prefill_pass(model, input_ids, cache, policy, budget, block, all_logits, following, forward,
                          hidden_out, observers=observers)
 
 
-def _prefill_pass(model, input_ids, cache, policy, spec, budget, block, all_logits, following, forward, hidden_out,
+def _prefill_pass(model, input_ids, cache, policy, budget, block, all_logits, following, forward, hidden_out,
                   observers: dict[int, torch.Tensor] | None = None,
                   queries_out: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-    """One block-wise pass of :func:`prefill_blockwise` (``spec``: the SpecKV inside ``policy``, or None).
-    ``observers``: queries that score every block but the last (a second pass); ``queries_out`` receives, at the
-    last block, the queries of its observation window (followed by SpecKV's provisional answer's), ``[B, H_q, Q, D]``
-    per layer (a first pass)."""
+    """One block-wise pass of :func:`prefill_blockwise`. ``observers``: queries that score every block but the
+    last (a second pass); ``queries_out`` receives, at the last block, the queries of its observation window
+    (followed by those of the policy's observers, :meth:`ScorePolicy.prefill_observers`), ``[B, H_q, Q, D]`` per
+    layer (a first pass)."""
     keep = 0 if all_logits else 1
     logits = []
     total = input_ids.shape[1]
     for s in range(0, total, block):
         chunk = input_ids[:, s : s + block]
         pos = cache.position_ids(chunk.shape[1], device=chunk.device)
-        cap = QueryCapture(model, last=policy.queries) if policy.needs_attention else None
+        # a two-pass prefill reads queries whatever the policy scores with (the first collects, the second observes)
+        two_pass = observers is not None or queries_out is not None
+        cap = QueryCapture(model, last=policy.queries) if policy.needs_attention or two_pass else None
         if forward is not None:
             out = forward(cache, input_ids=chunk, positions=pos, capture=cap, logits_to_keep=keep,
                           hidden_out=hidden_out)  # [1, T | 1, V]
@@ -283,9 +284,9 @@ def _prefill_pass(model, input_ids, cache, policy, spec, budget, block, all_logi
         look: dict[int, torch.Tensor] = {}
         if observers and not last:
             attn = observer_attention(cache, observers, cap)
-        elif spec is not None and (last or spec.every_block) and cache.length > budget:
-            prefix = input_ids[0, : s + chunk.shape[1]].tolist()
-            attn = spec.lookahead_attention(model, cache, prefix, following if last else (), queries_out=look)
+        elif cache.length > budget:  # a policy's own observers (SpecKV's provisional answer) score this block
+            prefix = input_ids[0, : s + chunk.shape[1]]  # [P] a view: most policies never read it
+            attn = policy.prefill_observers(model, cache, prefix, following, last, queries_out=look) or attn
         if last and queries_out is not None:
             queries_out.update({i: torch.cat([q, look[i]], 2) if i in look else q for i, q in cap.queries.items()})
         evict(cache, policy, budget, attn=attn)
@@ -295,3 +296,36 @@ def _prefill_pass(model, input_ids, cache, policy, spec, budget, block, all_logi
 
 def _block_forward(model, chunk, cache, pos, keep):
     return model(input_ids=chunk, **cache_kwarg(model, cache), position_ids=pos, use_cache=True, logits_to_keep=keep)
+
+
+class BudgetedKV:
+    """One generation's budgeted target cache as the engine drives it (:class:`speculant.core.eviction.BudgetedKV`):
+    a :class:`BudgetCache` of capacity ``budget + block + 64`` (prefill blocks and a draft tree fit without
+    growing), block-wise prefill, query capture for attention policies and eviction after every verified step."""
+
+    def __init__(self, policy: ScorePolicy, num_layers: int, budget: int, block: int) -> None:
+        warn_nesting(policy)
+        self.policy, self.budget, self.block = policy, budget, block
+        self.cache = BudgetCache(num_layers, capacity=budget + block + 64)
+
+    @property
+    def next_position(self) -> int:
+        return self.cache.next_position
+
+    @property
+    def peak_nbytes(self) -> int:
+        return self.cache.peak_nbytes
+
+    def prefill(self, target, input_ids, following, forward, hidden_out) -> None:
+        prefill_blockwise(target, input_ids, self.cache, self.policy, self.budget, self.block, following=following,
+                          forward=forward, hidden_out=hidden_out)
+
+    def capture(self, target) -> QueryCapture | None:
+        return QueryCapture(target) if self.policy.needs_attention else None
+
+    def after_step(self, capture: QueryCapture | None, rows: list[int]) -> None:
+        attn = None
+        if capture is not None:
+            capture.keep_rows(rows)
+            attn = observe(self.cache, capture)
+        evict(self.cache, self.policy, self.budget, attn=attn)

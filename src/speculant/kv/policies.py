@@ -14,12 +14,18 @@ attention distribution includes the pinned tokens' mass. :func:`pin_window` is t
 and a recent window.
 
 Wrappers (:class:`Protect` here, CAOTE in :mod:`speculant.kv.caote`) hold the wrapped policy in the field
-``inner`` and forward the capability flags.
+``inner`` and forward the capability flags and the prefill hooks.
+
+Prefill hooks (:meth:`ScorePolicy.bind_draft`, :meth:`~ScorePolicy.prefill_passes`,
+:meth:`~ScorePolicy.prefill_observers`) let a policy ask for a draft model, a second prefill pass or extra
+observer queries (SnapKV's two passes, SpecKV's provisional answer) without the cache or the engine testing its
+type.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -97,6 +103,37 @@ class ScorePolicy:
         s = self.score(keys, values, ctx).float()
         pinned = s == math.inf
         return s.masked_fill(pinned, 0.0), pinned
+
+    def budgeted(self, num_layers: int, budget: int, block: int):
+        """A fresh :class:`speculant.kv.budget.BudgetedKV` evicting with this policy: what the engine decodes
+        with (:class:`speculant.core.eviction.EvictionPolicy`)."""
+        from .budget import BudgetedKV  # budget builds on this module
+
+        return BudgetedKV(self, num_layers, budget, block)
+
+    # ---- prefill hooks: what block-wise prefill and the engine ask of a policy, instead of testing its type
+
+    def bind_draft(self, model: torch.nn.Module | None) -> None:
+        """Called before prefill with the drafter's own model (``Drafter.model``; None without one). A policy that
+        drafts (SpecKV) keeps it unless it has a draft already, and raises a one-line ValueError when it has
+        none; the default needs no draft and ignores it."""
+
+    def prefill_passes(self) -> int:
+        """How many block-wise passes prefill makes over a prompt longer than the budget: 1, or 2 for a policy
+        whose first pass collects the end of the prompt's queries to score every earlier block in the second
+        (SnapKV ``passes=2``; :func:`speculant.kv.budget.prefill_blockwise`)."""
+        return 1
+
+    def prefill_observers(self, model: torch.nn.Module, cache, prefix: torch.Tensor, following: Sequence[int],
+                          last: bool, queries_out: dict[int, torch.Tensor] | None = None
+                          ) -> dict[int, torch.Tensor] | None:
+        """Attention ``[B, H_q, n, T]`` per layer of extra *observer* queries over ``cache`` (which holds the
+        prompt read so far, ``prefix [P]``), used to score the block just prefilled instead of its own queries;
+        None (the default) scores with the block's own. ``last``: the prompt's last block (``following`` are the
+        tokens known to come after it). ``queries_out`` receives the observers' queries ``[B, H_q, n, D]`` per
+        layer (a two-pass prefill adds them to the end-of-prompt window). SpecKV: its draft's provisional
+        answer. The cache must be left as it was."""
+        return None
 
     @staticmethod
     def select(scores: torch.Tensor, budget: int) -> torch.Tensor:
@@ -272,6 +309,9 @@ class SnapKV(MassPolicy):
     def queries(self) -> int:  # type: ignore[override]
         return self.window
 
+    def prefill_passes(self) -> int:
+        return self.passes
+
     def mass(self, keys, values, ctx):
         attn = ctx.require_attn("snapkv")  # [B, H_q, Q, T]
         votes = ctx.per_kv_head(attn.float().sum(2), keys.shape[1])  # [B, H_kv, T]
@@ -285,7 +325,8 @@ class SnapKV(MassPolicy):
 
 @dataclass
 class WrapperPolicy(ScorePolicy):
-    """A policy built on another one, held in ``inner``: it needs what the inner policy needs."""
+    """A policy built on another one, held in ``inner``: it needs what the inner policy needs, and its prefill
+    hooks are the inner policy's."""
 
     inner: ScorePolicy
 
@@ -296,6 +337,16 @@ class WrapperPolicy(ScorePolicy):
     @property
     def queries(self) -> int:  # type: ignore[override]
         return self.inner.queries
+
+    # the prefill hooks are the inner policy's (caote:speckv drafts, protect:snapkv:passes=2 prefills twice)
+    def bind_draft(self, model):
+        self.inner.bind_draft(model)
+
+    def prefill_passes(self):
+        return self.inner.prefill_passes()
+
+    def prefill_observers(self, model, cache, prefix, following, last, queries_out=None):
+        return self.inner.prefill_observers(model, cache, prefix, following, last, queries_out)
 
 
 def find_policy(policy: ScorePolicy | None, cls: type[P]) -> P | None:

@@ -8,7 +8,8 @@ writes a short provisional answer (``lookahead`` tokens, greedy), the target run
 cache again (never committed: decoding then starts from the prompt as if nothing happened), and the KV entries
 they attend to most are kept, with SnapKV's max-pooling over neighbouring tokens.
 
-Block-wise prefill (:func:`speculant.kv.budget.prefill_blockwise`) calls :meth:`SpecKV.lookahead_attention` for
+Block-wise prefill (:func:`speculant.kv.budget.prefill_blockwise`) asks the policy's prefill hook
+(:meth:`SpecKV.prefill_observers`, which calls :meth:`SpecKV.lookahead_attention`) for
 the last block (``every_block=True``: for every block, the draft continuing the prefix read so far); the other
 blocks, and eviction while decoding, score as SnapKV does, with the latest queries. It composes with CAOTE
 (``caote:speckv``: the draft queries' attention is CAOTE's ``alpha``).
@@ -18,7 +19,8 @@ first pass's end-of-prompt queries) adds the provisional answer's queries to the
 every block is kept for what the answer will attend to.
 
 The draft is any causal LM with the target's tokenizer (``SpecKV(draft=model)``); ``generate`` fills it in from
-the drafter when the policy is given by name (``kv_policy="speckv"`` with a draft-model method).
+the drafter's declared model (:meth:`SpecKV.bind_draft`) when it has none (``kv_policy="speckv"`` with a
+draft-model method).
 """
 
 from __future__ import annotations
@@ -54,6 +56,20 @@ class SpecKV(SnapKV):
             raise ValueError("KV policy speckv needs a draft model: decode with a method that drafts with one "
                              "(chain, trees), or pass speculant.kv.SpecKV(draft=model)")
         return self.draft
+
+    def bind_draft(self, model: torch.nn.Module | None) -> None:
+        """Draft with ``model`` (the drafter's) unless a draft was given; a one-line ValueError without either."""
+        if self.draft is None:
+            self.draft = model
+        self._need_draft()
+
+    def prefill_observers(self, model, cache, prefix, following, last, queries_out=None):
+        """The provisional answer's attention (:meth:`lookahead_attention`) for the last block (every block with
+        ``every_block``, the draft continuing the prefix read so far); None for the other blocks."""
+        if not (last or self.every_block):
+            return None
+        return self.lookahead_attention(model, cache, prefix.tolist(), following if last else (),
+                                        queries_out=queries_out)
 
     @torch.no_grad()
     def provisional(self, prefix: Sequence[int], known: Sequence[int] = ()) -> list[int]:

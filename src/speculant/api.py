@@ -1,0 +1,75 @@
+"""``speculant.generate``: the public entry point, which resolves names and models, then runs the engine.
+
+The engine (:func:`speculant.core.engine.generate`) takes resolved objects only (a Drafter or None, a KV policy
+object or None) and knows no method or policy by name; this wrapper is the edge where a method spec string, a draft
+model or a policy name becomes one, through the registries (:mod:`speculant.drafters.registry`,
+:mod:`speculant.kv.registry`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .core import engine
+from .core.types import Generation
+from .drafters.base import Drafter
+from .drafters.registry import resolve_drafter
+from .kv.policies import ScorePolicy
+from .kv.registry import parse_policy
+
+__all__ = ["generate"]
+
+
+def generate(
+    target: torch.nn.Module,
+    input_ids,
+    drafter: Drafter | torch.nn.Module | str | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    stream: Callable[[list[int]], None] | None = None,
+    kv_policy: str | ScorePolicy | None = None,
+    kv_budget: int | None = None,
+    kv_block: int = 128,
+    forward: str = "auto",
+) -> Generation:
+    """Generate up to ``max_new_tokens`` tokens after ``input_ids`` with ``target``, losslessly accelerated.
+
+    Args:
+        target: any transformers causal LM (``AutoModelForCausalLM``).
+        input_ids: the prompt: a list of ints, a 1-D or a ``[1, T]`` LongTensor (one sequence).
+        drafter: proposes draft tokens (e.g. :class:`speculant.DraftModelDrafter`); ``None`` is plain
+            autoregressive decoding through the same model-call code. A draft model (``torch.nn.Module``) gets
+            the default chain drafter; a method spec string (``"lookup"``, ``"mask-probe:masks=3"``) builds that
+            method (:func:`speculant.build_drafter`; methods that draft with a model need it built with the model).
+        temperature: 0 for greedy decoding (output token-identical to plain greedy); > 0 samples, and the
+            output distribution is exactly the target's under the same temperature/top-k/top-p.
+        top_k, top_p: filters applied identically to target and draft.
+        seed: makes sampling reproducible.
+        eos_token_id: stop token(s); ``None`` takes them from the model's generation config. The stop token
+            is included in the output. Token ids (prompt and stop tokens) must be in ``[0, vocab)``.
+        stream: called with each list of newly committed token ids as soon as they are committed.
+        kv_policy, kv_budget: KV-cache eviction (:mod:`speculant.kv`): the target's cache keeps at most
+            ``kv_budget`` tokens per layer, chosen by the policy (a name such as ``"keydiff"`` or
+            ``"caote:h2o"``, or a policy object). The prompt is prefilled in blocks of ``kv_block`` tokens,
+            evicting back to the budget after each (peak ``kv_budget + kv_block`` tokens), and committed tokens
+            are evicted after every verification step (draft tokens are never evicted before they are
+            verified). The output is then exact given the evicted cache, not equal to full-cache decoding.
+        forward: the target forward (:mod:`speculant.core.forward`): ``"auto"`` the lean forward
+            (:class:`speculant.core.lean.LeanForward`) where it reproduces the model, else the model's own;
+            ``"lean"`` requires it; ``"model"`` always uses the model's own (transformers) forward.
+
+    Returns:
+        :class:`speculant.core.types.Generation` with ``token_ids`` (new tokens only) and ``stats``.
+    """
+    if isinstance(kv_policy, str):
+        kv_policy = parse_policy(kv_policy)
+    return engine.generate(target, input_ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
+                           stream=stream, kv_policy=kv_policy, kv_budget=kv_budget, kv_block=kv_block,
+                           forward=forward)
