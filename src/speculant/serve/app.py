@@ -3,16 +3,17 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not), ``GET /v1/models``
 (and ``/v1/models/{id}``; the model object carries the context length as ``max_model_len`` and
 ``context_length``), ``GET /health`` (200 once the model is loaded, 503 before and while shutting down),
-``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs ``Authorization: Bearer KEY`` (401
-otherwise); ``/health`` and ``/metrics`` stay open. Without one, web pages cannot drive the server
+``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs
+``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open. Without one, web pages cannot drive the server
 (:mod:`speculant.serve.guard`: a foreign ``Host`` is 421, a foreign ``Origin`` 403, ``--allow-origin`` opens CORS).
 
 Every error has OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request
 (:mod:`speculant.serve.protocol`), 401, 403 and 421 (:mod:`speculant.serve.guard`), 404 (unknown model or
 route), 405, 413 (a body over ``--max-body-bytes``, :mod:`speculant.serve.limits`), 429 (queue full, at once,
 with ``Retry-After``), 503 (model not loaded yet; or the server is shutting down, with ``Retry-After``:
-:mod:`speculant.serve.shutdown`), 500 (a request that failed; the server goes on). A client's value quoted in a message is cut to 80 characters. A client that disconnects cancels its
-generation at the next step, streaming or not (a request still queued never starts).
+:mod:`speculant.serve.shutdown`), 500 (a request that failed; the server goes on). A client's value quoted in a
+message is cut to 80 characters. A client that disconnects cancels its generation at the next step, streaming or
+not (a request still queued never starts).
 
 Responses carry OpenAI's fields plus ``speculant``: this response's speculative statistics (method, τ =
 acceptance_length, target_calls, draft_tokens, accepted_tokens, accepted_per_position, decode_s).
@@ -381,9 +382,10 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
 
 
 async def _collect(request: Request, worker: Worker, job: Job, shape: _Shape) -> Response | None:
-    """The whole response of a non-streaming request (None: the server's shutdown aborted it). The client going away (ASGI ``http.disconnect``, seen at
-    once: the disconnect is awaited beside the job's events, not polled between them, since a running job emits
-    text every step) cancels the job: at its next step, or before it starts when it is still queued."""
+    """The whole response of a non-streaming request (None: the server's shutdown aborted it). The client going
+    away (ASGI ``http.disconnect``, seen at once: the disconnect is awaited beside the job's events, not polled
+    between them, since a running job emits text every step) cancels the job: at its next step, or before it
+    starts when it is still queued."""
     pieces: list[str] = []
     gone = asyncio.ensure_future(_disconnected(request))
     try:
