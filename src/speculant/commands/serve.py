@@ -4,8 +4,10 @@ Output conventions: stderr carries one line when the server listens (``speculant
 http://HOST:PORT/v1``), one when the model is loaded, warnings, and with ``-v`` uvicorn's access log; stdout
 stays empty. Bad input (a method, model, device or KV option that is wrong, a port that is taken) is one line
 ``speculant: error: ...`` and exit code 2 before anything is loaded; a model that fails to load after the
-server started listening ends it the same way. Ctrl-C stops the server gracefully (open streams get a few
-seconds, then their generations are cancelled): exit code 0. With ``--ray`` the one line comes once every
+server started listening ends it the same way. SIGTERM or Ctrl-C stops the server gracefully
+(:mod:`speculant.serve.shutdown`): new requests get 503 while the running and queued ones finish, for up to
+``--shutdown-grace`` seconds; streams still running then end with ``finish_reason`` ``abort`` and ``[DONE]``; a
+second signal ends them at once. Exit code 0. With ``--ray`` the one line comes once every
 replica has loaded its model, and Ctrl-C or SIGTERM shuts Ray Serve (and a local Ray cluster) down.
 
 Defaults are read from :class:`speculant.serve.settings.ServeSettings`, never restated here.
@@ -82,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "CORS; repeat for several. Default: none: without --api-key, requests from other origins and "
                    "with a Host that is not this server's address are refused (a web page cannot drive the "
                    "server); with --api-key, Origin is checked only when this is given")
+    p.add_argument("--max-body-bytes", type=positive_int, metavar="N", default=d["max_body_bytes"],
+                   help="answer a request body larger than N bytes with 413, before reading it; default: "
+                   "%(default)s (4 MiB: far above the text of the longest context)")
+    p.add_argument("--shutdown-grace", type=_seconds, metavar="S", default=d["shutdown_grace"],
+                   help="on SIGTERM or Ctrl-C, let running and queued requests finish for up to S seconds while "
+                   "new ones get 503; streams still running then end with finish_reason 'abort' and [DONE]. A "
+                   "second signal ends them at once. Default: %(default)s")
     p.add_argument("--served-model-name", dest="model_name", metavar="NAME", default=d["model_name"],
                    help="the model id clients send in 'model' and GET /v1/models lists; default: --target as "
                    "given")
@@ -102,6 +111,17 @@ def _port(text: str) -> int:
     value = nonnegative_int(text)
     if value > MAX_PORT:
         raise argparse.ArgumentTypeError(f"expected a port in [0, {MAX_PORT}], got {value}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """An argparse type for a duration in seconds (>= 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
     return value
 
 
@@ -185,6 +205,7 @@ def _serve(settings, sock: socket.socket, verbose: bool) -> int:
     import uvicorn
 
     from ..serve.app import create_app
+    from ..serve.shutdown import DrainingServer
 
     fatal: list[str] = []
     server: uvicorn.Server | None = None
@@ -202,14 +223,16 @@ def _serve(settings, sock: socket.socket, verbose: bool) -> int:
         log.warning("listening on %s without --api-key: anyone who reaches this address can use the model",
                     settings.host)
     app = create_app(settings, load="background", on_ready=on_ready, on_fatal=on_fatal)
+    # the drain (on the first signal) ends every generation; uvicorn's own grace is then only for the last
+    # responses to go out
     config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
                             timeout_graceful_shutdown=3, lifespan="on")
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.drain)
     print(f"speculant: serving {settings.served_name} (method {settings.method}) at {url}/v1; loading the model "
           "(GET /health answers 200 once it is loaded)", file=sys.stderr, flush=True)
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shuts down gracefully, then raises the SIGINT it captured again
+    except KeyboardInterrupt:  # a third Ctrl-C: uvicorn raises the SIGINT it captured again
         pass
     if fatal:
         raise ValueError(f"the model failed to load: {fatal[0]}")

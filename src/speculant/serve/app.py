@@ -2,16 +2,18 @@
 
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not), ``GET /v1/models``
 (and ``/v1/models/{id}``; the model object carries the context length as ``max_model_len`` and
-``context_length``), ``GET /health`` (200 once the model is loaded, 503 before), ``GET /metrics`` (Prometheus,
-:mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs ``Authorization: Bearer KEY`` (401
-otherwise); ``/health`` and ``/metrics`` stay open. Without one, web pages cannot drive the server
+``context_length``), ``GET /health`` (200 once the model is loaded, 503 before and while shutting down),
+``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs
+``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open. Without one, web pages cannot drive the server
 (:mod:`speculant.serve.guard`: a foreign ``Host`` is 421, a foreign ``Origin`` 403, ``--allow-origin`` opens CORS).
 
 Every error has OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request
 (:mod:`speculant.serve.protocol`), 401, 403 and 421 (:mod:`speculant.serve.guard`), 404 (unknown model or
-route), 405, 429 (queue full, at once, with ``Retry-After``), 503 (model not loaded yet), 500 (a request that
-failed; the server goes on). A client's value quoted in a message is cut to 80 characters. A client that disconnects cancels its
-generation at the next step (streaming: when the event stream is closed; non-streaming: checked every 0.5 s).
+route), 405, 413 (a body over ``--max-body-bytes``, :mod:`speculant.serve.limits`), 429 (queue full, at once,
+with ``Retry-After``), 503 (model not loaded yet; or the server is shutting down, with ``Retry-After``:
+:mod:`speculant.serve.shutdown`), 500 (a request that failed; the server goes on). A client's value quoted in a
+message is cut to 80 characters. A client that disconnects cancels its generation at the next step, streaming or
+not (a request still queued never starts).
 
 Responses carry OpenAI's fields plus ``speculant``: this response's speculative statistics (method, τ =
 acceptance_length, target_calls, draft_tokens, accepted_tokens, accepted_per_position, decode_s).
@@ -36,18 +38,20 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..core.types import SamplingParams
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .guard import BrowserGuard
+from .limits import BodyLimit, check_prompt_chars
 from .protocol import (APIError, GenerationRequest, clip, error_body, parse_body, parse_chat_request,
                        parse_completion_request)
 from .settings import ServeSettings
-from .worker import Job, QueueFull, Result, Worker
+from .shutdown import Drain
+from .worker import ABORT, Job, QueueFull, Result, ShuttingDown, Worker
 
 __all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
-_DISCONNECT_POLL_S = 0.5
 RETRY_AFTER_S = "1"
-"""The ``Retry-After`` of a 429 (queue full): seconds; a queue slot frees when any request ends."""
+"""The ``Retry-After`` of a 429 (queue full) and of a 503 while shutting down: seconds; a queue slot frees when
+any request ends, and a load balancer needs about that long to send the retry to another server."""
 
 
 def create_app(settings: ServeSettings, load: str = "background", on_ready: Callable[[], None] | None = None,
@@ -57,9 +61,11 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
     ``load``: ``"background"`` starts loading the model when the app starts and answers /health 503 until it is
     loaded (``speculant serve``: the server listens at once); ``"startup"`` loads it during the app's startup (a
     Ray Serve replica is ready only once its model is). ``on_ready()`` is called once the model is loaded,
-    ``on_fatal(message)`` when loading fails."""
+    ``on_fatal(message)`` when loading fails. ``app.state.drain`` is the app's graceful shutdown
+    (:class:`speculant.serve.shutdown.Drain`: ``speculant serve`` runs it on SIGTERM)."""
     metrics = ServerMetrics(settings.served_name)
     worker = Worker(settings, metrics)
+    drain = Drain(worker, settings.shutdown_grace)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -75,6 +81,8 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
     app = FastAPI(title="speculant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.worker = worker
     app.state.metrics = metrics
+    app.state.drain = drain
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # inside the guard: foreign pages first
     app.add_middleware(BrowserGuard, host=settings.host, api_key_set=settings.api_key is not None,
                        allow_origin=settings.allow_origin)
 
@@ -120,6 +128,15 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
             raise APIError(401, "incorrect API key provided", param=None, code="invalid_api_key")
 
+    def shutting_down() -> APIError:
+        return APIError(503, "the server is shutting down: retry (on another server, or once this one is back)",
+                        type="service_unavailable", code="server_shutting_down",
+                        headers={"Retry-After": RETRY_AFTER_S})
+
+    def require_admitting() -> None:
+        if drain.draining:
+            raise shutting_down()
+
     def require_ready() -> None:
         if not worker.ready.is_set():
             message = (f"the model failed to load: {worker.load_error}" if worker.load_error
@@ -140,10 +157,12 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
                 "max_model_len": ctx, "context_length": ctx}
 
     def prompt_ids(req: GenerationRequest) -> list[int]:
-        """Token ids of the request, with 400s for what the model cannot take."""
+        """Token ids of the request, with 400s for what the model cannot take (a text too long to fit is refused
+        before it is tokenised). Blocking: called in a thread (tokenising a long prompt takes seconds)."""
         from ..models.chat import chat_ids, has_chat_template
         from ..core.checks import vocab_size
 
+        check_prompt_chars(req, worker.context_length, worker.token_chars)
         tok = worker.tokenizer
         with worker.tokenizer_lock:
             if req.kind == "chat":
@@ -195,6 +214,7 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
 
     async def read(request: Request, kind: str) -> GenerationRequest:
         authorize(request)
+        require_admitting()  # before reading the body: it would be for nothing
         body = parse_body(await request.body())
         req = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
         check_model(req.model)
@@ -205,6 +225,8 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
 
     @app.get("/health")
     async def health() -> Response:
+        if drain.draining:
+            return JSONResponse({"status": "shutting_down", "model": settings.served_name}, 503)
         if worker.ready.is_set():
             return JSONResponse({"status": "ok", "model": settings.served_name})
         status = "failed" if worker.load_error else "loading"
@@ -234,7 +256,8 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         return await complete(request, await read(request, "completion"))
 
     async def complete(request: Request, req: GenerationRequest) -> Response:
-        ids = prompt_ids(req)
+        # off the event loop: /health, /metrics and every stream go on while a long prompt is tokenised
+        ids = await asyncio.to_thread(prompt_ids, req)
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
         job = Job(ids=ids, max_tokens=max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
                   stop=req.stop, ignore_eos=req.ignore_eos)
@@ -243,11 +266,16 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         except QueueFull as exc:
             raise APIError(429, f"{exc}: retry later", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
+        except ShuttingDown:  # the drain began while this request was tokenised
+            raise shutting_down() from None
         shape = _Shape(req, settings.served_name)
         if req.stream:
             return StreamingResponse(_sse(worker, job, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await _collect(request, worker, job, shape)
+        response = await _collect(request, worker, job, shape)
+        if response is None:  # aborted by the shutdown: no partial answer
+            raise shutting_down()
+        return response
 
     return app
 
@@ -353,24 +381,39 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
             worker.cancel(job)
 
 
-async def _collect(request: Request, worker: Worker, job: Job, shape: _Shape) -> Response:
-    """The whole response of a non-streaming request; the job is cancelled if the client goes away first."""
+async def _collect(request: Request, worker: Worker, job: Job, shape: _Shape) -> Response | None:
+    """The whole response of a non-streaming request (None: the server's shutdown aborted it). The client going
+    away (ASGI ``http.disconnect``, seen at once: the disconnect is awaited beside the job's events, not polled
+    between them, since a running job emits text every step) cancels the job: at its next step, or before it
+    starts when it is still queued."""
     pieces: list[str] = []
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
         while True:
-            try:
-                kind, payload = await asyncio.wait_for(job.events.get(), _DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    worker.cancel(job)
-                    return Response(status_code=499)
-                continue
+            event = asyncio.ensure_future(job.events.get())
+            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
+                worker.cancel(job)
+                return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+            kind, payload = event.result()
             if kind == "text":
                 pieces.append(payload)
             elif kind == "done":
+                if payload.finish_reason == ABORT:
+                    return None
                 return JSONResponse(shape.body("".join(pieces), payload, job.ids))
             else:
                 raise APIError(500, f"the generation failed: {payload}", type="server_error")
     except asyncio.CancelledError:
         worker.cancel(job)
         raise
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone away. The body was read already, so the next ASGI message is
+    ``http.disconnect`` (uvicorn sends it when the connection closes, TestClient once the response is done)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -7,7 +7,8 @@ vLLM's names (``prometheus_client`` appends ``_total`` to counters in the exposi
   at a time) and the requests queued behind it;
 * ``vllm:prompt_tokens``, ``vllm:generation_tokens`` (counters): tokens read and generated (every generated token,
   also those of a cancelled request);
-* ``vllm:request_success`` (counter, label ``finished_reason``: ``stop`` or ``length``);
+* ``vllm:request_success`` (counter, label ``finished_reason``: ``stop``, ``length``, or ``abort`` for requests
+  the server ended while shutting down, as vLLM counts them);
 * ``vllm:time_to_first_token_seconds`` (request arrival to its first generated token, queueing and prefill
   included), ``vllm:time_per_output_token_seconds`` (per request: (end - first token) / (tokens - 1)),
   ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds`` (histograms);

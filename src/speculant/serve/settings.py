@@ -50,7 +50,13 @@ class ServeSettings:
     ``api_key`` None: no authentication (printable ASCII: HTTP headers carry ASCII). ``port``: 0 to 65535 (0: a
     free one). ``allow_origin``: the browser origins (``http://localhost:3000``, or ``*``) allowed to call the
     server cross-origin, with CORS; without an API key every other origin, and any ``Host`` that is not this
-    server's address or a loopback name, is refused (:mod:`speculant.serve.guard`)."""
+    server's address or a loopback name, is refused (:mod:`speculant.serve.guard`). ``max_body_bytes``: a larger
+    request body is answered 413 before it is read (:mod:`speculant.serve.limits`); the default, 4 MiB, is well
+    above the longest prompt a served model can take: a 128K-token context is about 0.5 MB of text (4 bytes per
+    token), 1.5 MB if every character is sent as a ``\\uXXXX`` escape, and under 1 MB as token ids.
+    ``shutdown_grace``: seconds that running and queued requests get to finish after SIGTERM or Ctrl-C, while
+    new ones are answered 503; those still running then end with ``finish_reason`` ``abort``
+    (:mod:`speculant.serve.shutdown`)."""
 
     target: str | None = None
     draft: str | None = None
@@ -67,6 +73,8 @@ class ServeSettings:
     api_key: str | None = None
     model_name: str | None = None
     allow_origin: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 2**20
+    shutdown_grace: float = 10.0
 
     @property
     def served_name(self) -> str:
@@ -90,6 +98,10 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
     (see README). Without a target: :func:`default_target`."""
     if settings.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {settings.max_queue}")
+    if settings.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {settings.max_body_bytes}")
+    if not settings.shutdown_grace >= 0:  # also refuses nan
+        raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {settings.shutdown_grace}")
     if not 0 <= settings.port <= MAX_PORT:
         raise ValueError(f"--port must be in [0, {MAX_PORT}], got {settings.port}")
     if settings.api_key is not None and not settings.api_key.strip():

@@ -7,8 +7,12 @@ settings, as every front-end loads), a fresh drafter per job (drafters hold per-
 the handler's event loop as events (``("text", str)``, then ``("done", Result)`` or ``("error", str)``).
 
 Stopping a generation early: the engine has no cancel flag, so the stream callback raises (:class:`_Stop`) at the
-next step when the job was cancelled (its client went away) or a stop string is complete; ``generate`` lets it
-propagate. A failure in one job is logged and answered as an error; the thread goes on with the next job.
+next step when the job was cancelled (its client went away), aborted (the server is shutting down: it ends with
+``finish_reason`` ``abort``, vLLM's name) or a stop string is complete; ``generate`` lets it propagate. A failure
+in one job is logged and answered as an error; the thread goes on with the next job.
+
+Shutting down (:mod:`speculant.serve.shutdown`): :meth:`Worker.stop_admitting`, then wait for :meth:`Worker.idle`,
+then :meth:`Worker.abort` what is left.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from .metrics import ServerMetrics
 from .settings import ServeSettings
 from ..models.text import Detokenizer, StopMatcher
 
-__all__ = ["Job", "QueueFull", "Result", "Worker"]
+__all__ = ["ABORT", "Job", "QueueFull", "Result", "ShuttingDown", "Worker"]
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +40,22 @@ class QueueFull(Exception):
     """The queue holds ``max_queue`` jobs already (answered 429)."""
 
 
+class ShuttingDown(Exception):
+    """The server is shutting down and takes no new job (answered 503)."""
+
+
+ABORT = "abort"
+"""The ``finish_reason`` of a generation ended by the server's shutdown (vLLM's: its FINISH_REASON_STRINGS)."""
+
+
 class _Stop(Exception):
     """Raised from the stream callback to end a generation at this step (cancelled, or a stop string)."""
 
 
 @dataclass
 class Result:
-    """How a generation ended: ``finish_reason`` (``stop``: end-of-sequence token or stop string; ``length``),
+    """How a generation ended: ``finish_reason`` (``stop``: end-of-sequence token or stop string; ``length``;
+    :data:`ABORT`: the server shut down first),
     token counts, the ids of the returned text and the speculative statistics of this response (the ``speculant``
     field). After a stop string, ``completion_tokens`` and ``token_ids`` cover what was returned only: the
     shortest prefix of the generated tokens whose text holds the returned text (a token the cut falls inside
@@ -68,7 +81,8 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)  # nobody listens any more
+    aborted: threading.Event = field(default_factory=threading.Event)  # the server ends it (shutdown)
 
     def __post_init__(self) -> None:
         if self.loop is None:
@@ -122,10 +136,12 @@ class Worker:
         self.session = None  # a speculant.session.Session once loaded
         self.target = self.tokenizer = self.draft_model = None
         self.context_length: int | None = None
+        self.token_chars = 1  # the most characters one token stands for (limits.longest_token_chars)
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._running: Job | None = None
         self._closed = False
+        self._admitting = True
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------------------------------ model
@@ -134,12 +150,14 @@ class Worker:
         """Load the target (and draft) of the settings through :mod:`speculant.session`; raises what loading
         raises."""
         from ..core.checks import context_length
+        from .limits import longest_token_chars
         from .settings import plan
 
         session = plan(self.settings).load()
         self.session = session
         self.target, self.tokenizer, self.draft_model = session.target, session.tokenizer, session.draft
         self.context_length = context_length(session.target)
+        self.token_chars = longest_token_chars(session.tokenizer)
         log.info("loaded %s (method %s)", self.settings.served_name, session.method.spec)
 
     def stop_ids(self, chat: bool) -> list[int] | None:
@@ -191,16 +209,40 @@ class Worker:
             self._cond.notify_all()
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; QueueFull when ``max_queue`` jobs wait already (and one is being decoded)."""
+        """Queue ``job``; QueueFull when ``max_queue`` jobs wait already (and one is being decoded), ShuttingDown
+        once :meth:`stop_admitting` or :meth:`close` was called."""
         with self._cond:
-            if self._closed:
-                raise QueueFull("the server is shutting down")
+            if self._closed or not self._admitting:
+                raise ShuttingDown("the server is shutting down")
             busy = len(self._queue) + (self._running is not None)
             if busy > self.settings.max_queue:
                 raise QueueFull(f"the queue is full ({self.settings.max_queue} requests waiting)")
             self._queue.append(job)
             self.metrics.waiting.set(len(self._queue))
             self._cond.notify()
+
+    def stop_admitting(self) -> None:
+        """Take no new job (:meth:`submit` raises ShuttingDown); the running and queued ones go on."""
+        with self._cond:
+            self._admitting = False
+
+    def idle(self) -> bool:
+        """Whether no job runs or waits."""
+        with self._cond:
+            return self._running is None and not self._queue
+
+    def abort(self) -> None:
+        """End every job now, with ``finish_reason`` :data:`ABORT`: the running one at its next step (with what it
+        generated), the queued ones at once (nothing generated)."""
+        with self._cond:
+            if self._running is not None:
+                self._running.aborted.set()
+            for job in self._queue:
+                job.aborted.set()
+                self.metrics.finished(ABORT)
+                job.emit("done", Result(ABORT, len(job.ids), 0, _stats(self.settings.method, {}, 0.0)))
+            self._queue.clear()
+            self.metrics.waiting.set(0)
 
     def cancel(self, job: Job) -> None:
         """The client of ``job`` went away: drop it from the queue, or stop its generation at the next step."""
@@ -284,7 +326,7 @@ class Worker:
             if text:
                 returned[0] += len(text)
                 job.emit("text", text)
-            if stops.hit:
+            if stops.hit or job.aborted.is_set():  # aborted: this step's text was handed over
                 raise _Stop
 
         eos = [] if job.ignore_eos else self.stop_ids(job.chat)
@@ -304,7 +346,9 @@ class Worker:
             if tail:
                 job.emit("text", tail)
         ended_by_eos = bool(generated) and generated[-1] in resolve_eos(self.target, eos)
-        reason = "stop" if stops.hit or ended_by_eos else "length"
+        complete = stops.hit or ended_by_eos or len(generated) >= job.max_tokens
+        reason = "stop" if stops.hit or ended_by_eos else ("length" if complete or not job.aborted.is_set()
+                                                           else ABORT)
         if stops.hit:
             generated = generated[:self._tokens_for(generated, returned[0])]
         end = time.perf_counter()
@@ -312,15 +356,7 @@ class Worker:
         if first and steps["tokens"] > 1:
             m.tpot.observe((end - first[0]) / (steps["tokens"] - 1))
         m.finished(reason)
-        stats = {
-            "method": self.settings.method,
-            "acceptance_length": steps["tokens"] / steps["calls"] if steps["calls"] else 0.0,
-            "target_calls": steps["calls"],
-            "draft_tokens": steps["draft"],
-            "accepted_tokens": steps["accepted"],
-            "accepted_per_position": steps["per_pos"],
-            "decode_s": round(end - start, 6),
-        }
+        stats = _stats(self.settings.method, steps, end - start)
         return "done", Result(reason, len(job.ids), len(generated), stats, generated)
 
     def _tokens_for(self, ids: list[int], chars: int) -> int:
@@ -337,3 +373,16 @@ class Worker:
                 lo = mid + 1
         return lo
 
+
+def _stats(method: str, steps: dict, decode_s: float) -> dict[str, Any]:
+    """The ``speculant`` field of a response from its step counts (``{}``: a job that never ran)."""
+    calls, tokens = steps.get("calls", 0), steps.get("tokens", 0)
+    return {
+        "method": method,
+        "acceptance_length": tokens / calls if calls else 0.0,
+        "target_calls": calls,
+        "draft_tokens": steps.get("draft", 0),
+        "accepted_tokens": steps.get("accepted", 0),
+        "accepted_per_position": steps.get("per_pos", []),
+        "decode_s": round(decode_s, 6),
+    }
