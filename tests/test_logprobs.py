@@ -22,7 +22,7 @@ TOP = 3
 # the target repeats itself after this prompt (77 77 77 ...), so prompt lookup gets draft tokens accepted too
 PROMPT = [3, 4]
 METHODS = ["ar", "chain:k=3", "tree:budget=10:topk=3:depth=4", "rsd-c:branching=2/2/1", "specinfer:width=2:depth=3",
-           "lookup"]
+           "lookup", "mask-probe"]
 # float32 rounding between the engine's forward (lean, tree-masked, cached) and one plain transformers forward
 ATOL, RTOL = 5e-5, 1e-5
 SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_k=40, top_p=0.95, seed=3)}
