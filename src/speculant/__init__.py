@@ -52,6 +52,7 @@ _EXPORTS: dict[str, str] = {
     "Generation": ".core.types",
     "GenerationStats": ".core.types",
     "SamplingParams": ".core.types",
+    "TokenLogprob": ".core.types",
     "Verdict": ".core.types",
     "verify": ".core.verification",
 }
@@ -76,6 +77,7 @@ __all__ = [
     "SessionPlan",
     "SpecInferDrafter",
     "SpecTrDrafter",
+    "TokenLogprob",
     "Verdict",
     "__version__",
     "build_drafter",
@@ -117,6 +119,6 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .models.chat import chat_ids, stop_ids
     from .api import generate
     from .models.loading import load_draft, load_pretrained
-    from .core.types import DraftTree, Generation, GenerationStats, SamplingParams, Verdict
+    from .core.types import DraftTree, Generation, GenerationStats, SamplingParams, TokenLogprob, Verdict
     from .core.verification import verify
     from .session import Session, SessionPlan, load, resolve

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .core import engine
+from .core.checks import as_id_list, check_stream
 from .core.types import Generation
 from .drafters.base import Drafter
 from .drafters.registry import resolve_drafter
@@ -32,17 +33,20 @@ def generate(
     top_p: float | None = None,
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
-    stream: Callable[[list[int]], None] | None = None,
+    stream: Callable[..., None] | None = None,
     kv_policy: str | ScorePolicy | None = None,
     kv_budget: int | None = None,
     kv_block: int = 128,
     forward: str = "auto",
+    logprobs: int | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` with ``target``, losslessly accelerated.
 
     Args:
         target: any transformers causal LM (``AutoModelForCausalLM``).
-        input_ids: the prompt: a list of ints, a 1-D or a ``[1, T]`` LongTensor (one sequence).
+        input_ids: the prompt, one sequence: a list of ints, a 1-D or ``[1, T]`` tensor or numpy array of
+            integers, or a tokenizer's output (``BatchEncoding`` or a dict with ``input_ids``); batches of more
+            than one sequence are refused (:func:`speculant.core.checks.as_id_list`).
         drafter: proposes draft tokens (e.g. :class:`speculant.DraftModelDrafter`); ``None`` is plain
             autoregressive decoding through the same model-call code. A draft model (``torch.nn.Module``) gets
             the default chain drafter; a method spec string (``"lookup"``, ``"mask-probe:masks=3"``) builds that
@@ -53,7 +57,10 @@ def generate(
         seed: makes sampling reproducible.
         eos_token_id: stop token(s); ``None`` takes them from the model's generation config. The stop token
             is included in the output. Token ids (prompt and stop tokens) must be in ``[0, vocab)``.
-        stream: called with each list of newly committed token ids as soon as they are committed.
+        stream: called with each list of newly committed token ids as soon as they are committed; with
+            ``logprobs`` set it is called as ``stream(ids, logprobs)`` (the step's
+            :class:`~speculant.core.types.TokenLogprob` list), so a ``stream(ids)`` callback is unaffected
+            unless logprobs are asked for.
         kv_policy, kv_budget: KV-cache eviction (:mod:`speculant.kv`): the target's cache keeps at most
             ``kv_budget`` tokens per layer, chosen by the policy (a name such as ``"keydiff"`` or
             ``"caote:h2o"``, or a policy object). The prompt is prefilled in blocks of ``kv_block`` tokens,
@@ -63,13 +70,20 @@ def generate(
         forward: the target forward (:mod:`speculant.core.forward`): ``"auto"`` the lean forward
             (:class:`speculant.core.lean.LeanForward`) where it reproduces the model, else the model's own;
             ``"lean"`` requires it; ``"model"`` always uses the model's own (transformers) forward.
+        logprobs: None (default: nothing is computed) or K >= 0: record, for every new token, the target's
+            log-probability of it under its raw distribution (before temperature/top-k/top-p) and the K most
+            likely alternatives of the same row, in ``Generation.logprobs``. They come from the verification
+            forward's logits (no extra forward); the tokens are unchanged.
 
     Returns:
-        :class:`speculant.core.types.Generation` with ``token_ids`` (new tokens only) and ``stats``.
+        :class:`speculant.core.types.Generation` with ``token_ids`` (new tokens only), ``stats`` and
+        ``logprobs`` (None unless asked for).
     """
+    ids = as_id_list(input_ids)  # before resolving anything: a bad prompt is the first error a caller sees
+    check_stream(stream)
     if isinstance(kv_policy, str):
         kv_policy = parse_policy(kv_policy)
-    return engine.generate(target, input_ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
+    return engine.generate(target, ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                            stream=stream, kv_policy=kv_policy, kv_budget=kv_budget, kv_block=kv_block,
-                           forward=forward)
+                           forward=forward, logprobs=logprobs)

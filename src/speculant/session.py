@@ -340,17 +340,20 @@ class Session:
         plan = dataclasses.replace(plan, target_name=self.plan.target_name, kv_spec=self.plan.kv_spec)
         return plan.load()
 
-    def encode(self, prompt: str | Sequence[int], raw: bool = False,
+    def encode(self, prompt: str | Sequence[int] | Any, raw: bool = False,
                system: str | None = None) -> tuple[list[int], list[int] | None]:
         """``(input ids, stop ids)`` of a prompt: text through the tokenizer's chat template when it has one
         (stopping at the end of the assistant's turn) unless ``raw``, else plain text with the tokenizer's
-        defaults (stop ids None: the model's EOS); token ids as given."""
+        defaults (stop ids None: the model's EOS); token ids as given, in any form
+        :func:`speculant.core.checks.as_id_list` takes (a list, a tensor or numpy array, a ``BatchEncoding``)."""
         from .models.chat import chat_ids, has_chat_template, stop_ids
+
+        from .core.checks import as_id_list
 
         if not isinstance(prompt, str):
             if system is not None:
                 raise ValueError("system needs a text prompt (token ids are used as given)")
-            return list(prompt), None
+            return as_id_list(prompt), None
         if not prompt:
             raise ValueError("the prompt is empty: give some text")
         if self.tokenizer is None:
@@ -375,7 +378,7 @@ class Session:
 
     def generate(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Any,
         *,
         max_new_tokens: int | None = None,
         temperature: float | None = None,
@@ -383,19 +386,21 @@ class Session:
         top_p: float | None = None,
         seed: int | None = None,
         eos_token_id: int | list[int] | None = None,
-        stream: Callable[[list[int]], None] | None = None,
+        stream: Callable[..., None] | None = None,
         raw: bool = False,
         system: str | None = None,
         method: str | ParsedMethod | None = None,
         drafter: Drafter | None | str = "new",
+        logprobs: int | None = None,
     ) -> Generation:
         """One generation with a fresh drafter of the session's method.
 
         Args:
             prompt: text (the chat template is applied when the tokenizer has one, unless ``raw``; ``system``
-                is then a system message) or token ids ``[T]`` (used as given).
-            max_new_tokens, temperature, top_k, top_p, seed, stream: as :func:`speculant.generate` (None:
-                its defaults).
+                is then a system message) or token ids ``[T]`` (used as given; a list, a tensor or numpy
+                array, or a tokenizer's ``BatchEncoding``, as :func:`speculant.generate` takes them).
+            max_new_tokens, temperature, top_k, top_p, seed, stream, logprobs: as :func:`speculant.generate`
+                (None: its defaults).
             eos_token_id: stop token(s); None: the end of the assistant's turn for a chat, else the model's EOS.
             method: another method spec to run on the session's models (parsed once per session; its engine
                 options apply); None: the session's method.
@@ -406,8 +411,10 @@ class Session:
             the engine's :class:`speculant.core.types.Generation` (``token_ids``: the new tokens only).
         """
         from .core import engine
+        from .core.checks import check_stream
 
         ids, stops = self.encode(prompt, raw=raw, system=system)
+        check_stream(stream)
         d = generate_defaults()
         sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                     "seed": seed}
@@ -418,4 +425,5 @@ class Session:
                 raise ValueError(f"drafter must be 'new', a Drafter or None, got {drafter!r}")
             drafter = self.drafter(parsed)
         return engine.generate(self.target, ids, drafter=drafter, eos_token_id=eos_token_id if eos_token_id
-                               is not None else stops, stream=stream, **sampling, **self.generate_options(parsed))
+                               is not None else stops, stream=stream, logprobs=logprobs, **sampling,
+                               **self.generate_options(parsed))

@@ -4,12 +4,16 @@ once-per-process warnings for settings that have no effect."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 __all__ = [
     "as_id_list",
+    "check_logprobs",
+    "check_stream",
     "check_positive_int",
     "check_token_ids",
     "resolve_device",
@@ -23,33 +27,74 @@ __all__ = [
 ]
 
 
+def _is_token_id(t) -> bool:
+    """An integer token id: a Python int or a numpy integer (``numbers.Integral``), not a bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, (bool, np.bool_))
+
+
 def as_id_list(input_ids) -> list[int]:
-    """Accept a list of ints, a 1-D LongTensor or a ``[1, T]`` LongTensor; reject batches and empty prompts."""
+    """One prompt's token ids as a list of ints, from whatever form a caller holds them in.
+
+    Accepted: a list (or tuple) of ints, a 1-D or ``[1, T]`` torch tensor or numpy array of integers, a nested
+    list ``[[...]]`` of one sequence, or a tokenizer's output (a ``BatchEncoding`` or any mapping with an
+    ``input_ids`` entry in one of those forms). A batch of several sequences, an empty prompt or non-integer
+    ids are a one-line ValueError naming ``input_ids``.
+    """
+    if isinstance(input_ids, Mapping):  # BatchEncoding is a UserDict: tokenizer(text) straight in
+        if "input_ids" not in input_ids:
+            raise ValueError(f"input_ids: a mapping was given without an 'input_ids' entry (keys: "
+                             f"{', '.join(map(str, list(input_ids)[:5]))})")
+        input_ids = input_ids["input_ids"]
+    if isinstance(input_ids, np.ndarray):
+        if input_ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must hold integer token ids, got a numpy array of dtype {input_ids.dtype}")
+        input_ids = torch.from_numpy(np.ascontiguousarray(input_ids, dtype=np.int64))
     if isinstance(input_ids, torch.Tensor):
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
-                raise ValueError(
-                    f"batch size {input_ids.shape[0]} is not supported yet: pass one prompt ([1, T] or 1-D)"
-                )
+                raise ValueError(f"input_ids: batch size {input_ids.shape[0]} is not supported yet by this entry "
+                                 "point: pass one prompt ([1, T] or 1-D)")
             input_ids = input_ids[0]
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D or [1, T], got shape {tuple(input_ids.shape)}")
-        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
         ids = [int(t) for t in input_ids.tolist()]
-    elif isinstance(input_ids, Iterable) and not isinstance(input_ids, (str, bytes)):
+    elif isinstance(input_ids, Iterable) and not isinstance(input_ids, (str, bytes, Mapping)):
         ids = list(input_ids)
-        if ids and isinstance(ids[0], (list, tuple)):
+        if ids and not _is_token_id(ids[0]) and isinstance(ids[0], (Sequence, np.ndarray, torch.Tensor)) \
+                and not isinstance(ids[0], (str, bytes)):
             if len(ids) != 1:
-                raise ValueError(f"batch size {len(ids)} is not supported yet: pass one prompt")
-            ids = list(ids[0])
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("input_ids must be a list of integer token ids")
+                raise ValueError(f"input_ids: batch size {len(ids)} is not supported yet by this entry point: pass "
+                                 "one prompt")
+            return as_id_list(ids[0])
+        if not all(_is_token_id(t) for t in ids):
+            bad = next(t for t in ids if not _is_token_id(t))
+            raise ValueError(f"input_ids must be a list of integer token ids, got an element {bad!r:.40}")
+        ids = [int(t) for t in ids]
     else:
-        raise ValueError(f"input_ids must be a list of ints or a LongTensor, got {type(input_ids).__name__}")
+        raise ValueError(f"input_ids must be a list of ints, a 1-D tensor or array of ints or a tokenizer's output, "
+                         f"got {type(input_ids).__name__}")
     if not ids:
         raise ValueError("the prompt is empty: at least one token is needed")
     return ids
+
+
+def check_stream(stream) -> None:
+    """``stream`` must be callable or None (a one-line ValueError naming it, not a TypeError from the loop)."""
+    if stream is not None and not callable(stream):
+        raise ValueError(f"stream must be a callable (called with each step's new token ids) or None, got "
+                         f"{type(stream).__name__}")
+
+
+def check_logprobs(logprobs) -> int | None:
+    """``logprobs`` must be None (off) or an integer >= 0 (the number of top alternatives per token)."""
+    if logprobs is None:
+        return None
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0:
+        raise ValueError(f"logprobs must be None (off) or an integer >= 0 (top alternatives per token), got "
+                         f"{logprobs!r:.40}")
+    return logprobs
 
 
 def check_positive_int(name: str, value) -> int:
@@ -103,12 +148,12 @@ def resolve_eos(model: torch.nn.Module, eos_token_id) -> frozenset[int]:
             eos_token_id = getattr(model.config, "eos_token_id", None)
     if eos_token_id is None:
         return frozenset()
-    if isinstance(eos_token_id, int) and not isinstance(eos_token_id, bool):
-        return frozenset([eos_token_id])
-    if isinstance(eos_token_id, Iterable):
-        ids = list(eos_token_id)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            return frozenset(ids)
+    if _is_token_id(eos_token_id):
+        return frozenset([int(eos_token_id)])
+    if isinstance(eos_token_id, Iterable) and not isinstance(eos_token_id, (str, bytes)):
+        ids = list(eos_token_id.tolist() if isinstance(eos_token_id, (torch.Tensor, np.ndarray)) else eos_token_id)
+        if all(_is_token_id(t) for t in ids):
+            return frozenset(int(t) for t in ids)
     raise ValueError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
 
 

@@ -18,7 +18,9 @@ from .cache import SpecCache
 from .checks import (
     as_id_list,
     check_fits_context,
+    check_logprobs,
     check_positive_int,
+    check_stream,
     check_token_ids,
     num_layers,
     resolve_eos,
@@ -28,9 +30,10 @@ from .checks import (
 from .drafting import DecodeState, Drafter, capability, sync
 from .eviction import BudgetedKV, EvictionPolicy
 from .forward import FORWARDS, TargetForward
+from .logprobs import emission_rows, token_logprobs
 from .sampling import make_generator
 from .tree import TreeAttention
-from .types import DraftTree, Generation, GenerationStats, SamplingParams
+from .types import DraftTree, Generation, GenerationStats, SamplingParams, TokenLogprob
 from .verification import verify
 
 __all__ = ["generate"]
@@ -49,11 +52,12 @@ def generate(
     top_p: float | None = None,
     seed: int | None = None,
     eos_token_id: int | list[int] | None = None,
-    stream: Callable[[list[int]], None] | None = None,
+    stream: Callable[..., None] | None = None,
     kv_policy: EvictionPolicy | None = None,
     kv_budget: int | None = None,
     kv_block: int = 128,
     forward: str = "auto",
+    logprobs: int | None = None,
 ) -> Generation:
     """The decoding loop behind :func:`speculant.generate` (see it for every argument), on resolved objects only.
 
@@ -70,6 +74,8 @@ def generate(
     vocab = vocab_size(target)
     check_token_ids(ids, vocab, "input_ids")
     check_positive_int("max_new_tokens", max_new_tokens)
+    check_stream(stream)
+    check_logprobs(logprobs)
     check_fits_context(target, len(ids), max_new_tokens)
     stops = resolve_eos(target, eos_token_id)
     if eos_token_id is not None:
@@ -89,7 +95,7 @@ def generate(
     with torch.inference_mode():
         fwd = TargetForward(target, forward, max_length=len(ids) + max_new_tokens,
                             taps=capability(drafter, "target_taps"))
-        return _run(target, fwd, ids, drafter, max_new_tokens, params, stops, stream, device, kv)
+        return _run(target, fwd, ids, drafter, max_new_tokens, params, stops, stream, device, kv, logprobs)
 
 
 _RESOLVE = "use speculant.generate, which resolves names and models, or pass the resolved object"
@@ -106,6 +112,7 @@ def _check_drafter(drafter) -> None:
 
 def _check_kv(kv_policy, kv_budget, kv_block) -> None:
     """One-line errors for inconsistent KV settings (eviction needs a policy object and a budget)."""
+    check_positive_int("kv_block", kv_block)  # checked even unused: a wrong type is a mistake either way
     if kv_policy is None and kv_budget is None:
         return None
     if kv_policy is None or kv_budget is None:
@@ -115,7 +122,6 @@ def _check_kv(kv_policy, kv_budget, kv_block) -> None:
         raise ValueError(f"kv_policy: speculant.core.engine.generate takes a ScorePolicy or None, got {got:.80}; "
                          f"{_RESOLVE} (speculant.kv.parse_policy)")
     check_positive_int("kv_budget", kv_budget)
-    check_positive_int("kv_block", kv_block)
 
 
 def _with_probes(target, inputs: torch.Tensor, probes) -> torch.Tensor:
@@ -125,7 +131,7 @@ def _with_probes(target, inputs: torch.Tensor, probes) -> torch.Tensor:
 
 
 def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops, stream, device,
-         kv: BudgetedKV | None) -> Generation:
+         kv: BudgetedKV | None, logprobs: int | None) -> Generation:
     stats = GenerationStats(target_forward=fwd.kind)
     state = DecodeState(
         target=target,
@@ -159,6 +165,7 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
     stats.prefill_s = time.perf_counter() - t_start
 
     new: list[int] = []
+    new_logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
     done = False
     while not done:
         tree = drafter.propose(state) if drafter is not None and state.remaining > 1 else _EMPTY
@@ -212,12 +219,20 @@ def _run(target, fwd: TargetForward, ids, drafter, max_new_tokens, params, stops
         state.remaining -= len(emitted)
         if state.remaining <= 0:
             done = True
+        step_logprobs = None
+        if new_logprobs is not None:  # the rows the emitted tokens came from: no extra forward (core.logprobs)
+            rows = emission_rows(verdict.accepted)[: len(emitted)]
+            step_logprobs = token_logprobs(logits[rows], emitted, logprobs)
+            new_logprobs.extend(step_logprobs)
         if stream is not None:
-            stream(emitted)
+            if step_logprobs is None:
+                stream(emitted)
+            else:  # asked for: the stream takes the step's logprobs too (stream(ids) callers never see them)
+                stream(emitted, step_logprobs)
         if drafter is not None and not done:
             drafter.commit(state, accepted)
 
     stats.wall_s = time.perf_counter() - t_start
     # a full cache only grows (a tree's rejected slots are dropped again, not counted); a budget cache keeps its peak
     stats.kv_peak_bytes = kv.peak_nbytes if kv is not None else cache.nbytes()
-    return Generation(token_ids=new, stats=stats)
+    return Generation(token_ids=new, stats=stats, logprobs=new_logprobs)

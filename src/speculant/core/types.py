@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MIN_TEMPERATURE", "SamplingParams", "Probes", "DraftTree", "Verdict", "GenerationStats", "Generation"]
+__all__ = ["MIN_TEMPERATURE", "SamplingParams", "Probes", "DraftTree", "Verdict", "GenerationStats", "TokenLogprob",
+           "Generation"]
 
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -272,9 +273,26 @@ class GenerationStats:
         }
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's own log-probability of one emitted token, and the ``top`` alternatives of the same row.
+
+    ``logprob`` = log softmax of the target's RAW logits (before temperature, top-k and top-p) at the position the
+    token was emitted from (accepted draft or bonus alike), i.e. ``log q_raw(token | prefix)``: what vLLM and
+    OpenAI report. ``top``: the K most likely tokens of that row as ``(token id, logprob)``, most likely first
+    (K = the ``logprobs`` asked for; empty for 0).
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Generation:
-    """The result of :func:`speculant.generate`: the new token ids only, and the statistics."""
+    """The result of :func:`speculant.generate`: the new token ids only, and the statistics; ``logprobs`` (one
+    :class:`TokenLogprob` per new token) when ``logprobs=`` was asked for, else None."""
 
     token_ids: list[int]
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None

@@ -39,6 +39,7 @@ from ..core.types import SamplingParams
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .guard import BrowserGuard
 from .limits import BodyLimit, check_prompt_chars
+from .logprobs import LogprobShape
 from .protocol import (APIError, GenerationRequest, clip, error_body, parse_body, parse_chat_request,
                        parse_completion_request)
 from .settings import ServeSettings
@@ -260,7 +261,7 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         ids = await asyncio.to_thread(prompt_ids, req)
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
         job = Job(ids=ids, max_tokens=max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
-                  stop=req.stop, ignore_eos=req.ignore_eos)
+                  stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs)
         try:
             worker.submit(job)
         except QueueFull as exc:
@@ -296,6 +297,7 @@ class _Shape:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = model
+        self.logprobs = LogprobShape(self.chat) if req.logprobs is not None else None  # None: "logprobs": null
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -308,11 +310,13 @@ class _Shape:
 
     def body(self, text: str, result: Result, prompt_ids: list[int]) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.logprobs and self.logprobs(result.logprobs),
                       "finish_reason": result.finish_reason}
             head = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": result.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs and self.logprobs(result.logprobs),
+                      "finish_reason": result.finish_reason}
             head = self._head("text_completion")
         out = {**head, "choices": [choice], "usage": self.usage(result), "speculant": result.stats}
         if self.token_ids:
@@ -320,22 +324,24 @@ class _Shape:
             out["prompt_token_ids"] = prompt_ids
         return out
 
-    def last_chunk(self, result: Result, prompt_ids: list[int]) -> dict:
+    def last_chunk(self, result: Result, prompt_ids: list[int], logprobs: list[dict] | None = None) -> dict:
         """The chunk with ``finish_reason`` and the ``speculant`` statistics (and the token ids if asked)."""
-        out = self.chunk(None, finish=result.finish_reason)
+        out = self.chunk(None, finish=result.finish_reason, logprobs=logprobs)
         out["speculant"] = result.stats
         if self.token_ids:
             out["choices"][0]["token_ids"] = result.token_ids
             out["prompt_token_ids"] = prompt_ids
         return out
 
-    def chunk(self, text: str | None = None, role: bool = False, finish: str | None = None) -> dict:
+    def chunk(self, text: str | None = None, role: bool = False, finish: str | None = None,
+              logprobs: list[dict] | None = None) -> dict:
+        shaped = self.logprobs(logprobs or []) if self.logprobs is not None and not role else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish}
             head = self._head("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": shaped, "finish_reason": finish}
             head = self._head("text_completion")
         out = {**head, "choices": [choice]}
         if self.include_usage:
@@ -357,16 +363,20 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
     with ``finish_reason`` (and ``speculant``), the usage chunk if asked, then ``[DONE]``. Closed early (the
     client went away), it cancels the job."""
     done = False
+    pending: list[dict] = []  # logprob entries not sent yet: they go with the next text chunk (or the last)
     try:
         if shape.chat:
             yield _event(shape.chunk(role=True))
         while True:
             kind, payload = await job.events.get()
-            if kind == "text":
-                yield _event(shape.chunk(payload))
+            if kind == "logprobs":
+                pending.extend(payload)
+            elif kind == "text":
+                yield _event(shape.chunk(payload, logprobs=pending))
+                pending = []
             elif kind == "done":
                 done = True
-                yield _event(shape.last_chunk(payload, job.ids))
+                yield _event(shape.last_chunk(payload, job.ids, logprobs=pending))
                 if shape.include_usage:
                     yield _event(shape.usage_chunk(payload))
                 yield _event("[DONE]")
@@ -399,6 +409,8 @@ async def _collect(request: Request, worker: Worker, job: Job, shape: _Shape) ->
             kind, payload = event.result()
             if kind == "text":
                 pieces.append(payload)
+            elif kind == "logprobs":
+                continue  # the whole response's are in the result
             elif kind == "done":
                 if payload.finish_reason == ABORT:
                     return None

@@ -4,9 +4,13 @@ A request is parsed from raw bytes (not by FastAPI's model validation) so that e
 shape ``{"error": {"message", "type", "param", "code"}}`` with ``param`` naming the field, and HTTP 400:
 malformed JSON, a body that is not an object, a field of the wrong type or out of range, a field the server does
 not know (OpenAI answers "Unrecognized request argument" too), and a known OpenAI field that asks for something
-the server does not do (``n`` > 1, ``logprobs``, penalties, tools ...). Those known fields are accepted when they
-carry their neutral value (``n: 1``, ``logprobs: false``, ``frequency_penalty: 0``, ``user: "..."``), since
-OpenAI clients often send them.
+the server does not do (``n`` > 1, penalties, tools ...). Those known fields are accepted when they carry their
+neutral value (``n: 1``, ``frequency_penalty: 0``, ``user: "..."``), since OpenAI clients often send them.
+
+Log-probabilities: chat takes ``logprobs: true`` and ``top_logprobs`` (0 to :data:`MAX_TOP_LOGPROBS`, which needs
+``logprobs: true``, as OpenAI); completions take ``logprobs: K`` (0 to :data:`MAX_TOP_LOGPROBS`). Both become
+:attr:`GenerationRequest.logprobs` (the number of alternatives per token; None: off), shaped by
+:mod:`speculant.serve.logprobs`.
 
 Defaults follow OpenAI's API: ``temperature`` 1.0, ``top_p`` 1.0; ``max_tokens`` 16 on ``/v1/completions`` and
 the rest of the context on ``/v1/chat/completions``. ``top_k``, ``ignore_eos`` and ``return_token_ids`` (the
@@ -21,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["APIError", "GenerationRequest", "COMPLETION_MAX_TOKENS", "error_body", "parse_body",
+__all__ = ["APIError", "GenerationRequest", "COMPLETION_MAX_TOKENS", "MAX_TOP_LOGPROBS", "error_body", "parse_body",
            "parse_chat_request", "parse_completion_request"]
 
 COMPLETION_MAX_TOKENS = 16
@@ -29,6 +33,10 @@ COMPLETION_MAX_TOKENS = 16
 
 MAX_STOPS = 16
 """At most this many stop strings per request."""
+
+MAX_TOP_LOGPROBS = 20
+"""At most this many alternatives per token in ``top_logprobs`` (chat) or ``logprobs`` (completions): OpenAI's
+limit for chat."""
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -90,6 +98,7 @@ class GenerationRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     return_token_ids: bool = False
+    logprobs: int | None = None  # alternatives per token to report (0: the emitted token's only); None: off
     max_tokens_param: str = "max_tokens"  # the field that set max_tokens (for errors)
 
 
@@ -226,10 +235,6 @@ def _same(a: Any, b: Any) -> bool:
 _Neutral = tuple[tuple[Any, ...], str]
 """(values meaning "nothing asked for", what the server does not support)."""
 
-_NO_LOGPROBS = "logprobs are not supported yet"
-"""Why ``logprobs`` / ``top_logprobs`` are refused: the engine does not yet hand out the target's probabilities of
-the tokens it emits (see the server's notes in README)."""
-
 _COMMON_NEUTRAL: dict[str, _Neutral] = {
     "n": ((None, 1), "one choice per request (n = 1)"),
     "frequency_penalty": ((None, 0), "no frequency penalty"),
@@ -245,8 +250,6 @@ _COMMON_NEUTRAL: dict[str, _Neutral] = {
     "service_tier": ((None, "auto", "default"), "one service tier"),
 }
 _CHAT_NEUTRAL: dict[str, _Neutral] = {
-    "logprobs": ((None, False), _NO_LOGPROBS + " (logprobs: false)"),
-    "top_logprobs": ((None, 0), _NO_LOGPROBS + " (top_logprobs: 0)"),
     "response_format": ((None, {"type": "text"}), "plain text responses (response_format type 'text')"),
     "tools": ((None, []), "no tools"),
     "tool_choice": ((None, "none", "auto"), "no tools (tool_choice 'none')"),
@@ -265,7 +268,6 @@ _CHAT_NEUTRAL: dict[str, _Neutral] = {
     "continue_final_message": ((None, False), "a new assistant turn is always started"),
 }
 _COMPLETION_NEUTRAL: dict[str, _Neutral] = {
-    "logprobs": ((None,), _NO_LOGPROBS + " (logprobs: null)"),
     "echo": ((None, False), "echo: false"),
     "best_of": ((None, 1), "best_of = 1"),
     "suffix": ((None, ""), "no suffix"),
@@ -280,8 +282,8 @@ _FREE: dict[str, Callable[[Any], bool]] = {
 }
 _SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                   "ignore_eos", "return_token_ids"}
-_CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens"}
-_COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt"}
+_CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "logprobs"}
 
 
 def _check_fields(body: Mapping, known: set[str], neutral: dict[str, _Neutral]) -> None:
@@ -292,8 +294,6 @@ def _check_fields(body: Mapping, known: set[str], neutral: dict[str, _Neutral]) 
             allowed, what = neutral[name]
             if not any(_same(value, a) for a in allowed):
                 shown = clip(json.dumps(value))
-                if what.startswith(_NO_LOGPROBS):
-                    raise _bad(name, f"{what}: '{name}' = {shown} asks for them", "unsupported_value")
                 raise _bad(name, f"'{name}' = {shown} is not supported: this server supports {what}",
                            "unsupported_value")
         elif name in _FREE:
@@ -440,7 +440,17 @@ def parse_chat_request(body: Mapping) -> GenerationRequest:
     _check_fields(body, _CHAT_FIELDS, {**_COMMON_NEUTRAL, **_CHAT_NEUTRAL})
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return GenerationRequest(messages=_messages(body), max_tokens=_max_tokens(body, chat=True),
-                             max_tokens_param=param, **_common(body, "chat"))
+                             max_tokens_param=param, logprobs=_chat_logprobs(body), **_common(body, "chat"))
+
+
+def _chat_logprobs(body: Mapping) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (0..20, only with ``logprobs: true``, as OpenAI) as
+    the number of alternatives per token, or None (off)."""
+    on = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and not on:
+        raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    return (top or 0) if on else None
 
 
 def _prompt(body: Mapping) -> str | list[int]:
@@ -463,4 +473,4 @@ def parse_completion_request(body: Mapping) -> GenerationRequest:
     """A ``/v1/completions`` body as a :class:`GenerationRequest`, or APIError 400 naming the field."""
     _check_fields(body, _COMPLETION_FIELDS, {**_COMMON_NEUTRAL, **_COMPLETION_NEUTRAL})
     return GenerationRequest(prompt=_prompt(body), max_tokens=_max_tokens(body, chat=False),
-                             **_common(body, "completion"))
+                             logprobs=_int(body, "logprobs", 0, MAX_TOP_LOGPROBS), **_common(body, "completion"))

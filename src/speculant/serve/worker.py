@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.types import SamplingParams
+from .logprobs import token_entries
 from .metrics import ServerMetrics
 from .settings import ServeSettings
 from ..models.text import Detokenizer, StopMatcher
@@ -66,6 +67,7 @@ class Result:
     completion_tokens: int
     stats: dict[str, Any]
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None  # the token entries of token_ids (serve.logprobs) when asked for
 
 
 @dataclass(eq=False)
@@ -78,6 +80,7 @@ class Job:
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=1.0))
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per token; None: no logprobs (then no "logprobs" events)
     arrived: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
@@ -301,8 +304,15 @@ class Worker:
         generated: list[int] = []
 
         returned = [0]  # characters of text handed to the client
+        entries: list[dict] = []  # logprob entries of generated (job.logprobs set)
+        sent = [0]  # entries handed to the client
 
-        def on_step(new_ids: list[int]) -> None:
+        def release(upto: int) -> None:  # a ("logprobs", entries) event for generated[sent:upto], before its text
+            if job.logprobs is not None and upto > sent[0]:
+                job.emit("logprobs", entries[sent[0]:upto])
+                sent[0] = upto
+
+        def on_step(new_ids: list[int], logprobs=None) -> None:
             proposed = counting.proposed if counting is not None else 0
             if counting is not None:
                 counting.proposed = 0  # a step without a proposal (the last token) drafts nothing
@@ -317,6 +327,8 @@ class Worker:
                 steps["per_pos"][pos] += 1
             m.step(len(new_ids), proposed)
             generated.extend(new_ids)
+            if logprobs is not None:
+                entries.extend(token_entries(self.tokenizer, logprobs, self.tokenizer_lock))
             if not first:
                 first.append(time.perf_counter())
                 m.ttft.observe(first[0] - job.arrived)
@@ -325,6 +337,8 @@ class Worker:
             text = stops.feed(detok.push(new_ids))
             if text:
                 returned[0] += len(text)
+                # with stop strings, only the tokens of text handed out: held text may yet be trimmed
+                release(self._tokens_for(generated, returned[0]) if job.stop else len(generated))
                 job.emit("text", text)
             if stops.hit or job.aborted.is_set():  # aborted: this step's text was handed over
                 raise _Stop
@@ -333,7 +347,8 @@ class Worker:
         try:
             self.session.generate(job.ids, drafter=counting, max_new_tokens=job.max_tokens,
                                   temperature=job.sampling.temperature, top_k=job.sampling.top_k,
-                                  top_p=job.sampling.top_p, seed=job.sampling.seed, eos_token_id=eos, stream=on_step)
+                                  top_p=job.sampling.top_p, seed=job.sampling.seed, eos_token_id=eos, stream=on_step,
+                                  logprobs=job.logprobs)
         except _Stop:
             pass
         if job.cancelled.is_set() and not stops.hit:
@@ -343,6 +358,7 @@ class Worker:
         if not stops.hit:
             tail = stops.feed(detok.finish())
             tail += stops.flush()
+            release(len(generated))
             if tail:
                 job.emit("text", tail)
         ended_by_eos = bool(generated) and generated[-1] in resolve_eos(self.target, eos)
@@ -351,13 +367,15 @@ class Worker:
                                                            else ABORT)
         if stops.hit:
             generated = generated[:self._tokens_for(generated, returned[0])]
+            release(len(generated))
         end = time.perf_counter()
         m.e2e.observe(end - job.arrived)
         if first and steps["tokens"] > 1:
             m.tpot.observe((end - first[0]) / (steps["tokens"] - 1))
         m.finished(reason)
         stats = _stats(self.settings.method, steps, end - start)
-        return "done", Result(reason, len(job.ids), len(generated), stats, generated)
+        return "done", Result(reason, len(job.ids), len(generated), stats, generated,
+                              entries[:len(generated)] if job.logprobs is not None else None)
 
     def _tokens_for(self, ids: list[int], chars: int) -> int:
         """The fewest leading tokens of ``ids`` whose text (as the detokenizer decodes it) has ``chars``
