@@ -1,6 +1,6 @@
 """Does ``torch.compile`` make the lean target forward faster on this machine? (issue 14)
 
-The lean forward (speculant/lean.py) is eager PyTorch: per layer a fused QKV matmul, a RoPE, SDPA into our
+The lean forward (speculant/core/lean.py) is eager PyTorch: per layer a fused QKV matmul, a RoPE, SDPA into our
 cache, the output projection and a fused gate-up MLP. Compiling all of it in one graph is not possible without
 giving up the in-place cache (its length changes every step), so this compiles what can be: each layer's two
 cache-free halves (norm + QKV + RoPE, and output projection + residual + norm + MLP + residual), with inductor

@@ -1,4 +1,4 @@
-"""The lean forward (speculant/lean.py) computes what transformers' forward computes and fills the same cache, on
+"""The lean forward (speculant/core/lean.py) computes what transformers' forward computes and fills the same cache, on
 every covered architecture, for prefills, single tokens, chains, tree levels, probe slots and evicted caches;
 decoding through it gives the tokens decoding through the model's own forward gives; anything it does not
 cover falls back to the model's forward (and forward='lean' then names the reason)."""

@@ -2,9 +2,9 @@
 
 One process serves one model: requests are queued (bounded) and decoded one at a time, in arrival order, by a
 worker thread (:mod:`.worker`); the HTTP API (:mod:`.app`, FastAPI + uvicorn) checks requests field by field
-(:mod:`.protocol`), streams text as server-sent events (:mod:`.text`: incremental detokenisation and stop
+(:mod:`.protocol`), streams text as server-sent events (:mod:`speculant.models.text`: incremental detokenisation and stop
 strings) and exposes Prometheus metrics named as vLLM names them (:mod:`.metrics`). :mod:`.ray_app` runs the same
-app as a Ray Serve deployment with several replicas; :mod:`.load` is the load generator of
+app as a Ray Serve deployment with several replicas; :mod:`speculant.bench.serve_load` is the load generator of
 ``speculant bench serve``.
 
 Needs the ``serve`` extra (``pip install "speculant[serve]"``; ``speculant[ray]`` for Ray Serve).

@@ -1,1 +1,2 @@
-"""Training pipeline: corpus, tokenizer, data preparation, pretraining and distillation losses."""
+"""Training: the bundled toy pair (:mod:`.bundled`), drafters for any target (:mod:`.drafter`), distillation
+losses, VocabTrim calibration, model cards and the training precision."""

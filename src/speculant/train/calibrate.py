@@ -1,7 +1,7 @@
 """VocabTrim calibration: count token frequencies on a calibration split and store them with a drafter.
 
 The best calibration text is what the target itself generates (Goel et al. 2025), i.e. the ``distill`` split of
-:mod:`.distill_data`. The result is ``vocab_trim.json`` in the draft model's directory (read by
+:mod:`.bundled.distill_data`. The result is ``vocab_trim.json`` in the draft model's directory (read by
 :mod:`speculant.drafters.vocab_trim`): every token id seen, most frequent first, the coverage of the top-N for a
 few N, and optionally a recommended ``default_size`` that drafters use unless told otherwise.
 """

@@ -2,7 +2,7 @@
 
 The drafter (:mod:`speculant.models.attached`: a few of the target's layers, the target's embedding and LM head frozen)
 learns, at every answer position, the target's distribution ``q`` (its stored top-k) with one of the losses of
-:mod:`.losses` (FKL, TVD, TVD++). The student's distribution is taken over the VocabTrim kept set ``K`` (the
+:mod:`..losses` (FKL, TVD, TVD++). The student's distribution is taken over the VocabTrim kept set ``K`` (the
 most frequent tokens of the answers) because that is the head the deployed drafter drafts from: training and
 use see the same ``p_θ``, and the head costs |K| instead of |V| rows per position.
 

@@ -5,7 +5,7 @@ states ``F_0 .. F_{L-1}`` (:mod:`.features`; ``F_j`` predicts ``s_{j+1}``). Draf
 ``feature_fc([emb(s_{j+1}) ; F_j])`` at position ``j`` and outputs ``f̂_{j+1}``; the LM head over ``f̂_{j+1}``
 drafts ``s_{j+2}``. The losses:
 
-* the distillation loss (FKL, TVD or TVD++, :mod:`.losses`) of the drafted token against the target's stored
+* the distillation loss (FKL, TVD or TVD++, :mod:`..losses`) of the drafted token against the target's stored
   top-k ``q`` at the answer positions, over the VocabTrim kept set, as for a token-level drafter;
 * EAGLE's feature regression: smooth L1 between ``f̂_{j+1}`` and ``F_{j+1}`` at every row, weighted by
   ``regression`` (the states are RMS-normalised per row first, so the weight does not depend on the model's

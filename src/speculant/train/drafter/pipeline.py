@@ -2,13 +2,13 @@
 
 Goel et al. 2024, "Direct Alignment of Draft Model for Speculative Decoding with Chat-Fine-Tuned LLMs":
 
-1. **prompts**: instruction prompts (:mod:`.instructions`, or the user's ``--prompts FILE.jsonl``), written to
+1. **prompts**: instruction prompts (:mod:`speculant.data.instructions`, or the user's ``--prompts FILE.jsonl``), written to
    ``RUN/prompts.jsonl``;
 2. **answers**: the target answers them through its chat template at several temperatures, and its top-k
    distribution at every answer token is kept (:mod:`.answers`, ``RUN/answers/``);
 3. **fine-tune**: a small drafter, initialised from a few of the target's own layers and sharing its embedding and
    LM head (frozen), learns the target's answers with a distillation loss (FKL, TVD or TVD++,
-   :mod:`.losses`) over the VocabTrim kept set it will draft from (:mod:`.draft_train`). ``kind="feature"``
+   :mod:`..losses`) over the VocabTrim kept set it will draft from (:mod:`.draft_train`). ``kind="feature"``
    makes a feature (EAGLE) drafter instead, which also reads the target's hidden states: the target's states
    over the answers are extracted first (``RUN/features/``, :mod:`.features`) and the drafter also regresses
    them (:mod:`.feature_train`);

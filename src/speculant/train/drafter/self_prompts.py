@@ -2,7 +2,7 @@
 
 A chat model given its chat template up to the start of a user's message (the template's default system turn
 included) writes what a user would ask it: sampled at temperature 1, those requests cover the kinds of
-conversation the model was tuned on, which templated prompts (:mod:`.instructions`) only approximate. Direct
+conversation the model was tuned on, which templated prompts (:mod:`speculant.data.instructions`) only approximate. Direct
 Alignment needs prompts whose answers look like what the target writes for users; these come from the target's
 own idea of a user, need no data and work for any chat target.
 
