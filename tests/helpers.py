@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from scipy import stats
 
 
@@ -70,8 +71,6 @@ def detectable_tv(n: int, categories: int = 5, alpha: float = 1e-4, power: float
 
 def sizes(n_full: int, *values, id: str) -> list:
     """Parameters ``(*values, N_FAST)`` for the default suite and ``(*values, n_full)`` marked slow (id + '-full')."""
-    import pytest
-
     return [pytest.param(*values, N_FAST, id=id),
             pytest.param(*values, n_full, id=f"{id}-full", marks=pytest.mark.slow)]
 
@@ -88,6 +87,36 @@ def record_caches(monkeypatch, module, name: str) -> list:
 
     monkeypatch.setattr(module, name, Recording)
     return created
+
+
+API_VOCAB = 96
+"""The vocabulary of the API tests' tiny target (:func:`api_target`)."""
+
+
+@pytest.fixture(scope="module", name="target")
+def api_target():
+    """The ``target`` fixture of the Python API tests (test_api.py, test_errors_api.py; import it there): a tiny
+    Llama with :data:`API_VOCAB` tokens and a context of 64, one per module."""
+    from speculant.testing import tiny_model
+
+    return tiny_model("llama", seed=0, vocab_size=API_VOCAB, context=64)
+
+
+def wait_for(predicate, what: str = "condition", timeout: float = 30.0):
+    """``predicate()``'s first truthy value, polled every 20 ms; an AssertionError naming ``what`` after
+    ``timeout`` seconds."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def until_loaded(client, timeout: float = 60.0) -> None:
+    """Wait until an in-process server (a FastAPI ``TestClient``) answers /health with 200: its model is loaded."""
+    wait_for(lambda: client.get("/health").status_code == 200, "the model to load", timeout)
 
 
 MULTIBYTE = "héllo wörld ✓ naïve café 日本語"

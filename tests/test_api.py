@@ -7,19 +7,22 @@ import pytest
 import torch
 
 import speculant
+from helpers import API_VOCAB as VOCAB
+from helpers import api_target  # noqa: F401 (the target fixture)
 from speculant.testing import tiny_model
 
-VOCAB = 96
 
+def test_the_wrapper_has_the_engine_defaults():
+    """speculant.generate restates the engine's signature to document it; its defaults are the engine's own (the
+    one definition, read by the session and the command-line help)."""
+    import inspect
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads(one_thread):
-    """Every test here runs on one thread."""
+    from speculant.core import engine
 
+    def defaults(fn):
+        return {name: p.default for name, p in inspect.signature(fn).parameters.items()}
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model("llama", seed=0, vocab_size=VOCAB, context=64)
+    assert defaults(speculant.generate) == defaults(engine.generate)
 
 
 # ---------------------------------------------------------------------------------------------- drafter=

@@ -7,19 +7,9 @@ import pytest
 import torch
 
 import speculant
+from helpers import API_VOCAB as VOCAB
+from helpers import api_target  # noqa: F401 (the target fixture)
 from speculant.testing import tiny_model
-
-VOCAB = 96
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _threads(one_thread):
-    """Every test here runs on one thread."""
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model("llama", seed=0, vocab_size=VOCAB, context=64)
 
 
 @pytest.mark.parametrize(

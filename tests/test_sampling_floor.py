@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from helpers import chat_model_pair
+from helpers import chat_model_pair, until_loaded
 from speculant import cli
 from speculant.core.types import MIN_TEMPERATURE, SamplingParams
 
@@ -24,15 +24,6 @@ def _threads(one_thread):
 def models(tmp_path_factory):
     target, draft = chat_model_pair(tmp_path_factory.mktemp("floor"), layers=2, context=256)
     return {"target": target, "draft": draft}
-
-
-def _until_loaded(client, timeout: float = 60.0) -> None:
-    import time
-
-    deadline = time.time() + timeout
-    while client.get("/health").status_code != 200:
-        assert time.time() < deadline, "the model did not load"
-        time.sleep(0.05)
 
 
 def test_the_rule():
@@ -78,7 +69,7 @@ def test_server(models):
     settings = check_settings(ServeSettings(target=models["target"], draft=models["draft"], method="chain:k=3",
                                             model_name="m"))
     with TestClient(create_app(settings), base_url="http://127.0.0.1") as c:
-        _until_loaded(c)
+        until_loaded(c)
 
         def ids(t: float) -> list[int]:
             r = c.post("/v1/completions", json={"model": "m", "prompt": "def add(a, b):", "max_tokens": 12,

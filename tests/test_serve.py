@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from helpers import cli_error_line as _one_line_error  # noqa: E402
 from helpers import start_server as _start, stop_server as _stop  # noqa: E402
+from helpers import until_loaded, wait_for  # noqa: E402
 from speculant import cli  # noqa: E402
 from speculant.models.text import Detokenizer, StopMatcher  # noqa: E402
 
@@ -103,17 +104,7 @@ def _wait_metric(url: str, name: str, at_least: float) -> dict:
         m = _metrics(url)
         return m if _m(m, name) >= at_least else None
 
-    return _wait_for(reached, what=f"{name} >= {at_least}")
-
-
-def _wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return wait_for(reached, what=f"{name} >= {at_least}")
 
 
 # ---------------------------------------------------------------------------------------------- endpoints
@@ -387,7 +378,7 @@ def test_full_queue_is_429_at_once(server, raw, client):
                 break
         with _long_stream(raw, "/v1/chat/completions") as waiting:
             assert waiting.status_code == 200
-            _wait_for(lambda: _m(_metrics(url), "vllm:num_requests_waiting") == 1, what="a waiting request")
+            wait_for(lambda: _m(_metrics(url), "vllm:num_requests_waiting") == 1, what="a waiting request")
             t0 = time.perf_counter()
             with pytest.raises(openai.RateLimitError) as info:
                 client.chat.completions.create(model=MODEL, messages=_CHAT["messages"], max_tokens=2)
@@ -605,7 +596,7 @@ def test_a_failing_request_does_not_take_the_server_down(models, monkeypatch):
     monkeypatch.setattr(speculant.core.engine, "generate", flaky)
     app = create_app(check_settings(ServeSettings(target=models["target"], method="ar", model_name=MODEL)))
     with TestClient(app, base_url="http://127.0.0.1") as c:  # no API key: loopback Hosts only
-        _wait_for(lambda: c.get("/health").status_code == 200, what="the model")
+        until_loaded(c)
         r = c.post("/v1/completions", json={**_COMPLETION, "max_tokens": 3})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "boom" in r.text
         with c.stream("POST", "/v1/completions", json={**_COMPLETION, "max_tokens": 3, "stream": True}) as s:

@@ -14,7 +14,7 @@ pytest.importorskip("uvicorn")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from helpers import chat_model_pair  # noqa: E402
+from helpers import chat_model_pair, until_loaded  # noqa: E402
 from speculant import cli  # noqa: E402
 from speculant.serve import ServeSettings, check_settings, create_app  # noqa: E402
 
@@ -40,21 +40,12 @@ def _settings(models, **kw) -> ServeSettings:
                                         model_name=MODEL, **kw))
 
 
-def _until_loaded(client, timeout: float = 60.0) -> None:
-    import time
-
-    deadline = time.time() + timeout
-    while client.get("/health").status_code != 200:
-        assert time.time() < deadline, "the model did not load"
-        time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def c(models):
     """A loaded app without an API key, reached on a loopback address."""
 
     with TestClient(create_app(_settings(models)), base_url=LOCAL) as client:
-        _until_loaded(client)
+        until_loaded(client)
         yield client
 
 

@@ -11,7 +11,6 @@ import json
 import signal
 import socket
 import threading
-import time
 
 import pytest
 
@@ -21,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from helpers import cli_error_line, start_server, stop_server  # noqa: E402
+from helpers import cli_error_line, start_server, stop_server, until_loaded, wait_for  # noqa: E402
 from speculant.serve import ServeSettings, check_settings, create_app  # noqa: E402
 
 MODEL = "tiny-chat"
@@ -53,16 +52,6 @@ def _metrics(url: str) -> dict[str, float]:
             if set(s.labels) == {"model_name"}:
                 out[s.name] = s.value
     return out
-
-
-def _wait_for(predicate, what: str, timeout: float = 30.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _send_raw(url: str, body: dict) -> socket.socket:
@@ -99,9 +88,9 @@ def test_non_streaming_client_gone_cancels_at_once(server):
     url = server
     before = _metrics(url)
     s = _send_raw(url, _LONG_BODY)
-    _wait_for(lambda: _metrics(url)["vllm:num_requests_running"] == 1, "the generation to run")
+    wait_for(lambda: _metrics(url)["vllm:num_requests_running"] == 1, "the generation to run")
     s.close()
-    after = _wait_for(lambda: (m := _metrics(url))["speculant:requests_cancelled_total"]
+    after = wait_for(lambda: (m := _metrics(url))["speculant:requests_cancelled_total"]
                       > before["speculant:requests_cancelled_total"] and m, "the cancellation")
     cancelled = (after["speculant:cancelled_generation_tokens_total"]
                  - before["speculant:cancelled_generation_tokens_total"])
@@ -121,11 +110,11 @@ def test_queued_non_streaming_request_whose_client_left_never_starts(server):
         lines = running.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         queued = _send_raw(url, {**_LONG_BODY, "prompt": "y = 2"})
-        _wait_for(lambda: _metrics(url)["vllm:num_requests_waiting"] == 1, "the request to wait")
+        wait_for(lambda: _metrics(url)["vllm:num_requests_waiting"] == 1, "the request to wait")
         queued.close()
-        m = _wait_for(lambda: (m := _metrics(url))["vllm:num_requests_waiting"] == 0 and m, "the queue to empty")
+        m = wait_for(lambda: (m := _metrics(url))["vllm:num_requests_waiting"] == 0 and m, "the queue to empty")
         assert m["vllm:num_requests_running"] == 1  # left while the first one was still decoding
-    _wait_for(lambda: _metrics(url)["speculant:requests_cancelled_total"]
+    wait_for(lambda: _metrics(url)["speculant:requests_cancelled_total"]
               == before["speculant:requests_cancelled_total"] + 2, "both cancellations")
     after = _metrics(url)
     prompt = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
@@ -145,7 +134,7 @@ def _app(models, **kw):
 def small(models):
     """A loaded in-process app taking bodies of at most 100,000 bytes (room for prompts too long to fit)."""
     with TestClient(_app(models, max_body_bytes=100_000), base_url="http://127.0.0.1") as client:
-        _wait_for(lambda: client.get("/health").status_code == 200, "the model to load", timeout=60)
+        until_loaded(client)
         yield client
 
 
@@ -249,7 +238,7 @@ def test_body_and_grace_options_are_checked(models, capsys):
 
 def test_a_draining_app_refuses_new_work_with_503(models):
     with TestClient(_app(models), base_url="http://127.0.0.1") as client:
-        _wait_for(lambda: client.get("/health").status_code == 200, "the model to load", timeout=60)
+        until_loaded(client)
         client.portal.call(client.app.state.drain.run)  # idle: done at once, and refusing from then on
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
@@ -277,10 +266,10 @@ def test_sigterm_lets_running_and_queued_streams_finish_and_refuses_new_work(mod
         with httpx.Client(timeout=120) as c, _stream(c, url) as first, _stream(c, url, prompt="y = 2") as second:
             lines = first.iter_lines()
             _first_text(lines)
-            _wait_for(lambda: _metrics(url)["vllm:num_requests_waiting"] == 1, "the second request to wait")
+            wait_for(lambda: _metrics(url)["vllm:num_requests_waiting"] == 1, "the second request to wait")
             proc.send_signal(signal.SIGTERM)
             # two generations of LONG tokens are still to finish: the server drains, and refuses new work
-            r = _wait_for(lambda: (r := httpx.get(url + "/health", timeout=10)).status_code == 503 and r,
+            r = wait_for(lambda: (r := httpx.get(url + "/health", timeout=10)).status_code == 503 and r,
                           "the drain to begin")
             assert r.json()["status"] == "shutting_down"
             r = httpx.post(url + "/v1/completions", json={**_LONG_BODY, "max_tokens": 2}, timeout=10)
@@ -309,7 +298,7 @@ def test_sigterm_after_the_grace_ends_streams_with_abort_and_done(models, tmp_pa
 
             poster = threading.Thread(target=post)
             poster.start()
-            _wait_for(lambda: _metrics(url)["vllm:num_requests_waiting"] == 1, "the second request to wait")
+            wait_for(lambda: _metrics(url)["vllm:num_requests_waiting"] == 1, "the second request to wait")
             proc.send_signal(signal.SIGTERM)
             events = _events(lines)
             poster.join(120)

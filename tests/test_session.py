@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import speculant
-from speculant import cli, session as session_mod
+from speculant import cli
 from speculant.drafters.registry import build_drafter
 from speculant.models import loading
 from speculant.session import ParsedMethod, Session, SessionPlan, load, resolve

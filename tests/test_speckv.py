@@ -10,7 +10,7 @@ import torch
 import speculant
 from speculant.core.cache import SpecCache, cache_kwarg
 from speculant.drafters.registry import build_drafter
-from speculant.kv import BudgetCache, SpecKV, find_speckv, parse_policy, prefill_blockwise
+from speculant.kv import BudgetCache, SpecKV, parse_policy, prefill_blockwise
 from speculant.kv import budget as kv_budget
 from speculant.testing import perturbed, tiny_model
 
@@ -152,4 +152,3 @@ def test_generate_by_name_with_a_drafter_and_errors(pair):
         speculant.generate(target, prompt, max_new_tokens=4, kv_policy="speckv", kv_budget=24)
     with pytest.raises(ValueError, match="lookahead must be >= 1"):
         SpecKV(lookahead=0)
-    assert find_speckv(parse_policy("protect:speckv")) is not None

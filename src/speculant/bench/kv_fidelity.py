@@ -35,7 +35,6 @@ from ..kv.policies import ScorePolicy
 __all__ = [
     "EvalConfig",
     "Fidelity",
-    "default_text",
     "default_texts",
     "fidelity",
     "memory_profile",
@@ -221,11 +220,6 @@ def default_texts(n: int = 4) -> dict[str, str]:
     """The fidelity texts when none is given: ``{module: source}`` of the ``n`` longest held-out (test-split)
     standard-library modules, which the bundled models never saw in training (:mod:`speculant.data.corpus`)."""
     return {d.module: d.text for d in _held_out(n)}
-
-
-def default_text() -> str:
-    """The longest held-out standard-library module."""
-    return _held_out(1)[0].text
 
 
 @torch.no_grad()

@@ -15,6 +15,7 @@ All of them preserve the target distribution exactly (greedy: token-identical ou
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -54,12 +55,14 @@ def verify(
     return _verify_rejection(tree, target_logits, params, generator)
 
 
-def _verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
-    best = target_logits.argmax(-1).tolist()  # one host sync for the whole tree
+def _follow(tree: DraftTree, pick: Callable[[int], int]) -> Verdict:
+    """Walk down from the root: the target's token at a node (``pick(row)``, row 0 after the root) is accepted
+    if a child drafted it, and is the bonus token otherwise. Greedy and deterministic-draft verification are
+    this walk; they differ only in how the target's token is picked (argmax, or one draw per visited node)."""
     path: list[int] = []
     node = -1
     while True:
-        want = best[node + 1]
+        want = pick(node + 1)
         nxt = next((c for c in tree.children[node + 1] if tree.tokens[c] == want), None)
         if nxt is None:
             return Verdict(path, want)
@@ -67,17 +70,14 @@ def _verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
         node = nxt
 
 
+def _verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> Verdict:
+    best = target_logits.argmax(-1).tolist()  # one host sync for the whole tree
+    return _follow(tree, best.__getitem__)
+
+
 def _verify_deterministic(tree, target_logits, params, generator) -> Verdict:
     q_all = warp(target_logits, params)  # [N + 1, V]: one batched warp for every node
-    path: list[int] = []
-    node = -1
-    while True:
-        y = sample(q_all[node + 1], generator)
-        nxt = next((c for c in tree.children[node + 1] if tree.tokens[c] == y), None)
-        if nxt is None:
-            return Verdict(path, y)
-        path.append(nxt)
-        node = nxt
+    return _follow(tree, lambda row: sample(q_all[row], generator))
 
 
 def _verify_rejection(tree, target_logits, params, generator) -> Verdict:

@@ -35,7 +35,7 @@ from .policies import (
     pin_window,
 )
 from .registry import POLICIES, WRAPPERS, parse_policy, policy_names
-from .speckv import SpecKV, find_speckv
+from .speckv import SpecKV
 
 __all__ = [
     "warn_nesting",
@@ -61,7 +61,6 @@ __all__ = [
     "attention_probs",
     "caote_scores",
     "evict",
-    "find_speckv",
     "observe",
     "parse_policy",
     "pin_window",

@@ -27,12 +27,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
-
-P = TypeVar("P", bound="ScorePolicy")
 
 __all__ = [
     "H2O",
@@ -47,7 +44,6 @@ __all__ = [
     "SnapKV",
     "Streaming",
     "WrapperPolicy",
-    "find_policy",
     "pin_window",
 ]
 
@@ -347,15 +343,6 @@ class WrapperPolicy(ScorePolicy):
 
     def prefill_observers(self, model, cache, prefix, following, last, queries_out=None):
         return self.inner.prefill_observers(model, cache, prefix, following, last, queries_out)
-
-
-def find_policy(policy: ScorePolicy | None, cls: type[P]) -> P | None:
-    """The ``cls`` instance in ``policy``: itself, or inside wrappers (``caote:snapkv``), or None."""
-    while policy is not None:
-        if isinstance(policy, cls):
-            return policy
-        policy = getattr(policy, "inner", None)
-    return None
 
 
 @dataclass

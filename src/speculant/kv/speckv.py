@@ -33,9 +33,9 @@ import torch
 from ..core.cache import SpecCache, cache_kwarg
 from ..core.checks import num_layers
 from .attention import QueryCapture, attention_probs
-from .policies import ScorePolicy, SnapKV, find_policy
+from .policies import SnapKV
 
-__all__ = ["SpecKV", "find_speckv"]
+__all__ = ["SpecKV"]
 
 
 @dataclass
@@ -113,8 +113,3 @@ class SpecKV(SnapKV):
             queries_out.update(cap.queries)
         cache.crop(before)
         return attn
-
-
-def find_speckv(policy: ScorePolicy | None) -> SpecKV | None:
-    """The :class:`SpecKV` in ``policy`` (itself, or inside wrappers such as ``caote:speckv``), or None."""
-    return find_policy(policy, SpecKV)
