@@ -15,11 +15,6 @@ from speculant.core.types import MIN_TEMPERATURE, SamplingParams
 TINY = 1e-38
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads(one_thread):
-    """In-process models run on one thread."""
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     target, draft = chat_model_pair(tmp_path_factory.mktemp("floor"), layers=2, context=256)

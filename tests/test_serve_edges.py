@@ -24,11 +24,6 @@ _CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_t
 _COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads(one_thread):
-    """In-process models run on one thread."""
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     target, draft = chat_model_pair(tmp_path_factory.mktemp("edges"), layers=2, context=512)
