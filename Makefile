@@ -72,12 +72,22 @@ bench-mtbench: $(STAMP)
 		--temperature $(MTBENCH_TEMPERATURE) --seed 0 --threads 2 --device cpu --out $(MTBENCH_OUT)
 	$(PY) benchmarks/readme_table.py --results $(MTBENCH_OUT)/results.json --marker $(MTBENCH_MARKER) --readme README.md
 
-# llama.cpp baselines (bench --baselines llamacpp-ar,llamacpp-lookup): llama-cpp-python built from source with the
-# generic CPU backend (the native build crashed in llama_decode on an AVX-512/AMX CPU). About 15 minutes on 2
-# cores; never part of `make test`.
+# llama.cpp baselines (bench --baselines llamacpp-ar,llamacpp-lookup,llamacpp-draft): llama.cpp's own programs
+# (llama-lookup, llama-speculative-simple, and llama-bench for by-hand runs) built natively from the sources vendored
+# in the llama-cpp-python sdist into .llamacpp/build/bin. About 10-15 minutes on 2 cores; never part of `make test`.
+# LLAMACPP_CMAKE_ARGS adds cmake flags (e.g. -DGGML_NATIVE=OFF for a portable build).
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
+LLAMACPP_DIR ?= .llamacpp
+LLAMACPP_CMAKE_ARGS ?=
+LLAMACPP_TOOLS ?= llama-lookup llama-speculative-simple llama-bench
 llamacpp: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install --no-binary llama-cpp-python "$(LLAMACPP_SPEC)"
+	mkdir -p $(LLAMACPP_DIR)
+	$(PY) -m pip download -q --no-deps --no-binary :all: "$(LLAMACPP_SPEC)" -d $(LLAMACPP_DIR)
+	cd $(LLAMACPP_DIR) && tar xzf $$(ls -t llama_cpp_python-*.tar.gz | head -n 1) && \
+	  src=$$(ls -td llama_cpp_python-*/ | head -n 1)vendor/llama.cpp && \
+	  cmake -S $$src -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+	    -DLLAMA_BUILD_TESTS=OFF $(LLAMACPP_CMAKE_ARGS) && \
+	  cmake --build build -j$${JOBS:-2} --target $(LLAMACPP_TOOLS)
 
 # Fast target forward (issue 14): plain decoding through transformers' generate (hf-ar), through the model's own
 # forward in our loop (ar:forward=model) and through the lean forward (ar), with the speculative methods, on
