@@ -22,7 +22,8 @@ tokenises back (special tokens parsed); the count it reports is checked against 
 prints itself (``encoded ... in S seconds``: the prompt, ``prefill_s``; ``decoded ... in S seconds``: the
 decoding loop), so model loading and process start are excluded; ``wall_s`` is their sum. The programs print
 text, not token ids: the output is re-tokenised with our tokenizer (and cut at max new tokens: llama.cpp's loops
-may overshoot by a round) for the identity column, while ``new_tokens`` and tokens/s are llama.cpp's own counts.
+may overshoot by a round; ``llama-speculative-simple`` does not print the stop token it ends at, which is put
+back) for the identity column, while ``new_tokens`` and tokens/s are llama.cpp's own counts.
 Per round, llama.cpp reports totals only: target calls = rounds = tokens - accepted drafts (each round emits its
 accepted drafts plus one), τ = tokens / rounds, ``draft_acceptance`` = accepted / drafted; no per-round histogram.
 """
@@ -195,6 +196,11 @@ def llamacpp_runner(name: str, options: Mapping[str, Any], gguf: Path, tokenizer
                              "tokenizer does not read our decoded prompt back)")
         text = generated_text(done.stdout, prompt)
         new = list(tokenizer.encode(text, add_special_tokens=False))[:max_new_tokens]
+        if name == "llamacpp-draft" and stop_ids and len(new) < min(t.new_tokens, max_new_tokens):
+            # llama-speculative-simple does not print the end-of-generation token it stopped at: put it back (the
+            # tokenizer's EOS when it is a stop, else the first stop) so the identity column compares like with like
+            eos = getattr(tokenizer, "eos_token_id", None)
+            new.append(eos if eos in stop_ids else stop_ids[0])
         stats = stats_from_timings(t)
         return {"token_ids": new, **stats.as_dict(), "depth_reached": [], "depth_accepted": [],
                 "kv_cache_peak_bytes": 0, "draft_accepted": t.accepted,
