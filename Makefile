@@ -72,12 +72,29 @@ bench-mtbench: $(STAMP)
 		--temperature $(MTBENCH_TEMPERATURE) --seed 0 --threads 2 --device cpu --out $(MTBENCH_OUT)
 	$(PY) benchmarks/readme_table.py --results $(MTBENCH_OUT)/results.json --marker $(MTBENCH_MARKER) --readme README.md
 
-# llama.cpp baselines (bench --baselines llamacpp-ar,llamacpp-lookup): llama-cpp-python built from source with the
-# generic CPU backend (the native build crashed in llama_decode on an AVX-512/AMX CPU). About 15 minutes on 2
-# cores; never part of `make test`.
+# llama.cpp baselines (bench --baselines llamacpp-ar,llamacpp-lookup,llamacpp-draft): llama.cpp's own programs
+# (llama-lookup, llama-speculative-simple, and llama-bench for by-hand runs) built from the sources vendored in the
+# llama-cpp-python sdist into .llamacpp/build/bin. About 10-15 minutes on 2 cores; never part of `make test`.
+# Natively (-march=native), except on a CPU with AMX: there ggml also compiles its AMX kernels, and on an Intel Xeon
+# with AVX-512 and AMX (a VM) ggml_backend_amx_mul_mat segfaults at the first decode (0.3.36; the runtime flag
+# --no-repack avoids it too, but loses the repacked kernels), so the build names the CPU's instruction sets up to
+# AVX-512 (VNNI, VBMI, BF16) and AVX-VNNI instead, AMX left off. LLAMACPP_ISA overrides the choice
+# (e.g. LLAMACPP_ISA=-DGGML_NATIVE=ON to try AMX); LLAMACPP_CMAKE_ARGS adds flags.
 LLAMACPP_SPEC ?= llama-cpp-python==0.3.36
+LLAMACPP_DIR ?= .llamacpp
+LLAMACPP_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNNI=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+LLAMACPP_ISA ?= $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo '$(LLAMACPP_NO_AMX)' || echo -DGGML_NATIVE=ON)
+LLAMACPP_CMAKE_ARGS ?=
+LLAMACPP_TOOLS ?= llama-lookup llama-speculative-simple llama-bench
 llamacpp: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=OFF" $(PY) -m pip install --no-binary llama-cpp-python "$(LLAMACPP_SPEC)"
+	mkdir -p $(LLAMACPP_DIR)
+	$(PY) -m pip download -q --no-deps --no-binary :all: "$(LLAMACPP_SPEC)" -d $(LLAMACPP_DIR)
+	cd $(LLAMACPP_DIR) && tar xzf $$(ls -t llama_cpp_python-*.tar.gz | head -n 1) && \
+	  src=$$(ls -td llama_cpp_python-*/ | head -n 1)vendor/llama.cpp && \
+	  cmake -S $$src -B build -DCMAKE_BUILD_TYPE=Release $(LLAMACPP_ISA) -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+	    -DLLAMA_BUILD_TESTS=OFF $(LLAMACPP_CMAKE_ARGS) && \
+	  cmake --build build -j$${JOBS:-2} --target $(LLAMACPP_TOOLS)
 
 # Fast target forward (issue 14): plain decoding through transformers' generate (hf-ar), through the model's own
 # forward in our loop (ar:forward=model) and through the lean forward (ar), with the speculative methods, on

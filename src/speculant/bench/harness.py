@@ -332,7 +332,9 @@ def run_bench(
     for spec, name, options in parsed_baselines:
         if BASELINES[name].runtime == "llama.cpp":
             gguf = llamacpp.gguf_of(None if isinstance(target, torch.nn.Module) else target_desc)
-            runner = llamacpp.llamacpp_runner(name, options, gguf, k_default, stops, n_ctx, torch.get_num_threads())
+            draft_gguf = llamacpp.gguf_of(draft_desc, role="draft") if BASELINES[name].needs_draft else None
+            runner = llamacpp.llamacpp_runner(name, options, gguf, tokenizer, k_default, stops, n_ctx,
+                                              torch.get_num_threads(), draft_gguf=draft_gguf)
         else:
             runner = hf_runner(name, options, target_model, draft_model, k_default, stops, pad)
         runs.append(MethodRun(spec, run=runner))
@@ -355,7 +357,12 @@ def run_bench(
         draft_ppf = params_per_forward(draft_model) if uses_draft else 0
         _add_costs(summary[spec], rows[spec], BASELINES[name].runtime, draft_ppf, target_ppf,
                    param_bytes(target_model, draft_model if uses_draft else None))
-        summary[spec]["k"] = int(options.get("k", k_default)) if name not in ("hf-ar", "llamacpp-ar") else None
+        summary[spec]["k"] = (None if name in ("hf-ar", "llamacpp-ar") else int(options["k"]) if "k" in options
+                              else llamacpp.DEFAULT_DRAFT_K if name == "llamacpp-draft" else k_default)
+        if BASELINES[name].runtime == "llama.cpp":  # llama.cpp's own counts, pooled over runs
+            drafted = sum(r["draft_tokens"] for r in rows[spec])
+            summary[spec]["draft_acceptance"] = (sum(r["draft_accepted"] for r in rows[spec]) / drafted
+                                                 if drafted else None)
 
     results = {
         "benchmark": "speculant bench",
@@ -386,6 +393,8 @@ def run_bench(
             "chat_prompts": chats,
             "pad_token_id": pad,
             "hf_default_k": k_default,
+            **({"llamacpp": llamacpp.SETTINGS_NOTE} if any(
+                BASELINES[n].runtime == "llama.cpp" for _, n, _ in parsed_baselines) else {}),
         },
         "definitions": DEFINITIONS,
         "prompts": [{**{k: v for k, v in r.items() if k != "input_ids"}, "tokens": len(ids)}

@@ -8,8 +8,8 @@
 ``hf-prompt-lookup[:k=N][:ngram=M]``
     prompt-lookup decoding (``prompt_lookup_num_tokens=N``, ``max_matching_ngram_size=M``).
 
-The baseline table also lists ``llamacpp-ar`` and ``llamacpp-lookup``, which run the target's GGUF file through
-llama.cpp instead (:mod:`speculant.bench.llamacpp`).
+The baseline table also lists ``llamacpp-ar``, ``llamacpp-lookup`` and ``llamacpp-draft``, which run the target's
+GGUF file (and the draft's) through llama.cpp's own programs instead (:mod:`speculant.bench.llamacpp`).
 
 Specs use the registry's syntax (``NAME:key=value``). A forward probe on the target counts its calls (the first
 one also processes the prompt) and recovers, from the cache length and the number of tokens each call is fed, how
@@ -36,6 +36,7 @@ import torch
 from ..core.checks import resolve_eos
 from ..drafters.registry import Key, split_spec
 from ..core.types import GenerationStats
+from .llamacpp import DEFAULT_DRAFT_K
 from .probe import ForwardProbe, peak_kv_bytes, probing
 
 __all__ = ["BASELINES", "Baseline", "describe_baselines", "hf_generate", "parse_baseline", "stats_from_calls"]
@@ -72,15 +73,21 @@ BASELINES: dict[str, Baseline] = {
                 "ngram": Key(int, "max_matching_ngram_size", default=2),
             },
         ),
-        Baseline("llamacpp-ar", "llama.cpp plain decoding of the target's GGUF file (its quantized weights; needs "
-                 "`make llamacpp`)", runtime="llama.cpp"),
+        Baseline("llamacpp-ar", "llama.cpp plain decoding of the target's GGUF file (llama-lookup with no draft "
+                 "tokens; its quantized weights; needs `make llamacpp`)", runtime="llama.cpp"),
         Baseline(
             "llamacpp-lookup",
-            "llama.cpp (llama-cpp-python) prompt-lookup decoding of the target's GGUF file",
-            keys={
-                "k": Key(int, "candidate tokens per step (num_pred_tokens); default: as hf-assisted"),
-                "ngram": Key(int, "max_ngram_size", default=2),
-            },
+            "llama.cpp lookup decoding (llama-lookup: its 1- to 4-gram cache of the prompt and output) of the "
+            "target's GGUF file",
+            keys={"k": Key(int, "draft tokens per round at most (--spec-draft-n-max); default: as hf-assisted")},
+            runtime="llama.cpp",
+        ),
+        Baseline(
+            "llamacpp-draft",
+            "llama.cpp draft-model speculation (llama-speculative-simple) with the draft's GGUF file (Leviathan et "
+            "al. 2023)",
+            needs_draft=True,
+            keys={"k": Key(int, "draft tokens per round (--spec-draft-n-max)", default=DEFAULT_DRAFT_K)},
             runtime="llama.cpp",
         ),
     )
