@@ -78,6 +78,31 @@ def test_draft_quantization_overrides_the_target_kind_and_modules_are_taken_as_t
     _one_line(err.value)
 
 
+def test_an_attached_drafter_loads_next_to_a_quantized_tied_target(tmp_path, code_tokenizer):
+    """The drafter's embedding check reads the float embedding it was made for: the session loads it before the
+    target's tied (shared with the embedding) head is quantized, and the drafter then shares the quantized head."""
+    from speculant.models.attached import build_attached, save_attached
+
+    target = tiny_model("llama", vocab_size=len(code_tokenizer), hidden=64, layers=2)
+    target.config.tie_word_embeddings = True
+    target.lm_head.weight = target.model.embed_tokens.weight
+    target.save_pretrained(tmp_path / "t")
+    code_tokenizer.save_pretrained(tmp_path / "t")
+    draft = save_attached(build_attached(target, [0]), target, tmp_path / "d", target_name="tiny",
+                          dtype=torch.float32)
+    session = resolve(str(tmp_path / "t"), str(draft), "chain:k=2", quantization="q4").load()
+    assert quantization_of(session.target) == quantization_of(session.draft) == "q4"
+    assert session.draft.lm_head is session.target.lm_head
+    assert session.target.lm_head.weight is session.target.model.embed_tokens.weight  # tied: the case that matters
+    from speculant.models.loading import load_draft
+
+    with pytest.raises(ValueError, match="different model"):  # what loading it after quantizing would do
+        load_draft(str(draft), session.target)
+    with pytest.raises(ValueError, match="already holds a q4 matrix") as err:  # the shared head has one kind
+        resolve(str(tmp_path / "t"), str(draft), "chain:k=2", quantization="q4", draft_quantization="int8").load()
+    _one_line(err.value)
+
+
 def test_a_model_quantized_to_one_kind_refuses_another(code_models):
     model, _ = load_model_dir(code_models["target"], quantization="int4")
     head = model.get_output_embeddings()

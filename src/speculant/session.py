@@ -146,7 +146,9 @@ class SessionPlan:
         """Load the target (and its tokenizer) and the draft, on the device; build one drafter now, so that a
         method that cannot be built fails here rather than at the first generation."""
         from .core.checks import resolve_device, warn_once
-        from .models.loading import draft_context, load_draft, load_model_dir
+        from .core.quant import quantization_of
+        from .models.loading import draft_context, load_draft, load_model_dir, quantize_loaded
+        from .models.sources import gguf_backing
 
         if self.threads is not None:
             torch.set_num_threads(self.threads)
@@ -154,17 +156,27 @@ class SessionPlan:
         if isinstance(self.target, torch.nn.Module):
             target = self.target.eval()  # a loaded module stays where it is
         else:
-            target, tok = load_model_dir(self.target, self.dtype, self.quantization)
+            target, tok = load_model_dir(self.target, self.dtype)  # quantized below, after the draft loads
             tokenizer = tokenizer if tokenizer is not None else tok
-            target.to(self.device if self.device is not None else resolve_device(None))
         draft, context = None, {}
         if isinstance(self.draft, torch.nn.Module):
             draft = self.draft.eval()
         elif self.draft is not None:
-            draft = load_draft(self.draft, target, self.dtype, self.draft_quantization)
-            draft.to(target.device)
+            # float, next to the target as loaded (float unless it came in quantized): an attached drafter checks
+            # the float embedding it was made for, and takes the target's kind (it shares the head)
+            draft = load_draft(self.draft, target, self.dtype,
+                               quantization_of(target) if _attached(self.draft) else "none")
             if tokenizer is not None or _attached(self.draft):
                 context = draft_context(self.draft, tokenizer)
+        # then the kinds: the target first (an attached drafter's shared head is then the target's matrix, kept)
+        for model, name, kind in ((target, self.target, self.quantization),
+                                  (draft, self.draft, self.draft_quantization)):
+            if isinstance(name, str) and kind != quantization_of(model):
+                quantize_loaded(model, kind, gguf_backing(name))
+        if isinstance(self.target, str):
+            target.to(self.device if self.device is not None else resolve_device(None))
+        if isinstance(self.draft, str):
+            draft.to(target.device)
         session = Session(plan=self, target=target, tokenizer=tokenizer, draft=draft, context=context)
         session.drafter()  # fails now (e.g. a tree the draft cannot build) rather than per generation
         if self.unused_draft is not None:  # one rule for every method without a draft model, ar included

@@ -281,14 +281,18 @@ def load_draft(name_or_path: str | Path, target: torch.nn.Module, dtype: torch.d
     """Load a draft model for ``target``: an attached drafter (:mod:`speculant.models.attached`, sharing the target's
     embedding and LM head, loaded in the target's dtype) or an ordinary model directory / name (in ``dtype``),
     quantized to ``quantization`` (see :func:`load_model_dir`; None: none). An attached drafter's own layers are
-    quantized and its shared head stays the target's, so its kind must be the target's (else a ValueError).
+    quantized and its shared head stays the target's, so its kind must be the target's (None: the target's; else
+    a ValueError). Its embedding check compares with the float embedding it was made for, which a target with a
+    tied, quantized head no longer has: load it next to the float target, then quantize both
+    (:class:`speculant.session.SessionPlan` does).
 
     Returns the draft model (eval mode). The caller checks that an ordinary draft's tokenizer matches the
     target's (:func:`tokenizers_match`); an attached drafter uses the target's tokenizer by construction."""
     from ..core.quant import quantization_of, quantize_model
 
-    quantization = check_quantization(quantization)
     d = check_model_dir(resolve_model(name_or_path))
+    quantization = quantization_of(target) if quantization is None and is_attached(d) else check_quantization(
+        quantization)
     if is_attached(d):
         if quantization != quantization_of(target):
             raise ValueError(f"attached drafter {str(d)!r} shares the target's head: its quantization must be the "
