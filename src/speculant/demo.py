@@ -48,10 +48,11 @@ TREE = "tree:budget=12:topk=2:depth=8"  # the calibrated dynamic tree (the READM
 
 
 def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tokens: int, repeats: int,
-             tiny: bool, dtype: str = "float32", chat: bool = False) -> None:
+             tiny: bool, dtype: str = "float32", chat: bool = False, quantization: str = "none") -> None:
     """Time ar, chain, chain with lookup and the dynamic tree on ``prompt`` (the same target, draft and dtype as
     the CLI run)."""
-    session = load(target_name, draft_name, f"chain:k={k}", dtype=dtype, device="cpu",  # the timings: on the CPU
+    session = load(target_name, draft_name, f"chain:k={k}", dtype=dtype, quantization=quantization,
+                   device="cpu",  # the timings: on the CPU
                    threads=None)  # the demo's --threads, set already
     ids, eos = session.encode(prompt, raw=not chat)
     with_lookup = default_method_for(target_name, draft_name) or f"chain:k={k}:lookup=8"
@@ -64,7 +65,7 @@ def _measure(target_name: str, draft_name: str, prompt: str, k: int, max_new_tok
             if r > 0:
                 runs[name].append(stats)
     print(f"\nplain (ar) vs speculative (a chain with k={k}, a chain with prompt lookup merged in, a dynamic tree), "
-          f"greedy, {dtype}, up to "
+          f"greedy, {dtype}{'' if quantization == 'none' else ', ' + quantization + ' weights'}, up to "
           f"{max_new_tokens} new tokens, median of {repeats} interleaved runs after a warm-up "
           "(speed-up: median of the per-run ratios of tokens/s against ar):")
     for name, spec in specs.items():
@@ -98,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads (default: %(default)s)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="model dtype (default: %(default)s, exact)")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "q4"],
+                    help="weight quantization of both models, as speculant generate --quantization (default: "
+                    "%(default)s)")
     ap.add_argument("--bundled", action="store_true",
                     help=f"use the bundled 32M pair even if {CHAT_TARGET} is installed")
     ap.add_argument("--tiny", action="store_true", help="use untrained in-process models even if bundled ones exist")
@@ -133,7 +137,8 @@ def _generate_then_measure(target: str, draft: str, prompt: str, args: argparse.
     dtype = getattr(args, "dtype", "float32")
     method = default_method_for(target, draft) or f"chain:k={args.k}"  # the packaged default where there is one
     argv_cli = ["generate", prompt, "--target", target, "--draft", draft, "--method", method,
-                "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--dtype", dtype]
+                "--max-new-tokens", str(args.max_new_tokens), "--threads", str(args.threads), "--dtype", dtype,
+                "--quantization", getattr(args, "quantization", "none")]
     if not chat:
         argv_cli.append("--raw")
     print("$ speculant " + " ".join(repr(a) if (" " in a or "\n" in a) else a for a in argv_cli))
@@ -144,7 +149,7 @@ def _generate_then_measure(target: str, draft: str, prompt: str, args: argparse.
     sys.stderr.flush()
     if code == 0:
         _measure(target, draft, prompt, args.k, args.max_new_tokens, args.repeats, tiny=tiny, dtype=dtype,
-                 chat=chat)
+                 chat=chat, quantization=getattr(args, "quantization", "none"))
     return code
 
 

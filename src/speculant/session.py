@@ -16,6 +16,12 @@ they resolve the same defaults and agree on the same rules:
   ``mask-probe`` ...) is not loaded, and loading warns once that it is not used.
 * **dtype** None: float32 (the only dtype in which greedy speculative output is guaranteed token-identical to a
   separately run plain decode); **device** None: the best available (:func:`speculant.core.checks.resolve_device`).
+* **quantization** None: ``"none"`` (:data:`speculant.core.quant.QUANTIZATIONS`); the models loaded by name are
+  quantized as they load (:func:`speculant.models.loading.load_model_dir`: a GGUF file's Q4_K/Q4_1 codes are kept
+  for int4 and q4). **draft_quantization** None: the target's kind, because the draft only proposes (its
+  numerics never change what is emitted) and a quantized target usually wants a draft as cheap as itself; give
+  ``"none"`` to keep a float draft. A loaded module is never quantized here: quantization None takes it as it
+  is, any other kind must be the one it already has (:func:`speculant.core.quant.quantization_of`).
 
 Two phases, because a server checks its settings before it listens and loads afterwards: :func:`resolve` checks
 everything cheap and resolves names to model directories (:class:`SessionPlan`, nothing loaded), and
@@ -124,6 +130,8 @@ class SessionPlan:
     draft: str | torch.nn.Module | None = None
     tokenizer: Any = None
     dtype: torch.dtype | str = torch.float32
+    quantization: str = "none"
+    draft_quantization: str = "none"
     device: torch.device | None = None
     threads: int | str | None = None
     kv_policy: ScorePolicy | None = None
@@ -138,25 +146,37 @@ class SessionPlan:
         """Load the target (and its tokenizer) and the draft, on the device; build one drafter now, so that a
         method that cannot be built fails here rather than at the first generation."""
         from .core.checks import resolve_device, warn_once
+        from .core.quant import quantization_of
         from .core.threads import apply_threads
-        from .models.loading import draft_context, load_draft, load_model_dir
+        from .models.loading import draft_context, load_draft, load_model_dir, quantize_loaded
+        from .models.sources import gguf_backing
 
         apply_threads(self.threads)
         tokenizer = self.tokenizer
         if isinstance(self.target, torch.nn.Module):
             target = self.target.eval()  # a loaded module stays where it is
         else:
-            target, tok = load_model_dir(self.target, self.dtype)
+            target, tok = load_model_dir(self.target, self.dtype)  # quantized below, after the draft loads
             tokenizer = tokenizer if tokenizer is not None else tok
-            target.to(self.device if self.device is not None else resolve_device(None))
         draft, context = None, {}
         if isinstance(self.draft, torch.nn.Module):
             draft = self.draft.eval()
         elif self.draft is not None:
-            draft = load_draft(self.draft, target, self.dtype)
-            draft.to(target.device)
+            # float, next to the target as loaded (float unless it came in quantized): an attached drafter checks
+            # the float embedding it was made for, and takes the target's kind (it shares the head)
+            draft = load_draft(self.draft, target, self.dtype,
+                               quantization_of(target) if _attached(self.draft) else "none")
             if tokenizer is not None or _attached(self.draft):
                 context = draft_context(self.draft, tokenizer)
+        # then the kinds: the target first (an attached drafter's shared head is then the target's matrix, kept)
+        for model, name, kind in ((target, self.target, self.quantization),
+                                  (draft, self.draft, self.draft_quantization)):
+            if isinstance(name, str) and kind != quantization_of(model):
+                quantize_loaded(model, kind, gguf_backing(name))
+        if isinstance(self.target, str):
+            target.to(self.device if self.device is not None else resolve_device(None))
+        if isinstance(self.draft, str):
+            draft.to(target.device)
         session = Session(plan=self, target=target, tokenizer=tokenizer, draft=draft, context=context)
         session.drafter()  # fails now (e.g. a tree the draft cannot build) rather than per generation
         if self.unused_draft is not None:  # one rule for every method without a draft model, ar included
@@ -193,6 +213,8 @@ def resolve(
     method: str | None = None,
     *,
     dtype: torch.dtype | str | None = None,
+    quantization: str | None = None,
+    draft_quantization: str | None = None,
     device: str | torch.device | None = None,
     threads: int | str | None = "auto",
     kv_policy: str | ScorePolicy | None = None,
@@ -212,19 +234,21 @@ def resolve(
             go (None: the best available; a loaded target stays where it is, a draft follows the target);
             threads: ``torch.set_num_threads`` when loading: an int, ``"auto"`` (the cores free at the first load,
             see :mod:`speculant.core.threads`) or None (left to torch).
+        quantization, draft_quantization: the weight quantization of the target and of the draft (one of
+            :data:`speculant.core.quant.QUANTIZATIONS`; see the module docstring for None).
         kv_policy, kv_budget, kv_block: KV-cache eviction of the target (a spec such as ``"caote:h2o"`` or a
             policy object; policy and budget go together; ``kv_block`` None: ``generate``'s default).
         draft_for: other users of the draft (e.g. ``["hf-assisted"]`` in a benchmark): the draft is then
             resolved and loaded even if ``method`` drafts without a model.
 
     Raises:
-        ValueError: one line, for a bad method, KV option, dtype, device or model, and for a method (or a
+        ValueError: one line, for a bad method, KV option, dtype, quantization, device or model, and for a method (or a
             ``draft_for`` user) that needs a draft model when none is given and speculant ships none for the
             target.
     """
     from .core.checks import resolve_device
     from .core.threads import check_threads
-    from .models.loading import DTYPES, check_model_dir, default_draft_for, resolve_model
+    from .models.loading import DTYPES, check_model_dir, check_quantization, default_draft_for, resolve_model
 
     by_name = isinstance(target, (str, Path))
     if method is None:
@@ -236,6 +260,7 @@ def resolve(
     if isinstance(dtype, str) and dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(DTYPES)}")
     check_threads(threads)
+    quantization, draft_quantization = _resolve_quantization(target, draft, quantization, draft_quantization)
     dev = resolve_device(device) if device is not None or by_name else None  # checked before anything loads
     if not by_name:
         dev = None  # a loaded target stays where it is
@@ -256,9 +281,33 @@ def resolve(
     if users:
         draft_dir = draft if isinstance(draft, torch.nn.Module) else str(check_model_dir(resolve_model(draft)))
     return SessionPlan(target=target_dir, method=parsed, draft=draft_dir, tokenizer=tokenizer, dtype=dtype,
-                       device=dev, threads=threads, kv_policy=policy, kv_spec=kv_spec, kv_budget=kv_budget,
+                       quantization=quantization, draft_quantization=draft_quantization, device=dev, threads=threads, kv_policy=policy, kv_spec=kv_spec, kv_budget=kv_budget,
                        kv_block=kv_block, target_name=_describe(target_dir), draft_name=_describe(draft_dir),
                        unused_draft=_describe(draft) if draft is not None and not users else None)
+
+
+def _resolve_quantization(target: Model, draft: Model | None, quantization: str | None,
+                          draft_quantization: str | None) -> tuple[str, str]:
+    """The target's and the draft's kinds (see the module docstring); one-line errors for an unknown kind and for a
+    loaded module asked for a kind it does not have."""
+    from .core.quant import quantization_of
+    from .models.loading import check_quantization
+
+    def kind_of(role: str, model: Model | None, kind: str | None) -> str:
+        kind = check_quantization(kind) if kind is not None else None
+        if isinstance(model, torch.nn.Module):
+            has = quantization_of(model)
+            if kind is not None and kind != has:
+                raise ValueError(f"the loaded {role} is quantized to {has}, not {kind}: quantize it yourself "
+                                 "(speculant.core.quant.quantize_model) or pass it by name")
+            return has
+        return kind or "none"
+
+    target_kind = kind_of("target", target, quantization)
+    # a draft module given with no kind is taken as it is; a draft by name follows the target unless told
+    draft_default = None if isinstance(draft, torch.nn.Module) else target_kind
+    return target_kind, kind_of("draft", draft, draft_quantization if draft_quantization is not None
+                                else draft_default)
 
 
 def _resolve_kv(kv_policy, kv_budget, kv_block) -> tuple[Any, str | None]:
@@ -335,8 +384,9 @@ class Session:
         """A session over the same loaded target with another draft (loaded like the first; e.g. a benchmark
         that compares two drafters in one run)."""
         plan = resolve(self.target, draft, self.plan.method.spec, tokenizer=self.tokenizer, dtype=self.plan.dtype,
-                       threads=None, kv_policy=self.plan.kv_policy, kv_budget=self.plan.kv_budget,
-                       kv_block=self.plan.kv_block, draft_for=("another draft",))  # threads: set by the first load
+                       draft_quantization=self.plan.draft_quantization, threads=None,  # threads: set by the first load
+                       kv_policy=self.plan.kv_policy, kv_budget=self.plan.kv_budget, kv_block=self.plan.kv_block,
+                       draft_for=("another draft",))
         plan = dataclasses.replace(plan, target_name=self.plan.target_name, kv_spec=self.plan.kv_spec)
         return plan.load()
 

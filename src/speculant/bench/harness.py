@@ -26,6 +26,7 @@ import torch
 
 from ..models.chat import stop_ids
 from ..core.checks import check_fits_context, check_positive_int, resolve_device, resolve_eos, warn_once
+from ..core.quant import quantization_of
 from ..drafters.registry import NO_DEFAULT, get_method, split_spec
 from ..core.types import SamplingParams
 from ..session import ParsedMethod, Session, default_method
@@ -217,6 +218,7 @@ def run_bench(
     warmup: int = 1,
     eos_token_id: int | list[int] | None = None,
     dtype: str | torch.dtype | None = None,
+    quantization: str | None = None,
     device: str | torch.device | None = None,
     out: str | Path | None = None,
     progress: bool = True,
@@ -253,6 +255,8 @@ def run_bench(
         eos_token_id: stop token(s) for every method (``[]``: never stop early); None: the target's, plus the
             end-of-turn tokens (:func:`speculant.models.chat.stop_ids`) when any prompt is a chat.
         dtype: load dtype for both models (None: float32, as every front-end).
+        quantization: weight quantization of the models loaded by name (:func:`speculant.session.resolve`; None:
+            none; the draft takes the target's kind).
         device: move the target and draft loaded by name to this device (checked by
             :func:`speculant.core.checks.resolve_device` before any model loads); None: the CPU. Loaded models
             passed in stay where they are.
@@ -304,7 +308,7 @@ def run_bench(
     source, records = _prompt_records(prompts, num_prompts)
     if any(BASELINES[n].runtime == "llama.cpp" for _, n, _ in parsed_baselines) and not llamacpp.available():
         raise ValueError(llamacpp.INSTALL_HINT)
-    plan = plan_bench_models(target, draft, tokenizer, dtype, device, draft_users)  # the no-draft rule, checked
+    plan = plan_bench_models(target, draft, tokenizer, dtype, device, draft_users, quantization)  # the no-draft rule, checked
     if plan.unused_draft is not None:  # the plan's own method is the reference: say it for the whole run
         warn_once(log, "no method or baseline drafts with the shared draft model: --draft is not used")
         plan = dataclasses.replace(plan, unused_draft=None)
@@ -379,6 +383,8 @@ def run_bench(
             **({"default_method": default_note} if default_note is not None else {}),
             "target_dtype": str(target_model.dtype),
             "draft_dtype": None if draft_model is None else str(draft_model.dtype),
+            "target_quantization": quantization_of(target_model),
+            "draft_quantization": None if draft_model is None else quantization_of(draft_model),
             "device": str(target_model.device),
             "target_params_per_forward": target_ppf,
             "draft_params_per_forward": None if draft_model is None else params_per_forward(draft_model),

@@ -24,12 +24,13 @@ Model = str | Path | torch.nn.Module
 
 
 def plan_bench_models(target: Model, draft: Model | None, tokenizer: Any, dtype: torch.dtype | str | None,
-                      device: torch.device | str | None, draft_for: list[str]) -> SessionPlan:
+                      device: torch.device | str | None, draft_for: list[str],
+                      quantization: str | None = None) -> SessionPlan:
     """The session plan of a benchmark (nothing loaded): its method is the reference ``ar``; the draft is resolved
     (the drafter speculant ships for the target when none is given) and loaded when ``draft_for`` (the method
     specs and baselines that draft with the shared draft) is not empty, else a one-line ValueError as
-    everywhere (:func:`speculant.session.resolve`). ``device`` None: the CPU."""
-    return resolve(target, draft, "ar", tokenizer=tokenizer, dtype=dtype,
+    everywhere (:func:`speculant.session.resolve`). ``device`` None: the CPU; ``quantization``: as ``resolve``'s."""
+    return resolve(target, draft, "ar", tokenizer=tokenizer, dtype=dtype, quantization=quantization,
                    device=device if device is not None else "cpu", draft_for=draft_for,
                    threads=None)  # the caller's (speculant bench: --threads), not auto's
 

@@ -151,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         eos_token_id=[] if args.ignore_eos else None,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=device,
         out=args.out,
         progress=True,

@@ -1,6 +1,6 @@
 """What the ``speculant`` subcommands share: the one-line-error parser, the help formatter, the subcommand
 descriptors (:class:`Command`, :class:`Subcommand`), option types, the model options (:func:`add_model_arguments`:
-``--target/--draft/--method/--dtype/--device/--threads/--kv-*``, declared once with one help text each, read back
+``--target/--draft/--method/--dtype/--quantization/--device/--threads/--kv-*``, declared once with one help text each, read back
 by :func:`session_arguments` for :func:`speculant.session.resolve`), and options declared from a dataclass's fields.
 
 Light on purpose: :mod:`speculant.cli` imports this module to build ``speculant --help``, which must not import
@@ -225,7 +225,7 @@ def add_model_arguments(
 ) -> None:
     """The model options every subcommand that runs models shares, each declared here once with one help text:
     ``--target``, ``--draft`` (unless ``draft`` is False), ``--method`` (unless ``method`` is False: e.g. bench
-    takes several with ``--methods``), ``--dtype``, ``--threads``, ``--device`` and ``--kv-policy/--kv-budget/
+    takes several with ``--methods``), ``--dtype``, ``--quantization``, ``--threads``, ``--device`` and ``--kv-policy/--kv-budget/
     --kv-block`` (unless ``kv`` is False). ``--target`` defaults to the bundled default-target when this
     installation ships it (else it is required), or to ``target_default`` with ``target_note`` as its help."""
     from ..drafters.registry import DEFAULT_METHOD
@@ -274,6 +274,17 @@ def add_model_arguments(
         "is faster on CPUs with native bf16 (benchmarks/results/forward_cost.json) but can round near-ties "
         "differently between a verification forward and a one-token forward",
     )
+    p.add_argument(
+        "--quantization",
+        choices=["none", "int8", "int4", "q4"],  # speculant.core.quant.QUANTIZATIONS (not imported: no torch here)
+        default=None,
+        help="weight quantization of the models loaded by name (the draft takes the target's kind): none (the "
+        "float weights); int8 (per-row int8 weights, torch's int8 kernel); int4 (groups of 32 4-bit weights with "
+        "a scale and minimum each, torch's int4 kernel, float activations); q4 (the same weights, scale and minimum "
+        "in float16, times int8-quantized activations on speculant's own kernel). int4/q4 keep a GGUF file's own "
+        "Q4_K/Q4_1 codes. Every method decodes the same quantized model, so output stays lossless against plain "
+        "decoding of it; default: none, until the speed of each kind is measured on a quiet machine",
+    )
     add_threads_argument(p)
     add_device_argument(p, "the target and draft models" if draft else "the target model")
     if kv:
@@ -311,7 +322,7 @@ def add_model_arguments(
 def session_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`speculant.session.resolve` from the options of :func:`add_model_arguments`
     (those a parser did not declare are left out)."""
-    names = ("draft", "method", "dtype", "device", "threads", "kv_policy", "kv_budget", "kv_block")
+    names = ("draft", "method", "dtype", "quantization", "device", "threads", "kv_policy", "kv_budget", "kv_block")
     return {"target": args.target, **{n: getattr(args, n) for n in names if hasattr(args, n)}}
 
 

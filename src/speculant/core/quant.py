@@ -50,7 +50,7 @@ import torch
 from . import kernels
 
 __all__ = ["ATTR", "GROUP", "QUANTIZATIONS", "QuantMatrix", "attach", "q4_activations", "q4_reference",
-           "quantization_of", "quantize_model"]
+           "quantization_of", "quantize_model", "quantized_linears"]
 
 QUANTIZATIONS = ("none", "int8", "int4", "q4")
 """Accepted values of ``quantization=`` (``--quantization``)."""
@@ -286,8 +286,9 @@ def attach(module: torch.nn.Module, matrix: QuantMatrix) -> None:
     setattr(module, ATTR, matrix)
 
 
-def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder layers' ``nn.Linear`` modules and the LM head (not the embedding, norms or other heads)."""
+def quantized_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The linears :func:`quantize_model` quantizes: the decoder layers' ``nn.Linear`` modules and the LM head (not
+    the embedding, norms or other heads)."""
     base = getattr(model, "base_model", model)
     found = [m for m in base.modules() if isinstance(m, torch.nn.Linear)]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -305,7 +306,11 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> torch.nn.Module
     """Quantize ``model`` in place to ``quantization`` (one of :data:`QUANTIZATIONS`) and return it: every linear of
     its decoder layers and its LM head (see the module doc). ``"none"`` leaves it as it is; quantizing again to
     the same kind is a no-op, to another kind a ValueError (reload the model instead). int4 and q4 need each
-    matrix's input size to be a multiple of 32."""
+    matrix's input size to be a multiple of 32.
+
+    A linear that already carries a matrix of this kind (:func:`attach`: a GGUF loader built it from the file's
+    own codes, or it is a head shared with a target quantized alike) is kept as it is; one that carries another
+    kind is a ValueError (requantizing it would change the model that shares it)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     current = quantization_of(model)
@@ -313,7 +318,12 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> torch.nn.Module
         return model
     if current != "none":
         raise ValueError(f"the model is already quantized to {current}; load it again to quantize to {quantization}")
-    linears = _linears(model)
+    linears = quantized_linears(model)
+    other = [m for m in linears if getattr(m, ATTR, None) is not None and getattr(m, ATTR).kind != quantization]
+    if other:
+        raise ValueError(f"a linear of the model already holds a {getattr(other[0], ATTR).kind} matrix (shared with "
+                         f"another model?): it cannot be quantized to {quantization}")
+    linears = [m for m in linears if getattr(m, ATTR, None) is None]
     if quantization in ("int4", "q4"):
         bad = [m for m in linears if m.weight.shape[1] % GROUP]
         if bad:

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DIRECT_ARCHITECTURES", "decode", "q4_k_codes", "load_gguf_model", "gguf_architecture"]
+__all__ = ["DIRECT_ARCHITECTURES", "INT4_TYPES", "decode", "q4_k_codes", "q4_1_codes", "int4_tensors",
+           "load_gguf_model", "gguf_architecture"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,51 @@ def q4_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     mn = torch.cat([mid & 0x3F, (hi >> 4) | ((mid >> 2) & 0x30)], dim=-1)
     codes = _nibbles(blocks[:, 16:144], 4, 32)
     return codes, d * sc.float(), dmin * mn.float()
+
+
+def q4_1_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The raw contents of Q4_1 blocks ``blocks`` (uint8 ``[nb, 20]``): ``(codes, scales, mins)`` with ``codes``
+    uint8 ``[nb, 1, 32]`` and ``scales``/``mins`` float32 ``[nb, 1]`` (the fp16 ``d`` and ``m``), each value
+    ``scales * codes + mins`` (mins here is ``-m``, as :func:`q4_k_codes`'s: value = scale * code - min)."""
+    codes = _nibbles(blocks[:, 4:20], 1, 16).reshape(blocks.shape[0], 1, 32)  # low nibbles: inputs 0-15
+    return codes, _half(blocks, 0), -_half(blocks, 2)
+
+
+INT4_TYPES = {12: q4_k_codes, 3: q4_1_codes}
+"""GGML types whose blocks are 4-bit codes with a scale and a minimum per 32 inputs (Q4_K, Q4_1): the shape of
+speculant's int4/q4 matrices (:meth:`speculant.core.quant.QuantMatrix.int4`), so their codes carry over unchanged."""
+
+
+def int4_tensors(path: str | Path, model: torch.nn.Module):
+    """Yield ``(parameter name, codes, scale, minimum)`` for each of ``model``'s parameters that GGUF file ``path``
+    stores as an :data:`INT4_TYPES` tensor: codes uint8 ``[out, in]`` (in ``[0, 16)``), scale and minimum float32
+    ``[out, in / 32]``, value = ``scale * code + minimum``, bit-equal to the file's dequantized value (float32),
+    rows in the model's order: the architecture's ``TensorProcessor`` (Llama's reverse Q/K permutation) is run on
+    the row indices and the codes follow it, so they line up with :func:`load_gguf_model`'s weights. One tensor
+    at a time (a caller quantizes it before the next is unpacked)."""
+    header = _Header(path)
+    names = _weights_map(model, header.architecture)
+    processor = _processor(header.architecture, model.config)
+    params = dict(model.named_parameters())
+    for name, qtype, data in header.tensors:
+        unpack = INT4_TYPES.get(qtype)
+        if unpack is None or names.get(name) not in params or data.ndim != 2:
+            continue
+        rows = data.shape[0]
+        result = processor.process(weights=np.arange(rows)[:, None], name=name, tensor_key_mapping=names,
+                                   parsed_parameters={"tensors": {}})
+        order = torch.from_numpy(np.ascontiguousarray(result.weights).reshape(rows))  # model row i = file row order[i]
+        size = {12: 144, 3: 20}[qtype]
+        codes, scales, mins = unpack(torch.from_numpy(np.array(data)).reshape(-1, size))  # a copy: the map is read-only
+        codes, scales, mins = codes.reshape(rows, -1), scales.reshape(rows, -1), mins.reshape(rows, -1)
+        yield names[result.name], codes[order], scales[order], -mins[order]
+
+
+def _processor(arch: str, config):
+    """transformers' ``TensorProcessor`` of ``arch`` (Llama's undoes llama.cpp's Q/K row permutation)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    return TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
 
 
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # GGUF value types
@@ -226,7 +272,7 @@ def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32
     cover the model's parameters."""
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor
 
     header = _Header(path)
     arch = header.architecture
@@ -235,7 +281,7 @@ def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32
     with no_init_weights():  # every parameter is overwritten below: skip the (slow) random initialisation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # a tied head shares the embedding's parameter: one tensor to fill, not two
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    processor = _processor(arch, config)
     names = _weights_map(model, arch)
     params = dict(model.named_parameters())
     loaded: set[str] = set()

@@ -12,11 +12,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ..core.quant import QUANTIZATIONS
 from .attached import is_attached, load_attached
 from .gguf import load_gguf_model
 from .sources import PACKAGED, convert_gguf, gguf_backing, hub_cached_dir, is_hub_id, packaged_gguf, packaged_installed
 
-__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "default_method_for", "load_tokenizer", "draft_context", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED"]
+__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "default_method_for", "load_tokenizer", "draft_context", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED", "check_quantization", "quantize_loaded"]
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +67,69 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
     raise ValueError(f"unknown dtype {dtype!r}; known: auto, {', '.join(DTYPES)}")
 
 
-def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None):
+def check_quantization(quantization: str | None) -> str:
+    """``quantization`` if it is one of :data:`speculant.core.quant.QUANTIZATIONS` (None: ``"none"``), else a
+    one-line ValueError."""
+    if quantization is None:
+        return "none"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; known: {', '.join(QUANTIZATIONS)}")
+    return quantization
+
+
+def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | Path | None = None) -> int:
+    """Quantize a freshly loaded ``model`` in place to ``quantization`` (:func:`speculant.core.quant.quantize_model`)
+    and return how many matrices were built from a GGUF file's own codes.
+
+    With ``gguf_file`` (the file the model's weights were read from) and an int4 or q4 kind, every matrix the file
+    stores as 4-bit codes with a scale and minimum per 32 (Q4_K, Q4_1: :data:`speculant.models.gguf.INT4_TYPES`)
+    takes those codes unchanged (:meth:`~speculant.core.quant.QuantMatrix.int4`), so the quantized model is the
+    file's model: int4 computes ``(q - 8) * scale + (minimum + 8 * scale)`` in the model's dtype (float32: the
+    file's values but for a rare last-bit rounding of that form), q4 rounds each scale and minimum to float16
+    (exact for Q4_1, whose d and m are float16; Q4_K's ``d * sc`` has up to 17 significant bits: a relative
+    rounding of at most 2^-11 of the scale and of the minimum). Every other matrix (Q6_K, Q5_0, Q8_0, F16/F32
+    tensors, or any tensor for int8) is requantized from its dequantized values."""
+    from ..core.quant import QuantMatrix, attach, quantization_of, quantize_model, quantized_linears
+
+    built = 0
+    if gguf_file is not None and quantization in ("int4", "q4") and quantization_of(model) == "none":
+        from .gguf import int4_tensors
+
+        targets = {id(m.weight): m for m in quantized_linears(model)}
+        params = dict(model.named_parameters())
+        for name, codes, scale, minimum in int4_tensors(gguf_file, model):
+            module = targets.get(id(params[name]))
+            if module is None:  # e.g. a Q4_K token embedding under an untied head: not a quantized linear
+                continue
+            attach(module, QuantMatrix.int4(codes, scale, minimum, module.weight.dtype, quantization))
+            built += 1
+    quantize_model(model, quantization)
+    if built:
+        log.info("%d of the model's matrices quantized to %s from %s's own 4-bit codes", built, quantization,
+                 Path(gguf_file).name)
+    return built
+
+
+def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None, quantization: str | None = None):
     """Load a causal LM and its tokenizer from a local directory, with no network access.
 
     Args:
         path: a directory written by ``save_pretrained`` (model and tokenizer).
         dtype: a ``torch.dtype``, one of ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"``, or ``None``
             for transformers' default (float32 for the bundled models, see :func:`load_pretrained`).
+        quantization: one of :data:`speculant.core.quant.QUANTIZATIONS` (None: ``"none"``): the model is
+            quantized in place after loading (:func:`quantize_loaded`; a GGUF-backed model's Q4_K/Q4_1 tensors keep
+            the file's codes for int4 and q4).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
 
     Raises:
         ValueError: the directory does not exist or lacks config.json, weights or tokenizer files (one line,
-            naming the directory and the missing files), or ``dtype`` is unknown.
+            naming the directory and the missing files), or ``dtype`` or ``quantization`` is unknown, or the
+            model cannot take the kind (int4/q4: input sizes that are multiples of 32).
     """
+    quantization = check_quantization(quantization)
     d = check_model_dir(path)
     kwargs = {}
     if dtype is None and any(d.resolve() == (ASSETS / sub).resolve() for sub in BUNDLED.values()):
@@ -97,6 +146,7 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None):
         model = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     model.eval()
+    quantize_loaded(model, quantization, backing)
     return model, tokenizer
 
 
@@ -165,7 +215,8 @@ def resolve_model(name_or_path: str | Path) -> Path:
     )
 
 
-def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = None):
+def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = None,
+                    quantization: str | None = None):
     """Load a bundled model by name (``"default-target"``, ``"default-draft"``) or a local model directory.
 
     Bundled models are stored in bfloat16 and load in float32 unless ``dtype`` says otherwise. The target: in
@@ -174,10 +225,12 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = 
     draft: its numerics only change what is proposed, never what is emitted, and on CPUs float32 is faster than
     bf16 for its small matrices (``benchmarks/results/draft_variants.json``).
 
+    ``quantization``: see :func:`load_model_dir` (None: none).
+
     Returns ``(model, tokenizer)``, the model in eval mode. Raises a one-line ValueError for an unknown name,
     a bundled model missing from this installation, or a directory with missing files. Nothing is downloaded.
     """
-    return load_model_dir(resolve_model(name_or_path), dtype)
+    return load_model_dir(resolve_model(name_or_path), dtype, quantization)
 
 
 def default_draft_for(target: str | Path) -> str | None:
@@ -223,14 +276,27 @@ def draft_context(draft: str | Path, target_tokenizer) -> dict:
     return {"tokenizers_match": tokenizers_match(target_tokenizer, load_tokenizer(d))}
 
 
-def load_draft(name_or_path: str | Path, target: torch.nn.Module, dtype: torch.dtype | str | None = None):
+def load_draft(name_or_path: str | Path, target: torch.nn.Module, dtype: torch.dtype | str | None = None,
+               quantization: str | None = None):
     """Load a draft model for ``target``: an attached drafter (:mod:`speculant.models.attached`, sharing the target's
-    embedding and LM head, loaded in the target's dtype) or an ordinary model directory / name (in ``dtype``).
+    embedding and LM head, loaded in the target's dtype) or an ordinary model directory / name (in ``dtype``),
+    quantized to ``quantization`` (see :func:`load_model_dir`; None: none). An attached drafter's own layers are
+    quantized and its shared head stays the target's, so its kind must be the target's (None: the target's; else
+    a ValueError). Its embedding check compares with the float embedding it was made for, which a target with a
+    tied, quantized head no longer has: load it next to the float target, then quantize both
+    (:class:`speculant.session.SessionPlan` does).
 
     Returns the draft model (eval mode). The caller checks that an ordinary draft's tokenizer matches the
     target's (:func:`tokenizers_match`); an attached drafter uses the target's tokenizer by construction."""
+    from ..core.quant import quantization_of, quantize_model
+
     d = check_model_dir(resolve_model(name_or_path))
+    quantization = quantization_of(target) if quantization is None and is_attached(d) else check_quantization(
+        quantization)
     if is_attached(d):
-        return load_attached(d, target)
-    model, _ = load_model_dir(d, dtype)
+        if quantization != quantization_of(target):
+            raise ValueError(f"attached drafter {str(d)!r} shares the target's head: its quantization must be the "
+                             f"target's ({quantization_of(target)}), got {quantization}")
+        return quantize_model(load_attached(d, target), quantization)
+    model, _ = load_model_dir(d, dtype, quantization)
     return model

@@ -42,7 +42,7 @@ def default_target() -> str:
 class ServeSettings:
     """What ``speculant serve`` serves and how.
 
-    ``target``, ``draft``, ``method``, ``kv_*``, ``dtype``, ``threads``, ``device``: as
+    ``target``, ``draft``, ``method``, ``kv_*``, ``dtype``, ``quantization``, ``threads``, ``device``: as
     :func:`speculant.session.resolve` (``method`` None: the method measured fastest for a packaged target with its
     shipped drafter, else ``chain``, which needs a draft: ``draft`` or the drafter speculant ships for the target).
     ``target`` None: :func:`default_target` (a packaged chat model, or an error). ``model_name`` None: the target
@@ -65,6 +65,7 @@ class ServeSettings:
     kv_budget: int | None = None
     kv_block: int | None = None
     dtype: str | None = None
+    quantization: str | None = None
     threads: int | str | None = None
     device: str | None = None
     host: str = "127.0.0.1"
@@ -85,7 +86,8 @@ def plan(settings: ServeSettings):
     """The :class:`speculant.session.SessionPlan` of ``settings`` (the one place model options are resolved)."""
     from ..session import resolve
 
-    return resolve(settings.target, settings.draft, settings.method, dtype=settings.dtype, device=settings.device,
+    return resolve(settings.target, settings.draft, settings.method, dtype=settings.dtype,
+                   quantization=settings.quantization, device=settings.device,
                    threads=settings.threads, kv_policy=settings.kv_policy, kv_budget=settings.kv_budget,
                    kv_block=settings.kv_block)
 

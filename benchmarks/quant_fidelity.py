@@ -1,0 +1,169 @@
+"""How close each weight quantization stays to the float32 model (teacher-forced), on MT-Bench answers.
+
+The float32 model (a packaged GGUF model: the file's weights dequantized to float32) answers N MT-Bench first
+turns greedily in its chat template; then each quantized variant (``--kinds``, loaded as every front-end loads it:
+``load_model_dir(quantization=...)``, so a GGUF file's Q4_K/Q4_1 tensors keep their codes for int4/q4) reads the
+same prompt + answer once (teacher forcing, the lean forward every decoding method runs), and at every answer
+position we compare its next-token distribution with float32's over the same sequence:
+
+* ``top1_agreement``: the quantized model's most likely token is float32's (the issue's target: >= 0.99);
+* ``mean_kl``: KL(p_fp32 || p_quant) in nats, averaged over positions (and its 99th percentile, ``p99_kl``).
+
+Also ``weights``: for each int4/q4 kind, the matrices built from the file's own codes and how far their values
+are from the file's (int4: the kernel's ``(q - 8) * scale + zero`` form; q4: scale and minimum in float16), in
+units of each group's quantization step (``scale``). Nothing is timed (the CPU may be shared); the float32
+reference's own teacher-forced argmax is checked against the answer it generated (``reference_self_agreement``:
+below 1 only at float near-ties between a one-token and a whole-sequence forward).
+
+    PYTHONPATH=src python benchmarks/quant_fidelity.py --target qwen2.5-coder-0.5b-instruct --num-prompts 16 \\
+        --max-new-tokens 64 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from speculant.core.cache import SpecCache
+from speculant.core.checks import num_layers
+from speculant.core.forward import TargetForward
+from speculant.core.quant import QUANTIZATIONS, QuantMatrix, quantization_of
+from speculant.data.prompts import load_prompts, prompt_ids
+from speculant.models.chat import stop_ids
+from speculant.models.loading import load_model_dir, quantize_loaded, resolve_model
+from speculant.models.sources import gguf_backing
+
+
+@torch.inference_mode()
+def answer_logprobs(model, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+    """Per (prompt, answer): the log-probabilities ``[A, V]`` (float32) the model gives each answer position, read
+    over prompt + answer in one forward (the lean forward where it applies, as decoding runs it)."""
+    forward = TargetForward(model)
+    out = []
+    for prompt, answer in sequences:
+        ids = torch.tensor(prompt + answer[:-1])[None]  # [1, T]: position t predicts token t + 1
+        cache = SpecCache(num_layers(model), capacity=ids.shape[1] + 8)
+        logits = forward(cache, input_ids=ids)[0, len(prompt) - 1:]  # [A, V]
+        out.append(torch.log_softmax(logits.float(), -1))
+    return out
+
+
+@torch.inference_mode()
+def generate_answers(model, tokenizer, records: list[dict], max_new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """The float model's greedy answers to ``records`` (chat template), as (prompt ids, answer ids)."""
+    from speculant import generate
+
+    stops = stop_ids(tokenizer, model)
+    out = []
+    for r in records:
+        ids = prompt_ids(r, tokenizer)
+        answer = generate(model, ids, max_new_tokens=max_new_tokens, eos_token_id=stops).token_ids
+        out.append((ids, list(answer)))
+    return out
+
+
+def weight_error(path: Path, model, kind: str) -> dict:
+    """How far ``kind``'s matrices built from the GGUF file's own 4-bit codes are from the file's values."""
+    from speculant.models.gguf import int4_tensors
+
+    n = weights = off = 0
+    worst = total = 0.0
+    for _, codes, scale, minimum in int4_tensors(path, model):
+        want = (codes.float().reshape(codes.shape[0], -1, 32) * scale[..., None] + minimum[..., None])
+        got = QuantMatrix.int4(codes, scale, minimum, torch.float32, kind).dequantize().reshape(want.shape)
+        step = scale.abs()[..., None].clamp_min(1e-30)
+        rel = (got - want).abs() / step  # [out, groups, 32], in quantization steps
+        n, weights, off = n + 1, weights + rel.numel(), off + int((rel > 0).sum())
+        worst, total = max(worst, float(rel.max())), total + float(rel.sum(dtype=torch.float64))
+    return {"matrices_from_codes": n, "weights": weights, "weights_off": off,
+            "max_error_in_steps": worst, "mean_error_in_steps": total / max(weights, 1)}
+
+
+def compare(reference: list[torch.Tensor], other: list[torch.Tensor], categories: list[str]) -> dict:
+    """Top-1 agreement and KL(reference || other) over every answer position, overall and per category."""
+    agree, kls, per = [], [], defaultdict(lambda: [0, 0, 0.0])
+    for ref, got, cat in zip(reference, other, categories):
+        same = (ref.argmax(-1) == got.argmax(-1))  # [A]
+        kl = (ref.exp() * (ref - got)).sum(-1).clamp_min(0)  # [A] nats (rounding can dip below 0)
+        agree.append(same)
+        kls.append(kl)
+        per[cat][0] += int(same.sum())
+        per[cat][1] += same.numel()
+        per[cat][2] += float(kl.sum())
+    agree_all, kl_all = torch.cat(agree).float(), torch.cat(kls)
+    return {"positions": agree_all.numel(), "top1_agreement": float(agree_all.mean()),
+            "mean_kl": float(kl_all.mean()), "p99_kl": float(kl_all.quantile(0.99)),
+            "max_kl": float(kl_all.max()),
+            "per_category": {c: {"positions": v[1], "top1_agreement": v[0] / v[1], "mean_kl": v[2] / v[1]}
+                             for c, v in sorted(per.items())}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--kinds", default="int8,int4,q4", help="quantization kinds to compare, separated by ','")
+    ap.add_argument("--prompts", default="builtin:mt-bench")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/quant-fidelity/TARGET.json)")
+    args = ap.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or any(k not in QUANTIZATIONS or k == "none" for k in kinds):
+        raise SystemExit(f"--kinds: choose among {', '.join(QUANTIZATIONS[1:])}")
+    torch.set_num_threads(args.threads)
+    out = Path(args.out or f"benchmarks/results/quant-fidelity/{Path(str(args.target)).name}.json")
+    directory = resolve_model(args.target)
+    backing = gguf_backing(directory)
+    records = load_prompts(args.prompts, args.num_prompts)
+    categories = [r.get("category", "?") for r in records]
+
+    t0 = time.perf_counter()
+    model, tok = load_model_dir(directory, "float32")
+    sequences = generate_answers(model, tok, records, args.max_new_tokens)
+    reference = answer_logprobs(model, sequences)
+    self_agree = float(torch.cat([ref.argmax(-1) == torch.tensor(a) for ref, (_, a) in zip(reference, sequences)])
+                       .float().mean())
+    print(f"float32: {sum(len(a) for _, a in sequences)} answer tokens, teacher-forced argmax = answer at "
+          f"{self_agree:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    del model
+
+    results = {}
+    for kind in kinds:
+        model, _ = load_model_dir(directory, "float32")
+        built = quantize_loaded(model, kind, backing)
+        assert quantization_of(model) == kind
+        row = compare(reference, answer_logprobs(model, sequences), categories)
+        row["matrices_from_file_codes"] = built
+        if backing is not None and kind in ("int4", "q4"):
+            row["weights"] = weight_error(backing, model, kind)
+        results[kind] = row
+        print(f"{kind}: top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.5f} nats "
+              f"(p99 {row['p99_kl']:.4f}), {built} matrices from the file's codes", flush=True)
+        del model
+
+    report = {
+        "what": "teacher-forced fidelity of weight quantizations against the float32 (dequantized GGUF) model on "
+                "its own greedy MT-Bench answers (benchmarks/quant_fidelity.py)",
+        "target": 0.99,
+        "settings": {"target": str(args.target), "gguf": None if backing is None else backing.name,
+                     "prompts": args.prompts, "num_prompts": len(records), "max_new_tokens": args.max_new_tokens,
+                     "threads": args.threads, "dtype": "float32", "kinds": kinds, "forward": "lean (auto)"},
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
+        "answer_tokens": sum(len(a) for _, a in sequences),
+        "reference_self_agreement": self_agree,
+        "results": results,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
