@@ -148,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "q4"],
                     help="weight quantization of both models, as speculant generate --quantization (default: the "
                     "packaged target's own, e.g. q4 for the Qwen pair; else none)")
-    ap.add_argument("--bundled", action="store_true", help="use the bundled 32M pair even if a packaged one is installed")
+    ap.add_argument("--bundled", action="store_true",
+                    help="use the bundled 32M pair even if a packaged one is installed")
     ap.add_argument("--tiny", action="store_true", help="use untrained in-process models even if bundled ones exist")
     args = ap.parse_args(argv)
     try:
