@@ -82,3 +82,38 @@ def test_bundled_demo_runs(capsys):
     assert demo.main(["--bundled", "--threads", "1", "--max-new-tokens", "8", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "bundled default target" in out and "x vs ar" in out
+
+
+def test_a_packaged_target_streams_in_its_own_process(monkeypatch):
+    import argparse
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(demo.subprocess, "run",
+                        lambda cmd, check: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1))
+    args = argparse.Namespace(k=4, max_new_tokens=8, threads=1, quantization="q4", dtype="float32", repeats=1)
+    assert demo._generate_then_measure(QWEN, QWEN_DRAFT, demo.CODE_PROMPT, args, tiny=False, chat=True) == 1
+    cmd = calls[0]
+    assert cmd[1:4] == ["-m", "speculant", "generate"] and "--raw" not in cmd  # a chat request
+    assert cmd[cmd.index("--quantization") + 1] == "q4"
+    assert cmd[cmd.index("--method") + 1] == (PACKAGED[QWEN].default_method or "chain:k=3")
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_the_table_adds_llamacpp_plain_decoding_when_built(monkeypatch, capsys, built):
+    seen = {}
+
+    def fake_bench(**kwargs):
+        seen.update(kwargs)
+        row = {"acceptance_length": 2.0, "tokens_per_second": 10.0, "speedup_vs_ar": 1.5, "identical_to_ar": 1.0}
+        return {"methods": {name: row for name in [*kwargs["methods"], *kwargs["baselines"]]}}
+
+    monkeypatch.setattr(demo, "run_bench", fake_bench)
+    monkeypatch.setattr(demo.llamacpp, "available", lambda: built)
+    demo._measure(QWEN, QWEN_DRAFT, demo.CODE_PROMPT, "chain:k=3", 64, 2, tiny=False, chat=True, quantization="q4",
+                  llama=True)
+    out = capsys.readouterr().out
+    assert seen["methods"] == ["ar", "chain:k=3", "lookup"] and seen["quantization"] == "q4"
+    assert seen["repeats"] == 2 and seen["warmup"] == 1 and "messages" in seen["prompts"][0]
+    assert seen["baselines"] == (["llamacpp-ar"] if built else [])
+    assert ("llama.cpp plain decoding" in out) == built and ("`make llamacpp`" in out) == (not built)
