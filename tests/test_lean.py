@@ -242,3 +242,20 @@ def test_fusing_under_inference_mode_leaves_a_trainable_model():
     loss = model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss
     loss.backward()
     assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_a_model_with_a_built_lean_forward_is_freed_and_copies_start_without_it():
+    """The built lean forward lives on the model (a cycle the collector frees), never in a process-wide table that
+    would keep every model ever decoded alive; a deep copy builds its own."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama", seed=3)
+    lean = lean_for(model)
+    assert lean is not None and lean_for(model) is lean  # built once
+    twin = copy.deepcopy(model)
+    assert lean_for(twin) is not lean and lean_for(twin).model is twin
+    gone = weakref.ref(model)
+    del model, lean
+    gc.collect()
+    assert gone() is None

@@ -12,7 +12,6 @@ same logits up to float rounding, so the loop around them does not know which on
 from __future__ import annotations
 
 import logging
-import weakref
 from contextlib import nullcontext
 
 import torch
@@ -29,7 +28,25 @@ log = logging.getLogger(__name__)
 FORWARDS = ("auto", "lean", "model")
 """Accepted values of ``forward=`` (``--forward``)."""
 
-_BUILT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (key, LeanForward)
+_SLOT = "_speculant_lean"  # the attribute of a model that holds its built lean forward
+
+
+class _Slot:
+    """A model's built lean forward, ``(key, LeanForward)``, kept on the model itself. Why not a
+    ``WeakKeyDictionary`` keyed by the model: its value (the lean forward) refers to the model, so the entry kept
+    the model alive for the whole process (a demo that loaded two pairs ran out of memory); on the model it is an
+    ordinary cycle that the garbage collector frees with the model. A copied or pickled model starts without one."""
+
+    __slots__ = ("hit",)
+
+    def __init__(self, hit: tuple | None) -> None:
+        self.hit = hit
+
+    def __deepcopy__(self, memo: dict) -> _Slot:
+        return _Slot(None)
+
+    def __reduce__(self) -> tuple:
+        return (_Slot, (None,))
 
 
 def _key(model: torch.nn.Module, packed: bool) -> tuple:
@@ -52,11 +69,12 @@ def lean_for(model: torch.nn.Module) -> LeanForward | None:
     they change in place under a packed one); None when :func:`~speculant.core.lean.unsupported` names a reason."""
     if unsupported(model) is not None:
         return None
-    hit = _BUILT.get(model)
+    slot = model.__dict__.get(_SLOT)
+    hit = slot.hit if slot is not None else None
     if hit is None or hit[0] != _key(model, hit[1].packed):
         lean = LeanForward(model)
         hit = (_key(model, lean.packed), lean)  # the key after fusing (fusing replaces the projection Parameters)
-        _BUILT[model] = hit
+        model.__dict__[_SLOT] = _Slot(hit)  # not through Module.__setattr__: no submodule, no state_dict entry
     return hit[1]
 
 
