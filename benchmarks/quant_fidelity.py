@@ -22,6 +22,7 @@ below 1 only at float near-ties between a one-token and a whole-sequence forward
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import time
@@ -49,8 +50,9 @@ def answer_logprobs(model, sequences: list[tuple[list[int], list[int]]]) -> list
     for prompt, answer in sequences:
         ids = torch.tensor(prompt + answer[:-1])[None]  # [1, T]: position t predicts token t + 1
         cache = SpecCache(num_layers(model), capacity=ids.shape[1] + 8)
-        logits = forward(cache, input_ids=ids)[0, len(prompt) - 1:]  # [A, V]
+        logits = forward(cache, input_ids=ids, logits_to_keep=len(answer))[0]  # [A, V]: the answer's only
         out.append(torch.log_softmax(logits.float(), -1))
+        del cache, logits
     return out
 
 
@@ -112,7 +114,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/quant-fidelity/TARGET.json)")
+    ap.add_argument("--out", default=None, help="JSON file (default: benchmarks/results/quant-fidelity/TARGET.json); "
+                    "kinds already in it (same settings) are kept, so each kind can run in its own process")
+    ap.add_argument("--answers", default=None, help="cache of the float32 answers (JSON; default: OUT with "
+                    "'.answers.json'): read when present, else generated and written")
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     if not kinds or any(k not in QUANTIZATIONS or k == "none" for k in kinds):
@@ -124,17 +129,30 @@ def main() -> None:
     records = load_prompts(args.prompts, args.num_prompts)
     categories = [r.get("category", "?") for r in records]
 
+    settings = {"target": str(args.target), "gguf": None if backing is None else backing.name,
+                "prompts": args.prompts, "num_prompts": len(records), "max_new_tokens": args.max_new_tokens,
+                "dtype": "float32", "forward": "lean (auto)"}
+    answers = Path(args.answers or out.with_suffix(".answers.json"))
     t0 = time.perf_counter()
     model, tok = load_model_dir(directory, "float32")
-    sequences = generate_answers(model, tok, records, args.max_new_tokens)
+    cached = json.loads(answers.read_text()) if answers.is_file() else None
+    if cached is not None and cached["settings"] == settings:
+        sequences = [(p, a) for p, a in cached["sequences"]]
+    else:
+        sequences = generate_answers(model, tok, records, args.max_new_tokens)
+        answers.parent.mkdir(parents=True, exist_ok=True)
+        answers.write_text(json.dumps({"settings": settings, "sequences": sequences}))
     reference = answer_logprobs(model, sequences)
     self_agree = float(torch.cat([ref.argmax(-1) == torch.tensor(a) for ref, (_, a) in zip(reference, sequences)])
                        .float().mean())
     print(f"float32: {sum(len(a) for _, a in sequences)} answer tokens, teacher-forced argmax = answer at "
           f"{self_agree:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
     del model
+    gc.collect()
 
-    results = {}
+    previous = json.loads(out.read_text()) if out.is_file() else {}
+    results = previous.get("results", {}) if previous.get("settings", {}).get("target") == settings["target"] and \
+        all(previous["settings"].get(k) == v for k, v in settings.items()) else {}
     for kind in kinds:
         model, _ = load_model_dir(directory, "float32")
         built = quantize_loaded(model, kind, backing)
@@ -147,14 +165,13 @@ def main() -> None:
         print(f"{kind}: top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.5f} nats "
               f"(p99 {row['p99_kl']:.4f}), {built} matrices from the file's codes", flush=True)
         del model
+        gc.collect()
 
     report = {
         "what": "teacher-forced fidelity of weight quantizations against the float32 (dequantized GGUF) model on "
                 "its own greedy MT-Bench answers (benchmarks/quant_fidelity.py)",
         "target": 0.99,
-        "settings": {"target": str(args.target), "gguf": None if backing is None else backing.name,
-                     "prompts": args.prompts, "num_prompts": len(records), "max_new_tokens": args.max_new_tokens,
-                     "threads": args.threads, "dtype": "float32", "kinds": kinds, "forward": "lean (auto)"},
+        "settings": {**settings, "threads": args.threads, "kinds": sorted(results)},
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
         "answer_tokens": sum(len(a) for _, a in sequences),
         "reference_self_agreement": self_agree,
