@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +65,13 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(f"{message} (see '{self.prog} --help')")
+
+    def _print_message(self, message: str, file=None) -> None:
+        """As argparse's, but a reader gone away is not swallowed: argparse ignores ``OSError`` here, so a help text
+        longer than stdout's buffer (``speculant kv-eval --help | head -0``) ended 0 where a shorter one, failing at
+        the final flush, ends 141; the command line turns ``BrokenPipeError`` into 141 either way."""
+        if message:
+            (file or sys.stderr).write(message)
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
