@@ -165,8 +165,7 @@ def _pools(split: str, min_lines: int, max_lines: int, max_chars: int) -> dict[s
     for doc, lines, node, tree in split_functions(split):
         name = f"{doc.module}.{node.name}:{node.lineno}"
         source = _source(lines, node)
-        if not _fits(source, min_lines, max_lines, max_chars) or not _compiles(source) or "humaneval" in \
-                source.lower():
+        if not _fits(source, min_lines, max_lines, max_chars) or not _compiles(source):
             continue
         top_level = node in tree.body
         docstring = ast.get_docstring(node)

@@ -338,7 +338,8 @@ class Worker:
             if text:
                 returned[0] += len(text)
                 # with stop strings, only the tokens of text handed out: held text may yet be trimmed
-                release(self._tokens_for(generated, returned[0]) if job.stop else len(generated))
+                if job.logprobs is not None:  # the prefix search decodes: only when logprobs are asked for
+                    release(self._tokens_for(generated, returned[0]) if job.stop else len(generated))
                 job.emit("text", text)
             if stops.hit or job.aborted.is_set():  # aborted: this step's text was handed over
                 raise _Stop
