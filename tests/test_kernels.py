@@ -35,7 +35,7 @@ def _threads(one_thread):
 @pytest.fixture(scope="module")
 def lib():
     """The native library (built once per session), or a skip where none can be built."""
-    library = kernels.q4_library()
+    library = kernels.library()
     if library is None:
         pytest.skip("speculant's q4 kernel cannot be built here (the torch reference is tested elsewhere)")
     return library
@@ -129,7 +129,7 @@ def test_the_kernel_equals_the_torch_reference(lib, dtype, n, k):
 def test_every_code_path_computes_the_same_bits(lib):
     """AVX-512 (VNNI or not), AVX2 and scalar code run the same float operations per lane: the same bits, so a
     result does not depend on the CPU it was computed on either."""
-    paths = {isa: kernels.q4_library(isa) for isa in ("avx2", "generic")}
+    paths = {isa: kernels.library(isa) for isa in ("avx2", "generic")}
     assert kernels.q4_isa("generic") == "scalar"
     for dtype in DTYPES:
         for n, k in ((97, 64), (300, 1536)):
@@ -173,10 +173,10 @@ def test_the_reference_rows_are_independent_too():
 
 def test_the_build_is_cached_by_source_and_machine(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path))
-    if kernels.q4_library() is None:
+    if kernels.library() is None:
         pytest.skip("no compiler here")
     path = kernels._build("native")
-    assert path.parent == tmp_path / "kernels" and path.name.startswith("q4-native-") and path.exists()
+    assert path.parent == tmp_path / "kernels" and path.name.startswith("speculant-native-") and path.exists()
     stamp = path.stat().st_mtime_ns
     assert kernels._build("native") == path and path.stat().st_mtime_ns == stamp  # not built again
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
@@ -200,7 +200,7 @@ def test_without_a_compiler_the_reference_runs_after_one_warning(monkeypatch, ca
     monkeypatch.setenv(kernels.KERNELS_ENV, "0")  # switched off: no build tried, no warning
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="speculant.core.kernels"):
-        assert kernels.q4_library() is None
+        assert kernels.library() is None
     assert not caplog.records
 
 

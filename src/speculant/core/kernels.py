@@ -1,11 +1,16 @@
 """speculant's own CPU kernels (C++ in ``core/csrc/``), compiled on first use and called through ctypes.
 
-Today one kernel: the ``q4`` matrix product (int4 weights in 32-input blocks with a float16 scale and minimum,
-activations quantized per row to int8 in 32-input blocks; see ``csrc/q4.cpp`` for the scheme and the packed weight
-layout, :mod:`speculant.core.quant` for the quantization kind). Each weight block is loaded once for up to 16 rows,
-so a forward over the 1..16 tokens of a verification reads the weights once, as plain decoding does.
+Two kernels, one library:
 
-Building: the source is plain C++ with a C ABI (no torch headers, no pybind, no ninja: why not
+* the ``q4`` matrix product (int4 weights in 32-input blocks with a float16 scale and minimum, activations
+  quantized per row to int8 in 32-input blocks; see ``csrc/q4.cpp`` for the scheme and the packed weight layout,
+  :mod:`speculant.core.quant` for the quantization kind). Each weight block is loaded once for up to 16 rows, so a
+  forward over the 1..16 tokens of a verification reads the weights once, as plain decoding does;
+* row-independent attention for a forward's few query rows (``csrc/attend.cpp``, :mod:`speculant.core.attention`):
+  each row's output is the same bits whether it is computed alone (plain decoding) or beside others, under a
+  causal or a tree mask (verification), which is what makes speculation exact bit for bit.
+
+Building: the sources are plain C++ with a C ABI (no torch headers, no pybind, no ninja: why not
 ``torch.utils.cpp_extension.load``: it needs ninja, which is not a dependency, and compiling against torch's headers
 takes tens of seconds where this takes two), compiled by ``$CXX`` (or ``c++``) with ``-O3 -march=native -fopenmp`` in about two seconds into
 ``$SPECULANT_CACHE/kernels/`` (default ``~/.cache/speculant/kernels/``), named by a hash of the source, the flags,
@@ -14,7 +19,7 @@ directory builds its own. The library is written to a temporary name and renamed
 safe. OpenMP links ``libgomp.so.1`` by name, which the dynamic loader resolves to the copy torch already loaded:
 one thread pool for torch and us, sized by ``torch.get_num_threads()`` at every call.
 
-When no compiler is there, the build fails or ``SPECULANT_KERNELS=0``, :func:`q4_library` returns None after one
+When no compiler is there, the build fails or ``SPECULANT_KERNELS=0``, :func:`library` returns None after one
 logged warning and callers use their torch reference instead (never an error).
 """
 
@@ -32,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "cache_dir", "q4_isa", "q4_library", "q4_matmul"]
+__all__ = ["KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "attend", "cache_dir", "library", "q4_isa", "q4_matmul"]
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +49,7 @@ Q4_COLUMNS = 16
 Q4_BLOCK_BYTES = 320
 """Bytes per packed q4 block: 16 columns x 32 inputs of 4-bit codes (256), 16 float16 scales, 16 float16 minimums."""
 
-_SOURCE = Path(__file__).parent / "csrc" / "q4.cpp"
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q4.cpp", "attend.cpp"))
 # -ffp-contract=off: the float operations are exactly the ones written (explicit fma), in every code path
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off"]
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=haswell"], "generic": []}
@@ -75,16 +80,16 @@ def _cpu_flags() -> str:
 
 
 def _build(isa: str) -> Path:
-    """Compile ``csrc/q4.cpp`` for ``isa`` (``native``, or ``avx2``/``generic`` for tests) unless already cached;
+    """Compile ``csrc/q4.cpp`` and ``csrc/attend.cpp`` into one library for ``isa`` (``native``, or ``avx2``/``generic`` for tests) unless already cached;
     the library's path. Raises (RuntimeError, OSError) when it cannot."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    source = _SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in _SOURCES)
     flags = _COMMON + _ISA_FLAGS[isa]
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cxx.encode(), _cpu_flags().encode(),
                                      torch.__version__.encode(), platform.machine().encode()])).hexdigest()[:16]
-    path = cache_dir() / f"q4-{isa}-{key}.so"
+    path = cache_dir() / f"speculant-{isa}-{key}.so"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +98,7 @@ def _build(isa: str) -> Path:
     try:
         errors = ""
         for openmp in (["-fopenmp"], []):  # no OpenMP (e.g. Apple clang without libomp): one thread
-            done = subprocess.run([cxx, *flags, *openmp, str(_SOURCE), "-o", tmp], capture_output=True, text=True)
+            done = subprocess.run([cxx, *flags, *openmp, *map(str, _SOURCES), "-o", tmp], capture_output=True, text=True)
             if done.returncode == 0:
                 os.replace(tmp, path)
                 return path
@@ -104,8 +109,8 @@ def _build(isa: str) -> Path:
             os.unlink(tmp)
 
 
-def q4_library(isa: str = "native") -> ctypes.CDLL | None:
-    """The compiled q4 kernel library for ``isa`` (built on first use), or None when it is disabled
+def library(isa: str = "native") -> ctypes.CDLL | None:
+    """The compiled kernel library for ``isa`` (built on first use), or None when it is disabled
     (``SPECULANT_KERNELS=0``) or cannot be built or loaded (one warning per ISA, logged)."""
     if isa in _libraries:
         return _libraries[isa]
@@ -119,9 +124,13 @@ def q4_library(isa: str = "native") -> ctypes.CDLL | None:
             lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
             lib.q4_isa.restype = ctypes.c_int
+            lib.attend.restype = ctypes.c_int
+            lib.attend.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, *[ctypes.c_int64] * 2,
+                                   ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_int, *[ctypes.c_int64] * 5,
+                                   ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
             log.info("speculant q4 kernel (%s): %s", isa, _ISA_NAMES.get(lib.q4_isa(), "?"))
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            log.warning("speculant's q4 kernel is unavailable (%s); using the slower torch reference", e)
+            log.warning("speculant's compiled kernels are unavailable (%s); using the slower torch references", e)
             lib = None
     _libraries[isa] = lib
     return lib
@@ -130,7 +139,7 @@ def q4_library(isa: str = "native") -> ctypes.CDLL | None:
 def q4_isa(isa: str = "native") -> str | None:
     """The code path the ``isa`` build compiled (``avx512-vnni``, ``avx512``, ``avx2``, ``scalar``), or None
     without a library."""
-    lib = q4_library(isa)
+    lib = library(isa)
     return None if lib is None else _ISA_NAMES.get(lib.q4_isa(), "?")
 
 
@@ -151,3 +160,33 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL) -
         if rc:
             raise MemoryError("q4_matmul: out of memory for the quantized activations")
     return y
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor | None, scale: float,
+           lib: ctypes.CDLL) -> torch.Tensor:
+    """Row-independent attention (``csrc/attend.cpp``): ``q [Hq, T, D]``, ``k``/``v`` ``[Hkv, S, D]`` (float32 or
+    bfloat16, all one dtype, any strides with the last dimension contiguous), ``allowed`` None (causal: row ``t``
+    sees keys ``< S - T + t + 1``) or bool ``[T, S]`` -> ``[T, Hq, D]`` in ``q``'s dtype, on
+    ``torch.get_num_threads()`` threads."""
+    hq, t, d = q.shape
+    hkv, s, _ = k.shape
+    dtype = q.dtype
+    if (dtype not in (torch.float32, torch.bfloat16) or k.dtype != dtype or v.dtype != dtype
+            or any(x.stride(-1) != 1 for x in (q, k, v)) or v.shape != k.shape or k.shape[2] != d):
+        raise ValueError(f"attend takes float32/bfloat16 q [Hq, T, D], k and v [Hkv, S, D] of one dtype with the last "
+                         f"dimension contiguous, got {q.dtype} {tuple(q.shape)}, {k.dtype} {tuple(k.shape)}, "
+                         f"{v.dtype} {tuple(v.shape)}")
+    mask = None
+    if allowed is not None:
+        if tuple(allowed.shape) != (t, s):
+            raise ValueError(f"attend's mask must be [T, S] = [{t}, {s}], got {tuple(allowed.shape)}")
+        mask = allowed.to(torch.uint8).contiguous()
+    out = torch.empty(t, hq, d, dtype=dtype)
+    if t:
+        rc = lib.attend(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                        v.data_ptr(), v.stride(0), v.stride(1), int(dtype == torch.bfloat16), hq, hkv, t, s, d,
+                        None if mask is None else mask.data_ptr(), float(scale), out.data_ptr(),
+                        torch.get_num_threads())
+        if rc:
+            raise ValueError(f"attend: bad sizes Hq={hq}, Hkv={hkv}, T={t}, S={s}, D={d}")
+    return out

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import attention
 from .packed import PackedMatrix, linear, pack_enabled, packable
 from .quant import ATTR, QuantMatrix, quantization_of
 
@@ -316,7 +317,9 @@ class LeanForward:
         if last > self._cos.shape[0]:
             self._grow(last)
         causal = False
-        if mask is None and t > 1:
+        rowwise = t <= attention.MAX_ROWS  # row-independent attention (speculant.core.attention): exact speculation
+        allowed = attention.allowed_keys(mask) if rowwise else None  # [T, L + T] bool, None: causal
+        if mask is None and t > 1 and not rowwise:
             if past == 0:
                 causal = True
             else:  # causal over [cache ; new tokens]
@@ -324,7 +327,7 @@ class LeanForward:
         cos, sin = self._cos[positions[0]][None, None], self._sin[positions[0]][None, None]  # [1, 1, T, R]
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         dtype, upcast = x.dtype, self.attention_dtype != x.dtype
-        if upcast and mask is not None and mask.dtype != torch.bool:
+        if upcast and not rowwise and mask is not None and mask.dtype != torch.bool:
             mask = mask.to(self.attention_dtype)
         for i, w in enumerate(self.layers):
             qkv = linear(self._norm(x, w.in_norm), w.qkv, w.qkv_bias).view(1, t, hq + 2 * hkv, d)
@@ -335,12 +338,16 @@ class LeanForward:
             if capture is not None:
                 capture.record(i, q)
             k_all, v_all = cache.layers[i].update(k, v.transpose(1, 2))  # [1, Hkv, L + T, D]
-            if upcast:
-                a = self.attention_dtype
-                q, k_all, v_all = q.to(a), k_all.to(a), v_all.to(a)
-            attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal,
-                                                  scale=self.scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
-            x = x + linear(attn.to(dtype).transpose(1, 2).reshape(1, t, hq * d), w.o, w.o_bias)
+            if rowwise:
+                attn = attention.attend(q, k_all, v_all, allowed, self.scaling)  # [1, T, Hq D]
+            else:
+                if upcast:
+                    a = self.attention_dtype
+                    q, k_all, v_all = q.to(a), k_all.to(a), v_all.to(a)
+                attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal,
+                                                      scale=self.scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
+                attn = attn.to(dtype).transpose(1, 2).reshape(1, t, hq * d)
+            x = x + linear(attn, w.o, w.o_bias)
             gate, up = linear(self._norm(x, w.post_norm), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, w.down, w.down_bias)
             if taps is not None and i in taps:

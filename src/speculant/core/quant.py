@@ -225,7 +225,7 @@ class QuantMatrix:
         if self.kind == "int8":
             out = torch._weight_int8pack_mm(rows, *self._kernel)
         elif self.kind == "q4":
-            lib = kernels.q4_library()
+            lib = kernels.library()
             if lib is None or rows.dtype not in (torch.float32, torch.bfloat16):  # (float16: the reference)
                 out = q4_reference(rows, self).to(self.dtype)
             else:
