@@ -14,6 +14,8 @@ import torch
 from test_greedy import hf_greedy, prompts
 
 import speculant
+from speculant.core.lean import LeanForward
+from speculant.core.quant import QuantMatrix, quantize_model
 from speculant.drafters.registry import build_drafter
 from speculant.drafters.vocab_trim import CALIBRATION_FILE, TrimmedHead
 from speculant.testing import perturbed, tiny_model
@@ -82,6 +84,20 @@ def test_trimmed_head_logits_are_rows_of_the_full_head():
     assert torch.allclose(head.logits(hidden), full[:, keep], atol=1e-6)
     lifted = head.lift(torch.tensor([0.1, 0.2, 0.3, 0.4]), VOCAB)
     assert lifted[90] == pytest.approx(0.3) and lifted.sum() == pytest.approx(1.0) and head.token(2) == 90
+
+
+@pytest.mark.parametrize("kind", ["q4", "int8", "int4"])
+def test_a_quantized_head_is_trimmed_to_its_own_quantized_rows(kind):
+    """A quantized draft's trimmed head multiplies by the kept rows of its quantized matrix (the same codes): the
+    same bits as those columns of the full quantized head, not a float copy of them."""
+    model = tiny_model("qwen2", seed=1, vocab_size=VOCAB, hidden=64)
+    quantize_model(model, kind)
+    keep = [5, 1, 90, 33, 64]
+    head = TrimmedHead(model.get_output_embeddings(), keep)
+    assert isinstance(head._matrix, QuantMatrix) and head._matrix.kind == kind
+    hidden = torch.randn(3, 64)
+    full = LeanForward(model).logits(hidden)  # [3, V] through the quantized head
+    assert torch.equal(head.logits(hidden), full[:, keep])
 
 
 def test_calibration_ranking_and_default_size(tmp_path):

@@ -155,6 +155,11 @@ class QuantMatrix:
         return cls(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero,
                    first.dtype)
 
+    def rows(self, keep: torch.Tensor) -> QuantMatrix:
+        """The matrix of the output rows ``keep [M]`` (long) only, the same codes and scales: a VocabTrim'd head."""
+        zero = None if self.zero is None else self.zero[keep]
+        return QuantMatrix(self.kind, self.codes[keep], self.scale[keep], zero, self.dtype)
+
     def _prepare(self):
         """The kernel's operands: int8 ``(codes, scale)``; int4 ``(packed codes, [groups, out', 2] scale/zero,
         out')`` with the rows padded to a multiple of 16 (padding rows are zero: code 8, scale and zero 0); q4

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..core.packed import PackedMatrix, linear, pack_enabled
+from ..core.quant import ATTR
 
 __all__ = ["CALIBRATION_FILE", "TrimmedHead", "load_calibration", "resolve_keep_ids"]
 
@@ -96,9 +97,13 @@ class TrimmedHead:
         bias = getattr(lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach()[self.keep].contiguous()  # [M]
         self._keep_list = [int(i) for i in keep]
-        # [M, H] reordered once for the CPU's matmul kernels where allowed (speculant.core.packed): a drafter computes
-        # these logits at every draft step
-        self._matrix = PackedMatrix(self.weight) if pack_enabled([self.weight]) else self.weight
+        # a quantized head (speculant.core.quant): its kept rows, same codes; else [M, H] reordered once for the CPU's
+        # matmul kernels where allowed (speculant.core.packed): a drafter computes these logits at every draft step
+        quantized = getattr(lm_head, ATTR, None)
+        if quantized is not None:
+            self._matrix = quantized.rows(self.keep)
+        else:
+            self._matrix = PackedMatrix(self.weight) if pack_enabled([self.weight]) else self.weight
 
     @property
     def size(self) -> int:
