@@ -247,3 +247,38 @@ def test_greedy_output_of_every_method_equals_plain_decoding_of_the_q4_model(arc
         assert gen.token_ids == plain.token_ids, spec
         accepted += sum(i * c for i, c in enumerate(gen.stats.accepted_hist))
     assert accepted > 0  # drafts were accepted: the multi-row verification paths ran
+
+
+# ------------------------------------------------------------------------------------------- fused steps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_norm_glu_bias_and_residual_equal_the_torch_steps(lib, dtype):
+    """One kernel call = RMSNorm (or silu(gate) * up), the product, + bias, + residual as separate torch ops, to the
+    rounding of the norm's sum and of exp; each row still independent of the row count, bit for bit."""
+    from speculant.core.ops import fused_linear, rms_norm
+
+    n, k = 80, 96
+    q = _matrix(n, k, dtype, seed=4)
+    g = torch.Generator().manual_seed(5)
+    x, gu = torch.randn(7, k, generator=g).to(dtype), torch.randn(7, 2 * k, generator=g).to(dtype)
+    norm, bias = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype), torch.randn(n, generator=g).to(dtype)
+    residual = torch.randn(7, n, generator=g).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.02)
+    cases = {
+        "norm": (x, dict(norm=norm, eps=1e-6), linear(rms_norm(x, norm, 1e-6), q)),
+        "glu": (gu, dict(glu=True), linear(torch.nn.functional.silu(gu[:, :k]) * gu[:, k:], q)),
+        "bias+residual": (x, dict(residual=residual), residual + linear(x, q, bias)),
+    }
+    for name, (inp, kw, want) in cases.items():
+        b = bias if name == "bias+residual" else None
+        got = fused_linear(inp, q, b, **kw)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want.float(), **tol, msg=name)
+        for rows in (1, 3):
+            kw_rows = {**kw, "residual": kw["residual"][:rows]} if "residual" in kw else kw
+            assert torch.equal(fused_linear(inp[:rows], q, b, **kw_rows), got[:rows]), (name, rows)
+    with pytest.raises(ValueError, match="not both"):
+        kernels.q4_matmul(gu, q._kernel[0], n, lib, norm=torch.ones(k, dtype=dtype), glu=True)
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.q4_matmul(x, q._kernel[0], n, lib, bias=torch.ones(n + 1, dtype=dtype))

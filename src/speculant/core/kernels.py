@@ -122,7 +122,8 @@ def library(isa: str = "native") -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(isa)))
             lib.q4_matmul.restype = ctypes.c_int
             lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
             lib.q4_isa.restype = ctypes.c_int
             lib.attend.restype = ctypes.c_int
             lib.attend.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, *[ctypes.c_int64] * 2,
@@ -143,20 +144,37 @@ def q4_isa(isa: str = "native") -> str | None:
     return None if lib is None else _ISA_NAMES.get(lib.q4_isa(), "?")
 
 
-def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL) -> torch.Tensor:
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *,
+              norm: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
+              bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """``x [M, K]`` (float32 or bfloat16, contiguous) times the packed q4 weights ``packed`` (uint8
     ``[ceil(n / 16), K / 32, 320]``, see :func:`speculant.core.quant.QuantMatrix`) -> ``[M, n]`` in ``x``'s
-    dtype, on ``torch.get_num_threads()`` threads."""
-    m, k = x.shape
-    if x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or k % 32:
-        raise ValueError(f"q4_matmul takes a contiguous float32/bfloat16 [M, K] with K a multiple of 32, got "
-                         f"{x.dtype} {tuple(x.shape)}")
+    dtype, on ``torch.get_num_threads()`` threads.
+
+    Fused around the product (each step rounded to the dtype as the separate torch op would be; see
+    ``csrc/q4.cpp``): ``norm [K]`` RMSNorm of each row first (with ``eps``), or ``glu``: ``x`` is ``[M, 2K]`` =
+    ``[gate | up]`` and the product takes ``silu(gate) * up``; after it ``+ bias [n]``, then ``residual [M, n] +``.
+    """
+    m, xk = x.shape
+    k = xk // 2 if glu else xk
+    if (x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or k % 32
+            or (glu and xk % 2)):
+        raise ValueError(f"q4_matmul takes a contiguous float32/bfloat16 [M, K] with K a multiple of 32 ([M, 2K] "
+                         f"with glu), got {x.dtype} {tuple(x.shape)}")
     if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-n // Q4_COLUMNS), k // 32, Q4_BLOCK_BYTES):
         raise ValueError(f"packed q4 weights of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
+    operands = {"norm": (norm, (k,)), "bias": (bias, (n,)), "residual": (residual, (m, n))}
+    for name, (t, shape) in operands.items():
+        if t is not None and (t.dtype != x.dtype or tuple(t.shape) != shape or not t.is_contiguous()):
+            raise ValueError(f"q4_matmul's {name} must be a contiguous {x.dtype} {list(shape)}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if norm is not None and glu:
+        raise ValueError("q4_matmul fuses a norm or a GLU before the product, not both")
     y = torch.empty(m, n, dtype=x.dtype)
     if m and n:
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         rc = lib.q4_matmul(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, packed.data_ptr(), n, y.data_ptr(),
-                           torch.get_num_threads())
+                           ptr(norm), float(eps), int(glu), ptr(bias), ptr(residual), torch.get_num_threads())
         if rc:
             raise MemoryError("q4_matmul: out of memory for the quantized activations")
     return y

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention
+from .ops import fused_linear, rms_norm
 from .packed import PackedMatrix, linear, pack_enabled, packable
 from .quant import ATTR, QuantMatrix, quantization_of
 
@@ -256,9 +257,7 @@ class LeanForward:
         self._sin = (emb.sin() * self._rope_scale).to(self.embed.dtype)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * h.to(x.dtype)
+        return rms_norm(x, weight, self.eps)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first R dims of ``x [1, heads, T, D]`` (``cos``/``sin`` ``[1, 1, T, R]``)."""
@@ -330,7 +329,7 @@ class LeanForward:
         if upcast and not rowwise and mask is not None and mask.dtype != torch.bool:
             mask = mask.to(self.attention_dtype)
         for i, w in enumerate(self.layers):
-            qkv = linear(self._norm(x, w.in_norm), w.qkv, w.qkv_bias).view(1, t, hq + 2 * hkv, d)
+            qkv = fused_linear(x, w.qkv, w.qkv_bias, norm=w.in_norm, eps=self.eps).view(1, t, hq + 2 * hkv, d)
             qk, v = qkv.split([hq + hkv, hkv], dim=2)  # [1, T, Hq + Hkv, D], [1, T, Hkv, D]
             if w.qk_norm is not None:
                 qk = self._norm(qk, w.qk_norm)
@@ -347,9 +346,9 @@ class LeanForward:
                 attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal,
                                                       scale=self.scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
                 attn = attn.to(dtype).transpose(1, 2).reshape(1, t, hq * d)
-            x = x + linear(attn, w.o, w.o_bias)
-            gate, up = linear(self._norm(x, w.post_norm), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, w.down, w.down_bias)
+            x = fused_linear(attn, w.o, w.o_bias, residual=x)
+            gate_up = fused_linear(x, w.gate_up, w.gate_up_bias, norm=w.post_norm, eps=self.eps)  # [1, T, 2 I]
+            x = fused_linear(gate_up, w.down, w.down_bias, glu=True, residual=x)
             if taps is not None and i in taps:
                 taps[i] = x
         return self._norm(x, self.norm)

@@ -222,6 +222,21 @@ class QuantMatrix:
             w = (q * self.scale.float()[..., None] + self.zero.float()[..., None]).reshape(self.shape)
         return w.to(self.dtype)
 
+    def fused(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
+              eps: float = 0.0, glu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """:func:`speculant.core.ops.fused_linear` in one call of speculant's q4 kernel, or None where it cannot
+        run here (another kind, no compiled kernel, a dtype or device it does not take)."""
+        if self.kind != "q4" or x.dtype != self.dtype or not all(_fusable(t, x.dtype) for t in (x, norm, bias, residual)):
+            return None
+        lib = kernels.library()
+        if lib is None or x.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in] ([M, 2 in] with glu)
+        res = None if residual is None else residual.reshape(-1, self.shape[0]).contiguous()  # [M, out]
+        out = kernels.q4_matmul(rows, self._kernel[0], self.shape[0], lib, norm=norm, eps=eps, glu=glu, bias=bias,
+                                residual=res)
+        return out.view(*x.shape[:-1], self.shape[0])
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., in] @ W.T + bias -> [..., out]`` in ``x``'s dtype (which must be :attr:`dtype`)."""
         if x.dtype != self.dtype:
@@ -241,6 +256,10 @@ class QuantMatrix:
                 out = out[:, : self.shape[0]].contiguous()
         out = out.view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
+
+
+def _fusable(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return t is None or (t.dtype == dtype and t.device.type == "cpu")
 
 
 def q4_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -16,7 +16,8 @@
 // in a fixed tree; the V sum runs per output element. Masked keys are skipped, never zeroed (a zeroed score would
 // still add e^-m), so a row that sees the cache plus its ancestors computes what plain decoding computed for that
 // token over the same keys. Computation in float32; q, k, v and the output in float32 or bfloat16 (converted on
-// load, rounded to nearest even on store). Threads split the (head, row) pairs, never a reduction.
+// load, rounded to nearest even on store). The query heads sharing a KV head (GQA) are computed together, each
+// key and value row loaded once for all of them; threads split the (KV head, row) pairs, never a reduction.
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -68,40 +69,56 @@ inline float dot(const float* a, const float* b, int64_t D) {
     return lane[0];
 }
 
+// The `group` query heads h0 .. h0 + group - 1 that share KV head g, for row t: each key and value row is loaded
+// (and converted) once for the group, while every head's arithmetic is exactly the one-head sequence above.
 template <bool BF16>
-void attend_one(const void* q, int64_t q_off, const void* k, int64_t k_off, int64_t k_rs, const void* v,
-                int64_t v_off, int64_t v_rs, int64_t S, int64_t D, const uint8_t* allowed, int64_t visible,
-                float scale, void* out, int64_t out_off, std::vector<float>& buf) {
-    // buf: [D] query, [D] key/value row, [D] output, [S] scores
-    buf.resize((size_t)(3 * D + S));
+void attend_group(const void* q, int64_t q_hs, int64_t q_off, int64_t group, const void* k, int64_t k_off,
+                  int64_t k_rs, const void* v, int64_t v_off, int64_t v_rs, int64_t S, int64_t D,
+                  const uint8_t* allowed, int64_t visible, float scale, void* out, int64_t out_off,
+                  std::vector<float>& buf) {
+    // buf: [group, D] queries, [D] key/value row, [group, D] outputs, [group, S] scores, [group] max, [group] sum
+    buf.resize((size_t)(2 * group * D + D + group * S + 2 * group));
     float* qf = buf.data();
-    float* row = qf + D;
+    float* row = qf + group * D;
     float* o = row + D;
-    float* s = o + D;
-    load_row<BF16>(q, q_off, D, qf);
-    float m = -INFINITY;
+    float* s = o + group * D;
+    float* m = s + group * S;
+    float* z = m + group;
+    for (int64_t h = 0; h < group; ++h) {
+        load_row<BF16>(q, q_off + h * q_hs, D, qf + h * D);
+        m[h] = -INFINITY;
+        z[h] = 0.f;
+    }
     for (int64_t j = 0; j < S; ++j) {
         if (allowed ? !allowed[j] : j >= visible) continue;
         load_row<BF16>(k, k_off + j * k_rs, D, row);
-        s[j] = scale * dot(qf, row, D);
-        m = fmaxf(m, s[j]);
+        for (int64_t h = 0; h < group; ++h) {
+            const float sj = scale * dot(qf + h * D, row, D);
+            s[h * S + j] = sj;
+            m[h] = fmaxf(m[h], sj);
+        }
     }
-    for (int64_t i = 0; i < D; ++i) o[i] = 0.f;
-    float z = 0.f;
+    for (int64_t i = 0; i < group * D; ++i) o[i] = 0.f;
     for (int64_t j = 0; j < S; ++j) {
         if (allowed ? !allowed[j] : j >= visible) continue;
-        const float e = expf(s[j] - m);
-        z += e;
         load_row<BF16>(v, v_off + j * v_rs, D, row);
-        for (int64_t i = 0; i < D; ++i) o[i] += e * row[i];
+        for (int64_t h = 0; h < group; ++h) {
+            const float e = expf(s[h * S + j] - m[h]);
+            z[h] += e;
+            float* oh = o + h * D;
+            for (int64_t i = 0; i < D; ++i) oh[i] += e * row[i];
+        }
     }
-    const float inv = z > 0.f ? 1.f / z : 0.f;  // z >= 1 whenever a key is visible (the max contributes e^0)
-    if (BF16) {
-        uint16_t* dst = (uint16_t*)out + out_off;
-        for (int64_t i = 0; i < D; ++i) dst[i] = bf16_store(o[i] * inv);
-    } else {
-        float* dst = (float*)out + out_off;
-        for (int64_t i = 0; i < D; ++i) dst[i] = o[i] * inv;
+    for (int64_t h = 0; h < group; ++h) {
+        const float inv = z[h] > 0.f ? 1.f / z[h] : 0.f;  // z >= 1 whenever a key is visible (the max gives e^0)
+        const float* oh = o + h * D;
+        if (BF16) {
+            uint16_t* dst = (uint16_t*)out + out_off + h * D;
+            for (int64_t i = 0; i < D; ++i) dst[i] = bf16_store(oh[i] * inv);
+        } else {
+            float* dst = (float*)out + out_off + h * D;
+            for (int64_t i = 0; i < D; ++i) dst[i] = oh[i] * inv;
+        }
     }
 }
 
@@ -118,23 +135,23 @@ int attend(const void* q, int64_t q_hs, int64_t q_rs, const void* k, int64_t k_h
            int64_t v_hs, int64_t v_rs, int bf16, int64_t Hq, int64_t Hkv, int64_t T, int64_t S, int64_t D,
            const uint8_t* allowed, float scale, void* out, int threads) {
     if (Hq <= 0 || Hkv <= 0 || Hq % Hkv || T < 0 || S < T || D <= 0) return -1;
-    const int64_t group = Hq / Hkv, items = Hq * T;
+    const int64_t group = Hq / Hkv, items = Hkv * T;
     (void)threads;
 #pragma omp parallel num_threads(threads) if (items > 1)
     {
         std::vector<float> buf;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; ++item) {
-            const int64_t h = item / T, t = item % T, g = h / group;
+            const int64_t g = item / T, t = item % T, h0 = g * group;
             const uint8_t* mask = allowed ? allowed + t * S : nullptr;
             const int64_t visible = S - T + t + 1;
-            const int64_t out_off = (t * Hq + h) * D;
+            const int64_t out_off = (t * Hq + h0) * D;
             if (bf16)
-                attend_one<true>(q, h * q_hs + t * q_rs, k, g * k_hs, k_rs, v, g * v_hs, v_rs, S, D, mask, visible,
-                                 scale, out, out_off, buf);
+                attend_group<true>(q, q_hs, h0 * q_hs + t * q_rs, group, k, g * k_hs, k_rs, v, g * v_hs, v_rs, S, D,
+                                   mask, visible, scale, out, out_off, buf);
             else
-                attend_one<false>(q, h * q_hs + t * q_rs, k, g * k_hs, k_rs, v, g * v_hs, v_rs, S, D, mask, visible,
-                                  scale, out, out_off, buf);
+                attend_group<false>(q, q_hs, h0 * q_hs + t * q_rs, group, k, g * k_hs, k_rs, v, g * v_hs, v_rs, S, D,
+                                    mask, visible, scale, out, out_off, buf);
         }
     }
     return 0;

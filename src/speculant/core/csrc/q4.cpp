@@ -91,27 +91,57 @@ inline int32_t load_i32(const int8_t* p) {
 
 // ---------------------------------------------------------------------------------------- activations
 
-// One row x[K] (float32 or bfloat16) -> a[K] int8, dx[K/32], sx[K/32].
-template <bool BF16>
-void quantize_row(const void* xv, int64_t K, int8_t* a, float* dx, float* sx) {
+// One row v[K] (float32) -> a[K] int8, dx[K/32], sx[K/32].
+void quantize_row(const float* v, int64_t K, int8_t* a, float* dx, float* sx) {
     for (int64_t g = 0; g < K / QK; ++g) {
-        float v[QK];
-        for (int i = 0; i < QK; ++i)
-            v[i] = BF16 ? bf16_to_float(((const uint16_t*)xv)[g * QK + i]) : ((const float*)xv)[g * QK + i];
+        const float* b = v + g * QK;
         float amax = 0.f;
-        for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(v[i]));
+        for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(b[i]));
         const float d = amax / 127.f;
         const float id = d != 0.f ? 1.f / d : 0.f;
         int32_t sum = 0;
         for (int i = 0; i < QK; ++i) {
             // nearbyintf: round half to even in the default rounding mode, as torch.round
-            const int32_t q = (int32_t)nearbyintf(v[i] * id);
+            const int32_t q = (int32_t)nearbyintf(b[i] * id);
             a[g * QK + i] = (int8_t)q;
             sum += q;
         }
         dx[g] = d;
         sx[g] = d * (float)sum;
     }
+}
+
+inline float load(const void* p, int64_t i, bool bf16) {
+    return bf16 ? bf16_to_float(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+// The value torch would hold in the model dtype: bfloat16 rounding, or float32 as it is.
+inline float as_dtype(float f, bool bf16) { return bf16 ? bf16_to_float(float_to_bf16(f)) : f; }
+
+// The input row the matrix multiplies, in v[K] (float32 holding model-dtype values), from row x of the caller:
+//   plain:   x[K]
+//   norm:    RMSNorm, as transformers computes it: r = 1 / sqrt(mean(x^2) + eps) in float32 (the squares summed in
+//            16 lanes in order, folded 8+8, 4+4, 2+2, 1+1), v = w * dtype(x * r), rounded to the dtype
+//   glu:     x[2K] = [gate | up]:  v = dtype(dtype(silu(gate)) * up), silu(g) = g / (1 + exp(-g)) in float32
+void prologue(const void* x, bool bf16, int64_t K, const void* norm_w, float eps, int glu, float* v) {
+    if (glu) {
+        for (int64_t i = 0; i < K; ++i) {
+            const float g = load(x, i, bf16), u = load(x, K + i, bf16);
+            v[i] = as_dtype(as_dtype(g / (1.f + expf(-g)), bf16) * u, bf16);
+        }
+        return;
+    }
+    for (int64_t i = 0; i < K; ++i) v[i] = load(x, i, bf16);
+    if (!norm_w) return;
+    float lane[16] = {};
+    int64_t i = 0;
+    for (; i + 16 <= K; i += 16)
+        for (int l = 0; l < 16; ++l) lane[l] += v[i + l] * v[i + l];
+    for (int l = 0; i + l < K; ++l) lane[l] += v[i + l] * v[i + l];
+    for (int w = 8; w > 0; w /= 2)
+        for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
+    const float r = 1.f / sqrtf(lane[0] / (float)K + eps);
+    for (int64_t j = 0; j < K; ++j) v[j] = as_dtype(load(norm_w, j, bf16) * as_dtype(v[j] * r, bf16), bf16);
 }
 
 // ---------------------------------------------------------------------------------------- one tile
@@ -256,27 +286,34 @@ int q4_isa(void) {
 }
 
 // y[M, N] = q4 product of x[M, K] (float32, or bfloat16 when bf16) by the packed weights w ([ceil(N / 16)][K / 32]
-// blocks, see the top of the file), written in x's dtype. K must be a multiple of 32. Returns 0, or -1 when out of
-// memory. Uses `threads` OpenMP threads over the column blocks.
-int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N, void* y, int threads) {
-    const int64_t G = K / QK, NB = (N + NC - 1) / NC;
+// blocks, see the top of the file), written in x's dtype. K must be a multiple of 32. Uses `threads` OpenMP threads
+// over the column blocks. Fused steps, each rounded to the dtype as torch's separate ops would round it (all
+// optional; pass null / 0):
+//   before: norm_w [K] (RMSNorm of each row with eps) or glu (x is [M, 2K] = [gate | up], see prologue());
+//   after:  y = y + bias[N], then y = residual[M, N] + y  (residual may be y itself).
+// Returns 0, or -1 when out of memory.
+int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N, void* y,
+              const void* norm_w, float eps, int glu, const void* bias, const void* residual, int threads) {
+    const int64_t G = K / QK, NB = (N + NC - 1) / NC, XK = glu ? 2 * K : K;
     int8_t* a = (int8_t*)malloc((size_t)(M * K + 64));
     float* dxs = (float*)malloc(sizeof(float) * (size_t)(2 * M * G + 1));
-    if (!a || !dxs) {
+    float* vs = (float*)malloc(sizeof(float) * (size_t)(M * K + 1));
+    if (!a || !dxs || !vs) {
         free(a);
         free(dxs);
+        free(vs);
         return -1;
     }
     float* dx = dxs;
     float* sx = dxs + M * G;
-    // rows quantized in parallel (each row by the same code whichever thread: the same bits)
+    // rows prepared and quantized in parallel (each row by the same code whichever thread: the same bits)
 #pragma omp parallel for schedule(static) num_threads(threads) if (M > 1)
     for (int64_t m = 0; m < M; ++m) {
-        if (bf16)
-            quantize_row<true>((const uint16_t*)x + m * K, K, a + m * K, dx + m * G, sx + m * G);
-        else
-            quantize_row<false>((const float*)x + m * K, K, a + m * K, dx + m * G, sx + m * G);
+        const void* xm = bf16 ? (const void*)((const uint16_t*)x + m * XK) : (const void*)((const float*)x + m * XK);
+        prologue(xm, bf16, K, norm_w, eps, glu, vs + m * K);
+        quantize_row(vs + m * K, K, a + m * K, dx + m * G, sx + m * G);
     }
+    free(vs);
     (void)threads;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t nb = 0; nb < NB; ++nb) {
@@ -287,11 +324,15 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
             Table::table[mt - 1](w + nb * G * BLOCK, G, a + m0 * K, dx + m0 * G, sx + m0 * G, K, out);
             for (int r = 0; r < mt; ++r) {
                 const float* o = out + NC * r;
-                if (bf16) {
-                    uint16_t* yr = (uint16_t*)y + (m0 + r) * N + n0;
-                    for (int64_t j = 0; j < cols; ++j) yr[j] = float_to_bf16(o[j]);
-                } else {
-                    memcpy((float*)y + (m0 + r) * N + n0, o, sizeof(float) * (size_t)cols);
+                const int64_t at = (m0 + r) * N + n0;
+                for (int64_t j = 0; j < cols; ++j) {
+                    float f = as_dtype(o[j], bf16);
+                    if (bias) f = as_dtype(f + load(bias, n0 + j, bf16), bf16);
+                    if (residual) f = as_dtype(load(residual, at + j, bf16) + f, bf16);
+                    if (bf16)
+                        ((uint16_t*)y)[at + j] = float_to_bf16(f);
+                    else
+                        ((float*)y)[at + j] = f;
                 }
             }
         }
