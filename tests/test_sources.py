@@ -665,3 +665,33 @@ def test_real_qwen_05b_reads_its_gguf_like_transformers(cache, monkeypatch, one_
     with torch.no_grad():
         want = reference.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
     assert got.tolist() == want.tolist(), (tok.decode(got), tok.decode(want))
+
+
+def test_files_shipped_for_a_packaged_model_land_in_its_directory(tmp_path, monkeypatch):
+    """``files`` are copied into the cached model directory, replaced when speculant ships a different one, and a
+    missing asset is a one-line error."""
+    from speculant.models import sources
+
+    assets, directory = tmp_path / "assets", tmp_path / "model"
+    (assets / "calibration").mkdir(parents=True)
+    directory.mkdir()
+    monkeypatch.setattr(sources, "ASSETS", assets)
+    model = sources.PackagedModel(name="fake", files=(("calibration/fake.json", "vocab_trim.json"),))
+    (assets / "calibration" / "fake.json").write_text('{"token_ids": [1]}')
+    assert sources.install_files(model, directory) == directory
+    assert (directory / "vocab_trim.json").read_text() == '{"token_ids": [1]}'
+    (assets / "calibration" / "fake.json").write_text('{"token_ids": [2, 1]}')
+    sources.install_files(model, directory)
+    assert (directory / "vocab_trim.json").read_text() == '{"token_ids": [2, 1]}'
+    assert sorted(p.name for p in directory.iterdir()) == ["vocab_trim.json"]  # no temporary left
+    (assets / "calibration" / "fake.json").unlink()
+    with pytest.raises(ValueError, match="fake.json is missing: reinstall speculant"):
+        sources.install_files(model, directory)
+
+
+def test_every_packaged_file_is_shipped():
+    from speculant.models import sources
+
+    for model in sources.PACKAGED.values():
+        for asset, _ in model.files:
+            assert (sources.ASSETS / asset).is_file(), asset

@@ -36,11 +36,15 @@ embeddings become the dequantized rows too (as in a GGUF file, whose token_embd 
 Exactness rests on row independence: verification multiplies 1..16 rows by each matrix where plain decoding
 multiplies one, so a token's output row must not depend on how many rows are multiplied together. Both torch
 kernels loop over rows with the same arithmetic per row, and q4's kernel is row independent by construction
-(same operations in the same order for every row whatever their number, threads split the columns only) (checked bitwise in tests/test_quant.py for 1..16 and
-more rows, 1 and 2 threads). Note: torch's dense float kernels (``F.linear`` in float32/bfloat16, and oneDNN's
-packed ones of :mod:`speculant.core.packed` for larger matrices) are *not* row independent bit for bit; their
-differences are float rounding, which is why greedy equality there holds on well-separated logits but a near-tie
-may flip.
+(same operations in the same order for every row whatever their number, threads split the columns only) (checked
+bitwise in tests/test_quant.py and tests/test_kernels.py for 1..16 and more rows, 1 and 2 threads). The attention
+between the products is row independent too (:mod:`speculant.core.attention`), so a quantized forward over T
+tokens gives the bits of T one-token forwards (tests/test_attention.py, end to end on four architectures): every
+method's greedy output equals plain decoding's, on the real Qwen2.5-Coder pair as well
+(benchmarks/results/qwen-q4-fp32-exactness). Note: torch's dense float kernels (``F.linear`` in float32, and
+oneDNN's packed ones of :mod:`speculant.core.packed` for larger matrices) are *not* row independent bit for bit;
+their differences are float rounding, which is why greedy equality of unquantized models holds on well-separated
+logits but a near-tie may flip.
 """
 
 from __future__ import annotations

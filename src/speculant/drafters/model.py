@@ -175,9 +175,13 @@ class DraftModelBase(Drafter):
         return out.logits[0, :, : self._vocab]
 
     def _head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., H]`` final hidden states -> logits ``[..., M]`` (VocabTrim) or ``[..., V_shared]``."""
+        """``[..., H]`` final hidden states -> logits ``[..., M]`` (VocabTrim) or ``[..., V_shared]``; through the lean
+        forward's head where there is one (packed, or quantized: a q4 draft's head read in 4-bit, not as the float
+        copy its ``nn.Linear`` keeps)."""
         if self._head is not None:
             return self._head.logits(hidden)
+        if self._lean is not None:
+            return self._lean.logits(hidden)[..., : self._vocab]
         return self.model.get_output_embeddings()(hidden)[..., : self._vocab]
 
     def _catch_up(self, state: DecodeState) -> torch.Tensor:

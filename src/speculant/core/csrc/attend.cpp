@@ -10,7 +10,7 @@
 // the number of rows, the mask's shape and the thread count:
 //
 //   for each allowed key j in increasing position:  s_j = scale * dot(q, k_j)
-//   m = max_j s_j;  e_j = expf(s_j - m);  z = sum_j e_j (in order);  o = (sum_j e_j * v_j (in order)) / z
+//   m = max_j s_j;  e_j = exp(s_j - m) (exp_nonpositive);  z = sum_j e_j (in order);  o = (sum_j e_j * v_j (fma, in order)) / z
 //
 // dot() sums the D products in 16 lanes (lane l takes the elements i = l mod 16, in order), then folds the lanes
 // in a fixed tree; the V sum runs per output element. Masked keys are skipped, never zeroed (a zeroed score would
@@ -47,26 +47,48 @@ inline uint16_t bf16_store(float f) {  // round to nearest even (NaN not special
     return (uint16_t)(bits >> 16);
 }
 
+// Row `offset` of `base` as float32: converted into dst (bfloat16), or read in place (float32).
 template <bool BF16>
-inline void load_row(const void* base, int64_t offset, int64_t D, float* dst) {
+inline const float* load_row(const void* base, int64_t offset, int64_t D, float* dst) {
     if (BF16) {
         const uint16_t* p = (const uint16_t*)base + offset;
         for (int64_t i = 0; i < D; ++i) dst[i] = bf16_load(p[i]);
-    } else {
-        memcpy(dst, (const float*)base + offset, sizeof(float) * (size_t)D);
+        return dst;
     }
+    return (const float*)base + offset;
 }
 
-// dot(a, b) over D elements: 16 lane sums in element order, folded 8+8, 4+4, 2+2, 1+1.
+// dot(a, b) over D elements: 16 lane sums in element order (fused multiply-adds: exactly rounded, so every build,
+// with or without FMA instructions, computes the same bits), folded 8+8, 4+4, 2+2, 1+1.
 inline float dot(const float* a, const float* b, int64_t D) {
     float lane[LANES] = {};
     int64_t i = 0;
     for (; i + LANES <= D; i += LANES)
-        for (int l = 0; l < LANES; ++l) lane[l] += a[i + l] * b[i + l];
-    for (int l = 0; i + l < D; ++l) lane[l] += a[i + l] * b[i + l];
+        for (int l = 0; l < LANES; ++l) lane[l] = fmaf(a[i + l], b[i + l], lane[l]);
+    for (int l = 0; i + l < D; ++l) lane[l] = fmaf(a[i + l], b[i + l], lane[l]);
     for (int w = LANES / 2; w > 0; w /= 2)
         for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
     return lane[0];
+}
+
+// exp(x) for x <= 0 (x = -inf and x < -87 give 0): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (in two parts),
+// p a degree-6 Taylor polynomial by Horner with fused multiply-adds (relative error about 2e-7). Branch-free, no
+// library call, so the loop over a row of scores vectorizes, and every build computes the same bits.
+inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;  // also maps -inf to -87 (e^-87 < 1.7e-38, flushed to 0 below); not fmaxf: it
+                                // does not vectorize
+    const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest (|x / ln 2| < 2^22)
+    const float r = fmaf(n, -6.93145752e-1f, fmaf(n, -1.42860677e-6f, x));
+    float p = 1.f / 720.f;
+    p = fmaf(p, r, 1.f / 120.f);
+    p = fmaf(p, r, 1.f / 24.f);
+    p = fmaf(p, r, 1.f / 6.f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.f);
+    p = fmaf(p, r, 1.f);
+    const int32_t e = (int32_t)n + 127;  // >= 1 for x >= -87
+    const float scale = __builtin_bit_cast(float, (uint32_t)(e > 0 ? e : 0) << 23);
+    return x <= -87.f ? 0.f : p * scale;
 }
 
 // The `group` query heads h0 .. h0 + group - 1 that share KV head g, for row t: each key and value row is loaded
@@ -85,28 +107,41 @@ void attend_group(const void* q, int64_t q_hs, int64_t q_off, int64_t group, con
     float* m = s + group * S;
     float* z = m + group;
     for (int64_t h = 0; h < group; ++h) {
-        load_row<BF16>(q, q_off + h * q_hs, D, qf + h * D);
+        const float* qh = load_row<BF16>(q, q_off + h * q_hs, D, qf + h * D);
+        if (qh != qf + h * D) memcpy(qf + h * D, qh, sizeof(float) * (size_t)D);
         m[h] = -INFINITY;
         z[h] = 0.f;
     }
     for (int64_t j = 0; j < S; ++j) {
-        if (allowed ? !allowed[j] : j >= visible) continue;
-        load_row<BF16>(k, k_off + j * k_rs, D, row);
+        if (allowed ? !allowed[j] : j >= visible) {
+            for (int64_t h = 0; h < group; ++h) s[h * S + j] = -INFINITY;  // defined input for the exp loop
+            continue;
+        }
+        const float* kj = load_row<BF16>(k, k_off + j * k_rs, D, row);
         for (int64_t h = 0; h < group; ++h) {
-            const float sj = scale * dot(qf + h * D, row, D);
+            const float sj = scale * dot(qf + h * D, kj, D);
             s[h * S + j] = sj;
             m[h] = fmaxf(m[h], sj);
         }
     }
+    // e = exp(s - m) over the scores in place (a branch-free loop the compiler vectorizes; unseen keys' slots
+    // hold garbage that is never read), then z = sum of the seen ones in order
+    const int64_t span = allowed ? S : visible;
+    for (int64_t h = 0; h < group; ++h) {
+        float* sh = s + h * S;
+        const float mh = m[h];
+        for (int64_t j = 0; j < span; ++j) sh[j] = exp_nonpositive(sh[j] - mh);
+        for (int64_t j = 0; j < span; ++j)
+            if (!allowed || allowed[j]) z[h] += sh[j];
+    }
     for (int64_t i = 0; i < group * D; ++i) o[i] = 0.f;
     for (int64_t j = 0; j < S; ++j) {
         if (allowed ? !allowed[j] : j >= visible) continue;
-        load_row<BF16>(v, v_off + j * v_rs, D, row);
+        const float* vj = load_row<BF16>(v, v_off + j * v_rs, D, row);
         for (int64_t h = 0; h < group; ++h) {
-            const float e = expf(s[h * S + j] - m[h]);
-            z[h] += e;
+            const float e = s[h * S + j];
             float* oh = o + h * D;
-            for (int64_t i = 0; i < D; ++i) oh[i] += e * row[i];
+            for (int64_t i = 0; i < D; ++i) oh[i] = fmaf(e, vj[i], oh[i]);
         }
     }
     for (int64_t h = 0; h < group; ++h) {
