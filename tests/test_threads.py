@@ -159,23 +159,27 @@ def test_threads_default_is_auto():
 
 
 def _after_help(env: dict[str, str]) -> list[str]:
-    """``[OMP_WAIT_POLICY after speculant --help, whether torch was imported]`` in a fresh interpreter."""
+    """``[OMP_WAIT_POLICY, GOMP_SPINCOUNT after speculant --help, whether torch was imported]`` in a fresh
+    interpreter."""
     code = ("import os, sys\nfrom speculant import cli\ncli.main(['--help'])\n"
-            "print(os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)")
-    env = {**os.environ, "PYTHONPATH": SRC, **env}
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), 'torch' in sys.modules)")
+    base = {k: v for k, v in os.environ.items() if k not in (th.WAIT_POLICY_VAR, th.SPIN_VAR)}
+    env = {**base, "PYTHONPATH": SRC, **env}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().splitlines()[-1].split()
 
 
-def test_cli_sets_the_wait_policy_before_torch_only_when_unset(monkeypatch):
-    monkeypatch.delenv(th.WAIT_POLICY_VAR, raising=False)
-    assert _after_help({}) == [th.DEFAULT_WAIT_POLICY, "False"]
-    assert _after_help({th.WAIT_POLICY_VAR: "ACTIVE"}) == ["ACTIVE", "False"]
+def test_cli_sets_the_spin_count_before_torch_only_when_no_wait_is_set():
+    assert _after_help({}) == ["None", th.DEFAULT_SPIN, "False"]
+    assert _after_help({th.WAIT_POLICY_VAR: "PASSIVE"}) == ["PASSIVE", "None", "False"]
+    assert _after_help({th.SPIN_VAR: "0"}) == ["None", "0", "False"]
 
 
 def test_set_default_wait_policy_keeps_the_users():
     env: dict[str, str] = {}
-    assert th.set_default_wait_policy(env) == th.DEFAULT_WAIT_POLICY == env[th.WAIT_POLICY_VAR]
+    assert th.set_default_wait_policy(env) == {th.SPIN_VAR: th.DEFAULT_SPIN} == env
     env = {th.WAIT_POLICY_VAR: "ACTIVE"}
-    assert th.set_default_wait_policy(env) == "ACTIVE"
+    assert th.set_default_wait_policy(env) == {th.WAIT_POLICY_VAR: "ACTIVE"} == env
+    env = {th.SPIN_VAR: "100"}
+    assert th.set_default_wait_policy(env) == {th.SPIN_VAR: "100"} == env

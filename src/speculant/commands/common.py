@@ -202,14 +202,14 @@ def add_device_argument(p: argparse.ArgumentParser, what: str) -> None:
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
     """``--threads``, shared by the subcommands that run models (applied by :func:`set_threads`)."""
-    from ..core.threads import AUTO, DEFAULT_WAIT_POLICY, WAIT_POLICY_VAR
+    from ..core.threads import AUTO, DEFAULT_SPIN, SPIN_VAR, WAIT_POLICY_VAR
 
     p.add_argument("--threads", type=threads_option, metavar="N", default=AUTO,
                    help="torch CPU threads (torch.set_num_threads): N, or auto: the cores free when the model loads "
                    "(the usable cores minus those other processes keep busy, at least 1; OMP_NUM_THREADS, if set, "
                    "is kept), said with -v; default: auto. The command also sets "
-                   f"{WAIT_POLICY_VAR}={DEFAULT_WAIT_POLICY} unless the environment sets it (idle threads sleep "
-                   "instead of spinning against a busy neighbour)")
+                   f"{SPIN_VAR}={DEFAULT_SPIN} unless the environment sets it or {WAIT_POLICY_VAR} (idle threads "
+                   "spin briefly, then sleep; set OMP_WAIT_POLICY=PASSIVE on a machine shared with other work)")
 
 
 def _packaged_methods() -> str:
@@ -279,8 +279,9 @@ def add_model_arguments(
         default=None,
         help="load the models in this dtype ('auto': the one in config.json; an attached drafter takes the "
         "target's); default: float32 (exact: greedy output token-identical to plain greedy decoding). bfloat16 "
-        "is faster on CPUs with native bf16 (benchmarks/results/forward_cost.json) but can round near-ties "
-        "differently between a verification forward and a one-token forward",
+        "is faster on CPUs with native bf16 (benchmarks/results/forward_cost.json) but, with float weights, can "
+        "round near-ties differently between a verification forward and a one-token forward; with quantized "
+        "weights (--quantization int8/int4/q4) the forward is row independent and every dtype is exact",
     )
     p.add_argument(
         "--quantization",
@@ -291,7 +292,10 @@ def add_model_arguments(
         "a scale and minimum each, torch's int4 kernel, float activations); q4 (the same weights, scale and minimum "
         "in float16, times int8-quantized activations on speculant's own kernel). int4/q4 keep a GGUF file's own "
         "Q4_K/Q4_1 codes. Every method decodes the same quantized model, so output stays lossless against plain "
-        "decoding of it; default: none, until the speed of each kind is measured on a quiet machine",
+        "decoding of it (bit for bit: a quantized forward is row independent). Speed on 2 cores of an AVX-512 "
+        "Xeon (benchmarks/results/quant_matmul.json): q4 is the fastest at 1 to 16 tokens per forward (2.9x "
+        "bf16 at 1 token), int4 and int8 lose their advantage beyond 4 tokens; default: a packaged model's own "
+        "format (q4 for the Qwen2.5-Coder pair), else none",
     )
     add_threads_argument(p)
     add_device_argument(p, "the target and draft models" if draft else "the target model")

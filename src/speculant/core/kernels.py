@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "attend", "cache_dir", "library", "q4_isa", "q4_matmul"]
+__all__ = ["KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "attend", "cache_dir", "library", "q4_call", "q4_isa",
+           "q4_matmul"]
 
 log = logging.getLogger(__name__)
 
@@ -170,11 +171,22 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *
                              f"{tuple(t.shape)}")
     if norm is not None and glu:
         raise ValueError("q4_matmul fuses a norm or a GLU before the product, not both")
+    return q4_call(x, k, packed, n, lib, norm, eps, glu, bias, residual)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def q4_call(x: torch.Tensor, k: int, packed: torch.Tensor, n: int, lib: ctypes.CDLL, norm: torch.Tensor | None,
+            eps: float, glu: bool, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+    """:func:`q4_matmul` without its checks (``x [M, K]`` or ``[M, 2K]`` with ``glu``): for callers that hold
+    operands of known shapes (:meth:`speculant.core.quant.QuantMatrix.fused`, hundreds of calls per forward)."""
+    m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
     if m and n:
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        rc = lib.q4_matmul(x.data_ptr(), int(x.dtype == torch.bfloat16), m, k, packed.data_ptr(), n, y.data_ptr(),
-                           ptr(norm), float(eps), int(glu), ptr(bias), ptr(residual), torch.get_num_threads())
+        rc = lib.q4_matmul(x.data_ptr(), x.dtype == torch.bfloat16, m, k, packed.data_ptr(), n, y.data_ptr(),
+                           _ptr(norm), eps, glu, _ptr(bias), _ptr(residual), torch.get_num_threads())
         if rc:
             raise MemoryError("q4_matmul: out of memory for the quantized activations")
     return y

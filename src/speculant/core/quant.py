@@ -230,15 +230,18 @@ class QuantMatrix:
               eps: float = 0.0, glu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """:func:`speculant.core.ops.fused_linear` in one call of speculant's q4 kernel, or None where it cannot
         run here (another kind, no compiled kernel, a dtype or device it does not take)."""
-        if self.kind != "q4" or x.dtype != self.dtype or not all(_fusable(t, x.dtype) for t in (x, norm, bias, residual)):
+        dtype, k = x.dtype, self.shape[1]
+        if (self.kind != "q4" or dtype != self.dtype or dtype not in (torch.float32, torch.bfloat16)
+                or x.device.type != "cpu" or x.shape[-1] != (2 * k if glu else k)
+                or not (_fits(norm, dtype, k) and _fits(bias, dtype, self.shape[0]) and _fits(residual, dtype, None))
+                or (norm is not None and glu)):
             return None
         lib = kernels.library()
-        if lib is None or x.dtype not in (torch.float32, torch.bfloat16):
+        if lib is None:
             return None
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in] ([M, 2 in] with glu)
-        res = None if residual is None else residual.reshape(-1, self.shape[0]).contiguous()  # [M, out]
-        out = kernels.q4_matmul(rows, self._kernel[0], self.shape[0], lib, norm=norm, eps=eps, glu=glu, bias=bias,
-                                residual=res)
+        res = None if residual is None else residual.reshape(rows.shape[0], self.shape[0]).contiguous()  # [M, out]
+        out = kernels.q4_call(rows, k, self._kernel[0], self.shape[0], lib, norm, float(eps), glu, bias, res)
         return out.view(*x.shape[:-1], self.shape[0])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,8 +265,11 @@ class QuantMatrix:
         return out if bias is None else out + bias
 
 
-def _fusable(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
-    return t is None or (t.dtype == dtype and t.device.type == "cpu")
+def _fits(t: torch.Tensor | None, dtype: torch.dtype, numel: int | None) -> bool:
+    """Whether ``t`` (a fused operand) may go to the q4 kernel: None, or a CPU tensor of ``dtype`` (contiguous with
+    ``numel`` elements when given)."""
+    return t is None or (t.dtype == dtype and t.device.type == "cpu"
+                         and (numel is None or (t.numel() == numel and t.is_contiguous())))
 
 
 def q4_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

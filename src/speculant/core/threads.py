@@ -11,12 +11,16 @@ Two remedies, both here:
   as cores are free when the model loads (:func:`choose_threads`: the CPUs this process may run on, capped by a
   cgroup CPU quota, minus the cores other processes kept busy over a short sample of ``/proc/stat``, or the load
   average where there is none; at least 1), said in one INFO log line. Chosen once per process.
-- the wait policy of the OpenMP runtime that runs torch's pool (this torch: GNU OpenMP, see
-  ``torch.__config__.parallel_info()``): by default its idle threads spin before they sleep, competing for the
-  busy core with the thread that has work. ``OMP_WAIT_POLICY=PASSIVE`` (read by GNU, LLVM and Intel OpenMP) makes
-  them sleep at once. The runtime reads it once, when torch is imported, so it can only be set before that: the
-  ``speculant`` command sets :data:`DEFAULT_WAIT_POLICY` unless the environment already says one
-  (:func:`set_default_wait_policy`); Python users set it in their environment (README, "Threads").
+- how the OpenMP runtime under torch (this torch: GNU OpenMP, see ``torch.__config__.parallel_info()``) lets idle
+  threads wait. Its own default spins for 300,000 rounds before sleeping, so threads compete for a busy core with
+  the thread that has work; ``OMP_WAIT_POLICY=PASSIVE`` makes them sleep at once, which protects against a
+  neighbour that arrives after start but costs 25-35% on a quiet machine (a forward is hundreds of short parallel
+  regions, and every one wakes sleeping threads). The ``speculant`` command sets ``GOMP_SPINCOUNT=20000``
+  (:data:`DEFAULT_SPIN`) unless the environment sets a wait policy or a spin count: near the speed of spinning on
+  a quiet machine, the same as passive with a neighbour present at start (``auto`` then picks fewer threads), and
+  idle threads still go to sleep (a server at rest uses no CPU). The runtime reads these once, when torch is
+  imported, so they can only be set before that (:func:`set_default_wait_policy`); Python users set them in their
+  environment (README, "Threads").
 
 ``benchmarks/threads_busy.py`` measures plain decoding for each setting with and without a busy neighbour.
 Light on purpose (no torch at import): :mod:`speculant.cli` imports it before torch is loaded.
@@ -35,7 +39,8 @@ from pathlib import Path
 
 __all__ = [
     "AUTO",
-    "DEFAULT_WAIT_POLICY",
+    "DEFAULT_SPIN",
+    "SPIN_VAR",
     "WAIT_POLICY_VAR",
     "ThreadChoice",
     "apply_threads",
@@ -55,10 +60,15 @@ AUTO = "auto"
 WAIT_POLICY_VAR = "OMP_WAIT_POLICY"
 """The OpenMP runtime's wait-policy variable (ACTIVE: idle threads spin; PASSIVE: they sleep at once)."""
 
-DEFAULT_WAIT_POLICY = "PASSIVE"
-"""What the ``speculant`` command sets when the environment says no wait policy. PASSIVE so that a neighbour that
-starts after the threads were chosen slows decoding gracefully rather than many times over; whether it costs speed
-on a quiet machine is measured by ``benchmarks/threads_busy.py`` (wait active vs passive, quiet)."""
+SPIN_VAR = "GOMP_SPINCOUNT"
+"""GNU OpenMP's spin count: how many rounds an idle thread spins before it sleeps."""
+
+DEFAULT_SPIN = "20000"
+"""What the ``speculant`` command sets :data:`SPIN_VAR` to when the environment says neither a wait policy nor a
+spin count. Measured (``benchmarks/threads_busy.py``, ``benchmarks/results/threads-busy-spin``: 2 cores, the
+Qwen2.5-Coder-0.5B in q4, tokens/s quiet / beside a busy neighbour with ``auto`` threads): PASSIVE 24.7 / 21.2,
+this 31.7 / 22.0, ACTIVE 32.8 / 21.9; with 2 threads forced beside the neighbour PASSIVE 19.3, this 8.9 (the
+runtime's own wait collapsed to 4.4 on the bundled model there)."""
 
 SAMPLE_S = 0.2
 """How long :func:`busy_cores` watches ``/proc/stat``: long enough for a few scheduler ticks (100 per second)."""
@@ -81,15 +91,14 @@ def check_threads(threads: int | str | None) -> int | str | None:
     return threads
 
 
-def set_default_wait_policy(environ: MutableMapping[str, str] | None = None) -> str:
-    """Set :data:`WAIT_POLICY_VAR` to :data:`DEFAULT_WAIT_POLICY` in ``environ`` (default ``os.environ``) unless
-    it is set already (the user's choice wins); returns the value in force. Effective only before torch is
-    imported (the OpenMP runtime reads it when it loads)."""
+def set_default_wait_policy(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set :data:`SPIN_VAR` to :data:`DEFAULT_SPIN` in ``environ`` (default ``os.environ``) unless it already sets
+    :data:`WAIT_POLICY_VAR` or :data:`SPIN_VAR` (the user's choice wins); returns those of the two that are set.
+    Effective only before torch is imported (the OpenMP runtime reads them when it loads)."""
     env = os.environ if environ is None else environ
-    return env.setdefault(WAIT_POLICY_VAR, DEFAULT_WAIT_POLICY)
-
-
-# ---------------------------------------------------------------------------------------------- cores
+    if WAIT_POLICY_VAR not in env and SPIN_VAR not in env:
+        env[SPIN_VAR] = DEFAULT_SPIN
+    return {k: env[k] for k in (WAIT_POLICY_VAR, SPIN_VAR) if k in env}
 
 
 def _cgroup_quota(root: Path = _CGROUP) -> float | None:

@@ -250,6 +250,13 @@ def default_draft_for(target: str | Path) -> str | None:
     return None
 
 
+def default_quantization_for(target: str | Path) -> str | None:
+    """The weight quantization a packaged ``target`` (by name) loads in when none is asked for
+    (:attr:`speculant.models.sources.PackagedModel.default_quantization`), else None."""
+    model = PACKAGED.get(str(target))
+    return None if model is None else model.default_quantization
+
+
 def default_method_for(target: str | Path, draft: str | Path | None = None) -> str | None:
     """The method spec measured fastest for a packaged ``target`` with the drafter speculant ships for it
     (:attr:`speculant.models.sources.PackagedModel.default_method`), when ``draft`` is None or that drafter (by name or

