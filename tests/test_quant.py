@@ -18,6 +18,7 @@ from speculant.core.quant import GROUP, QUANTIZATIONS, QuantMatrix, quantization
 from speculant.core.types import SamplingParams
 from speculant.drafters.registry import build_drafter
 from speculant.testing import perturbed, tiny_model
+from helpers import sizes
 from test_sampling_distribution import FAIL_P, PASS_P, VOCAB, exact_joint, pvalues, sample_joint
 
 KINDS = ("int8", "int4")
@@ -209,7 +210,8 @@ def test_greedy_output_of_every_method_equals_plain_decoding_of_the_quantized_mo
     assert accepted > 0  # drafts were accepted: the multi-row verification paths ran
 
 
-def test_int4_sampling_keeps_the_quantized_target_distribution():
+@pytest.mark.parametrize("n", sizes(2500, id="int4"))
+def test_int4_sampling_keeps_the_quantized_target_distribution(n):
     """Sampled speculative decoding of an int4 target with an int4 draft follows the int4 target's exact joint
     distribution (enumerated through the model's own forward, which computes the same dequantized matrices)."""
     target = quantize_model(tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0), "int4")
@@ -217,11 +219,11 @@ def test_int4_sampling_keeps_the_quantized_target_distribution():
                            "int4")
     params = SamplingParams(temperature=1.0)
     expected = exact_joint(target, params, 3)
-    counts, acceptance = sample_joint(target, draft, params, k=2, n=2500, seed0=4_000)
+    counts, acceptance = sample_joint(target, draft, params, k=2, n=n, seed0=4_000)
     assert 0.15 < acceptance < 0.9, acceptance
     bad = {name: p for name, p in pvalues(counts, expected).items() if not p > PASS_P}
     assert not bad, f"empirical distribution differs from the int4 target's: p-values {bad}"
-    assert np.isclose(counts.sum(), 2500)
+    assert np.isclose(counts.sum(), n)
     # the test sees the quantization: the same samples do not fit the unquantized model's distribution
     unquantized = exact_joint(tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0), params, 3)
     assert pvalues(counts, unquantized)["joint"] < FAIL_P
