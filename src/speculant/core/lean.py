@@ -8,8 +8,10 @@ arithmetic: 30 layers of module calls, kwargs plumbing, per-call mask and RoPE b
   model's own q/k/v (gate/up) weights become views of the fused matrix (:func:`_fused`; Phi-3 ships them fused);
 * RoPE tables computed once (grown on demand), indexed by the step's position ids;
 * keys and values written straight into our :class:`~speculant.core.cache.SpecCache` (or its evicting subclass);
-* SDPA with the caller's tree mask, or the causal fast path (no mask for one token, ``is_causal`` for a prefill
-  of an empty cache, a small boolean mask otherwise);
+* attention for forwards of at most 64 new tokens (decoding, verification) computed row by row
+  (:mod:`speculant.core.attention`: a token's output is the same bits alone or beside others, under the caller's
+  tree mask or the causal one); longer prefills use SDPA (``is_causal`` for an empty cache, a small boolean mask
+  otherwise);
 * on a CPU, the matrices (and the LM head) reordered once into oneDNN's blocked layout
   (:class:`~speculant.core.packed.PackedMatrix`) where :func:`~speculant.core.packed.pack_enabled` allows the copy: in
   bfloat16 the same results bit for bit, 1.35-1.7x faster matmuls for decoding (see :mod:`speculant.core.packed`);
@@ -256,9 +258,6 @@ class LeanForward:
         self._cos = (emb.cos() * self._rope_scale).to(self.embed.dtype)
         self._sin = (emb.sin() * self._rope_scale).to(self.embed.dtype)
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, weight, self.eps)
-
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on the first R dims of ``x [1, heads, T, D]`` (``cos``/``sin`` ``[1, 1, T, R]``)."""
         r = self.rotary_dim
@@ -332,7 +331,7 @@ class LeanForward:
             qkv = fused_linear(x, w.qkv, w.qkv_bias, norm=w.in_norm, eps=self.eps).view(1, t, hq + 2 * hkv, d)
             qk, v = qkv.split([hq + hkv, hkv], dim=2)  # [1, T, Hq + Hkv, D], [1, T, Hkv, D]
             if w.qk_norm is not None:
-                qk = self._norm(qk, w.qk_norm)
+                qk = rms_norm(qk, w.qk_norm, self.eps)
             q, k = self._rope(qk.transpose(1, 2), cos, sin).split([hq, hkv], dim=1)  # [1, Hq|Hkv, T, D]
             if capture is not None:
                 capture.record(i, q)
@@ -351,4 +350,4 @@ class LeanForward:
             x = fused_linear(gate_up, w.down, w.down_bias, glu=True, residual=x)
             if taps is not None and i in taps:
                 taps[i] = x
-        return self._norm(x, self.norm)
+        return rms_norm(x, self.norm, self.eps)
