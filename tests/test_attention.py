@@ -145,11 +145,51 @@ def test_every_build_of_the_kernel_computes_the_same_bits():
     """The native, AVX2 and generic builds write the same C++ with no float contraction: the same bits."""
     if platform.machine() not in ("x86_64", "AMD64") or kernels.library() is None:
         pytest.skip("the ISA variants are x86 builds of a compiled library")
+    # D = 64 and 128 take the AVX-512 build's 16-keys-at-a-time route, D = 72 the generic loops everywhere
     for dtype in (torch.float32, torch.bfloat16):
-        allowed = _tree_allowed(30)
-        q, k, v = _qkv(12, 2, allowed.shape[0], allowed.shape[1], 72, dtype, seed=5)
-        want = kernels.attend(q[0], k[0], v[0], allowed, 0.1, kernels.library())
-        for isa in ("avx2", "generic"):
-            other = kernels.library(isa)
-            if other is not None:
-                assert torch.equal(kernels.attend(q[0], k[0], v[0], allowed, 0.1, other), want), (isa, dtype)
+        for d in (64, 72, 128):
+            for allowed in (_tree_allowed(30), None):
+                t, s = (7, 37) if allowed is not None else (3, 45)
+                q, k, v = _qkv(12, 2, t, s, d, dtype, seed=5)
+                want = kernels.attend(q[0], k[0], v[0], allowed, 0.1, kernels.library())
+                for isa in ("avx2", "generic"):
+                    other = kernels.library(isa)
+                    if other is not None:
+                        got = kernels.attend(q[0], k[0], v[0], allowed, 0.1, other)
+                        assert torch.equal(got, want), (isa, dtype, d, allowed is None)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["none", "q4"])
+def test_the_fused_attention_block_computes_the_bits_of_the_torch_ops(arch, dtype, kind, monkeypatch):
+    """kernels.rope_attend (RoPE, the cache write and attention in one call per layer) against the lean forward's
+    torch RoPE + cache update + attend(): the same logits and the same cache, bit for bit, for a prompt, a chain and
+    a tree (positions out of order, an ancestor mask)."""
+    if kernels.library() is None:
+        pytest.skip("speculant's compiled kernels cannot be built here")
+    model = tiny_model(arch, hidden=64, heads=4, kv_heads=2, vocab_size=128, dtype=dtype)
+    if kind != "none":
+        quantize_model(model, kind)
+    lean = LeanForward(model)
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    allowed = _tree_allowed(20)  # [7, 27]: a tree of 7 nodes after 20 cached tokens
+    depth = torch.tensor([0, 1, 2, 2, 3, 3, 3])  # the root, then TREE's nodes
+    tree_mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[None, None]
+
+    def run():
+        cache = SpecCache(2, capacity=8)  # small: the cache grows while the block writes into it
+        out = [lean(ids[:, :20], cache), lean(ids[:, 20:24], cache)]
+        cache.crop(20)
+        out.append(lean(ids[:, 30:37], cache, positions=(20 + depth)[None], mask=tree_mask.to(dtype)))
+        out.append(lean(ids[:, 37:38], cache))
+        return out, cache
+
+    fused, fused_cache = run()
+    assert lean._fused_attention(True, ids.to(dtype), fused_cache, None) is not None  # the fused path ran
+    monkeypatch.setattr(LeanForward, "_fused_attention", lambda *a: None)
+    ops, ops_cache = run()
+    for a, b in zip(fused, ops):
+        assert torch.equal(a, b)
+    for la, lb in zip(fused_cache.layers, ops_cache.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)

@@ -76,6 +76,22 @@ class GrowingLayer(DynamicLayer):
         v[:, :, : self.length] = self._v[:, :, : self.length]
         self._k, self._v, self.capacity = k, v, cap
 
+    appends_in_place = True
+    """:meth:`extend` may stand for :meth:`update` (a subclass that tracks per-token state in ``update`` says False)."""
+
+    def extend(self, t: int, heads: int, dim_k: int, dim_v: int, dtype: torch.dtype,
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Append ``t`` slots for the caller to fill: ``(k, v, start)``, the buffers ``[B, H_kv, capacity, D]`` and
+        the first new slot (slots ``start .. start + t - 1`` are the new ones, already counted in the length)."""
+        if not self.is_initialized:
+            self.lazy_initialization(torch.empty((1, heads, 0, dim_k), dtype=dtype, device=device),
+                                     torch.empty((1, heads, 0, dim_v), dtype=dtype, device=device))
+        start = self.length
+        self._reserve(start + t)
+        self.length = start + t
+        self._refresh()
+        return self._k, self._v, start
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states``/``value_states`` ``[B, H_kv, T, D]``; return all cached keys and values."""
         if not self.is_initialized:

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "attend", "cache_dir", "library", "q4_call", "q4_isa",
-           "q4_matmul"]
+           "q4_matmul", "rope_attend"]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,11 @@ def library(isa: str = "native") -> ctypes.CDLL | None:
                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
             lib.q4_isa.restype = ctypes.c_int
+            lib.rope_attend.restype = ctypes.c_int
+            lib.rope_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 4, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2,
+                                        ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_float,
+                                        ctypes.c_void_p, ctypes.c_int]
             lib.attend.restype = ctypes.c_int
             lib.attend.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, *[ctypes.c_int64] * 2,
                                    ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_int, *[ctypes.c_int64] * 5,
@@ -219,4 +224,26 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
                         torch.get_num_threads())
         if rc:
             raise ValueError(f"attend: bad sizes Hq={hq}, Hkv={hkv}, T={t}, S={s}, D={d}")
+    return out
+
+
+def rope_attend(qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, allowed: torch.Tensor | None,
+                scale: float, lib: ctypes.CDLL) -> torch.Tensor:
+    """One attention block after the fused q/k/v projection, in one call (``csrc/attend.cpp``, unchecked: the lean
+    forward's hot path): RoPE on the queries and keys of ``qkv [T, (Hq + 2 Hkv) D]`` (contiguous) at ``positions``
+    (int64 ``[T]``, tables ``cos``/``sin`` ``[P, D]`` contiguous, in ``qkv``'s dtype), keys and values written into
+    the cache buffers ``k``/``v`` ``[Hkv, capacity, D]`` (last dimension contiguous) at slots ``start .. start + T -
+    1``, then :func:`attend` over the ``start + T`` slots (``allowed``: None for causal, or uint8 ``[T, start + T]``
+    contiguous) -> ``[T, Hq * D]``; bit for bit the torch RoPE followed by :func:`attend`."""
+    t = qkv.shape[0]
+    d = cos.shape[1]
+    out = torch.empty(t, heads * d, dtype=qkv.dtype)
+    rc = lib.rope_attend(qkv.data_ptr(), int(qkv.dtype == torch.bfloat16), t, heads, kv_heads, d,
+                         positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1),
+                         v.data_ptr(), v.stride(0), v.stride(1), start, _ptr(allowed), float(scale), out.data_ptr(),
+                         torch.get_num_threads())
+    if rc:
+        raise (MemoryError if rc == -2 else ValueError)(f"rope_attend failed ({rc}): T={t}, Hq={heads}, "
+                                                       f"Hkv={kv_heads}, D={d}, start={start}")
     return out

@@ -31,6 +31,8 @@ __all__ = ["BudgetCache", "BudgetLayer", "BudgetedKV", "evict", "observe", "obse
 class BudgetLayer(GrowingLayer):
     """A :class:`GrowingLayer` that also keeps original positions and accumulated attention per token."""
 
+    appends_in_place = False  # update() records each token's position
+
     def __init__(self, capacity: int = 256) -> None:
         super().__init__(capacity)
         self.next_position = 0  # original position of the next appended token

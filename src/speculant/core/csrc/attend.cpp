@@ -18,6 +18,12 @@
 // token over the same keys. Computation in float32; q, k, v and the output in float32 or bfloat16 (converted on
 // load, rounded to nearest even on store). The query heads sharing a KV head (GQA) are computed together, each
 // key and value row loaded once for all of them; threads split the (KV head, row) pairs, never a reduction.
+//
+// AVX-512 builds, D a multiple of 16 up to 128 (every model here), take a faster route to the very same bits:
+// bfloat16 keys and values are converted to float32 once per call (shared by every row and head), each head's
+// scores are computed for 16 keys at a time (16 dots' lane sums in registers, then folded together with the same
+// additions dot() makes), and each head's D value sums stay in registers over the keys. rope_attend() runs RoPE
+// and the cache write before the attention in the same call (one call per layer for the lean forward).
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -27,6 +33,10 @@
 
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define ATTEND_AVX512 1
 #endif
 
 namespace {
@@ -47,12 +57,24 @@ inline uint16_t bf16_store(float f) {  // round to nearest even (NaN not special
     return (uint16_t)(bits >> 16);
 }
 
+#if defined(ATTEND_AVX512)
+inline __mmask16 tail_mask(int64_t n) { return (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1); }
+#endif
+
 // Row `offset` of `base` as float32: converted into dst (bfloat16), or read in place (float32).
 template <bool BF16>
 inline const float* load_row(const void* base, int64_t offset, int64_t D, float* dst) {
     if (BF16) {
         const uint16_t* p = (const uint16_t*)base + offset;
+#if defined(ATTEND_AVX512)
+        for (int64_t i = 0; i < D; i += 16) {
+            const __mmask16 k = tail_mask(D - i);
+            const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p + i));
+            _mm512_mask_storeu_ps(dst + i, k, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+        }
+#else
         for (int64_t i = 0; i < D; ++i) dst[i] = bf16_load(p[i]);
+#endif
         return dst;
     }
     return (const float*)base + offset;
@@ -61,6 +83,17 @@ inline const float* load_row(const void* base, int64_t offset, int64_t D, float*
 // dot(a, b) over D elements: 16 lane sums in element order (fused multiply-adds: exactly rounded, so every build,
 // with or without FMA instructions, computes the same bits), folded 8+8, 4+4, 2+2, 1+1.
 inline float dot(const float* a, const float* b, int64_t D) {
+#if defined(ATTEND_AVX512)
+    __m512 lane = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 16) {  // a tail leaves the lanes it does not reach untouched
+        const __mmask16 k = tail_mask(D - i);
+        lane = _mm512_mask3_fmadd_ps(_mm512_maskz_loadu_ps(k, a + i), _mm512_maskz_loadu_ps(k, b + i), lane, k);
+    }
+    const __m256 l8 = _mm256_add_ps(_mm512_castps512_ps256(lane), _mm512_extractf32x8_ps(lane, 1));
+    const __m128 l4 = _mm_add_ps(_mm256_castps256_ps128(l8), _mm256_extractf128_ps(l8, 1));
+    const __m128 l2 = _mm_add_ps(l4, _mm_movehl_ps(l4, l4));
+    return _mm_cvtss_f32(_mm_add_ss(l2, _mm_movehdup_ps(l2)));
+#else
     float lane[LANES] = {};
     int64_t i = 0;
     for (; i + LANES <= D; i += LANES)
@@ -69,6 +102,7 @@ inline float dot(const float* a, const float* b, int64_t D) {
     for (int w = LANES / 2; w > 0; w /= 2)
         for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
     return lane[0];
+#endif
 }
 
 // exp(x) for x <= 0 (x = -inf and x < -87 give 0): 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (in two parts),
@@ -90,6 +124,41 @@ inline float exp_nonpositive(float x) {
     const float scale = __builtin_bit_cast(float, (uint32_t)(e > 0 ? e : 0) << 23);
     return x <= -87.f ? 0.f : p * scale;
 }
+
+#if defined(ATTEND_AVX512)
+// o[h, :] = sum over the seen keys j in increasing order of fma(e[h, j], v_j, .) for each of the `group` heads, the
+// D (<= 128, a multiple of 16) sums of a head held in registers: the same float operations per (head, element) as
+// the generic loop, in another loop order. v_j is read (and converted) once per head.
+template <bool BF16>
+void pv_heads(const void* v, int64_t v_off, int64_t v_rs, int64_t S, int64_t D, const uint8_t* allowed,
+              int64_t visible, const float* e, int64_t group, float* o) {
+    const int chunks = (int)(D / 16);
+    const int64_t span = allowed ? S : visible;
+    for (int64_t h = 0; h < group; ++h) {
+        __m512 acc[8];
+        for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
+        const float* eh = e + h * S;
+        for (int64_t j = 0; j < span; ++j) {
+            if (allowed && !allowed[j]) continue;
+            const __m512 ej = _mm512_set1_ps(eh[j]);
+            const int64_t at = v_off + j * v_rs;
+#define PV_CHUNK(c)                                                                                              \
+    if (c < chunks) {                                                                                            \
+        __m512 x;                                                                                                \
+        if (BF16)                                                                                                \
+            x = _mm512_castsi512_ps(_mm512_slli_epi32(                                                           \
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)v + at + 16 * c))), 16)); \
+        else                                                                                                     \
+            x = _mm512_loadu_ps((const float*)v + at + 16 * c);                                                  \
+        acc[c] = _mm512_fmadd_ps(ej, x, acc[c]);                                                                 \
+    }
+            PV_CHUNK(0) PV_CHUNK(1) PV_CHUNK(2) PV_CHUNK(3) PV_CHUNK(4) PV_CHUNK(5) PV_CHUNK(6) PV_CHUNK(7)
+#undef PV_CHUNK
+        }
+        for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(o + h * D + 16 * c, acc[c]);
+    }
+}
+#endif
 
 // The `group` query heads h0 .. h0 + group - 1 that share KV head g, for row t: each key and value row is loaded
 // (and converted) once for the group, while every head's arithmetic is exactly the one-head sequence above.
@@ -121,7 +190,7 @@ void attend_group(const void* q, int64_t q_hs, int64_t q_off, int64_t group, con
         for (int64_t h = 0; h < group; ++h) {
             const float sj = scale * dot(qf + h * D, kj, D);
             s[h * S + j] = sj;
-            m[h] = fmaxf(m[h], sj);
+            m[h] = sj > m[h] ? sj : m[h];  // max (fmaxf is a library call here)
         }
     }
     // e = exp(s - m) over the scores in place (a branch-free loop the compiler vectorizes; unseen keys' slots
@@ -131,17 +200,26 @@ void attend_group(const void* q, int64_t q_hs, int64_t q_off, int64_t group, con
         float* sh = s + h * S;
         const float mh = m[h];
         for (int64_t j = 0; j < span; ++j) sh[j] = exp_nonpositive(sh[j] - mh);
-        for (int64_t j = 0; j < span; ++j)
-            if (!allowed || allowed[j]) z[h] += sh[j];
     }
-    for (int64_t i = 0; i < group * D; ++i) o[i] = 0.f;
-    for (int64_t j = 0; j < S; ++j) {
-        if (allowed ? !allowed[j] : j >= visible) continue;
-        const float* vj = load_row<BF16>(v, v_off + j * v_rs, D, row);
-        for (int64_t h = 0; h < group; ++h) {
-            const float e = s[h * S + j];
-            float* oh = o + h * D;
-            for (int64_t i = 0; i < D; ++i) oh[i] = fmaf(e, vj[i], oh[i]);
+    // each head's sum in key order; the heads' chains interleaved (independent, so they overlap)
+    for (int64_t j = 0; j < span; ++j)
+        if (!allowed || allowed[j])
+            for (int64_t h = 0; h < group; ++h) z[h] += s[h * S + j];
+#if defined(ATTEND_AVX512)
+    if (D % 16 == 0 && D <= 128) {  // per head, its D sums in registers over the keys in order
+        pv_heads<BF16>(v, v_off, v_rs, S, D, allowed, visible, s, group, o);
+    } else
+#endif
+    {
+        for (int64_t i = 0; i < group * D; ++i) o[i] = 0.f;
+        for (int64_t j = 0; j < S; ++j) {
+            if (allowed ? !allowed[j] : j >= visible) continue;
+            const float* vj = load_row<BF16>(v, v_off + j * v_rs, D, row);
+            for (int64_t h = 0; h < group; ++h) {
+                const float e = s[h * S + j];
+                float* oh = o + h * D;
+                for (int64_t i = 0; i < D; ++i) oh[i] = fmaf(e, vj[i], oh[i]);
+            }
         }
     }
     for (int64_t h = 0; h < group; ++h) {
@@ -157,6 +235,217 @@ void attend_group(const void* q, int64_t q_hs, int64_t q_off, int64_t group, con
     }
 }
 
+// RoPE of one head row x[D] (model dtype) at table row c/s [D] (model dtype), as the lean forward's torch ops compute
+// it: out = x * cos + cat(-x[half:], x[:half]) * sin, each product and the sum rounded to the dtype (-ffp-contract
+// off: no fused multiply-add). Written in the dtype (bf16 bits or float32).
+template <bool BF16>
+void rope_row(const void* x, int64_t x_off, const void* c, const void* s, int64_t cs_off, int64_t D, void* dst,
+              int64_t dst_off) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < D; ++i) {
+        float xi, xr, ci, si;
+        const int64_t r = i < half ? i + half : i - half;
+        if (BF16) {
+            xi = bf16_load(((const uint16_t*)x)[x_off + i]);
+            xr = bf16_load(((const uint16_t*)x)[x_off + r]);
+            ci = bf16_load(((const uint16_t*)c)[cs_off + i]);
+            si = bf16_load(((const uint16_t*)s)[cs_off + i]);
+            const float a = bf16_load(bf16_store(xi * ci));
+            const float b = bf16_load(bf16_store((i < half ? -xr : xr) * si));
+            ((uint16_t*)dst)[dst_off + i] = bf16_store(a + b);
+        } else {
+            xi = ((const float*)x)[x_off + i];
+            xr = ((const float*)x)[x_off + r];
+            ci = ((const float*)c)[cs_off + i];
+            si = ((const float*)s)[cs_off + i];
+            const float a = xi * ci;
+            const float b = (i < half ? -xr : xr) * si;
+            ((float*)dst)[dst_off + i] = a + b;
+        }
+    }
+}
+
+template <bool BF16>
+void copy_row(const void* x, int64_t x_off, int64_t D, void* dst, int64_t dst_off) {
+    const size_t size = BF16 ? 2 : 4;
+    memcpy((char*)dst + dst_off * size, (const char*)x + x_off * size, (size_t)D * size);
+}
+
+#if defined(ATTEND_AVX512)
+// Lane vectors acc[0..15] (one dot's 16 lane sums each) -> their 16 dots, each folded 8+8, 4+4, 2+2, 1+1 exactly as
+// dot() folds one (the same additions, pairs of vectors at a time): result lane r = dot r.
+inline __m512 fold16(__m512 a[16]) {
+    __m512 x[8], y[4], z[2];
+    for (int p = 0; p < 8; ++p)  // x[p] = [a[2p] 8+8 | a[2p+1] 8+8]
+        x[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; ++p)  // y[p] quads: 4+4 of a[4p], a[4p+1] (from x[2p]) and a[4p+2], a[4p+3] (x[2p+1])
+        y[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; ++p)  // z[p] quad q: 2+2 of y[2p]'s quad q (2 values), then of y[2p+1]'s quad q
+        z[p] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * p], y[2 * p + 1], 0x44),
+                             _mm512_shuffle_ps(y[2 * p], y[2 * p + 1], 0xEE));
+    // quad q of the result: 1+1 of z[0]'s quad q (two dots), then of z[1]'s quad q (two dots)
+    const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88), _mm512_shuffle_ps(z[0], z[1], 0xDD));
+    // w's quad q holds dots [4q', ...] in the order the shuffles left them: q -> (a index) below
+    // y[p] quad q = a[4p + q]; z[p] quad q lanes = [y[2p] q (2 values), y[2p+1] q (2 values)];
+    // w quad q = [z[0] q: a[q] , a[4 + q], z[1] q: a[8 + q], a[12 + q]]
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, w);
+}
+
+// The fast path of attend_group: keys/values already float32 (row j of KV head at k + j * k_rs), D a multiple of
+// 16 up to 128. Scores for 16 keys at a time per head (16 dots in registers, folded together by fold16: the bits of
+// dot()), then the same softmax and value sums as attend_group.
+template <bool BF16, int CH>
+void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group, const float* k, int64_t k_rs,
+                       const float* v, int64_t v_rs, int64_t S, int64_t D, const uint8_t* allowed, int64_t visible,
+                       float scale, void* out, int64_t out_off, std::vector<float>& buf) {
+    const int64_t span = allowed ? S : visible, padded = (span + 15) / 16 * 16;
+    buf.resize((size_t)(group * D + group * D + group * padded + 2 * group));
+    float* qf = buf.data();
+    float* o = qf + group * D;
+    float* s = o + group * D;
+    float* z = s + group * padded;
+    constexpr int chunks = CH;  // D / 16
+    for (int64_t h = 0; h < group; ++h) {
+        const float* qh = load_row<BF16>(q, q_off + h * q_hs, D, qf + h * D);
+        if (qh != qf + h * D) memcpy(qf + h * D, qh, sizeof(float) * (size_t)D);
+    }
+    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t h = 0; h < group; ++h) {
+        __m512 qv[8];
+        for (int c = 0; c < chunks; ++c) qv[c] = _mm512_loadu_ps(qf + h * D + 16 * c);
+        __m512 mv = ninf;
+        float* sh = s + h * padded;
+        for (int64_t j0 = 0; j0 < span; j0 += 16) {
+            __m512 acc[16];
+            const float* kr[16];
+            for (int r = 0; r < 16; ++r) {
+                kr[r] = k + (j0 + r < span ? j0 + r : span - 1) * k_rs;  // past the end: a repeat, discarded below
+                acc[r] = _mm512_setzero_ps();
+            }
+            for (int c = 0; c < chunks; ++c)  // 16 independent chains (each dot's own order: chunk by chunk)
+                for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr[r] + 16 * c), acc[r]);
+            __m512 sc = _mm512_mul_ps(vscale, fold16(acc));
+            __mmask16 seen = span - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (span - j0)) - 1);
+            if (allowed) {
+                const __m128i bytes = _mm_maskz_loadu_epi8(seen, allowed + j0);
+                seen = _mm_mask_cmpneq_epi8_mask(seen, bytes, _mm_setzero_si128());
+            }
+            sc = _mm512_mask_blend_ps(seen, ninf, sc);
+            mv = _mm512_max_ps(mv, sc);
+            _mm512_storeu_ps(sh + j0, sc);
+        }
+        const float mh = _mm512_reduce_max_ps(mv);  // max: exact in any order
+        for (int64_t j = 0; j < span; ++j) sh[j] = exp_nonpositive(sh[j] - mh);
+        z[h] = 0.f;
+    }
+    for (int64_t j = 0; j < span; ++j)  // each head's sum in key order, the heads' chains interleaved
+        if (!allowed || allowed[j])
+            for (int64_t h = 0; h < group; ++h) z[h] += s[h * padded + j];
+    for (int64_t h = 0; h < group; ++h) {
+        __m512 acc[8];
+        for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
+        const float* eh = s + h * padded;
+        for (int64_t j = 0; j < span; ++j) {
+            if (allowed && !allowed[j]) continue;
+            const __m512 ej = _mm512_set1_ps(eh[j]);
+            const float* vj = v + j * v_rs;
+            for (int c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(ej, _mm512_loadu_ps(vj + 16 * c), acc[c]);
+        }
+        for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(o + h * D + 16 * c, acc[c]);
+    }
+    for (int64_t h = 0; h < group; ++h) {
+        const float inv = z[h] > 0.f ? 1.f / z[h] : 0.f;
+        const float* oh = o + h * D;
+        if (BF16) {
+            uint16_t* dst = (uint16_t*)out + out_off + h * D;
+            for (int64_t i = 0; i < D; ++i) dst[i] = bf16_store(oh[i] * inv);
+        } else {
+            float* dst = (float*)out + out_off + h * D;
+            for (int64_t i = 0; i < D; ++i) dst[i] = oh[i] * inv;
+        }
+    }
+}
+#endif
+
+#if defined(ATTEND_AVX512)
+typedef void (*FastFn)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
+                       int64_t, const uint8_t*, int64_t, float, void*, int64_t, std::vector<float>&);
+template <bool BF16, int... C>
+struct FastTable {
+    static constexpr FastFn row[sizeof...(C)] = {&attend_group_fast<BF16, C + 1>...};
+};
+template <bool BF16, int... C>
+constexpr FastFn FastTable<BF16, C...>::row[sizeof...(C)];
+const FastFn* const fast[2] = {FastTable<false, 0, 1, 2, 3, 4, 5, 6, 7>::row, FastTable<true, 0, 1, 2, 3, 4, 5, 6, 7>::row};
+#endif
+
+// Every (KV head, row) item of one attention call, run by the calling OpenMP team (call it inside a parallel region;
+// `kv` is the team's shared scratch for float copies of bfloat16 keys/values, resized by the caller).
+void attend_items(const void* q, int64_t q_hs, int64_t q_rs, const void* k, int64_t k_hs, int64_t k_rs,
+                  const void* v, int64_t v_hs, int64_t v_rs, int bf16, int64_t Hq, int64_t Hkv, int64_t T, int64_t S,
+                  int64_t D, const uint8_t* allowed, float scale, void* out, float* kv) {
+    const int64_t group = Hq / Hkv, items = Hkv * T;
+    std::vector<float> buf;
+#if defined(ATTEND_AVX512)
+    if (D % 16 == 0 && D <= 128) {
+        const float *kf = (const float*)k, *vf = (const float*)v;
+        int64_t khs = k_hs, krs = k_rs, vhs = v_hs, vrs = v_rs;
+        if (bf16) {  // float copies [Hkv, S, D] of the keys and values, made once for every row and head
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < Hkv * S; ++r) {
+                const int64_t g = r / S, j = r % S;
+                load_row<true>(k, g * k_hs + j * k_rs, D, kv + r * D);
+                load_row<true>(v, g * v_hs + j * v_rs, D, kv + (Hkv * S + r) * D);
+            }
+            kf = kv;
+            vf = kv + Hkv * S * D;
+            khs = vhs = S * D;
+            krs = vrs = D;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; ++item) {
+            const int64_t g = item / T, t = item % T, h0 = g * group;
+            const uint8_t* mask = allowed ? allowed + t * S : nullptr;
+            fast[bf16 ? 1 : 0][D / 16 - 1](q, q_hs, h0 * q_hs + t * q_rs, group, kf + g * khs, krs, vf + g * vhs, vrs,
+                                            S, D, mask, S - T + t + 1, scale, out, (t * Hq + h0) * D, buf);
+        }
+        return;
+    }
+#endif
+    (void)kv;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; ++item) {
+        const int64_t g = item / T, t = item % T, h0 = g * group;
+        const uint8_t* mask = allowed ? allowed + t * S : nullptr;
+        const int64_t visible = S - T + t + 1;
+        const int64_t out_off = (t * Hq + h0) * D;
+        if (bf16)
+            attend_group<true>(q, q_hs, h0 * q_hs + t * q_rs, group, k, g * k_hs, k_rs, v, g * v_hs, v_rs, S, D,
+                               mask, visible, scale, out, out_off, buf);
+        else
+            attend_group<false>(q, q_hs, h0 * q_hs + t * q_rs, group, k, g * k_hs, k_rs, v, g * v_hs, v_rs, S, D,
+                                mask, visible, scale, out, out_off, buf);
+    }
+}
+
+// Scratch for attend_items' float copies of bfloat16 keys and values (null when it reads them in place): one buffer
+// per calling thread, kept and grown across calls (no allocation, zeroing or page faults per call).
+float* kv_scratch(int bf16, int64_t Hkv, int64_t S, int64_t D) {
+#if defined(ATTEND_AVX512)
+    if (bf16 && D % 16 == 0 && D <= 128) {
+        static thread_local std::vector<float> scratch;
+        const size_t n = (size_t)(2 * Hkv * S * D);
+        if (scratch.size() < n) scratch.resize(n + n / 2);
+        return scratch.data();
+    }
+#endif
+    (void)bf16, (void)Hkv, (void)S, (void)D;
+    return nullptr;
+}
+
 }  // namespace
 
 extern "C" {
@@ -170,25 +459,52 @@ int attend(const void* q, int64_t q_hs, int64_t q_rs, const void* k, int64_t k_h
            int64_t v_hs, int64_t v_rs, int bf16, int64_t Hq, int64_t Hkv, int64_t T, int64_t S, int64_t D,
            const uint8_t* allowed, float scale, void* out, int threads) {
     if (Hq <= 0 || Hkv <= 0 || Hq % Hkv || T < 0 || S < T || D <= 0) return -1;
-    const int64_t group = Hq / Hkv, items = Hkv * T;
+    const int64_t items = Hkv * T;
+    float* kv = kv_scratch(bf16, Hkv, S, D);
+    (void)threads;
+#pragma omp parallel num_threads(threads) if (items > 1)
+    attend_items(q, q_hs, q_rs, k, k_hs, k_rs, v, v_hs, v_rs, bf16, Hq, Hkv, T, S, D, allowed, scale, out, kv);
+    return 0;
+}
+
+// One attention block of the lean forward after its fused q/k/v projection, in one call: RoPE on the queries and
+// keys of qkv [T, (Hq + 2 Hkv) D] (heads: Hq queries, Hkv keys, Hkv values; row t at position positions[t], tables
+// cos/sin [P, D] in the model dtype), the keys and values written into the cache buffers at slots start .. start +
+// T - 1 (element (h, j, i) at k + h * k_hs + j * k_rs + i, likewise v), then attend() over the S = start + T cached
+// slots (allowed [T, S] bytes, or causal). The same bits as the torch ops (RoPE) followed by attend(). out is
+// [T, Hq, D] contiguous. Returns 0, -1 for bad sizes, -2 when out of memory.
+int rope_attend(const void* qkv, int bf16, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int64_t* positions,
+                const void* cos, const void* sin, void* k, int64_t k_hs, int64_t k_rs, void* v, int64_t v_hs,
+                int64_t v_rs, int64_t start, const uint8_t* allowed, float scale, void* out, int threads) {
+    if (Hq <= 0 || Hkv <= 0 || Hq % Hkv || T <= 0 || start < 0 || D <= 0 || D % 2) return -1;
+    const int64_t width = (Hq + 2 * Hkv) * D, S = start + T, group = Hq / Hkv, items = Hkv * T;
+    const size_t size = bf16 ? 2 : 4;
+    void* q = malloc((size_t)(T * Hq * D) * size);  // roped queries [T, Hq, D]
+    if (!q) return -2;
+    float* kv = kv_scratch(bf16, Hkv, S, D);
     (void)threads;
 #pragma omp parallel num_threads(threads) if (items > 1)
     {
-        std::vector<float> buf;
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < items; ++item) {
-            const int64_t g = item / T, t = item % T, h0 = g * group;
-            const uint8_t* mask = allowed ? allowed + t * S : nullptr;
-            const int64_t visible = S - T + t + 1;
-            const int64_t out_off = (t * Hq + h0) * D;
-            if (bf16)
-                attend_group<true>(q, q_hs, h0 * q_hs + t * q_rs, group, k, g * k_hs, k_rs, v, g * v_hs, v_rs, S, D,
-                                   mask, visible, scale, out, out_off, buf);
-            else
-                attend_group<false>(q, q_hs, h0 * q_hs + t * q_rs, group, k, g * k_hs, k_rs, v, g * v_hs, v_rs, S, D,
-                                    mask, visible, scale, out, out_off, buf);
+        for (int64_t item = 0; item < T * (Hq + 2 * Hkv); ++item) {
+            const int64_t t = item / (Hq + 2 * Hkv), h = item % (Hq + 2 * Hkv), src = t * width + h * D;
+            const int64_t cs = positions[t] * D;
+            if (h < Hq) {
+                if (bf16) rope_row<true>(qkv, src, cos, sin, cs, D, q, (t * Hq + h) * D);
+                else rope_row<false>(qkv, src, cos, sin, cs, D, q, (t * Hq + h) * D);
+            } else if (h < Hq + Hkv) {
+                const int64_t dst = (h - Hq) * k_hs + (start + t) * k_rs;
+                if (bf16) rope_row<true>(qkv, src, cos, sin, cs, D, k, dst);
+                else rope_row<false>(qkv, src, cos, sin, cs, D, k, dst);
+            } else {
+                const int64_t dst = (h - Hq - Hkv) * v_hs + (start + t) * v_rs;
+                if (bf16) copy_row<true>(qkv, src, D, v, dst);
+                else copy_row<false>(qkv, src, D, v, dst);
+            }
         }
+        attend_items(q, D, Hq * D, k, k_hs, k_rs, v, v_hs, v_rs, bf16, Hq, Hkv, T, S, D, allowed, scale, out, kv);
     }
+    free(q);
     return 0;
 }
 

@@ -48,6 +48,10 @@ constexpr int QK = 32;           // inputs per block
 constexpr int NC = 16;           // output columns per block
 constexpr int BLOCK = 320;       // bytes per packed block
 constexpr int MT_MAX = 16;       // rows per tile: each weight block is read once per tile
+// Software prefetch this many blocks ahead of the one being multiplied (the next blocks of the same stream): with
+// 4-16 rows the arithmetic per block hides the hardware prefetcher's latency less well; measured on 2 cores of a
+// Xeon (1.5B shapes, all 28 layers): 8 rows 89 -> 62 ms, 16 rows 99 -> 85 ms, 1 row 46 -> 41 ms.
+constexpr int PREFETCH_BLOCKS = 4;
 
 [[maybe_unused]] float half_to_float(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -154,6 +158,7 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
     for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int64_t g = 0; g < G; ++g, w += BLOCK) {
+        for (int i = 0; i < BLOCK / 64; ++i) _mm_prefetch((const char*)w + PREFETCH_BLOCKS * BLOCK + 64 * i, _MM_HINT_T0);
         __m512i c[8];  // c[s]: per lane j, inputs 4s..4s+3 of column j (u8 codes)
         for (int i = 0; i < 4; ++i) {
             const __m512i raw = _mm512_loadu_si512((const void*)(w + 64 * i));
@@ -193,6 +198,7 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
     for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0f);
     for (int64_t g = 0; g < G; ++g, w += BLOCK) {
+        for (int i = 0; i < BLOCK / 64; ++i) _mm_prefetch((const char*)w + PREFETCH_BLOCKS * BLOCK + 64 * i, _MM_HINT_T0);
         for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7
             __m256i c[8];
             for (int i = 0; i < 4; ++i) {
