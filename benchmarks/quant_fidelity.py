@@ -42,10 +42,11 @@ from speculant.models.sources import gguf_backing
 
 
 @torch.inference_mode()
-def answer_logprobs(model, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+def answer_logprobs(model, sequences: list[tuple[list[int], list[int]]], forward: str = "auto") -> list[torch.Tensor]:
     """Per (prompt, answer): the log-probabilities ``[A, V]`` (float32) the model gives each answer position, read
-    over prompt + answer in one forward (the lean forward where it applies, as decoding runs it)."""
-    forward = TargetForward(model)
+    over prompt + answer in one forward (the lean forward where it applies, as decoding runs it; ``forward="model"``:
+    transformers' own)."""
+    forward = TargetForward(model, forward)
     out = []
     for prompt, answer in sequences:
         ids = torch.tensor(prompt + answer[:-1])[None]  # [1, T]: position t predicts token t + 1
@@ -71,20 +72,40 @@ def generate_answers(model, tokenizer, records: list[dict], max_new_tokens: int)
 
 
 def weight_error(path: Path, model, kind: str) -> dict:
-    """How far ``kind``'s matrices built from the GGUF file's own 4-bit codes are from the file's values."""
+    """How far ``kind``'s matrices built from the GGUF file's own 4-bit codes are from the file's values, in units
+    of each group's quantization step (``scale``; groups whose scale is 0, all 32 weights equal, are counted apart:
+    there a step is undefined and only the minimum's float16 rounding can differ)."""
     from speculant.models.gguf import int4_tensors
 
-    n = weights = off = 0
+    n = weights = off = flat = 0
     worst = total = 0.0
     for _, codes, scale, minimum in int4_tensors(path, model):
         want = (codes.float().reshape(codes.shape[0], -1, 32) * scale[..., None] + minimum[..., None])
         got = QuantMatrix.int4(codes, scale, minimum, torch.float32, kind).dequantize().reshape(want.shape)
-        step = scale.abs()[..., None].clamp_min(1e-30)
-        rel = (got - want).abs() / step  # [out, groups, 32], in quantization steps
+        stepped = scale != 0  # [out, groups]
+        rel = ((got - want).abs() / scale.abs()[..., None].where(stepped[..., None], 1))[stepped]  # [groups', 32]
         n, weights, off = n + 1, weights + rel.numel(), off + int((rel > 0).sum())
+        flat += int((~stepped).sum())
         worst, total = max(worst, float(rel.max())), total + float(rel.sum(dtype=torch.float64))
-    return {"matrices_from_codes": n, "weights": weights, "weights_off": off,
+    return {"matrices_from_codes": n, "weights": weights, "weights_off": off, "flat_groups": flat,
             "max_error_in_steps": worst, "mean_error_in_steps": total / max(weights, 1)}
+
+
+def act8(model) -> None:
+    """Diagnostic kind ``act8``: the float32 model with only q4's activation rounding (every linear layer's input
+    rounded to int8 per block of 32, as the kernel does) and the file's weights exact, to separate the two sources
+    of q4's error."""
+    from speculant.core.quant import q4_activations
+
+    def hook(_module, args):
+        x = args[0]
+        rows = x.reshape(-1, x.shape[-1])
+        a, d, _ = q4_activations(rows)
+        return ((a * d[..., None]).reshape(rows.shape).to(x.dtype).view(x.shape),)
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(hook)
 
 
 def compare(reference: list[torch.Tensor], other: list[torch.Tensor], categories: list[str]) -> dict:
@@ -120,8 +141,8 @@ def main() -> None:
                     "'.answers.json'): read when present, else generated and written")
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
-    if not kinds or any(k not in QUANTIZATIONS or k == "none" for k in kinds):
-        raise SystemExit(f"--kinds: choose among {', '.join(QUANTIZATIONS[1:])}")
+    if not kinds or any((k not in QUANTIZATIONS or k == "none") and k != "act8" for k in kinds):
+        raise SystemExit(f"--kinds: choose among {', '.join(QUANTIZATIONS[1:])} and act8 (see act8())")
     torch.set_num_threads(args.threads)
     out = Path(args.out or f"benchmarks/results/quant-fidelity/{Path(str(args.target)).name}.json")
     directory = resolve_model(args.target)
@@ -155,9 +176,15 @@ def main() -> None:
         all(previous["settings"].get(k) == v for k, v in settings.items()) else {}
     for kind in kinds:
         model, _ = load_model_dir(directory, "float32")
-        built = quantize_loaded(model, kind, backing)
-        assert quantization_of(model) == kind
-        row = compare(reference, answer_logprobs(model, sequences), categories)
+        if kind == "act8":  # the model's own forward (hooks), not the lean one
+            act8(model)
+            built = 0
+            logprobs = answer_logprobs(model, sequences, forward="model")
+        else:
+            built = quantize_loaded(model, kind, backing)
+            assert quantization_of(model) == kind
+            logprobs = answer_logprobs(model, sequences)
+        row = compare(reference, logprobs, categories)
         row["matrices_from_file_codes"] = built
         if backing is not None and kind in ("int4", "q4"):
             row["weights"] = weight_error(backing, model, kind)

@@ -163,9 +163,10 @@ def test_every_build_of_the_kernel_computes_the_same_bits():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["none", "q4"])
 def test_the_fused_attention_block_computes_the_bits_of_the_torch_ops(arch, dtype, kind, monkeypatch):
-    """kernels.rope_attend (RoPE, the cache write and attention in one call per layer) against the lean forward's
-    torch RoPE + cache update + attend(): the same logits and the same cache, bit for bit, for a prompt, a chain and
-    a tree (positions out of order, an ancestor mask)."""
+    """kernels.rope_attend (RoPE, the cache write and attention in one call per layer) and, for q4,
+    kernels.q4_layers (all layers in one call) against the lean forward's torch RoPE + cache update + attend(): the
+    same logits and the same cache, bit for bit, for a prompt, a chain and a tree (positions out of order, an
+    ancestor mask)."""
     if kernels.library() is None:
         pytest.skip("speculant's compiled kernels cannot be built here")
     model = tiny_model(arch, hidden=64, heads=4, kv_heads=2, vocab_size=128, dtype=dtype)
@@ -185,11 +186,18 @@ def test_the_fused_attention_block_computes_the_bits_of_the_torch_ops(arch, dtyp
         out.append(lean(ids[:, 37:38], cache))
         return out, cache
 
-    fused, fused_cache = run()
+    fused, fused_cache = run()  # q4: every layer in one call (kernels.q4_layers)
     assert lean._fused_attention(True, ids.to(dtype), fused_cache, None) is not None  # the fused path ran
+    assert (lean._q4_table(dtype) is not None) == (kind == "q4")
+    runs = [(fused, fused_cache)]
+    if kind == "q4":  # then layer by layer from Python (one rope_attend call per layer)
+        with monkeypatch.context() as m:
+            m.setattr(LeanForward, "_q4_table", lambda *a: None)
+            runs.append(run())
     monkeypatch.setattr(LeanForward, "_fused_attention", lambda *a: None)
     ops, ops_cache = run()
-    for a, b in zip(fused, ops):
-        assert torch.equal(a, b)
-    for la, lb in zip(fused_cache.layers, ops_cache.layers):
-        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    for out, cache in runs:
+        for a, b in zip(out, ops):
+            assert torch.equal(a, b)
+        for la, lb in zip(cache.layers, ops_cache.layers):
+            assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)

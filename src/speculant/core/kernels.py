@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "attend", "cache_dir", "library", "q4_call", "q4_isa",
-           "q4_matmul", "rope_attend"]
+           "q4_layers", "q4_matmul", "rope_attend"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ Q4_COLUMNS = 16
 Q4_BLOCK_BYTES = 320
 """Bytes per packed q4 block: 16 columns x 32 inputs of 4-bit codes (256), 16 float16 scales, 16 float16 minimums."""
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q4.cpp", "attend.cpp"))
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q4.cpp", "attend.cpp", "layers.cpp"))
 # -ffp-contract=off: the float operations are exactly the ones written (explicit fma), in every code path
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off"]
 _ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=haswell"], "generic": []}
@@ -126,6 +126,11 @@ def library(isa: str = "native") -> ctypes.CDLL | None:
                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
             lib.q4_isa.restype = ctypes.c_int
+            lib.q4_layers.restype = ctypes.c_int
+            lib.q4_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_void_p,
+                                      *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_float,
+                                      ctypes.c_float, ctypes.c_int]
             lib.rope_attend.restype = ctypes.c_int
             lib.rope_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 4, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2,
@@ -247,3 +252,21 @@ def rope_attend(qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.T
         raise (MemoryError if rc == -2 else ValueError)(f"rope_attend failed ({rc}): T={t}, Hq={heads}, "
                                                        f"Hkv={kv_heads}, D={d}, start={start}")
     return out
+
+
+def q4_layers(x: torch.Tensor, weights: torch.Tensor, intermediate: int, heads: int, kv_heads: int,
+              positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: torch.Tensor,
+              k_strides: tuple[int, int], v_strides: tuple[int, int], start: int, allowed: torch.Tensor | None,
+              scale: float, eps: float, lib: ctypes.CDLL) -> None:
+    """Every decoder layer of a q4 lean forward in one call (``csrc/layers.cpp``, unchecked: the lean forward's hot
+    path), ``x [T, H]`` (contiguous, the residual stream) updated in place: per layer the q4 products with their
+    norms, biases, GLU and residuals (:func:`q4_call`) around :func:`rope_attend`, the same calls in the same order.
+    ``weights``: int64 ``[L, 10]`` addresses (see the C source); ``caches``: int64 ``[L, 2]`` key/value buffer
+    addresses, all with ``k_strides``/``v_strides`` (head, slot) in elements."""
+    t, h = x.shape
+    rc = lib.q4_layers(x.data_ptr(), int(x.dtype == torch.bfloat16), t, h, weights.shape[0], weights.data_ptr(),
+                       intermediate, heads, kv_heads, cos.shape[1], positions.data_ptr(), cos.data_ptr(),
+                       sin.data_ptr(), caches.data_ptr(), *k_strides, *v_strides, start, _ptr(allowed), float(scale),
+                       float(eps), torch.get_num_threads())
+    if rc:
+        raise (MemoryError if rc == -2 else ValueError)(f"q4_layers failed ({rc}): T={t}, H={h}")

@@ -222,6 +222,10 @@ class LeanForward:
         head = self.lm_head.weight
         self.quantization = quantization_of(model)
         self._head: PackedMatrix | QuantMatrix | None = None  # the packed LM head, made by the first head_matrix()
+        self._table_for: torch.dtype | None = None  # _q4_table(): the dtype its table was built for
+        self._table: torch.Tensor | None = None
+        self._table_keep: list[torch.Tensor] = []
+        self._intermediate = 0
         if self.quantization != "none":  # the quantized matrices: private copies, like packed ones
             self.packed = True
             self.layers = [_quantize_layer(layer, w) for layer, w in zip(base.layers, self.layers)]
@@ -278,6 +282,63 @@ class LeanForward:
                 or len(cache.layers) != len(self.layers)):
             return None
         return kernels.library()
+
+    def _q4_table(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """int64 ``[L, 10]`` addresses of every layer's q4 matrices, biases and norms for
+        :func:`speculant.core.kernels.q4_layers` (built once), or None when some layer cannot run there (another
+        weight kind, a dtype or bias the q4 kernel does not take)."""
+        if self._table_for == dtype:
+            return self._table
+        self._table_for, self._table, keep = dtype, None, []
+
+        def address(t: torch.Tensor | None, numel: int) -> int | None:
+            if t is None:
+                return 0
+            if t.dtype != dtype or t.device.type != "cpu" or t.numel() != numel:
+                return None
+            t = t.contiguous()
+            keep.append(t)
+            return t.data_ptr()
+
+        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
+        h, rows = self.embed.shape[1], []
+        for w in self.layers:
+            mats = (w.qkv, w.o, w.gate_up, w.down)
+            if not all(type(m) is QuantMatrix and m.kind == "q4" and m.dtype == dtype for m in mats):
+                return None
+            inter = w.gate_up.shape[0] // 2
+            if (w.qkv.shape != ((hq + 2 * hkv) * d, h) or w.o.shape != (h, hq * d) or w.down.shape != (h, inter)
+                    or w.gate_up.shape[1] != h):
+                return None
+            row = [w.qkv._kernel[0].data_ptr(), address(w.qkv_bias, w.qkv.shape[0]), address(w.in_norm, h),
+                   w.o._kernel[0].data_ptr(), address(w.o_bias, h), address(w.post_norm, h),
+                   w.gate_up._kernel[0].data_ptr(), address(w.gate_up_bias, 2 * inter),
+                   w.down._kernel[0].data_ptr(), address(w.down_bias, h)]
+            if None in row or (rows and inter != self._intermediate):
+                return None
+            self._intermediate = inter
+            rows.append(row)
+        self._table, self._table_keep = torch.tensor(rows, dtype=torch.int64), keep
+        return self._table
+
+    def _q4_layers(self, x: torch.Tensor, cache, table: torch.Tensor, positions: torch.Tensor,
+                   allowed: torch.Tensor | None, lib) -> bool:
+        """Run every layer over ``x [1, T, H]`` in place in one compiled call; False (nothing done) when the cache's
+        layers do not share one buffer layout."""
+        t = x.shape[1]
+        bufs = [layer.extend(t, self.kv_heads, self.head_dim, self.head_dim, x.dtype, x.device)
+                for layer in cache.layers]  # (k [1, Hkv, C, D], v, start) per layer
+        k0, v0, start = bufs[0]
+        ks, vs = (k0.stride(1), k0.stride(2)), (v0.stride(1), v0.stride(2))
+        if any(b[2] != start or (b[0].stride(1), b[0].stride(2)) != ks or (b[1].stride(1), b[1].stride(2)) != vs
+               for b in bufs):
+            for layer in cache.layers:  # give the slots back: the per-layer path appends them itself
+                layer.crop(-t)
+            return False
+        caches = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v, _ in bufs], dtype=torch.int64)  # [L, 2]
+        kernels.q4_layers(x[0], table, self._intermediate, self.heads, self.kv_heads, positions, self._cos,
+                          self._sin, caches, ks, vs, start, allowed, self.scaling, self.eps, lib)
+        return True
 
     def head_matrix(self) -> torch.Tensor | PackedMatrix | QuantMatrix:
         """The LM head's ``[V, H]`` matrix as :meth:`logits` multiplies by it: quantized when the model is, packed
@@ -344,6 +405,11 @@ class LeanForward:
         if lib is not None:  # one compiled call per layer for RoPE, the cache write and attention
             pos = positions[0].contiguous()  # [T] int64
             keys = None if allowed is None else allowed.to(torch.uint8).contiguous()  # [T, L + T]
+            table = self._q4_table(x.dtype) if taps is None else None
+            if table is not None:
+                x = x.contiguous() if inputs_embeds is None else x.clone()  # updated in place: our own tensor
+                if self._q4_layers(x, cache, table, pos, keys, lib):
+                    return rms_norm(x, self.norm, self.eps)
         for i, w in enumerate(self.layers):
             qkv = fused_linear(x, w.qkv, w.qkv_bias, norm=w.in_norm, eps=self.eps)  # [1, T, (Hq + 2 Hkv) D]
             if lib is not None:
