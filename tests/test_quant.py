@@ -14,7 +14,8 @@ from speculant.core.cache import SpecCache
 from speculant.core.forward import lean_for
 from speculant.core.lean import LeanForward
 from speculant.core.packed import linear
-from speculant.core.quant import GROUP, QUANTIZATIONS, QuantMatrix, quantization_of, quantize_model
+from speculant.core.quant import (GROUP, QUANTIZATIONS, QuantMatrix, ReleasedLinear, quantization_of,
+                                   quantize_model)
 from speculant.core.types import SamplingParams
 from speculant.drafters.registry import build_drafter
 from speculant.testing import perturbed, tiny_model
@@ -130,8 +131,9 @@ def test_bad_input_is_a_one_line_value_error():
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])
 def test_a_quantized_model_runs_its_quantized_matrices_in_the_lean_forward(kind, arch):
-    """The model's own weights become the dequantized matrices (so its own forward computes the same model), the
-    lean forward multiplies by the quantized ones (fused), and a lean forward built before is replaced."""
+    """The model's float weights are released (meta tensors of the same shape; its own forward multiplies by the
+    quantized matrices, so it computes the same model), the lean forward multiplies by them too (fused), and a
+    lean forward built before is replaced."""
     model = tiny_model(arch, seed=3)
     original = model.model.layers[0].mlp.down_proj.weight.detach().clone()
     ids = torch.tensor([[3, 4, 5, 6, 7]])
@@ -140,8 +142,10 @@ def test_a_quantized_model_runs_its_quantized_matrices_in_the_lean_forward(kind,
     quantize_model(model, kind)
     assert quantization_of(model) == kind
     down = model.model.layers[0].mlp.down_proj
-    assert not torch.equal(down.weight, original)
-    assert torch.equal(down.weight, down.speculant_quant.dequantize())
+    assert type(down) is ReleasedLinear and down.weight.device.type == "meta" and down.weight.shape == original.shape
+    x = torch.randn(3, original.shape[1])
+    assert torch.equal(down(x), down.speculant_quant.linear(x))
+    model.to("cpu")  # moves leave a released weight alone
     lean = lean_for(model)
     assert lean is not before and lean.quantization == kind and lean.packed
     w = lean.layers[0]

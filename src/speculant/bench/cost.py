@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..core.drafting import capability
+from ..core.quant import ATTR
 
 __all__ = ["drafter_models", "drafter_params_per_forward", "mbsu", "param_bytes", "params_per_forward"]
 
@@ -39,13 +40,18 @@ def params_per_forward(model: torch.nn.Module) -> int:
 
 
 def param_bytes(*models: torch.nn.Module | None) -> int:
-    """Bytes of the distinct parameters and buffers of the given models (each tensor once)."""
+    """Bytes of the distinct parameters and buffers of the given models (each tensor once; a quantized linear's
+    released float weight, a ``meta`` tensor, counts as its quantized matrix's kernel bytes instead)."""
     seen: dict[int, int] = {}
     for m in models:
         if m is None:
             continue
         for t in [*m.parameters(), *m.buffers()]:
-            seen[id(t)] = t.numel() * t.element_size()
+            seen[id(t)] = 0 if t.device.type == "meta" else t.numel() * t.element_size()
+        for module in m.modules():
+            matrix = getattr(module, ATTR, None)
+            if matrix is not None:
+                seen[id(matrix)] = matrix.nbytes
     return sum(seen.values())
 
 

@@ -55,7 +55,7 @@ def _weights(model: torch.nn.Module) -> list[torch.Tensor | PackedMatrix]:
     seen: dict[int, torch.Tensor] = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
-            seen.setdefault(module.weight.data_ptr(), module.weight.detach())
+            seen.setdefault(module.weight.data_ptr() or id(module.weight), module.weight.detach())  # meta: released
     return list(seen.values())
 
 

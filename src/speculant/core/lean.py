@@ -100,10 +100,12 @@ def unsupported(model: torch.nn.Module) -> str | None:
 
 def _bias(*linears: torch.nn.Module) -> torch.Tensor | None:
     """The biases of ``linears`` concatenated (zeros for those without one), or None if none has one."""
-    if all(getattr(m, "bias", None) is None for m in linears):
+    biases = [getattr(m, "bias", None) for m in linears]
+    if all(b is None for b in biases):
         return None
-    return torch.cat([m.bias.detach() if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
-                      for m in linears])
+    like = next(b for b in biases if b is not None)  # (a weight may be a released meta tensor)
+    return torch.cat([b.detach() if b is not None else like.new_zeros(m.weight.shape[0])
+                      for m, b in zip(linears, biases)])
 
 
 def _adjacent(weights: list[torch.Tensor]) -> bool:

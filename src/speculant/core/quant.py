@@ -20,18 +20,19 @@ int4 version, and from then on every method (plain decoding, chains, trees, look
   block is read once for up to 16 rows, so verifying 16 tokens costs little more than decoding one (torch's int4
   kernel is compute-bound beyond one row). Without a compiler the same scheme runs in torch
   (:func:`q4_reference`, slower; it agrees with the kernel to float64-vs-fma double rounding, a rare last-bit
-  difference). The model's own (transformers) forward multiplies the dequantized weights by *unquantized*
-  activations, so it approximates the q4 model (by the activation rounding, about 1/254 of each block's largest
-  value) rather than computing it; every decoding method runs the lean forward, so they all decode the same model.
+  difference). The model's own (transformers) forward multiplies by the same matrices (see below), so it
+  computes the q4 model too (its attention differs from the lean forward's by float rounding only).
 
-How it is wired: :func:`quantize_model` replaces each decoder-layer linear's and the LM head's weight *in place* by
-its dequantized value and records the :class:`QuantMatrix` on the module (attribute :data:`ATTR`). The model's
-own forward (transformers, or any fallback) therefore computes the quantized model with dense kernels, and
-:class:`~speculant.core.lean.LeanForward` finds the recorded matrices and multiplies by them with the quantized
-kernels (fused q/k/v and gate/up concatenated, :meth:`QuantMatrix.cat`). The two paths differ by float rounding
-only, as the lean and model forwards always have. The float weights stay (the embedding, the fallback forward,
-training need them): this path buys speed, not memory. A tied LM head quantizes the shared matrix, so the token
-embeddings become the dequantized rows too (as in a GGUF file, whose token_embd is quantized).
+How it is wired: :func:`quantize_model` records the :class:`QuantMatrix` on each decoder-layer linear and the LM head
+(attribute :data:`ATTR`) and then drops the module's float weight (:func:`release`): the weight becomes
+a shapeless-storage ``meta`` tensor of the same shape and dtype, and the module's forward multiplies by the quantized
+matrix (:meth:`QuantMatrix.linear`), so the model's own forward (transformers, the ``hf-*`` baselines, any fallback)
+runs the quantized weights too, and no float copy of a quantized matrix is kept (float32 Qwen2.5-Coder-1.5B in q4:
+4.0 GB resident after loading, 11.5 at the loading peak; before, 6.2 GB of float32 matrices stayed beside the
+quantized ones). :class:`~speculant.core.lean.LeanForward` finds the recorded matrices and multiplies by
+them with the quantized kernels (fused q/k/v and gate/up concatenated, :meth:`QuantMatrix.cat`). A tied LM head
+quantizes the shared matrix but keeps its float values, the dequantized rows, for the token embedding (as in a GGUF
+file, whose token_embd is quantized).
 
 Exactness rests on row independence: verification multiplies 1..16 rows by each matrix where plain decoding
 multiplies one, so a token's output row must not depend on how many rows are multiplied together. Both torch
@@ -53,8 +54,9 @@ import torch
 
 from . import kernels
 
-__all__ = ["ATTR", "GROUP", "QUANTIZATIONS", "QuantMatrix", "attach", "q4_activations", "q4_reference",
-           "quantization_of", "quantize_model", "quantized_linears"]
+__all__ = ["ATTR", "GROUP", "QUANTIZATIONS", "QuantMatrix", "ReleasedLinear", "attach", "q4_activations",
+           "q4_reference", "quantization_of", "quantize_model", "quantized_linears", "releasable",
+           "release"]
 
 QUANTIZATIONS = ("none", "int8", "int4", "q4")
 """Accepted values of ``quantization=`` (``--quantization``)."""
@@ -306,17 +308,19 @@ def q4_reference(x: torch.Tensor, matrix: QuantMatrix, columns: int = 4096) -> t
     return out
 
 
-def attach(module: torch.nn.Module, matrix: QuantMatrix) -> None:
-    """Make ``module`` (an ``nn.Linear``) the quantized ``matrix``: its weight becomes the dequantized values (in
-    place, so tied and fused views follow) and the matrix is recorded for the lean forward (attribute
-    :data:`ATTR`). A loader that decodes quantized blocks itself (GGUF) calls this with :meth:`QuantMatrix.int4`."""
+def attach(module: torch.nn.Module, matrix: QuantMatrix, dequantize: bool = True) -> None:
+    """Make ``module`` (an ``nn.Linear``) the quantized ``matrix``: the matrix is recorded for the lean forward
+    (attribute :data:`ATTR`) and, with ``dequantize``, the weight becomes its dequantized values (in place, so tied
+    and fused views follow; a caller about to :func:`release` the weight skips that copy). A loader that decodes
+    quantized blocks itself (GGUF) calls this with :meth:`QuantMatrix.int4`."""
     weight = module.weight
     if tuple(weight.shape) != tuple(matrix.shape):
         raise ValueError(f"quantized matrix {tuple(matrix.shape)} does not fit weight {tuple(weight.shape)}")
     if matrix.dtype != weight.dtype:
         raise ValueError(f"quantized matrix computes in {matrix.dtype}, the weight is {weight.dtype}")
-    with torch.inference_mode(False), torch.no_grad():
-        weight.copy_(matrix.dequantize())
+    if dequantize:
+        with torch.inference_mode(False), torch.no_grad():
+            weight.copy_(matrix.dequantize())
     setattr(module, ATTR, matrix)
 
 
@@ -363,7 +367,49 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> torch.nn.Module
         if bad:
             raise ValueError(f"{quantization} needs input sizes that are multiples of {GROUP}, got "
                              f"{bad[0].weight.shape[1]}")
-    for m in linears:
-        attach(m, QuantMatrix.quantize(m.weight, quantization))
+    free = releasable(model)
+    for m in linears:  # each float weight dropped as soon as its matrix exists: the peak stays near the float model
+        attach(m, QuantMatrix.quantize(m.weight, quantization), dequantize=id(m) not in free)
+        if id(m) in free:
+            release(m)
     model.speculant_quantization = quantization
     return model
+
+
+class ReleasedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose float weight :func:`release` dropped: the weight is a ``meta`` tensor of
+    the same shape and dtype, the forward multiplies by the module's :class:`QuantMatrix`, and device or dtype moves
+    (``model.to(...)``) leave the weight as it is (it holds no data to move)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, ATTR).linear(x, self.bias)
+
+    def _apply(self, fn, recurse=True):
+        weight = self._parameters.pop("weight")
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"] = weight
+
+
+def releasable(model: torch.nn.Module) -> set[int]:
+    """``id``\ s of the linears :func:`quantize_model` quantizes whose float weight no other, unquantized parameter
+    shares (a tied LM head's token embedding does: that weight stays, as its dequantized values)."""
+    linears = quantized_linears(model)
+    ids = {id(m) for m in linears}
+    keep = {p.untyped_storage().data_ptr() for module in model.modules() if id(module) not in ids
+            for p in module.parameters(recurse=False) if p.device.type != "meta"}
+    return {id(m) for m in linears if type(m) is torch.nn.Linear and m.weight.device.type != "meta"
+            and m.weight.untyped_storage().data_ptr() not in keep}
+
+
+def release(module: torch.nn.Linear) -> int:
+    """Drop the float weight of a quantized ``module`` (one :func:`releasable` names): the weight becomes a ``meta``
+    tensor of the same shape and dtype (shapes, dtypes and parameter counts still read right) and the module a
+    :class:`ReleasedLinear`, whose forward multiplies by its :class:`QuantMatrix`. Returns the bytes released."""
+    if getattr(module, ATTR, None) is None:
+        raise ValueError("only a quantized linear (with its QuantMatrix attached) can release its float weight")
+    w = module.weight
+    module.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+    module.__class__ = ReleasedLinear
+    return w.numel() * w.element_size()

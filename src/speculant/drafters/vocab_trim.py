@@ -91,19 +91,21 @@ class TrimmedHead:
     """
 
     def __init__(self, lm_head: torch.nn.Module, keep: Sequence[int]) -> None:
-        weight = lm_head.weight  # [V, H]
-        self.keep = torch.tensor(list(keep), dtype=torch.long, device=weight.device)  # [M]
-        self.weight = weight.detach()[self.keep].contiguous()  # [M, H]
+        weight = lm_head.weight  # [V, H] (a meta tensor when a quantized head released its float weight)
+        quantized = getattr(lm_head, ATTR, None)
+        device = quantized.codes.device if quantized is not None else weight.device
+        self.keep = torch.tensor(list(keep), dtype=torch.long, device=device)  # [M]
+        self.dtype = weight.dtype
         bias = getattr(lm_head, "bias", None)
         self.bias = None if bias is None else bias.detach()[self.keep].contiguous()  # [M]
         self._keep_list = [int(i) for i in keep]
         # a quantized head (speculant.core.quant): its kept rows, same codes; else [M, H] reordered once for the CPU's
         # matmul kernels where allowed (speculant.core.packed): a drafter computes these logits at every draft step
-        quantized = getattr(lm_head, ATTR, None)
         if quantized is not None:
             self._matrix = quantized.rows(self.keep)
         else:
-            self._matrix = PackedMatrix(self.weight) if pack_enabled([self.weight]) else self.weight
+            rows = weight.detach()[self.keep].contiguous()  # [M, H]
+            self._matrix = PackedMatrix(rows) if pack_enabled([rows]) else rows
 
     @property
     def size(self) -> int:
@@ -111,7 +113,7 @@ class TrimmedHead:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` hidden states → ``[..., M]`` trimmed logits."""
-        return linear(hidden.to(self.weight.dtype), self._matrix, self.bias)
+        return linear(hidden.to(self.dtype), self._matrix, self.bias)
 
     def token(self, index: int) -> int:
         """The full-vocabulary id of trimmed index ``index``."""
