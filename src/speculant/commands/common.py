@@ -293,7 +293,7 @@ def add_model_arguments(
         "in float16, times int8-quantized activations on speculant's own kernel). int4/q4 keep a GGUF file's own "
         "Q4_K/Q4_1 codes. Every method decodes the same quantized model, so output stays lossless against plain "
         "decoding of it (bit for bit: a quantized forward is row independent). Speed on 2 cores of an AVX-512 "
-        "Xeon (benchmarks/results/quant_matmul.json): q4 is the fastest at 1 to 16 tokens per forward (2.9x "
+        "Xeon (benchmarks/results/quant_matmul.json): q4 is the fastest at 1 to 16 tokens per forward (3.0x "
         "bf16 at 1 token), int4 and int8 lose their advantage beyond 4 tokens; default: a packaged model's own "
         "format (q4 for the Qwen2.5-Coder pair), else none",
     )
