@@ -125,40 +125,22 @@ inline float exp_nonpositive(float x) {
     return x <= -87.f ? 0.f : p * scale;
 }
 
-#if defined(ATTEND_AVX512)
-// o[h, :] = sum over the seen keys j in increasing order of fma(e[h, j], v_j, .) for each of the `group` heads, the
-// D (<= 128, a multiple of 16) sums of a head held in registers: the same float operations per (head, element) as
-// the generic loop, in another loop order. v_j is read (and converted) once per head.
+// out[h] = o[h] / z[h] for the `group` heads (0 where no key was seen: z >= 1 whenever one is, the max gives e^0),
+// rounded to bfloat16 or stored as float32.
 template <bool BF16>
-void pv_heads(const void* v, int64_t v_off, int64_t v_rs, int64_t S, int64_t D, const uint8_t* allowed,
-              int64_t visible, const float* e, int64_t group, float* o) {
-    const int chunks = (int)(D / 16);
-    const int64_t span = allowed ? S : visible;
+void write_heads(const float* o, const float* z, int64_t group, int64_t D, void* out, int64_t out_off) {
     for (int64_t h = 0; h < group; ++h) {
-        __m512 acc[8];
-        for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
-        const float* eh = e + h * S;
-        for (int64_t j = 0; j < span; ++j) {
-            if (allowed && !allowed[j]) continue;
-            const __m512 ej = _mm512_set1_ps(eh[j]);
-            const int64_t at = v_off + j * v_rs;
-#define PV_CHUNK(c)                                                                                              \
-    if (c < chunks) {                                                                                            \
-        __m512 x;                                                                                                \
-        if (BF16)                                                                                                \
-            x = _mm512_castsi512_ps(_mm512_slli_epi32(                                                           \
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const uint16_t*)v + at + 16 * c))), 16)); \
-        else                                                                                                     \
-            x = _mm512_loadu_ps((const float*)v + at + 16 * c);                                                  \
-        acc[c] = _mm512_fmadd_ps(ej, x, acc[c]);                                                                 \
-    }
-            PV_CHUNK(0) PV_CHUNK(1) PV_CHUNK(2) PV_CHUNK(3) PV_CHUNK(4) PV_CHUNK(5) PV_CHUNK(6) PV_CHUNK(7)
-#undef PV_CHUNK
+        const float inv = z[h] > 0.f ? 1.f / z[h] : 0.f;
+        const float* oh = o + h * D;
+        if (BF16) {
+            uint16_t* dst = (uint16_t*)out + out_off + h * D;
+            for (int64_t i = 0; i < D; ++i) dst[i] = bf16_store(oh[i] * inv);
+        } else {
+            float* dst = (float*)out + out_off + h * D;
+            for (int64_t i = 0; i < D; ++i) dst[i] = oh[i] * inv;
         }
-        for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(o + h * D + 16 * c, acc[c]);
     }
 }
-#endif
 
 // The `group` query heads h0 .. h0 + group - 1 that share KV head g, for row t: each key and value row is loaded
 // (and converted) once for the group, while every head's arithmetic is exactly the one-head sequence above.
@@ -205,34 +187,17 @@ void attend_group(const void* q, int64_t q_hs, int64_t q_off, int64_t group, con
     for (int64_t j = 0; j < span; ++j)
         if (!allowed || allowed[j])
             for (int64_t h = 0; h < group; ++h) z[h] += s[h * S + j];
-#if defined(ATTEND_AVX512)
-    if (D % 16 == 0 && D <= 128) {  // per head, its D sums in registers over the keys in order
-        pv_heads<BF16>(v, v_off, v_rs, S, D, allowed, visible, s, group, o);
-    } else
-#endif
-    {
-        for (int64_t i = 0; i < group * D; ++i) o[i] = 0.f;
-        for (int64_t j = 0; j < S; ++j) {
-            if (allowed ? !allowed[j] : j >= visible) continue;
-            const float* vj = load_row<BF16>(v, v_off + j * v_rs, D, row);
-            for (int64_t h = 0; h < group; ++h) {
-                const float e = s[h * S + j];
-                float* oh = o + h * D;
-                for (int64_t i = 0; i < D; ++i) oh[i] = fmaf(e, vj[i], oh[i]);
-            }
+    for (int64_t i = 0; i < group * D; ++i) o[i] = 0.f;
+    for (int64_t j = 0; j < S; ++j) {
+        if (allowed ? !allowed[j] : j >= visible) continue;
+        const float* vj = load_row<BF16>(v, v_off + j * v_rs, D, row);
+        for (int64_t h = 0; h < group; ++h) {
+            const float e = s[h * S + j];
+            float* oh = o + h * D;
+            for (int64_t i = 0; i < D; ++i) oh[i] = fmaf(e, vj[i], oh[i]);
         }
     }
-    for (int64_t h = 0; h < group; ++h) {
-        const float inv = z[h] > 0.f ? 1.f / z[h] : 0.f;  // z >= 1 whenever a key is visible (the max gives e^0)
-        const float* oh = o + h * D;
-        if (BF16) {
-            uint16_t* dst = (uint16_t*)out + out_off + h * D;
-            for (int64_t i = 0; i < D; ++i) dst[i] = bf16_store(oh[i] * inv);
-        } else {
-            float* dst = (float*)out + out_off + h * D;
-            for (int64_t i = 0; i < D; ++i) dst[i] = oh[i] * inv;
-        }
-    }
+    write_heads<BF16>(o, z, group, D, out, out_off);
 }
 
 // RoPE of one head row x[D] (model dtype) at table row c/s [D] (model dtype), as the lean forward's torch ops compute
@@ -356,17 +321,7 @@ void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group
         }
         for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(o + h * D + 16 * c, acc[c]);
     }
-    for (int64_t h = 0; h < group; ++h) {
-        const float inv = z[h] > 0.f ? 1.f / z[h] : 0.f;
-        const float* oh = o + h * D;
-        if (BF16) {
-            uint16_t* dst = (uint16_t*)out + out_off + h * D;
-            for (int64_t i = 0; i < D; ++i) dst[i] = bf16_store(oh[i] * inv);
-        } else {
-            float* dst = (float*)out + out_off + h * D;
-            for (int64_t i = 0; i < D; ++i) dst[i] = oh[i] * inv;
-        }
-    }
+    write_heads<BF16>(o, z, group, D, out, out_off);
 }
 #endif
 
