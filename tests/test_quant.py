@@ -231,3 +231,18 @@ def test_int4_sampling_keeps_the_quantized_target_distribution(n):
     # the test sees the quantization: the same samples do not fit the unquantized model's distribution
     unquantized = exact_joint(tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0), params, 3)
     assert pvalues(counts, unquantized)["joint"] < FAIL_P
+
+
+@pytest.mark.parametrize("kind", ["int4", "q4"])
+def test_quantizing_in_row_chunks_changes_nothing(kind, monkeypatch):
+    """QuantMatrix.quantize works through large matrices (an LM head) a few thousand rows at a time to bound its
+    float temporaries: each group is quantized alone, so the codes, scales and minimums are those of one pass."""
+    import speculant.core.quant as quant
+
+    w = torch.randn(203, 96, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(quant, "_QUANTIZE_ROWS", 64)  # 4 chunks, the last one short
+    chunked = QuantMatrix.quantize(w, kind)
+    monkeypatch.setattr(quant, "_QUANTIZE_ROWS", 10_000)
+    whole = QuantMatrix.quantize(w, kind)
+    for a, b in ((chunked.codes, whole.codes), (chunked.scale, whole.scale), (chunked.zero, whole.zero)):
+        assert torch.equal(a, b)

@@ -68,6 +68,7 @@ ATTR = "speculant_quant"
 """The attribute of a quantized ``nn.Linear`` that holds its :class:`QuantMatrix`."""
 
 _N_ALIGN = 16  # the int4 CPU kernel packs output rows in blocks of 16: pad the rows up to a multiple
+_QUANTIZE_ROWS = 8192  # QuantMatrix.quantize works through this many rows at a time
 
 
 class QuantMatrix:
@@ -111,8 +112,9 @@ class QuantMatrix:
         """The ``kind`` (int8, int4, q4) quantization of ``weight [out, in]``, in ``weight``'s dtype (round to
         nearest; int8 scale = max |w| / 127 per row; int4 scale = (max - min) / 15 and minimum = min per group; q4
         the same rounded to float16 first, the codes taken against the rounded values)."""
-        w = weight.detach().float()
+        w = weight.detach()
         if kind == "int8":
+            w = w.float()
             scale = (w.abs().amax(1) / 127).clamp_min(1e-12).to(weight.dtype).float()  # [out], as the kernel sees it
             codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             return cls("int8", codes, scale, None, weight.dtype)
@@ -120,15 +122,18 @@ class QuantMatrix:
             if w.dim() != 2 or w.shape[1] % GROUP:
                 raise ValueError(f"{kind} needs the input size to be a multiple of {GROUP}, got shape "
                                  f"{tuple(w.shape)}")
-            g = w.reshape(w.shape[0], -1, GROUP)  # [out, groups, 32]
-            low, high = g.amin(-1), g.amax(-1)
-            scale = ((high - low) / 15).clamp_min(1e-12)
-            if kind == "q4":  # the stored float16 values; a scale that underflows to 0 keeps codes 0
-                low, scale = low.half().float(), scale.half().float()
-                scale = torch.where(scale > 0, scale, torch.inf)
-            codes = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-            scale = torch.where(torch.isinf(scale), 0.0, scale)
-            return cls.int4(codes.reshape(w.shape), scale, low, weight.dtype, kind)
+            parts = []  # row chunks: each group is quantized alone, and an LM head's float temporaries stay small
+            for rows in w.split(_QUANTIZE_ROWS):
+                g = rows.float().reshape(rows.shape[0], -1, GROUP)  # [rows, groups, 32]
+                low, high = g.amin(-1), g.amax(-1)
+                scale = ((high - low) / 15).clamp_min(1e-12)
+                if kind == "q4":  # the stored float16 values; a scale that underflows to 0 keeps codes 0
+                    low, scale = low.half().float(), scale.half().float()
+                    scale = torch.where(scale > 0, scale, torch.inf)
+                codes = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+                parts.append((codes.reshape(rows.shape), torch.where(torch.isinf(scale), 0.0, scale), low))
+            codes, scale, low = (torch.cat(p) for p in zip(*parts))
+            return cls.int4(codes, scale, low, weight.dtype, kind)
         raise ValueError(f"quantization must be int8, int4 or q4 here, got {kind!r}")
 
     @classmethod
