@@ -246,3 +246,20 @@ def test_quantizing_in_row_chunks_changes_nothing(kind, monkeypatch):
     whole = QuantMatrix.quantize(w, kind)
     for a, b in ((chunked.codes, whole.codes), (chunked.scale, whole.scale), (chunked.zero, whole.zero)):
         assert torch.equal(a, b)
+
+
+def test_a_q4_matrix_reads_its_codes_back_from_the_kernel_blocks():
+    """With the kernel built, a q4 matrix keeps only the kernel's blocks (half a byte per weight less); its codes,
+    and so cat, rows and dequantize, are read back from them: the same codes, padding rows dropped."""
+    from speculant.core import kernels
+
+    if kernels.library() is None:
+        pytest.skip("speculant's compiled kernels cannot be built here")
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 16, (37, 96), generator=gen)  # 37 rows: padded to 48 in the blocks
+    scale, minimum = torch.rand(37, 3, generator=gen), -torch.rand(37, 3, generator=gen)
+    q = QuantMatrix.int4(codes, scale, minimum, torch.float32, "q4")
+    assert q._codes is None
+    assert torch.equal(q.int4_codes(), codes.to(torch.uint8))
+    assert torch.equal(QuantMatrix.cat([q, q]).int4_codes(), torch.cat([codes, codes]).to(torch.uint8))
+    assert torch.equal(q.rows(torch.tensor([36, 0, 5])).int4_codes(), codes[[36, 0, 5]].to(torch.uint8))

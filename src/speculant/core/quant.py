@@ -28,7 +28,7 @@ How it is wired: :func:`quantize_model` records the :class:`QuantMatrix` on each
 a shapeless-storage ``meta`` tensor of the same shape and dtype, and the module's forward multiplies by the quantized
 matrix (:meth:`QuantMatrix.linear`), so the model's own forward (transformers, the ``hf-*`` baselines, any fallback)
 runs the quantized weights too, and no float copy of a quantized matrix is kept (float32 Qwen2.5-Coder-1.5B in q4:
-4.0 GB resident after loading, 11.5 at the loading peak; before, 6.2 GB of float32 matrices stayed beside the
+3.2 GB resident after loading (3.6 with its lean forward built), 9.9 at the loading peak; before, 6.2 GB of float32 matrices stayed beside the
 quantized ones). :class:`~speculant.core.lean.LeanForward` finds the recorded matrices and multiplies by
 them with the quantized kernels (fused q/k/v and gate/up concatenated, :meth:`QuantMatrix.cat`). A tied LM head
 quantizes the shared matrix but keeps its float values, the dequantized rows, for the token embedding (as in a GGUF
@@ -82,7 +82,7 @@ class QuantMatrix:
     (int4: the kernel's form ``w = (q - 8) * scale + zero``; q4: the minimum, ``w = q * scale + zero``, scale
     and zero in float16). q4 multiplies ``x`` quantized per row to int8 (see the module doc)."""
 
-    __slots__ = ("kind", "shape", "dtype", "codes", "scale", "zero", "nbytes", "_kernel")
+    __slots__ = ("kind", "shape", "dtype", "_codes", "scale", "zero", "nbytes", "_kernel")
 
     def __init__(self, kind: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
@@ -98,12 +98,20 @@ class QuantMatrix:
             raise ValueError(f"{kind} scales must have shape {want}, got {tuple(scale.shape)}")
         self.kind, self.shape, self.dtype = kind, torch.Size((out, inp)), dtype
         sdtype = torch.float16 if kind == "q4" else dtype
-        self.codes, self.scale, self.zero = codes, scale.to(sdtype), None if zero is None else zero.to(sdtype)
+        self._codes, self.scale, self.zero = codes, scale.to(sdtype), None if zero is None else zero.to(sdtype)
         # what the kernel holds: int8 codes as they are (1 byte per weight); int4 codes two per byte (reordered);
         # q4 codes two per byte and a float16 scale and minimum per 32 (5 bits per weight)
-        # (int4/q4 matrices also keep their own nibble codes for cat and dequantize: another half byte per weight)
+        # (int4 matrices also keep their own nibble codes for cat and dequantize: another half byte per weight; q4
+        # ones read them back from the kernel's blocks when asked, unless the kernel is not built)
         self.nbytes = out * inp if kind == "int8" else out * inp // 2 + (out * inp // 8 if kind == "q4" else 0)
         self._kernel = self._prepare()
+        if kind == "q4" and kernels.library() is not None:
+            self._codes = None
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """The codes as described in the class doc (a q4 matrix unpacks them from its kernel blocks on each call)."""
+        return self._codes if self._codes is not None else self._unpack_q4()
 
     # ------------------------------------------------------------------------------------------ construction
 
@@ -212,6 +220,18 @@ class QuantMatrix:
             return v.reshape(blocks, kernels.Q4_COLUMNS, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
         return torch.cat([codes, per_block(scale), per_block(minimum)], -1).contiguous()
+
+    def _unpack_q4(self) -> torch.Tensor:
+        """uint8 ``[out, in / 2]`` nibble codes (the even input's in the low nibble) read back from the kernel's
+        blocks: the inverse of :meth:`_pack_q4`'s reordering."""
+        out, inp = self.shape
+        packed = self._kernel[0]  # [out' / 16, groups, 320]
+        blocks, groups = packed.shape[0], packed.shape[1]
+        b = packed[..., :256].reshape(blocks, groups, 4, kernels.Q4_COLUMNS, 4)  # [nb, g, c, j, b]
+        q = torch.stack([b & 15, b >> 4], -1)  # [nb, g, c, j, b, half]
+        q = q.permute(0, 3, 1, 5, 2, 4).reshape(blocks * kernels.Q4_COLUMNS, inp)[:out]  # [out, in]
+        pairs = q.reshape(out, -1, 2)
+        return pairs[..., 0] | (pairs[..., 1] << 4)
 
     # ---------------------------------------------------------------------------------------------- use
 

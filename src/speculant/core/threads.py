@@ -154,7 +154,9 @@ def _cpu_times(text: str, cpus: Sequence[int]) -> tuple[int, int]:
 def busy_cores(cpus: Sequence[int], sample_s: float = SAMPLE_S,
                read: Callable[[], str] | None = None) -> float | None:
     """How many of ``cpus`` other processes kept busy over ``sample_s`` seconds of ``/proc/stat`` (``read``
-    returns its text; tests pass their own), this process's own CPU time left out; None where it cannot be read."""
+    returns its text; tests pass their own), this process's own CPU time left out (of the real ``/proc/stat``
+    only: a text passed in does not hold this process); None where it cannot be read."""
+    own_counts = read is None
     read = read or _STAT.read_text
     try:
         wall0, own0 = time.monotonic(), time.process_time()
@@ -167,7 +169,7 @@ def busy_cores(cpus: Sequence[int], sample_s: float = SAMPLE_S,
     if total1 <= total0:
         return None
     ncpu = len(cpus) or 1
-    busy = (busy1 - busy0) / (total1 - total0) * ncpu - (own / wall if wall > 0 else 0.0)
+    busy = (busy1 - busy0) / (total1 - total0) * ncpu - (own / wall if own_counts and wall > 0 else 0.0)
     return min(float(ncpu), max(0.0, busy))
 
 
