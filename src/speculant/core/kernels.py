@@ -12,7 +12,8 @@ Two kernels, one library:
 
 Building: the sources are plain C++ with a C ABI (no torch headers, no pybind, no ninja: why not
 ``torch.utils.cpp_extension.load``: it needs ninja, which is not a dependency, and compiling against torch's headers
-takes tens of seconds where this takes two), compiled by ``$CXX`` (or ``c++``) with ``-O3 -march=native -fopenmp`` in about two seconds into
+takes tens of seconds where this takes a few), compiled by ``$CXX`` (or ``c++``) with ``-O3 -march=native -fopenmp``
+in about four seconds into
 ``$SPECULANT_CACHE/kernels/`` (default ``~/.cache/speculant/kernels/``), named by a hash of the source, the flags,
 the compiler, the CPU's flags and the torch version, so a changed source or a different machine sharing the home
 directory builds its own. The library is written to a temporary name and renamed, so concurrent first uses are
@@ -81,7 +82,8 @@ def _cpu_flags() -> str:
 
 
 def _build(isa: str) -> Path:
-    """Compile ``csrc/q4.cpp`` and ``csrc/attend.cpp`` into one library for ``isa`` (``native``, or ``avx2``/``generic`` for tests) unless already cached;
+    """Compile the ``csrc/`` sources (:data:`_SOURCES`) into one library for ``isa`` (``native``, or
+    ``avx2``/``generic`` for tests) unless already cached;
     the library's path. Raises (RuntimeError, OSError) when it cannot."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if not cxx:

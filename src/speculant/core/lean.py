@@ -398,7 +398,6 @@ class LeanForward:
                 causal = True
             else:  # causal over [cache ; new tokens]
                 mask = torch.ones((t, past + t), dtype=torch.bool, device=x.device).tril(past)[None, None]
-        cos, sin = self._cos[positions[0]][None, None], self._sin[positions[0]][None, None]  # [1, 1, T, R]
         hq, hkv, d = self.heads, self.kv_heads, self.head_dim
         dtype, upcast = x.dtype, self.attention_dtype != x.dtype
         if upcast and not rowwise and mask is not None and mask.dtype != torch.bool:
@@ -412,35 +411,31 @@ class LeanForward:
                 x = x.contiguous() if inputs_embeds is None else x.clone()  # updated in place: our own tensor
                 if self._q4_layers(x, cache, table, pos, keys, lib):
                     return rms_norm(x, self.norm, self.eps)
+        else:
+            cos, sin = self._cos[positions[0]][None, None], self._sin[positions[0]][None, None]  # [1, 1, T, R]
         for i, w in enumerate(self.layers):
             qkv = fused_linear(x, w.qkv, w.qkv_bias, norm=w.in_norm, eps=self.eps)  # [1, T, (Hq + 2 Hkv) D]
             if lib is not None:
                 k_buf, v_buf, start = cache.layers[i].extend(t, hkv, d, d, dtype, x.device)  # [1, Hkv, C, D]
-                attn = kernels.rope_attend(qkv[0].contiguous(), hq, hkv, pos, self._cos, self._sin, k_buf[0], v_buf[0], start,
-                                           keys, self.scaling, lib)[None]  # [1, T, Hq D]
-                x = fused_linear(attn, w.o, w.o_bias, residual=x)
-                gate_up = fused_linear(x, w.gate_up, w.gate_up_bias, norm=w.post_norm, eps=self.eps)  # [1, T, 2 I]
-                x = fused_linear(gate_up, w.down, w.down_bias, glu=True, residual=x)
-                if taps is not None and i in taps:
-                    taps[i] = x
-                continue
-            qkv = qkv.view(1, t, hq + 2 * hkv, d)
-            qk, v = qkv.split([hq + hkv, hkv], dim=2)  # [1, T, Hq + Hkv, D], [1, T, Hkv, D]
-            if w.qk_norm is not None:
-                qk = rms_norm(qk, w.qk_norm, self.eps)
-            q, k = self._rope(qk.transpose(1, 2), cos, sin).split([hq, hkv], dim=1)  # [1, Hq|Hkv, T, D]
-            if capture is not None:
-                capture.record(i, q)
-            k_all, v_all = cache.layers[i].update(k, v.transpose(1, 2))  # [1, Hkv, L + T, D]
-            if rowwise:
-                attn = attention.attend(q, k_all, v_all, allowed, self.scaling)  # [1, T, Hq D]
+                attn = kernels.rope_attend(qkv[0].contiguous(), hq, hkv, pos, self._cos, self._sin, k_buf[0],
+                                           v_buf[0], start, keys, self.scaling, lib)[None]  # [1, T, Hq D]
             else:
-                if upcast:
-                    a = self.attention_dtype
-                    q, k_all, v_all = q.to(a), k_all.to(a), v_all.to(a)
-                attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal,
-                                                      scale=self.scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
-                attn = attn.to(dtype).transpose(1, 2).reshape(1, t, hq * d)
+                qk, v = qkv.view(1, t, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=2)  # [1, T, Hq + Hkv | Hkv, D]
+                if w.qk_norm is not None:
+                    qk = rms_norm(qk, w.qk_norm, self.eps)
+                q, k = self._rope(qk.transpose(1, 2), cos, sin).split([hq, hkv], dim=1)  # [1, Hq|Hkv, T, D]
+                if capture is not None:
+                    capture.record(i, q)
+                k_all, v_all = cache.layers[i].update(k, v.transpose(1, 2))  # [1, Hkv, L + T, D]
+                if rowwise:
+                    attn = attention.attend(q, k_all, v_all, allowed, self.scaling)  # [1, T, Hq D]
+                else:
+                    if upcast:
+                        a = self.attention_dtype
+                        q, k_all, v_all = q.to(a), k_all.to(a), v_all.to(a)
+                    attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal,
+                                                          scale=self.scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
+                    attn = attn.to(dtype).transpose(1, 2).reshape(1, t, hq * d)
             x = fused_linear(attn, w.o, w.o_bias, residual=x)
             gate_up = fused_linear(x, w.gate_up, w.gate_up_bias, norm=w.post_norm, eps=self.eps)  # [1, T, 2 I]
             x = fused_linear(gate_up, w.down, w.down_bias, glu=True, residual=x)

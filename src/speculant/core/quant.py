@@ -28,11 +28,11 @@ How it is wired: :func:`quantize_model` records the :class:`QuantMatrix` on each
 a shapeless-storage ``meta`` tensor of the same shape and dtype, and the module's forward multiplies by the quantized
 matrix (:meth:`QuantMatrix.linear`), so the model's own forward (transformers, the ``hf-*`` baselines, any fallback)
 runs the quantized weights too, and no float copy of a quantized matrix is kept (float32 Qwen2.5-Coder-1.5B in q4:
-3.2 GB resident after loading (3.6 with its lean forward built), 9.9 at the loading peak; before, 6.2 GB of float32 matrices stayed beside the
-quantized ones). :class:`~speculant.core.lean.LeanForward` finds the recorded matrices and multiplies by
-them with the quantized kernels (fused q/k/v and gate/up concatenated, :meth:`QuantMatrix.cat`). A tied LM head
-quantizes the shared matrix but keeps its float values, the dequantized rows, for the token embedding (as in a GGUF
-file, whose token_embd is quantized).
+3.2 GB resident after loading, 3.6 with its lean forward built, 9.9 at the loading peak; before, 6.2 GB of float32
+matrices stayed beside the quantized ones). :class:`~speculant.core.lean.LeanForward` finds the recorded matrices
+and multiplies by them with the quantized kernels (fused q/k/v and gate/up concatenated, :meth:`QuantMatrix.cat`).
+A tied LM head quantizes the shared matrix but keeps its float values, the dequantized rows, for the token
+embedding (as in a GGUF file, whose token_embd is quantized).
 
 Exactness rests on row independence: verification multiplies 1..16 rows by each matrix where plain decoding
 multiplies one, so a token's output row must not depend on how many rows are multiplied together. Both torch
@@ -333,20 +333,22 @@ def q4_reference(x: torch.Tensor, matrix: QuantMatrix, columns: int = 4096) -> t
     return out
 
 
-def attach(module: torch.nn.Module, matrix: QuantMatrix, dequantize: bool = True) -> None:
+def attach(module: torch.nn.Module, matrix: QuantMatrix, release_weight: bool = False) -> None:
     """Make ``module`` (an ``nn.Linear``) the quantized ``matrix``: the matrix is recorded for the lean forward
-    (attribute :data:`ATTR`) and, with ``dequantize``, the weight becomes its dequantized values (in place, so tied
-    and fused views follow; a caller about to :func:`release` the weight skips that copy). A loader that decodes
-    quantized blocks itself (GGUF) calls this with :meth:`QuantMatrix.int4`."""
+    (attribute :data:`ATTR`) and the float weight either becomes its dequantized values (in place, so tied and fused
+    views follow) or, with ``release_weight`` (for a module :func:`releasable` names), is dropped (:func:`release`).
+    A loader that decodes quantized blocks itself (GGUF) calls this with :meth:`QuantMatrix.int4`."""
     weight = module.weight
     if tuple(weight.shape) != tuple(matrix.shape):
         raise ValueError(f"quantized matrix {tuple(matrix.shape)} does not fit weight {tuple(weight.shape)}")
     if matrix.dtype != weight.dtype:
         raise ValueError(f"quantized matrix computes in {matrix.dtype}, the weight is {weight.dtype}")
-    if dequantize:
+    if not release_weight:
         with torch.inference_mode(False), torch.no_grad():
             weight.copy_(matrix.dequantize())
     setattr(module, ATTR, matrix)
+    if release_weight:
+        release(module)
 
 
 def quantized_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -394,9 +396,7 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> torch.nn.Module
                              f"{bad[0].weight.shape[1]}")
     free = releasable(model)
     for m in linears:  # each float weight dropped as soon as its matrix exists: the peak stays near the float model
-        attach(m, QuantMatrix.quantize(m.weight, quantization), dequantize=id(m) not in free)
-        if id(m) in free:
-            release(m)
+        attach(m, QuantMatrix.quantize(m.weight, quantization), release_weight=id(m) in free)
     model.speculant_quantization = quantization
     return model
 

@@ -93,7 +93,7 @@ class TrimmedHead:
     def __init__(self, lm_head: torch.nn.Module, keep: Sequence[int]) -> None:
         weight = lm_head.weight  # [V, H] (a meta tensor when a quantized head released its float weight)
         quantized = getattr(lm_head, ATTR, None)
-        device = quantized.codes.device if quantized is not None else weight.device
+        device = quantized.scale.device if quantized is not None else weight.device  # (q4 codes unpack)
         self.keep = torch.tensor(list(keep), dtype=torch.long, device=device)  # [M]
         self.dtype = weight.dtype
         bias = getattr(lm_head, "bias", None)

@@ -90,8 +90,7 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
     (exact for Q4_1, whose d and m are float16; Q4_K's ``d * sc`` has up to 17 significant bits: a relative
     rounding of at most 2^-11 of the scale and of the minimum). Every other matrix (Q6_K, Q5_0, Q8_0, F16/F32
     tensors, or any tensor for int8) is requantized from its dequantized values."""
-    from ..core.quant import (QuantMatrix, attach, quantization_of, quantize_model, quantized_linears, release,
-                              releasable)
+    from ..core.quant import QuantMatrix, attach, quantization_of, quantize_model, quantized_linears, releasable
 
     built = 0
     if gguf_file is not None and quantization in ("int4", "q4") and quantization_of(model) == "none":
@@ -105,9 +104,7 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
             if module is None:  # e.g. a Q4_K token embedding under an untied head: not a quantized linear
                 continue
             attach(module, QuantMatrix.int4(codes, scale, minimum, module.weight.dtype, quantization),
-                   dequantize=id(module) not in free)
-            if id(module) in free:
-                release(module)
+                   release_weight=id(module) in free)
             built += 1
     quantize_model(model, quantization)
     if built:
