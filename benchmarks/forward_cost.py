@@ -7,7 +7,13 @@ the default: :mod:`speculant.core.lean`, packed where :mod:`speculant.core.packe
 forward is cropped away again, the dtypes and token counts are interleaved per repeat, and the median of
 ``--repeats`` is reported.
 
+Weight formats: ``--quantizations`` (each variant is a dtype x a kind, loaded as the front-ends load it, a GGUF
+file's codes kept where the kind holds them; ``KIND/values`` requantizes every matrix from its float values instead,
+e.g. ``q4/values``: every matrix in 4 bits, where ``q4`` keeps a Q4_K_M file's 6-bit tensors in q8).
+
     python benchmarks/forward_cost.py --target smollm2-135m-instruct --out benchmarks/results/forward_cost.json
+    python benchmarks/forward_cost.py --target qwen2.5-coder-1.5b-instruct --dtypes float32 \
+        --quantizations q4,q4/values,q8 --tokens 1,4,8,16 --out benchmarks/results/forward_cost_qwen_q4.json
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from speculant.bench.speed import machine_info
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
 from speculant.core.forward import TargetForward
-from speculant.models.loading import load_pretrained
+from speculant.models.loading import load_pretrained, quantize_loaded
 
 
 def main() -> None:
@@ -35,12 +41,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--forward", choices=["lean", "model"], default="lean")
+    ap.add_argument("--quantizations", default="none", help="weight kinds, ',' separated (none, int8, int4, q4, q8; "
+                    "KIND/values: requantized from the float values, ignoring a GGUF file's codes)")
     ap.add_argument("--out", default="benchmarks/results/forward_cost.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(t) for t in args.tokens.split(",")]
-    dtypes = args.dtypes.split(",")
-    models = {dt: load_pretrained(args.target, dtype=dt)[0] for dt in dtypes}
+    models = {}
+    for dt in args.dtypes.split(","):
+        for kind in args.quantizations.split(","):
+            name = dt if kind == "none" else f"{dt}:{kind}"
+            if kind.endswith("/values"):  # every matrix from its float values
+                model = load_pretrained(args.target, dtype=dt)[0]
+                quantize_loaded(model, kind.split("/")[0])
+            else:
+                model = load_pretrained(args.target, dtype=dt, quantization=kind)[0]
+            models[name] = model
+    dtypes = list(models)
     gen = torch.Generator().manual_seed(0)
     vocab = models[dtypes[0]].config.vocab_size
     prompt = torch.randint(100, vocab, (1, args.context), generator=gen)

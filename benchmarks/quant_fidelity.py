@@ -2,16 +2,16 @@
 
 The float32 model (a packaged GGUF model: the file's weights dequantized to float32) answers N MT-Bench first
 turns greedily in its chat template; then each quantized variant (``--kinds``, loaded as every front-end loads it:
-``load_model_dir(quantization=...)``, so a GGUF file's Q4_K/Q4_1 tensors keep their codes for int4/q4) reads the
+``load_model_dir(quantization=...)``, so a GGUF file's tensors keep their codes where the kind holds them) reads the
 same prompt + answer once (teacher forcing, the lean forward every decoding method runs), and at every answer
 position we compare its next-token distribution with float32's over the same sequence:
 
 * ``top1_agreement``: the quantized model's most likely token is float32's (the issue's target: >= 0.99);
 * ``mean_kl``: KL(p_fp32 || p_quant) in nats, averaged over positions (and its 99th percentile, ``p99_kl``).
 
-Also ``weights``: for each int4/q4 kind, the matrices built from the file's own codes and how far their values
-are from the file's (int4: the kernel's ``(q - 8) * scale + zero`` form; q4: scale and minimum in float16), in
-units of each group's quantization step (``scale``). Nothing is timed (the CPU may be shared); the float32
+Also ``weights``: for each int4/q4/q8 kind, the matrices built from the file's own codes and how far their values
+are from the file's (int4: the kernel's ``(q - 8) * scale + zero`` form; q4, q8: scale and minimum in float16), in
+units of each group's quantization step (``scale``), and how many matrices of each kind the model holds. Nothing is timed (the CPU may be shared); the float32
 reference's own teacher-forced argmax is checked against the answer it generated (``reference_self_agreement``:
 below 1 only at float near-ties between a one-token and a whole-sequence forward).
 
@@ -34,7 +34,7 @@ import torch
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
 from speculant.core.forward import TargetForward
-from speculant.core.quant import QUANTIZATIONS, QuantMatrix, quantization_of
+from speculant.core.quant import QUANTIZATIONS, quantization_of
 from speculant.data.prompts import load_prompts, prompt_ids
 from speculant.models.chat import stop_ids
 from speculant.models.loading import load_model_dir, quantize_loaded, resolve_model
@@ -71,24 +71,36 @@ def generate_answers(model, tokenizer, records: list[dict], max_new_tokens: int)
     return out
 
 
-def weight_error(path: Path, model, kind: str) -> dict:
-    """How far ``kind``'s matrices built from the GGUF file's own 4-bit codes are from the file's values, in units
-    of each group's quantization step (``scale``; groups whose scale is 0, all 32 weights equal, are counted apart:
-    there a step is undefined and only the minimum's float16 rounding can differ)."""
-    from speculant.models.gguf import int4_tensors
+def weight_error(path: Path, model) -> dict:
+    """How far the quantized ``model``'s matrices built from the GGUF file's own codes (:data:`CODE_TYPES`) are
+    from the file's values, in units of each group's quantization step (``scale``; groups whose scale is 0, all 32
+    weights equal, are counted apart: there a step is undefined and only the minimum's float16 rounding can differ);
+    and how many matrices the model holds of each kind (a q4 model keeps the file's 5- to 8-bit tensors in q8)."""
+    from speculant.core.quant import ATTR, quantized_linears
+    from speculant.models.gguf import file_tensors
 
+    modules = {id(m.weight): m for m in quantized_linears(model)}
+    params = dict(model.named_parameters())
     n = weights = off = flat = 0
     worst = total = 0.0
-    for _, codes, scale, minimum in int4_tensors(path, model):
+    kinds: dict[str, int] = defaultdict(int)
+    for name, _, codes, scale, minimum in file_tensors(path, model):
+        module = modules.get(id(params[name]))
+        if module is None:
+            continue
+        matrix = getattr(module, ATTR)
+        kinds[matrix.kind] += 1
+        if codes is None or (matrix.kind == "int4" and int(codes.max()) > 15):  # requantized from values
+            continue
         want = (codes.float().reshape(codes.shape[0], -1, 32) * scale[..., None] + minimum[..., None])
-        got = QuantMatrix.int4(codes, scale, minimum, torch.float32, kind).dequantize().reshape(want.shape)
+        got = matrix.dequantize().float().reshape(want.shape)
         stepped = scale != 0  # [out, groups]
         rel = ((got - want).abs() / scale.abs()[..., None].where(stepped[..., None], 1))[stepped]  # [groups', 32]
         n, weights, off = n + 1, weights + rel.numel(), off + int((rel > 0).sum())
         flat += int((~stepped).sum())
         worst, total = max(worst, float(rel.max())), total + float(rel.sum(dtype=torch.float64))
-    return {"matrices_from_codes": n, "weights": weights, "weights_off": off, "flat_groups": flat,
-            "max_error_in_steps": worst, "mean_error_in_steps": total / max(weights, 1)}
+    return {"matrices_from_codes": n, "matrix_kinds": dict(kinds), "weights": weights, "weights_off": off,
+            "flat_groups": flat, "max_error_in_steps": worst, "mean_error_in_steps": total / max(weights, 1)}
 
 
 def act8(model) -> None:
@@ -186,8 +198,8 @@ def main() -> None:
             logprobs = answer_logprobs(model, sequences)
         row = compare(reference, logprobs, categories)
         row["matrices_from_file_codes"] = built
-        if backing is not None and kind in ("int4", "q4"):
-            row["weights"] = weight_error(backing, model, kind)
+        if backing is not None and kind in ("int4", "q4", "q8"):
+            row["weights"] = weight_error(backing, model)
         results[kind] = row
         print(f"{kind}: top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.5f} nats "
               f"(p99 {row['p99_kl']:.4f}), {built} matrices from the file's codes", flush=True)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from speculant.core import attention, kernels
 from speculant.core.cache import SpecCache
-from speculant.core.lean import LeanForward
+from speculant.core.lean import LeanForward, Segment
 from speculant.core.quant import quantize_model
 from speculant.core.tree import ancestor_matrix
 from speculant.testing import tiny_model
@@ -187,7 +187,8 @@ def test_the_fused_attention_block_computes_the_bits_of_the_torch_ops(arch, dtyp
         return out, cache
 
     fused, fused_cache = run()  # q4: every layer in one call (kernels.q4_layers)
-    assert lean._fused_attention(True, ids.to(dtype), fused_cache, None) is not None  # the fused path ran
+    plan = lean._plan(Segment(fused_cache), lean.embed[ids[:, :1]])
+    assert lean._fused_attention([Segment(fused_cache)], [plan], ids.to(dtype)) is not None  # the fused path ran
     assert (lean._q4_table(dtype) is not None) == (kind == "q4")
     runs = [(fused, fused_cache)]
     if kind == "q4":  # then layer by layer from Python (one rope_attend call per layer)

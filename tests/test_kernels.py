@@ -19,7 +19,8 @@ from speculant.core import kernels
 from speculant.core.cache import SpecCache
 from speculant.core.forward import lean_for
 from speculant.core.packed import linear
-from speculant.core.quant import GROUP, QuantMatrix, q4_activations, q4_reference, quantize_model
+from speculant.core.quant import GROUP, QuantMatrix, attach, q4_activations, q4_reference, quantize_model, \
+    releasable
 from speculant.drafters.registry import build_drafter
 from speculant.testing import perturbed, tiny_model
 
@@ -41,8 +42,8 @@ def lib():
     return library
 
 
-def _matrix(n: int, k: int, dtype: torch.dtype, seed: int = 0) -> QuantMatrix:
-    return QuantMatrix.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype), "q4")
+def _matrix(n: int, k: int, dtype: torch.dtype, seed: int = 0, kind: str = "q4") -> QuantMatrix:
+    return QuantMatrix.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype), kind)
 
 
 def _rows(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
@@ -72,7 +73,7 @@ def test_q4_weights_are_float16_scale_times_code_plus_minimum():
     w = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
     q = QuantMatrix.quantize(w, "q4")
     assert q.kind == "q4" and q.scale.dtype == q.zero.dtype == torch.float16 and q.scale.shape == (40, 2)
-    codes = q.int4_codes()
+    codes = q.unpacked_codes()
     want = codes.float() * q.scale.float().repeat_interleave(GROUP, 1) + q.zero.float().repeat_interleave(GROUP, 1)
     assert torch.equal(q.dequantize(), want)
     err = (want - w).abs()
@@ -90,6 +91,40 @@ def test_q4_weights_are_float16_scale_times_code_plus_minimum():
     assert float(packed[nb, g, 256 + 2 * j : 258 + 2 * j].view(torch.float16)) == float(q.scale[n, g])
     assert float(packed[nb, g, 288 + 2 * j : 290 + 2 * j].view(torch.float16)) == float(q.zero[n, g])
     assert (packed[2, :, 64 * c + 4 * 8 + b] == 0).all()  # column 40 + 0 = padding
+
+
+def test_q8_weights_are_q4_with_8_bit_codes_and_q4_codes_carry_over():
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    q = QuantMatrix.quantize(w, "q8")
+    assert q.kind == "q8" and q.bits == 8 and q.scale.dtype == torch.float16 and q.codes.shape == (40, 64)
+    codes = q.unpacked_codes()
+    assert int(codes.max()) == 255 and int(codes.min()) == 0
+    scale, zero = q.scale.float().repeat_interleave(GROUP, 1), q.zero.float().repeat_interleave(GROUP, 1)
+    assert torch.equal(q.dequantize(), codes.float() * scale + zero)
+    assert ((q.dequantize() - w).abs() <= 0.5 * scale + 1e-3 * w.abs().max()).all()
+    q4 = QuantMatrix.quantize(w, "q4")
+    assert float((q.dequantize() - w).abs().max()) < float((q4.dequantize() - w).abs().max()) / 8
+    assert q.nbytes == 40 * 64 * 9 // 8 and q4.nbytes == 40 * 64 * 5 // 8
+    # the packed layout: byte 64 s + 4 j + b of block (nb, g) holds input 4s+b of column j, then scales and minimums
+    packed = q._kernel[0]
+    assert packed.shape == (3, 2, kernels.Q8_BLOCK_BYTES)
+    nb, g, s, j, b = 1, 1, 6, 5, 3
+    n = 16 * nb + j
+    assert int(packed[nb, g, 64 * s + 4 * j + b]) == int(codes[n, 32 * g + 4 * s + b])
+    assert float(packed[nb, g, 512 + 2 * j : 514 + 2 * j].view(torch.float16)) == float(q.scale[n, g])
+    assert float(packed[nb, g, 544 + 2 * j : 546 + 2 * j].view(torch.float16)) == float(q.zero[n, g])
+    assert torch.equal(QuantMatrix(q.kind, q.codes, q.scale, q.zero, q.dtype).dequantize(), q.dequantize())
+    # 4-bit codes make a q8 matrix of the same values; fusing q4 with q8 promotes the q4 part unchanged
+    promoted = QuantMatrix.int4(q4.unpacked_codes(), q4.scale, q4.zero, torch.float32, kind="q8")
+    assert promoted.kind == "q8" and torch.equal(promoted.dequantize(), q4.dequantize())
+    fused = QuantMatrix.cat([q4, q, q4])
+    assert fused.kind == "q8" and torch.equal(fused.dequantize(), torch.cat([q4.dequantize(), q.dequantize(),
+                                                                            q4.dequantize()]))
+    assert torch.equal(fused.rows(torch.tensor([41, 2])).dequantize(), fused.dequantize()[[41, 2]])
+    with pytest.raises(ValueError, match=r"\[0, 256\)"):
+        QuantMatrix.from_codes(codes.int() + 1, q.scale, q.zero, torch.float32, "q8")
+    with pytest.raises(ValueError, match=r"\[0, 16\)"):
+        QuantMatrix.from_codes(codes, q.scale, q.zero, torch.float32, "q4")
 
 
 def test_the_reference_computes_the_quantized_product():
@@ -110,13 +145,14 @@ def test_the_reference_computes_the_quantized_product():
 # ------------------------------------------------------------------------------------------- the kernel
 
 
+@pytest.mark.parametrize("kind", ("q4", "q8"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_the_kernel_equals_the_torch_reference(lib, dtype, n, k):
-    q = _matrix(n, k, dtype)
+def test_the_kernel_equals_the_torch_reference(lib, dtype, n, k, kind):
+    q = _matrix(n, k, dtype, kind=kind)
     for m in (1, 4, 16, 33):
         x = _rows(m, k, dtype)
-        got = kernels.q4_matmul(x, q._kernel[0], n, lib)
+        got = kernels.q4_matmul(x, q._kernel[0], n, lib, bits=q.bits)
         assert got.shape == (m, n) and got.dtype == dtype
         want = q4_reference(x, q).to(dtype)
         # the same operations; the reference's float64 fma may round twice, a last-bit difference at most
@@ -127,27 +163,34 @@ def test_the_kernel_equals_the_torch_reference(lib, dtype, n, k):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the ISA variants are x86 builds")
 def test_every_code_path_computes_the_same_bits(lib):
-    """AVX-512 (VNNI or not), AVX2 and scalar code run the same float operations per lane: the same bits, so a
-    result does not depend on the CPU it was computed on either."""
-    paths = {isa: kernels.library(isa) for isa in ("avx2", "generic")}
+    """AVX-512 (VNNI or not), AVX2 and scalar code run the same float operations per lane, for 4- and 8-bit codes
+    (without VNNI an 8-bit code's dot product is taken nibble by nibble): the same bits, so a result does not depend
+    on the CPU it was computed on either."""
+    isas = ("avx2", "generic") + (("avx512",) if kernels.q4_isa() == "avx512-vnni" else ())  # AVX-512 without VNNI
+    paths = {isa: kernels.library(isa) for isa in isas}
     assert kernels.q4_isa("generic") == "scalar"
-    for dtype in DTYPES:
-        for n, k in ((97, 64), (300, 1536)):
-            q, x = _matrix(n, k, dtype), _rows(19, k, dtype)
-            want = kernels.q4_matmul(x, q._kernel[0], n, lib)
-            for isa, other in paths.items():
-                if other is not None:
-                    assert torch.equal(kernels.q4_matmul(x, q._kernel[0], n, other), want), (isa, dtype, n, k)
+    if "avx512" in paths:
+        assert kernels.q4_isa("avx512") == "avx512"
+    for kind in ("q4", "q8"):
+        for dtype in DTYPES:
+            for n, k in ((97, 64), (300, 1536)):
+                q, x = _matrix(n, k, dtype, kind=kind), _rows(19, k, dtype)
+                x[3] *= 1e3  # large activations: int8 codes at +-127 against 8-bit codes up to 255
+                want = kernels.q4_matmul(x, q._kernel[0], n, lib, bits=q.bits)
+                for isa, other in paths.items():
+                    if other is not None:
+                        got = kernels.q4_matmul(x, q._kernel[0], n, other, bits=q.bits)
+                        assert torch.equal(got, want), (isa, kind, dtype, n, k)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_each_row_is_independent_of_the_row_count_and_the_threads(lib, dtype):
+@pytest.mark.parametrize("dtype, kind", [(torch.float32, "q4"), (torch.bfloat16, "q4"), (torch.float32, "q8")])
+def test_each_row_is_independent_of_the_row_count_and_the_threads(lib, dtype, kind):
     """Verification multiplies 1..16 rows where plain decoding multiplies one: a row's result is the same bits with
     any rows, on 1 or 2 threads (threads split the columns, never the reduction), on a real layer's shapes."""
     before = torch.get_num_threads()
     try:
         for n, k in ((96, 32), (2048, 1536), (1536, 8960)):
-            q, x = _matrix(n, k, dtype, seed=n), _rows(33, k, dtype, seed=2)
+            q, x = _matrix(n, k, dtype, seed=n, kind=kind), _rows(33, k, dtype, seed=2)
             torch.set_num_threads(1)
             full = linear(x, q)  # [33, N]
             torch.set_num_threads(2)
@@ -210,6 +253,10 @@ def test_bad_operands_are_value_errors(lib):
         kernels.q4_matmul(torch.randn(2, 48), q._kernel[0], 16, lib)
     with pytest.raises(ValueError, match="do not fit"):
         kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 40, lib)
+    with pytest.raises(ValueError, match="do not fit"):  # q4 blocks read as q8 ones
+        kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 16, lib, bits=8)
+    with pytest.raises(ValueError, match="4- or 8-bit"):
+        kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 16, lib, bits=6)
     with pytest.raises(ValueError, match="computes in torch.float32"):
         linear(torch.randn(2, 64).bfloat16(), q)
 
@@ -233,10 +280,27 @@ def test_a_q4_model_runs_its_kernel_in_the_lean_forward():
 SPECS = ("chain:k=3", "specinfer:width=2:depth=3", "lookup")
 
 
-@pytest.mark.parametrize("arch, dtype", [("llama", torch.float32), ("qwen2", torch.bfloat16)])
-def test_greedy_output_of_every_method_equals_plain_decoding_of_the_q4_model(arch, dtype):
-    target = quantize_model(tiny_model(arch, seed=0, dtype=dtype), "q4")
-    draft = quantize_model(perturbed(tiny_model(arch, seed=0, dtype=dtype), 0.05, seed=2), "q4")
+def _mixed(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` quantized to q4 with some matrices in q8 (as a GGUF file's 6- and 8-bit tensors load): the first
+    layer's v and down projections and the LM head."""
+    layer, free = model.model.layers[0], releasable(model)
+    for m in (layer.self_attn.v_proj, layer.mlp.down_proj, model.lm_head):
+        attach(m, QuantMatrix.quantize(m.weight, "q8"), release_weight=id(m) in free)
+    return quantize_model(model, "q4")
+
+
+@pytest.mark.parametrize("arch, dtype, kind", [("llama", torch.float32, "q4"), ("qwen2", torch.bfloat16, "q4"),
+                                               ("qwen2", torch.float32, "q8"), ("llama", torch.float32, "mixed")])
+def test_greedy_output_of_every_method_equals_plain_decoding_of_the_q4_model(arch, dtype, kind):
+    def quantized(model):
+        return _mixed(model) if kind == "mixed" else quantize_model(model, kind)
+
+    target = quantized(tiny_model(arch, seed=0, dtype=dtype))
+    draft = quantized(perturbed(tiny_model(arch, seed=0, dtype=dtype), 0.05, seed=2))
+    if kind == "mixed":
+        w = lean_for(target).layers[0]
+        assert (w.qkv.kind, w.o.kind, w.gate_up.kind, w.down.kind) == ("q8", "q4", "q4", "q8")
+        assert lean_for(target)._q4_table(dtype)[0, 10:].tolist() == [8, 4, 4, 8]
     prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7]
     plain = speculant.generate(target, prompt, max_new_tokens=24, eos_token_id=[])
     assert plain.stats.target_forward == "lean"

@@ -91,7 +91,7 @@ def test_int4_from_codes_is_scale_times_code_plus_minimum():
     codes = torch.randint(0, 16, (48, 64), generator=gen)
     scale, minimum = torch.rand(48, 2, generator=gen), -torch.rand(48, 2, generator=gen)
     q = QuantMatrix.int4(codes, scale, minimum, torch.float32)
-    assert torch.equal(q.int4_codes(), codes.to(torch.uint8)) and q.codes.numel() == codes.numel() // 2
+    assert torch.equal(q.unpacked_codes(), codes.to(torch.uint8)) and q.codes.numel() == codes.numel() // 2
     want = codes.float() * scale.repeat_interleave(GROUP, 1) + minimum.repeat_interleave(GROUP, 1)
     torch.testing.assert_close(q.dequantize(), want, atol=1e-6, rtol=1e-6)
     other = QuantMatrix.quantize(_weight(16, 64), "int4")
@@ -106,7 +106,7 @@ def test_bad_input_is_a_one_line_value_error():
     w = _weight(16, 48)
     with pytest.raises(ValueError, match="multiple of 32"):
         QuantMatrix.quantize(w, "int4")
-    with pytest.raises(ValueError, match="int8, int4 or q4"):
+    with pytest.raises(ValueError, match="int8, int4, q4, q8"):
         QuantMatrix.quantize(w, "int2")
     with pytest.raises(ValueError, match=r"\[0, 16\)"):
         QuantMatrix.int4(torch.full((16, 32), 16), torch.ones(16, 1), torch.zeros(16, 1), torch.float32)
@@ -122,7 +122,7 @@ def test_bad_input_is_a_one_line_value_error():
         quantize_model(model, "int4")
     with pytest.raises(ValueError, match="multiples of 32"):
         quantize_model(tiny_model("llama", hidden=48, heads=4), "int4")
-    assert QUANTIZATIONS == ("none", "int8", "int4", "q4")  # q4: tests/test_kernels.py
+    assert QUANTIZATIONS == ("none", "int8", "int4", "q4", "q8")  # q4, q8: tests/test_kernels.py
 
 
 # ------------------------------------------------------------------------------------------- models
@@ -260,6 +260,6 @@ def test_a_q4_matrix_reads_its_codes_back_from_the_kernel_blocks():
     scale, minimum = torch.rand(37, 3, generator=gen), -torch.rand(37, 3, generator=gen)
     q = QuantMatrix.int4(codes, scale, minimum, torch.float32, "q4")
     assert q._codes is None
-    assert torch.equal(q.int4_codes(), codes.to(torch.uint8))
-    assert torch.equal(QuantMatrix.cat([q, q]).int4_codes(), torch.cat([codes, codes]).to(torch.uint8))
-    assert torch.equal(q.rows(torch.tensor([36, 0, 5])).int4_codes(), codes[[36, 0, 5]].to(torch.uint8))
+    assert torch.equal(q.unpacked_codes(), codes.to(torch.uint8))
+    assert torch.equal(QuantMatrix.cat([q, q]).unpacked_codes(), torch.cat([codes, codes]).to(torch.uint8))
+    assert torch.equal(q.rows(torch.tensor([36, 0, 5])).unpacked_codes(), codes[[36, 0, 5]].to(torch.uint8))

@@ -17,7 +17,7 @@ import torch
 
 from speculant import cli
 from speculant.commands import common
-from speculant.core.quant import ATTR, QUANTIZATIONS, quantization_of, quantized_linears
+from speculant.core.quant import ATTR, QUANTIZATIONS, QuantMatrix, quantization_of, quantized_linears
 from speculant.models.loading import load_model_dir, load_pretrained, quantize_loaded
 from speculant.session import resolve
 from speculant.testing import tiny_model, tiny_tokenizer
@@ -221,11 +221,20 @@ def _random_q4_k(w: np.ndarray, rng: np.random.Generator, spread: float) -> np.n
     return blocks.reshape(rows, -1)
 
 
+def _random_q6_k(w: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Random valid Q6_K super-blocks (210 bytes: 6-bit codes, 16 int8 scales, fp16 ``d`` at byte 208)."""
+    rows, cols = w.shape
+    blocks = rng.integers(0, 256, (rows * cols // 256, 210), dtype=np.uint8)
+    d = rng.uniform(0.0001, 0.001, len(blocks)).astype(np.float16)
+    blocks[:, 208:210] = d.view(np.uint8).reshape(len(blocks), 2)
+    return blocks.reshape(rows, -1)
+
+
 @pytest.fixture(scope="module")
 def gguf_files(tmp_path_factory):
     """Tiny Llama GGUF files (hidden 256, 4 heads, 2 KV heads: Q/K rows permuted in the file) with every matrix
-    Q4_K (random blocks: ``Q4_K`` with dmin near d, ``Q4_K-wide`` far from it), Q4_1 (gguf's quantizer) and
-    Q8_0."""
+    Q4_K (random blocks: ``Q4_K`` with dmin near d, ``Q4_K-wide`` far from it), Q6_K (random blocks), Q4_0, Q4_1,
+    Q5_0, Q5_1 and Q8_0 (gguf's quantizer)."""
     from test_sources import write_llama_gguf
 
     tok = tiny_tokenizer(["hello world, a tiny gguf test.\n" * 3, "def f(x):\n    return x + 1\n" * 3],
@@ -238,14 +247,16 @@ def gguf_files(tmp_path_factory):
 
     spread = [1.0]
 
-    def quantize(w, qtype):  # gguf cannot quantize Q4_K in Python: random blocks instead
+    def quantize(w, qtype):  # gguf cannot quantize Q4_K and Q6_K in Python: random blocks instead
+        if qtype == gguf.GGMLQuantizationType.Q6_K:
+            return _random_q6_k(w, rng)
         return _random_q4_k(w, rng, spread[0]) if qtype == gguf.GGMLQuantizationType.Q4_K else real(w, qtype)
 
     files = {}
     mp = pytest.MonkeyPatch()
     mp.setattr(gguf.quants, "quantize", quantize)
     try:
-        for name in ("Q4_K", "Q4_K-wide", "Q4_1", "Q8_0"):
+        for name in ("Q4_K", "Q4_K-wide", "Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q5_1", "Q6_K"):
             spread[0] = SPREAD["wide" if name.endswith("wide") else "near"]
             qtype = gguf.GGMLQuantizationType[name.split("-")[0]]
             files[name] = write_llama_gguf(root / f"tiny-{name}.gguf", model, tok, qtype)
@@ -312,13 +323,45 @@ def test_q4_from_q4_1_codes_is_exact_and_from_q4_k_within_float16_scales(gguf_fi
         codes[name] = (c, scale, minimum)
     for i, (m, q) in enumerate(zip(quantized_linears(model), matrices)):
         c, scale, minimum = codes[params[id(m.weight)]]
-        assert torch.equal(q.int4_codes(), c)  # the file's codes, rows in the model's order
+        assert torch.equal(q.unpacked_codes(), c)  # the file's codes, rows in the model's order
         assert torch.equal(q.scale, scale.half()) and torch.equal(q.zero, minimum.half())
         # the file's value minus q4's: q * (scale rounding) + (minimum rounding), each at most 2^-11 relative
         bound = (15 * scale.abs() + minimum.abs()).repeat_interleave(32, 1) * 2.0 ** -11 + 1e-6
         diff = (q.dequantize() - want[i]).abs()
         assert bool((diff <= bound).all()), (i, float((diff - bound).max()))
         assert diff.max() > 0  # Q4_K's d * sc does not fit in float16: q4 rounds it (measured, not assumed)
+
+
+@pytest.mark.parametrize("qtype, kind", [("Q8_0", "q4"), ("Q5_0", "q4"), ("Q5_1", "q8"), ("Q4_0", "q4"),
+                                         ("Q4_0", "q8"), ("Q8_0", "q8")])
+def test_q4_and_q8_keep_4_5_and_8_bit_codes_exactly(gguf_files, cache_dir, qtype, kind):
+    """Q4_0, Q5_0, Q5_1 and Q8_0 blocks are codes with a float16 scale and minimum per 32 (Q5_0: ``d (q - 16)``,
+    minimum ``-16 d``; Q8_0: ``d q`` = ``d (q + 128) - 128 d``): q8 holds them as they are, and so does a q4
+    model (its 5- and 8-bit tensors as q8 matrices), every weight the file's value."""
+    want = _file_values(gguf_files[qtype])
+    model, _ = load_pretrained(gguf_files[qtype], dtype="float32")
+    assert quantize_loaded(model, kind, gguf_files[qtype]) == 8 and quantization_of(model) == kind
+    holds = "q4" if qtype == "Q4_0" and kind == "q4" else "q8"
+    for i, m in enumerate(quantized_linears(model)):
+        q = getattr(m, ATTR)
+        assert q.kind == holds and torch.equal(q.dequantize(), want[i]), i
+
+
+def test_a_q4_model_keeps_6_bit_tensors_in_8_bits(gguf_files, cache_dir):
+    """Q6_K (16 scales per 256, no minimum) has no per-32 form: a q4 model requantizes it to q8 from its values,
+    within half a q8 step (1/510 of the group's range) of the file, 16x closer than q4 would be; int4 and q8
+    requantize it to their own kind."""
+    want = _file_values(gguf_files["Q6_K"])
+    model, matrices = _matrices(gguf_files["Q6_K"], "q4")
+    for i, q in enumerate(matrices):
+        assert q.kind == "q8"
+        group = want[i].reshape(want[i].shape[0], -1, 32)
+        span = (group.amax(-1) - group.amin(-1)).repeat_interleave(32, 1)
+        err = (q.dequantize() - want[i]).abs()
+        assert bool((err <= span / 510 * 1.01 + 1e-6).all()), i
+        q4 = QuantMatrix.quantize(want[i], "q4")
+        assert float(err.mean()) < float((q4.dequantize() - want[i]).abs().mean()) / 8
+    assert {getattr(m, ATTR).kind for m in quantized_linears(_matrices(gguf_files["Q6_K"], "int4")[0])} == {"int4"}
 
 
 def test_other_types_are_requantized_from_their_values(gguf_files, cache_dir):

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import speculant
-import speculant.core.engine
+import speculant.core.sequence
 from helpers import N_FAST, chisq_pvalue, detectable_tv, sizes
 from speculant.core.cache import SpecCache
 from speculant.core.sampling import sample, uniform, warp
@@ -223,7 +223,7 @@ def _resample_from_q(tree, target_logits, params, generator=None):
     return Verdict(path, sample(warp(target_logits[len(tree)], params), generator))
 
 
-_REAL_VERIFY = speculant.core.engine.verify
+_REAL_VERIFY = speculant.core.sequence.verify
 
 
 def _stale_cache(monkeypatch):
@@ -240,7 +240,7 @@ def test_negative_control_bias_is_detected(models, monkeypatch, bug):
         _stale_cache(monkeypatch)
     else:
         biased = {"accept-all": _accept_all, "resample-from-q": _resample_from_q}[bug]
-        monkeypatch.setattr(speculant.core.engine, "verify", biased)
+        monkeypatch.setattr(speculant.core.sequence, "verify", biased)
     counts, _ = sample_joint(target, draft, params, k=2, n=N_FAST, seed0=77)
     pvalue = _chisq_pvalue(counts, expected)
     assert pvalue < FAIL_P, f"the bias went undetected (p = {pvalue:.3g})"

@@ -595,6 +595,23 @@ def test_q4_k_codes_decode_like_gguf():
     assert np.array_equal(values.numpy().view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_per_32_block_codes_decode_like_gguf(qtype):
+    """The code, scale and minimum of every block type with one scale (and minimum) per 32 weights give gguf's own
+    dequantized values, bit for bit."""
+    from speculant.models.gguf import CODE_TYPES
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    unpack, size, bits = CODE_TYPES[int(kind)]
+    rng = np.random.default_rng(2)
+    blocks = gguf.quants.quantize(rng.normal(size=(8, 256)).astype(np.float32), kind).reshape(-1, size)
+    codes, scales, mins = unpack(torch.from_numpy(blocks))
+    assert codes.shape == (len(blocks), 1, 32) and int(codes.max()) < 2 ** (5 if qtype[1] == "5" else bits)
+    values = (scales[..., None] * codes.float() - mins[..., None]).reshape(-1)
+    want = gguf.dequantize(blocks, kind).reshape(-1)
+    assert np.array_equal(values.numpy(), want)
+
+
 @pytest.mark.parametrize("qtype, scale_at", [("Q4_K", (0, 2)), ("Q6_K", (208,)), ("Q5_0", (0,)), ("Q8_0", (0,)),
                                              ("Q4_0", (0,)), ("F32", ()), ("F16", ())])
 def test_decode_equals_gguf_dequantize(qtype, scale_at, monkeypatch):

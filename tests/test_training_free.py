@@ -21,7 +21,7 @@ from test_sampling_distribution import (
 )
 
 import speculant
-import speculant.core.engine
+import speculant.core.sequence
 from speculant.core.cache import SpecCache, cache_kwarg
 from speculant.core.checks import num_layers
 from speculant.drafters.base import DecodeState
@@ -80,7 +80,7 @@ def test_node_logits_unchanged_by_attached_masks(arch):
             if with_probes:
                 ext = DraftTree(tokens=[0] * 14, parents=tree.parents + probes.parents(len(tree)))
                 mask, pos = attn.build(ext, cache.length)
-                out = target(inputs_embeds=speculant.core.engine._with_probes(target, inputs, probes),
+                out = target(inputs_embeds=speculant.core.sequence._with_probes(target, inputs, probes),
                              attention_mask=mask, position_ids=pos, **cache_kwarg(target, cache), use_cache=True)
             else:
                 mask, pos = attn.build(tree, cache.length)
@@ -95,7 +95,7 @@ def test_node_logits_unchanged_by_attached_masks(arch):
 def test_mask_slots_never_stay_in_the_cache(monkeypatch):
     """After a mask-probe generation the target cache equals a fresh prefill of the committed tokens (all but
     the last): probe slots and rejected nodes are gone, the accepted path is in place."""
-    caches = record_caches(monkeypatch, speculant.core.engine, "SpecCache")
+    caches = record_caches(monkeypatch, speculant.core.sequence, "SpecCache")
     target = tiny_model("llama", seed=0, vocab_size=VOCAB)
     prompt = PROMPTS[1]
     gen = speculant.generate(target, prompt, drafter=MaskProbeDrafter(masks=2, tree=[3, 2]), max_new_tokens=20,

@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="model dtype (default: %(default)s: exact, and with q4 weights also the faster one, since the "
                     "kernel then converts no bfloat16 activations; a quantized model keeps no float copy of its "
                     "matrices, so float32 costs memory only for the embedding and norms)")
-    ap.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "q4"],
+    ap.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "q4", "q8"],
                     help="weight quantization of both models, as speculant generate --quantization (default: the "
                     "packaged target's own, e.g. q4 for the Qwen pair; else none)")
     ap.add_argument("--bundled", action="store_true",

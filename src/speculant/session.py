@@ -19,8 +19,8 @@ they resolve the same defaults and agree on the same rules:
 * **quantization** None: a packaged target's own format (:attr:`speculant.models.sources.PackagedModel.default_quantization`:
   ``q4`` for the Qwen2.5-Coder pair, measured fastest at every token count), else ``"none"``
   (:data:`speculant.core.quant.QUANTIZATIONS`); the models loaded by name are
-  quantized as they load (:func:`speculant.models.loading.load_model_dir`: a GGUF file's Q4_K/Q4_1 codes are kept
-  for int4 and q4). **draft_quantization** None: the target's kind, because the draft only proposes (its
+  quantized as they load (:func:`speculant.models.loading.load_model_dir`: a GGUF file's own codes are kept
+  where the kind holds them, :func:`speculant.models.loading.quantize_loaded`). **draft_quantization** None: the target's kind, because the draft only proposes (its
   numerics never change what is emitted) and a quantized target usually wants a draft as cheap as itself; give
   ``"none"`` to keep a float draft. A loaded module is never quantized here: quantization None takes it as it
   is, any other kind must be the one it already has (:func:`speculant.core.quant.quantization_of`).

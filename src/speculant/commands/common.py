@@ -285,13 +285,14 @@ def add_model_arguments(
     )
     p.add_argument(
         "--quantization",
-        choices=["none", "int8", "int4", "q4"],  # speculant.core.quant.QUANTIZATIONS (not imported: no torch here)
+        choices=["none", "int8", "int4", "q4", "q8"],  # speculant.core.quant.QUANTIZATIONS (not imported: no torch)
         default=None,
         help="weight quantization of the models loaded by name (the draft takes the target's kind): none (the "
         "float weights); int8 (per-row int8 weights, torch's int8 kernel); int4 (groups of 32 4-bit weights with "
         "a scale and minimum each, torch's int4 kernel, float activations); q4 (the same weights, scale and minimum "
-        "in float16, times int8-quantized activations on speculant's own kernel). int4/q4 keep a GGUF file's own "
-        "Q4_K/Q4_1 codes. Every method decodes the same quantized model, so output stays lossless against plain "
+        "in float16, times int8-quantized activations on speculant's own kernel); q8 (q4 with 8-bit codes). int4, q4 "
+        "and q8 keep a GGUF file's own 4-bit codes (Q4_K, Q4_0, Q4_1); q4 and q8 also its 5- to 8-bit tensors "
+        "(Q5_0, Q8_0 as they are, Q6_K requantized) in 8 bits, as the file spends more bits on them. Every method decodes the same quantized model, so output stays lossless against plain "
         "decoding of it (bit for bit: a quantized forward is row independent). Speed on 2 cores of an AVX-512 "
         "Xeon (benchmarks/results/quant_matmul.json): q4 is the fastest at 1 to 16 tokens per forward (3.0x "
         "bf16 at 1 token), int4 and int8 lose their advantage beyond 4 tokens; default: a packaged model's own "

@@ -18,10 +18,10 @@ import torch
 
 from .cache import cache_kwarg
 from .checks import warn_once
-from .lean import LeanForward, sliding_window, unsupported
+from .lean import LeanForward, Segment, sliding_window, unsupported
 from .quant import quantization_of
 
-__all__ = ["FORWARDS", "TargetForward", "lean_for"]
+__all__ = ["FORWARDS", "Segment", "TargetForward", "batched_logits", "lean_for"]
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,40 @@ class TargetForward:
         if hidden_out is not None:
             hidden_out.append(hidden if taps is None else torch.cat([taps[i] for i in self.taps] + [hidden], -1))
         return hidden
+
+
+def batched_logits(forwards: list[TargetForward], segments: list[Segment],
+                   hidden_outs: list[list | None]) -> list[torch.Tensor]:
+    """Logits ``[1, T_s, V]`` for each of several sequences' new tokens (``segments``, each with its own cache),
+    ``forwards[s]`` being sequence s's forward (one model). Those on the lean forward run as one forward over all
+    their rows (:meth:`~speculant.core.lean.LeanForward.hidden_batch`: every matrix, the LM head included, read once
+    per step for the whole batch); any on the model's own forward run one by one. ``hidden_outs[s]``: as
+    :meth:`TargetForward.__call__`'s ``hidden_out`` for sequence s (None: not wanted)."""
+    out: list[torch.Tensor | None] = [None] * len(segments)
+    first = next((f.lean for f in forwards if f.lean is not None), None)
+    lean = [i for i, f in enumerate(forwards) if f.lean is not None and f.lean is first]
+    if len(lean) <= 1:  # nothing to batch
+        lean = []
+    for i, (f, seg, h) in enumerate(zip(forwards, segments, hidden_outs)):
+        if i not in lean:
+            out[i] = f(seg.cache, seg.input_ids, seg.inputs_embeds, seg.positions, seg.mask, seg.capture,
+                       hidden_out=h)
+    if lean:
+        engine = forwards[lean[0]].lean
+        wanted = sorted({t for i in lean if hidden_outs[i] is not None for t in forwards[i].taps})
+        taps = {t: None for t in wanted} if wanted else None
+        hidden = engine.hidden_batch([segments[i] for i in lean], taps)  # [1, T_s, H] each
+        rows = torch.cat(hidden, 1)  # [1, sum T_s, H]
+        logits = engine.logits(rows)  # [1, sum T_s, V]
+        start = 0
+        for i, h in zip(lean, hidden):
+            stop = start + h.shape[1]
+            out[i] = logits[:, start:stop]
+            if hidden_outs[i] is not None:
+                own = [taps[t][:, start:stop] for t in forwards[i].taps]
+                hidden_outs[i].append(torch.cat(own + [h], -1) if own else h)
+            start = stop
+    return out
 
 
 def _tap(taps: dict, index: int):

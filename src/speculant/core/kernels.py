@@ -4,8 +4,9 @@ Two kernels, one library:
 
 * the ``q4`` matrix product (int4 weights in 32-input blocks with a float16 scale and minimum, activations
   quantized per row to int8 in 32-input blocks; see ``csrc/q4.cpp`` for the scheme and the packed weight layout,
-  :mod:`speculant.core.quant` for the quantization kind). Each weight block is loaded once for up to 16 rows, so a
-  forward over the 1..16 tokens of a verification reads the weights once, as plain decoding does;
+  :mod:`speculant.core.quant` for the quantization kinds), and ``q8``, the same with 8-bit weight codes. Each weight
+  block is loaded once for up to 16 rows, so a forward over the 1..16 tokens of a verification reads the weights
+  once, as plain decoding does;
 * row-independent attention for a forward's few query rows (``csrc/attend.cpp``, :mod:`speculant.core.attention`):
   each row's output is the same bits whether it is computed alone (plain decoding) or beside others, under a
   causal or a tree mask (verification), which is what makes speculation exact bit for bit.
@@ -38,8 +39,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "attend", "cache_dir", "library", "q4_call", "q4_isa",
-           "q4_layers", "q4_matmul", "rope_attend"]
+__all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q8_BLOCK_BYTES", "attend", "cache_dir",
+           "library", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "rope_attend"]
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +51,16 @@ Q4_COLUMNS = 16
 """Output columns per packed q4 block."""
 Q4_BLOCK_BYTES = 320
 """Bytes per packed q4 block: 16 columns x 32 inputs of 4-bit codes (256), 16 float16 scales, 16 float16 minimums."""
+Q8_BLOCK_BYTES = 576
+"""Bytes per packed q8 block: 16 columns x 32 inputs of 8-bit codes (512), 16 float16 scales, 16 float16 minimums."""
+BLOCK_BYTES = {4: Q4_BLOCK_BYTES, 8: Q8_BLOCK_BYTES}
+"""Packed block bytes by code bits."""
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q4.cpp", "attend.cpp", "layers.cpp"))
 # -ffp-contract=off: the float operations are exactly the ones written (explicit fma), in every code path
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off"]
-_ISA_FLAGS = {"native": ["-march=native"], "avx2": ["-march=haswell"], "generic": []}
+_ISA_FLAGS = {"native": ["-march=native"], "avx512": ["-march=skylake-avx512"], "avx2": ["-march=haswell"],
+              "generic": []}
 _ISA_NAMES = {3: "avx512-vnni", 2: "avx512", 1: "avx2", 0: "scalar"}
 _libraries: dict[str, ctypes.CDLL | None] = {}
 
@@ -125,13 +131,13 @@ def library(isa: str = "native") -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(isa)))
             lib.q4_matmul.restype = ctypes.c_int
             lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
+                                      ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
             lib.q4_isa.restype = ctypes.c_int
             lib.q4_layers.restype = ctypes.c_int
             lib.q4_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_void_p,
                                       *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_void_p, *[ctypes.c_int64] * 5, ctypes.c_void_p, ctypes.c_float,
+                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
                                       ctypes.c_float, ctypes.c_int]
             lib.rope_attend.restype = ctypes.c_int
             lib.rope_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 4, ctypes.c_void_p,
@@ -159,10 +165,10 @@ def q4_isa(isa: str = "native") -> str | None:
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *,
               norm: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
-              bias: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [M, K]`` (float32 or bfloat16, contiguous) times the packed q4 weights ``packed`` (uint8
-    ``[ceil(n / 16), K / 32, 320]``, see :func:`speculant.core.quant.QuantMatrix`) -> ``[M, n]`` in ``x``'s
-    dtype, on ``torch.get_num_threads()`` threads.
+              bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, bits: int = 4) -> torch.Tensor:
+    """``x [M, K]`` (float32 or bfloat16, contiguous) times the packed q4 (``bits=4``) or q8 (``bits=8``) weights
+    ``packed`` (uint8 ``[ceil(n / 16), K / 32, 320 or 576]``, see :class:`speculant.core.quant.QuantMatrix`) ->
+    ``[M, n]`` in ``x``'s dtype, on ``torch.get_num_threads()`` threads.
 
     Fused around the product (each step rounded to the dtype as the separate torch op would be; see
     ``csrc/q4.cpp``): ``norm [K]`` RMSNorm of each row first (with ``eps``), or ``glu``: ``x`` is ``[M, 2K]`` =
@@ -174,7 +180,9 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *
             or (glu and xk % 2)):
         raise ValueError(f"q4_matmul takes a contiguous float32/bfloat16 [M, K] with K a multiple of 32 ([M, 2K] "
                          f"with glu), got {x.dtype} {tuple(x.shape)}")
-    if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-n // Q4_COLUMNS), k // 32, Q4_BLOCK_BYTES):
+    if bits not in BLOCK_BYTES:
+        raise ValueError(f"q4_matmul takes 4- or 8-bit codes, got bits={bits}")
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-n // Q4_COLUMNS), k // 32, BLOCK_BYTES[bits]):
         raise ValueError(f"packed q4 weights of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
     operands = {"norm": (norm, (k,)), "bias": (bias, (n,)), "residual": (residual, (m, n))}
     for name, (t, shape) in operands.items():
@@ -183,21 +191,21 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *
                              f"{tuple(t.shape)}")
     if norm is not None and glu:
         raise ValueError("q4_matmul fuses a norm or a GLU before the product, not both")
-    return q4_call(x, k, packed, n, lib, norm, eps, glu, bias, residual)
+    return q4_call(x, k, packed, bits, n, lib, norm, eps, glu, bias, residual)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def q4_call(x: torch.Tensor, k: int, packed: torch.Tensor, n: int, lib: ctypes.CDLL, norm: torch.Tensor | None,
-            eps: float, glu: bool, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+def q4_call(x: torch.Tensor, k: int, packed: torch.Tensor, bits: int, n: int, lib: ctypes.CDLL,
+            norm: torch.Tensor | None, eps: float, glu: bool, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
     """:func:`q4_matmul` without its checks (``x [M, K]`` or ``[M, 2K]`` with ``glu``): for callers that hold
     operands of known shapes (:meth:`speculant.core.quant.QuantMatrix.fused`, hundreds of calls per forward)."""
     m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
     if m and n:
-        rc = lib.q4_matmul(x.data_ptr(), x.dtype == torch.bfloat16, m, k, packed.data_ptr(), n, y.data_ptr(),
+        rc = lib.q4_matmul(x.data_ptr(), x.dtype == torch.bfloat16, m, k, packed.data_ptr(), bits, n, y.data_ptr(),
                            _ptr(norm), eps, glu, _ptr(bias), _ptr(residual), torch.get_num_threads())
         if rc:
             raise MemoryError("q4_matmul: out of memory for the quantized activations")
@@ -257,18 +265,19 @@ def rope_attend(qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.T
 
 
 def q4_layers(x: torch.Tensor, weights: torch.Tensor, intermediate: int, heads: int, kv_heads: int,
-              positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: torch.Tensor,
-              k_strides: tuple[int, int], v_strides: tuple[int, int], start: int, allowed: torch.Tensor | None,
-              scale: float, eps: float, lib: ctypes.CDLL) -> None:
+              positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor,
+              caches: torch.Tensor, scale: float, eps: float, lib: ctypes.CDLL) -> None:
     """Every decoder layer of a q4 lean forward in one call (``csrc/layers.cpp``, unchecked: the lean forward's hot
-    path), ``x [T, H]`` (contiguous, the residual stream) updated in place: per layer the q4 products with their
-    norms, biases, GLU and residuals (:func:`q4_call`) around :func:`rope_attend`, the same calls in the same order.
-    ``weights``: int64 ``[L, 10]`` addresses (see the C source); ``caches``: int64 ``[L, 2]`` key/value buffer
-    addresses, all with ``k_strides``/``v_strides`` (head, slot) in elements."""
+    path), ``x [T, H]`` (contiguous, the residual stream of one or several sequences' rows) updated in place: per
+    layer the q4 products with their norms, biases, GLU and residuals (:func:`q4_call`) over all rows, around
+    :func:`rope_attend` per sequence, the same calls in the same order. ``weights``: int64 ``[L, 14]``, addresses
+    and code bits; ``segments``: int64 ``[S, 8]`` per sequence (first row, rows, cache start, mask address or 0,
+    key/value head and slot strides); ``caches``: int64 ``[S, L, 2]`` key/value buffer addresses (see the C
+    source); ``positions``: int64 ``[T]``."""
     t, h = x.shape
     rc = lib.q4_layers(x.data_ptr(), int(x.dtype == torch.bfloat16), t, h, weights.shape[0], weights.data_ptr(),
                        intermediate, heads, kv_heads, cos.shape[1], positions.data_ptr(), cos.data_ptr(),
-                       sin.data_ptr(), caches.data_ptr(), *k_strides, *v_strides, start, _ptr(allowed), float(scale),
+                       sin.data_ptr(), segments.shape[0], segments.data_ptr(), caches.data_ptr(), float(scale),
                        float(eps), torch.get_num_threads())
     if rc:
         raise (MemoryError if rc == -2 else ValueError)(f"q4_layers failed ({rc}): T={t}, H={h}")

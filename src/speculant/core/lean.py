@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,7 +49,7 @@ from .ops import fused_linear, rms_norm
 from .packed import PackedMatrix, linear, pack_enabled, packable
 from .quant import ATTR, QuantMatrix, quantization_of
 
-__all__ = ["COVERED", "LeanForward", "sliding_window", "unsupported"]
+__all__ = ["COVERED", "LeanForward", "Segment", "sliding_window", "unsupported"]
 
 COVERED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 """Model classes the lean forward reproduces."""
@@ -71,6 +72,33 @@ class _Layer:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor | PackedMatrix | QuantMatrix  # [H, I]
     down_bias: torch.Tensor | None
+
+
+@dataclass
+class Segment:
+    """One sequence's new tokens in a forward over several sequences (:meth:`LeanForward.hidden_batch`): each has
+    its own cache, positions and mask; the matrix products take every sequence's rows together."""
+
+    cache: Any  # its SpecCache (possibly evicting)
+    input_ids: torch.Tensor | None = None  # [1, T]
+    inputs_embeds: torch.Tensor | None = None  # [1, T, H] (instead of input_ids: probe slots)
+    positions: torch.Tensor | None = None  # [1, T]; None: the cache length onwards (a chain)
+    mask: torch.Tensor | None = None  # [1, 1, T, L + T] additive or boolean (a tree); None: causal
+    capture: Any = None  # a QueryCapture recording each layer's post-RoPE queries (attention-scored KV policies)
+
+
+@dataclass
+class _Plan:
+    """How one segment attends in this forward (worked out once, used by every layer)."""
+
+    t: int  # new tokens
+    past: int  # cached tokens before them
+    positions: torch.Tensor  # [1, T] int64
+    last: int  # the largest position + 1
+    rowwise: bool  # row-independent attention (speculant.core.attention), else SDPA
+    allowed: torch.Tensor | None  # [T, L + T] bool (rowwise with a mask), None: causal
+    mask: torch.Tensor | None  # SDPA's mask
+    causal: bool  # SDPA's is_causal
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
@@ -274,20 +302,22 @@ class LeanForward:
         out = rot * cos + torch.cat([-rot[..., half:], rot[..., :half]], -1) * sin
         return out if rest is None else torch.cat([out, rest], -1)
 
-    def _fused_attention(self, rowwise: bool, x: torch.Tensor, cache, capture):
-        """The compiled library when this forward's attention blocks can run as one call per layer
-        (:func:`speculant.core.kernels.rope_attend`: full-width RoPE, no per-head q/k norm, a cache that appends in
+    def _fused_attention(self, segments: list[Segment], plans: list[_Plan], x: torch.Tensor):
+        """The compiled library when this forward's attention blocks can run as one call per layer and sequence
+        (:func:`speculant.core.kernels.rope_attend`: full-width RoPE, no per-head q/k norm, caches that append in
         place, row-by-row attention, nothing captured), else None (the torch ops and :func:`attention.attend`)."""
-        if (not rowwise or capture is not None or self.rotary_dim != self.head_dim or self.layers[0].qk_norm is not None
-                or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16)
-                or not all(getattr(layer, "appends_in_place", False) for layer in cache.layers)
-                or len(cache.layers) != len(self.layers)):
+        if (self.rotary_dim != self.head_dim or self.layers[0].qk_norm is not None or x.device.type != "cpu"
+                or x.dtype not in (torch.float32, torch.bfloat16)
+                or any(not p.rowwise for p in plans) or any(s.capture is not None for s in segments)
+                or any(len(s.cache.layers) != len(self.layers)
+                       or not all(getattr(layer, "appends_in_place", False) for layer in s.cache.layers)
+                       for s in segments)):
             return None
         return kernels.library()
 
     def _q4_table(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """int64 ``[L, 10]`` addresses of every layer's q4 matrices, biases and norms for
-        :func:`speculant.core.kernels.q4_layers` (built once), or None when some layer cannot run there (another
+        """int64 ``[L, 14]`` addresses of every layer's q4 / q8 matrices, biases and norms and the matrices' code bits
+        for :func:`speculant.core.kernels.q4_layers` (built once), or None when some layer cannot run there (another
         weight kind, a dtype or bias the q4 kernel does not take)."""
         if self._table_for == dtype:
             return self._table
@@ -306,7 +336,7 @@ class LeanForward:
         h, rows = self.embed.shape[1], []
         for w in self.layers:
             mats = (w.qkv, w.o, w.gate_up, w.down)
-            if not all(type(m) is QuantMatrix and m.kind == "q4" and m.dtype == dtype for m in mats):
+            if not all(type(m) is QuantMatrix and m.kind in ("q4", "q8") and m.dtype == dtype for m in mats):
                 return None
             inter = w.gate_up.shape[0] // 2
             if (w.qkv.shape != ((hq + 2 * hkv) * d, h) or w.o.shape != (h, hq * d) or w.down.shape != (h, inter)
@@ -315,7 +345,7 @@ class LeanForward:
             row = [w.qkv._kernel[0].data_ptr(), address(w.qkv_bias, w.qkv.shape[0]), address(w.in_norm, h),
                    w.o._kernel[0].data_ptr(), address(w.o_bias, h), address(w.post_norm, h),
                    w.gate_up._kernel[0].data_ptr(), address(w.gate_up_bias, 2 * inter),
-                   w.down._kernel[0].data_ptr(), address(w.down_bias, h)]
+                   w.down._kernel[0].data_ptr(), address(w.down_bias, h), *(m.bits for m in mats)]
             if None in row or (rows and inter != self._intermediate):
                 return None
             self._intermediate = inter
@@ -323,23 +353,31 @@ class LeanForward:
         self._table, self._table_keep = torch.tensor(rows, dtype=torch.int64), keep
         return self._table
 
-    def _q4_layers(self, x: torch.Tensor, cache, table: torch.Tensor, positions: torch.Tensor,
-                   allowed: torch.Tensor | None, lib) -> bool:
-        """Run every layer over ``x [1, T, H]`` in place in one compiled call; False (nothing done) when the cache's
-        layers do not share one buffer layout."""
-        t = x.shape[1]
-        bufs = [layer.extend(t, self.kv_heads, self.head_dim, self.head_dim, x.dtype, x.device)
-                for layer in cache.layers]  # (k [1, Hkv, C, D], v, start) per layer
-        k0, v0, start = bufs[0]
-        ks, vs = (k0.stride(1), k0.stride(2)), (v0.stride(1), v0.stride(2))
-        if any(b[2] != start or (b[0].stride(1), b[0].stride(2)) != ks or (b[1].stride(1), b[1].stride(2)) != vs
-               for b in bufs):
-            for layer in cache.layers:  # give the slots back: the per-layer path appends them itself
-                layer.crop(-t)
-            return False
-        caches = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v, _ in bufs], dtype=torch.int64)  # [L, 2]
+    def _q4_layers(self, x: torch.Tensor, segments: list[Segment], plans: list[_Plan], keys: list,
+                   table: torch.Tensor, lib) -> bool:
+        """Run every layer over ``x [1, T, H]`` (all segments' rows) in place in one compiled call; False (nothing
+        done) when a cache's layers do not share one buffer layout."""
+        rows, handles, first = [], [], 0
+        for seg, plan, allowed in zip(segments, plans, keys):
+            bufs = [layer.extend(plan.t, self.kv_heads, self.head_dim, self.head_dim, x.dtype, x.device)
+                    for layer in seg.cache.layers]  # (k [1, Hkv, C, D], v, start) per layer
+            handles.append((seg, plan.t))
+            k0, v0, start = bufs[0]
+            ks, vs = (k0.stride(1), k0.stride(2)), (v0.stride(1), v0.stride(2))
+            if any(b[2] != start or (b[0].stride(1), b[0].stride(2)) != ks or (b[1].stride(1), b[1].stride(2)) != vs
+                   for b in bufs):
+                for s, t in handles:  # give the slots back: the per-layer path appends them itself
+                    for layer in s.cache.layers:
+                        layer.crop(-t)
+                return False
+            rows.append(([first, plan.t, start, 0 if allowed is None else allowed.data_ptr(), *ks, *vs],
+                         [[k.data_ptr(), v.data_ptr()] for k, v, _ in bufs]))
+            first += plan.t
+        segs = torch.tensor([r for r, _ in rows], dtype=torch.int64)  # [S, 8]
+        caches = torch.tensor([c for _, c in rows], dtype=torch.int64)  # [S, L, 2]
+        positions = torch.cat([p.positions[0] for p in plans]).contiguous()  # [T]
         kernels.q4_layers(x[0], table, self._intermediate, self.heads, self.kv_heads, positions, self._cos,
-                          self._sin, caches, ks, vs, start, allowed, self.scaling, self.eps, lib)
+                          self._sin, segs, caches, self.scaling, self.eps, lib)
         return True
 
     def head_matrix(self) -> torch.Tensor | PackedMatrix | QuantMatrix:
@@ -380,65 +418,97 @@ class LeanForward:
             taps: layer index -> filled with that layer's output (the residual stream after it, ``[1, T, H]``);
                 the keys name the layers to tap (values are overwritten).
         """
-        x = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds  # [1, T, H]
-        t = x.shape[1]
-        past = cache.get_seq_length()
-        if positions is None:  # a chain: the last position is known without reading the tensor back
-            positions = torch.arange(past, past + t, device=x.device)[None]
-            last = past + t
-        else:
-            last = int(positions.max()) + 1
+        segment = Segment(cache, input_ids, inputs_embeds, positions, mask, capture)
+        return self.hidden_batch([segment], taps)[0]
+
+    @torch.no_grad()
+    def hidden_batch(self, segments: list[Segment], taps: dict[int, torch.Tensor] | None = None
+                     ) -> list[torch.Tensor]:
+        """:meth:`hidden` for several sequences in one forward: per segment its final-normed hidden states
+        ``[1, T_s, H]``, its keys and values appended to its own cache. Every matrix product takes all segments' rows
+        at once (the weights are read once for the batch); attention runs per segment over its own cache. With
+        quantized weights and row-by-row attention each row is the same bits as in a forward of its sequence alone
+        (both are row independent); with float weights the products may round differently (torch's dense kernels
+        are not row independent). ``taps``: as in :meth:`hidden`, the layer outputs of all rows ``[1, sum T_s,
+        H]`` in segment order."""
+        xs = [F.embedding(s.input_ids, self.embed) if s.inputs_embeds is None else s.inputs_embeds
+              for s in segments]  # [1, T_s, H] each
+        plans = [self._plan(s, x) for s, x in zip(segments, xs)]
+        last = max(p.last for p in plans)
         if last > self._cos.shape[0]:
             self._grow(last)
-        causal = False
-        rowwise = t <= attention.MAX_ROWS  # row-independent attention (speculant.core.attention): exact speculation
-        allowed = attention.allowed_keys(mask) if rowwise else None  # [T, L + T] bool, None: causal
-        if mask is None and t > 1 and not rowwise:
-            if past == 0:
-                causal = True
-            else:  # causal over [cache ; new tokens]
-                mask = torch.ones((t, past + t), dtype=torch.bool, device=x.device).tril(past)[None, None]
-        hq, hkv, d = self.heads, self.kv_heads, self.head_dim
-        dtype, upcast = x.dtype, self.attention_dtype != x.dtype
-        if upcast and not rowwise and mask is not None and mask.dtype != torch.bool:
-            mask = mask.to(self.attention_dtype)
-        lib = self._fused_attention(rowwise, x, cache, capture)
-        if lib is not None:  # one compiled call per layer for RoPE, the cache write and attention
-            pos = positions[0].contiguous()  # [T] int64
-            keys = None if allowed is None else allowed.to(torch.uint8).contiguous()  # [T, L + T]
+        x = xs[0] if len(xs) == 1 else torch.cat(xs, 1)  # [1, sum T_s, H]
+        bounds = []
+        for p in plans:
+            start = bounds[-1][1] if bounds else 0
+            bounds.append((start, start + p.t))
+        lib = self._fused_attention(segments, plans, x)
+        keys = [None if p.allowed is None else p.allowed.to(torch.uint8).contiguous() for p in plans]  # [T, L + T]
+        if lib is not None:  # one compiled call per layer and sequence for RoPE, the cache write and attention
             table = self._q4_table(x.dtype) if taps is None else None
             if table is not None:
-                x = x.contiguous() if inputs_embeds is None else x.clone()  # updated in place: our own tensor
-                if self._q4_layers(x, cache, table, pos, keys, lib):
-                    return rms_norm(x, self.norm, self.eps)
-        else:
-            cos, sin = self._cos[positions[0]][None, None], self._sin[positions[0]][None, None]  # [1, 1, T, R]
+                own = x.contiguous() if len(xs) > 1 or segments[0].inputs_embeds is None else x.clone()
+                if self._q4_layers(own, segments, plans, keys, table, lib):  # updated in place: our own tensor
+                    out = rms_norm(own, self.norm, self.eps)
+                    return [out[:, a:b] for a, b in bounds] if len(bounds) > 1 else [out]
         for i, w in enumerate(self.layers):
-            qkv = fused_linear(x, w.qkv, w.qkv_bias, norm=w.in_norm, eps=self.eps)  # [1, T, (Hq + 2 Hkv) D]
-            if lib is not None:
-                k_buf, v_buf, start = cache.layers[i].extend(t, hkv, d, d, dtype, x.device)  # [1, Hkv, C, D]
-                attn = kernels.rope_attend(qkv[0].contiguous(), hq, hkv, pos, self._cos, self._sin, k_buf[0],
-                                           v_buf[0], start, keys, self.scaling, lib)[None]  # [1, T, Hq D]
-            else:
-                qk, v = qkv.view(1, t, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=2)  # [1, T, Hq + Hkv | Hkv, D]
-                if w.qk_norm is not None:
-                    qk = rms_norm(qk, w.qk_norm, self.eps)
-                q, k = self._rope(qk.transpose(1, 2), cos, sin).split([hq, hkv], dim=1)  # [1, Hq|Hkv, T, D]
-                if capture is not None:
-                    capture.record(i, q)
-                k_all, v_all = cache.layers[i].update(k, v.transpose(1, 2))  # [1, Hkv, L + T, D]
-                if rowwise:
-                    attn = attention.attend(q, k_all, v_all, allowed, self.scaling)  # [1, T, Hq D]
-                else:
-                    if upcast:
-                        a = self.attention_dtype
-                        q, k_all, v_all = q.to(a), k_all.to(a), v_all.to(a)
-                    attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, is_causal=causal,
-                                                          scale=self.scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
-                    attn = attn.to(dtype).transpose(1, 2).reshape(1, t, hq * d)
+            qkv = fused_linear(x, w.qkv, w.qkv_bias, norm=w.in_norm, eps=self.eps)  # [1, sum T_s, (Hq + 2 Hkv) D]
+            parts = [self._attend(i, w, qkv[:, a:b], seg, plan, key, lib)
+                     for (a, b), seg, plan, key in zip(bounds, segments, plans, keys)]  # [1, T_s, Hq D] each
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
             x = fused_linear(attn, w.o, w.o_bias, residual=x)
             gate_up = fused_linear(x, w.gate_up, w.gate_up_bias, norm=w.post_norm, eps=self.eps)  # [1, T, 2 I]
             x = fused_linear(gate_up, w.down, w.down_bias, glu=True, residual=x)
             if taps is not None and i in taps:
                 taps[i] = x
-        return rms_norm(x, self.norm, self.eps)
+        out = rms_norm(x, self.norm, self.eps)
+        return [out[:, a:b] for a, b in bounds] if len(bounds) > 1 else [out]
+
+    def _plan(self, seg: Segment, x: torch.Tensor) -> _Plan:
+        """How ``seg`` (new rows ``x [1, T, H]``) attends: positions, row-by-row or SDPA, its mask."""
+        t = x.shape[1]
+        past = seg.cache.get_seq_length()
+        positions = seg.positions
+        if positions is None:  # a chain: the last position is known without reading the tensor back
+            positions, last = torch.arange(past, past + t, device=x.device)[None], past + t
+        else:
+            last = int(positions.max()) + 1
+        rowwise = t <= attention.MAX_ROWS  # row-independent attention (speculant.core.attention): exact speculation
+        allowed = attention.allowed_keys(seg.mask) if rowwise else None  # [T, L + T] bool, None: causal
+        mask, causal = seg.mask, False
+        if mask is None and t > 1 and not rowwise:
+            if past == 0:
+                causal = True
+            else:  # causal over [cache ; new tokens]
+                mask = torch.ones((t, past + t), dtype=torch.bool, device=x.device).tril(past)[None, None]
+        if self.attention_dtype != x.dtype and not rowwise and mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(self.attention_dtype)
+        return _Plan(t, past, positions, last, rowwise, allowed, mask, causal)
+
+    def _attend(self, i: int, w: _Layer, qkv: torch.Tensor, seg: Segment, plan: _Plan, keys: torch.Tensor | None,
+                lib) -> torch.Tensor:
+        """Layer ``i``'s attention for one segment after its q/k/v projection ``qkv [1, T, (Hq + 2 Hkv) D]``:
+        RoPE, the cache write, attention -> ``[1, T, Hq D]``."""
+        hq, hkv, d, t = self.heads, self.kv_heads, self.head_dim, plan.t
+        dtype = qkv.dtype
+        if lib is not None:
+            k_buf, v_buf, start = seg.cache.layers[i].extend(t, hkv, d, d, dtype, qkv.device)  # [1, Hkv, C, D]
+            return kernels.rope_attend(qkv[0].contiguous(), hq, hkv, plan.positions[0].contiguous(), self._cos,
+                                       self._sin, k_buf[0], v_buf[0], start, keys, self.scaling, lib)[None]
+        pos = plan.positions[0]
+        cos, sin = self._cos[pos][None, None], self._sin[pos][None, None]  # [1, 1, T, R]
+        qk, v = qkv.reshape(1, t, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=2)  # [1, T, Hq + Hkv | Hkv, D]
+        if w.qk_norm is not None:
+            qk = rms_norm(qk, w.qk_norm, self.eps)
+        q, k = self._rope(qk.transpose(1, 2), cos, sin).split([hq, hkv], dim=1)  # [1, Hq|Hkv, T, D]
+        if seg.capture is not None:
+            seg.capture.record(i, q)
+        k_all, v_all = seg.cache.layers[i].update(k, v.transpose(1, 2))  # [1, Hkv, L + T, D]
+        if plan.rowwise:
+            return attention.attend(q, k_all, v_all, plan.allowed, self.scaling)  # [1, T, Hq D]
+        if self.attention_dtype != dtype:
+            a = self.attention_dtype
+            q, k_all, v_all = q.to(a), k_all.to(a), v_all.to(a)
+        attn = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=plan.mask, is_causal=plan.causal,
+                                              scale=self.scaling, enable_gqa=hq != hkv)  # [1, Hq, T, D]
+        return attn.to(dtype).transpose(1, 2).reshape(1, t, hq * d)

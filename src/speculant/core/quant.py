@@ -22,6 +22,10 @@ int4 version, and from then on every method (plain decoding, chains, trees, look
   (:func:`q4_reference`, slower; it agrees with the kernel to float64-vs-fma double rounding, a rare last-bit
   difference). The model's own (transformers) forward multiplies by the same matrices (see below), so it
   computes the q4 model too (its attention differs from the lean forward's by float rounding only).
+* ``q8``: q4 with 8-bit codes (``q`` in ``[0, 256)``, ``scale = (max - min) / 255``), the same activations, kernel
+  and epilogue (9 bits per weight where q4 has 5). A model quantized to q4 from a GGUF file holds q8 matrices for
+  the tensors the file stores in more than 4 bits (Q6_K, Q5_0, Q8_0 ...; :data:`HOLDS`), so it stays as close to
+  the file as q4's activations allow; ``--quantization q8`` makes every matrix q8.
 
 How it is wired: :func:`quantize_model` records the :class:`QuantMatrix` on each decoder-layer linear and the LM head
 (attribute :data:`ATTR`) and then drops the module's float weight (:func:`release`): the weight becomes
@@ -54,12 +58,23 @@ import torch
 
 from . import kernels
 
-__all__ = ["ATTR", "GROUP", "QUANTIZATIONS", "QuantMatrix", "ReleasedLinear", "attach", "q4_activations",
-           "q4_reference", "quantization_of", "quantize_model", "quantized_linears", "releasable",
+__all__ = ["ATTR", "BITS", "GROUP", "HOLDS", "KINDS", "QUANTIZATIONS", "QuantMatrix", "ReleasedLinear", "attach",
+           "q4_activations", "q4_reference", "quantization_of", "quantize_model", "quantized_linears", "releasable",
            "release"]
 
-QUANTIZATIONS = ("none", "int8", "int4", "q4")
+QUANTIZATIONS = ("none", "int8", "int4", "q4", "q8")
 """Accepted values of ``quantization=`` (``--quantization``)."""
+
+KINDS = ("int8", "int4", "q4", "q8")
+"""Kinds of :class:`QuantMatrix`."""
+
+BITS = {"int8": 8, "int4": 4, "q4": 4, "q8": 8}
+"""Bits per weight code of each kind."""
+
+HOLDS = {"int8": ("int8",), "int4": ("int4",), "q4": ("q4", "q8"), "q8": ("q8",)}
+"""The matrix kinds a model quantized to each kind may hold: a q4 model keeps 8-bit blocks (q8, the same scheme and
+kernel) for the tensors a GGUF file stores in more than 4 bits (Q6_K, Q5_0, Q8_0 ...: see
+:func:`speculant.models.loading.quantize_loaded`), as the file itself spends more bits on them."""
 
 GROUP = 32
 """Inputs per int4/q4 group (one scale and one minimum each; one activation scale per row in q4)."""
@@ -67,6 +82,7 @@ GROUP = 32
 ATTR = "speculant_quant"
 """The attribute of a quantized ``nn.Linear`` that holds its :class:`QuantMatrix`."""
 
+_SCHEME = ("q4", "q8")  # the kinds of speculant's own kernel (int8 activations, codes with a scale and minimum per 32)
 _N_ALIGN = 16  # the int4 CPU kernel packs output rows in blocks of 16: pad the rows up to a multiple
 _QUANTIZE_ROWS = 8192  # QuantMatrix.quantize works through this many rows at a time
 
@@ -75,101 +91,128 @@ class QuantMatrix:
     """A weight-only quantized ``[out, in]`` matrix; :meth:`linear` multiplies ``x [..., in]`` by it in
     ``dtype`` (the model's dtype; the scales are stored rounded to it, so every form computes the same matrix).
 
-    Build with :meth:`quantize` (from a float matrix), :meth:`int4` (from codes, e.g. a GGUF file's) or
-    :meth:`cat` (fused rows). ``codes``: int8 ``[out, in]`` (int8) or uint8 ``[out, in / 2]``, two 4-bit codes per
-    byte, the even input's in the low nibble (int4; :meth:`int4_codes` unpacks them);
-    ``scale``: ``[out]`` (int8) or ``[out, in / 32]`` (int4, q4); ``zero``: None (int8) or ``[out, in / 32]``
-    (int4: the kernel's form ``w = (q - 8) * scale + zero``; q4: the minimum, ``w = q * scale + zero``, scale
-    and zero in float16). q4 multiplies ``x`` quantized per row to int8 (see the module doc)."""
+    Build with :meth:`quantize` (from a float matrix), :meth:`from_codes` / :meth:`int4` (from codes, e.g. a GGUF
+    file's) or :meth:`cat` (fused rows). ``codes``: int8 ``[out, in]`` (int8); uint8 ``[out, in / 2]``, two 4-bit
+    codes per byte, the even input's in the low nibble (int4, q4); uint8 ``[out, in]`` (q8)
+    (:meth:`unpacked_codes`: one code per byte for every kind but int8); ``scale``: ``[out]`` (int8) or
+    ``[out, in / 32]`` (int4, q4, q8); ``zero``: None (int8) or ``[out, in / 32]`` (int4: the kernel's form
+    ``w = (q - 8) * scale + zero``; q4, q8: the minimum, ``w = q * scale + zero``, scale and zero in float16).
+    q4 and q8 multiply ``x`` quantized per row to int8 (see the module doc); q8 is q4 with 8-bit codes
+    (``q`` in ``[0, 256)``)."""
 
     __slots__ = ("kind", "shape", "dtype", "_codes", "scale", "zero", "nbytes", "_kernel")
 
     def __init__(self, kind: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
-        if kind not in ("int8", "int4", "q4"):
-            raise ValueError(f"quantized kind must be int8, int4 or q4, got {kind!r}")
+        if kind not in KINDS:
+            raise ValueError(f"quantized kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if codes.dim() != 2:
             raise ValueError(f"codes must be a [out, in] matrix, got shape {tuple(codes.shape)}")
-        out, inp = codes.shape[0], codes.shape[1] * (1 if kind == "int8" else 2)
+        out, inp = codes.shape[0], codes.shape[1] * (8 // BITS[kind])
         if kind != "int8" and inp % GROUP:
             raise ValueError(f"{kind} needs the input size to be a multiple of {GROUP}, got {inp}")
         want = (out,) if kind == "int8" else (out, inp // GROUP)
         if tuple(scale.shape) != want or (zero is not None and tuple(zero.shape) != want):
             raise ValueError(f"{kind} scales must have shape {want}, got {tuple(scale.shape)}")
         self.kind, self.shape, self.dtype = kind, torch.Size((out, inp)), dtype
-        sdtype = torch.float16 if kind == "q4" else dtype
+        sdtype = torch.float16 if kind in _SCHEME else dtype
         self._codes, self.scale, self.zero = codes, scale.to(sdtype), None if zero is None else zero.to(sdtype)
         # what the kernel holds: int8 codes as they are (1 byte per weight); int4 codes two per byte (reordered);
-        # q4 codes two per byte and a float16 scale and minimum per 32 (5 bits per weight)
+        # q4 / q8 codes at 4 / 8 bits and a float16 scale and minimum per 32 (5 / 9 bits per weight)
         # (int4 matrices also keep their own nibble codes for cat and dequantize: another half byte per weight; q4
-        # ones read them back from the kernel's blocks when asked, unless the kernel is not built)
-        self.nbytes = out * inp if kind == "int8" else out * inp // 2 + (out * inp // 8 if kind == "q4" else 0)
+        # and q8 ones read them back from the kernel's blocks when asked, unless the kernel is not built)
+        self.nbytes = out * inp * BITS[kind] // 8 + (out * inp // 8 if kind in _SCHEME else 0)
         self._kernel = self._prepare()
-        if kind == "q4" and kernels.library() is not None:
+        if kind in _SCHEME and kernels.library() is not None:
             self._codes = None
 
     @property
     def codes(self) -> torch.Tensor:
-        """The codes as described in the class doc (a q4 matrix unpacks them from its kernel blocks on each call)."""
-        return self._codes if self._codes is not None else self._unpack_q4()
+        """The codes as described in the class doc (a q4 / q8 matrix unpacks them from its kernel blocks on each
+        call)."""
+        return self._codes if self._codes is not None else self._unpack()
+
+    @property
+    def bits(self) -> int:
+        """Bits per weight code (:data:`BITS`)."""
+        return BITS[self.kind]
 
     # ------------------------------------------------------------------------------------------ construction
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str) -> QuantMatrix:
-        """The ``kind`` (int8, int4, q4) quantization of ``weight [out, in]``, in ``weight``'s dtype (round to
+        """The ``kind`` (int8, int4, q4, q8) quantization of ``weight [out, in]``, in ``weight``'s dtype (round to
         nearest; int8 scale = max |w| / 127 per row; int4 scale = (max - min) / 15 and minimum = min per group; q4
-        the same rounded to float16 first, the codes taken against the rounded values)."""
+        the same rounded to float16 first, the codes taken against the rounded values; q8 as q4 with 255 steps)."""
         w = weight.detach()
         if kind == "int8":
             w = w.float()
             scale = (w.abs().amax(1) / 127).clamp_min(1e-12).to(weight.dtype).float()  # [out], as the kernel sees it
             codes = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
             return cls("int8", codes, scale, None, weight.dtype)
-        if kind in ("int4", "q4"):
+        if kind in ("int4", "q4", "q8"):
             if w.dim() != 2 or w.shape[1] % GROUP:
                 raise ValueError(f"{kind} needs the input size to be a multiple of {GROUP}, got shape "
                                  f"{tuple(w.shape)}")
+            top = (1 << BITS[kind]) - 1
             parts = []  # row chunks: each group is quantized alone, and an LM head's float temporaries stay small
             for rows in w.split(_QUANTIZE_ROWS):
                 g = rows.float().reshape(rows.shape[0], -1, GROUP)  # [rows, groups, 32]
                 low, high = g.amin(-1), g.amax(-1)
-                scale = ((high - low) / 15).clamp_min(1e-12)
-                if kind == "q4":  # the stored float16 values; a scale that underflows to 0 keeps codes 0
+                scale = ((high - low) / top).clamp_min(1e-12)
+                if kind in _SCHEME:  # the stored float16 values; a scale that underflows to 0 keeps codes 0
                     low, scale = low.half().float(), scale.half().float()
                     scale = torch.where(scale > 0, scale, torch.inf)
-                codes = ((g - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+                codes = ((g - low[..., None]) / scale[..., None]).round().clamp(0, top).to(torch.uint8)
                 parts.append((codes.reshape(rows.shape), torch.where(torch.isinf(scale), 0.0, scale), low))
             codes, scale, low = (torch.cat(p) for p in zip(*parts))
-            return cls.int4(codes, scale, low, weight.dtype, kind)
-        raise ValueError(f"quantization must be int8, int4 or q4 here, got {kind!r}")
+            return cls.from_codes(codes, scale, low, weight.dtype, kind)
+        raise ValueError(f"quantization must be one of {', '.join(KINDS)} here, got {kind!r}")
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
+                   kind: str) -> QuantMatrix:
+        """An int4, q4 or q8 matrix from its codes ``[out, in]`` (integers in ``[0, 2^bits)``: 16 for int4 and q4,
+        256 for q8), ``scale`` and ``minimum`` ``[out, in / 32]``: ``w = scale * q + minimum``, computed in
+        ``dtype`` (q4, q8: scale and minimum rounded to float16). 4-bit codes make a q8 matrix too (the same values,
+        twice the bytes)."""
+        if kind not in ("int4", "q4", "q8"):
+            raise ValueError(f"codes with a scale and minimum per {GROUP} make an int4, q4 or q8 matrix, not {kind!r}")
+        top = (1 << BITS[kind]) - 1
+        if codes.dim() == 2 and codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > top):
+            raise ValueError(f"{kind} codes must lie in [0, {top + 1})")
+        if codes.dim() != 2 or codes.shape[1] % GROUP:
+            raise ValueError(f"{kind} codes must be [out, in] with in a multiple of {GROUP}, got {tuple(codes.shape)}")
+        codes, scale = codes.to(torch.uint8), scale.float()
+        zero = minimum.float() if kind in _SCHEME else minimum.float() + 8 * scale
+        if kind != "q8":
+            nibbles = codes.reshape(codes.shape[0], -1, 2)
+            codes = nibbles[..., 0] | (nibbles[..., 1] << 4)
+        return cls(kind, codes, scale, zero, dtype)
 
     @classmethod
     def int4(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,
              kind: str = "int4") -> QuantMatrix:
-        """An int4 (or ``kind="q4"``) matrix from its codes ``[out, in]`` (integers in ``[0, 16)``), ``scale`` and
-        ``minimum`` ``[out, in / 32]``: ``w = scale * q + minimum`` (a GGUF Q4_K sub-block: ``scale = d * sc``,
-        ``minimum = -dmin * m``; Q4_1: ``d``, ``m``), computed in ``dtype`` (q4: scale and minimum rounded to
-        float16)."""
-        if kind not in ("int4", "q4"):
-            raise ValueError(f"int4 codes make an int4 or q4 matrix, not {kind!r}")
+        """:meth:`from_codes` for 4-bit codes (in ``[0, 16)`` whatever ``kind``): a GGUF Q4_K sub-block has
+        ``scale = d * sc``, ``minimum = -dmin * m``; Q4_1: ``d``, ``m``."""
         if codes.dim() == 2 and codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 15):
             raise ValueError("int4 codes must lie in [0, 16)")
-        if codes.dim() != 2 or codes.shape[1] % GROUP:
-            raise ValueError(f"int4 codes must be [out, in] with in a multiple of {GROUP}, got {tuple(codes.shape)}")
-        nibbles = codes.to(torch.uint8).reshape(codes.shape[0], -1, 2)
-        scale = scale.float()
-        zero = minimum.float() if kind == "q4" else minimum.float() + 8 * scale
-        return cls(kind, nibbles[..., 0] | (nibbles[..., 1] << 4), scale, zero, dtype)
+        return cls.from_codes(codes, scale, minimum, dtype, kind)
 
     @classmethod
     def cat(cls, parts: list[QuantMatrix]) -> QuantMatrix:
-        """The matrices stacked along the output rows (fused q/k/v, gate/up): one matrix, one kernel call."""
+        """The matrices stacked along the output rows (fused q/k/v, gate/up): one matrix, one kernel call. q4 and q8
+        parts fuse into a q8 matrix (each q4 part's codes and scales unchanged: the same values)."""
         first = parts[0]
-        if any(p.kind != first.kind or p.dtype != first.dtype or p.shape[1] != first.shape[1] for p in parts):
-            raise ValueError("only quantized matrices of one kind, dtype and input size can be fused")
+        kinds = {p.kind for p in parts}
+        if (len(kinds) > 1 and not kinds <= set(_SCHEME)) or any(
+                p.dtype != first.dtype or p.shape[1] != first.shape[1] for p in parts):
+            raise ValueError("only quantized matrices of one kind (or q4 with q8), dtype and input size can be fused")
         if len(parts) == 1:
             return first
+        if len(kinds) > 1:
+            return cls.from_codes(torch.cat([p.unpacked_codes() for p in parts]), torch.cat([p.scale for p in parts]),
+                                  torch.cat([p.zero for p in parts]), first.dtype, "q8")
         zero = None if first.zero is None else torch.cat([p.zero for p in parts])
         return cls(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero,
                    first.dtype)
@@ -181,16 +224,16 @@ class QuantMatrix:
 
     def _prepare(self):
         """The kernel's operands: int8 ``(codes, scale)``; int4 ``(packed codes, [groups, out', 2] scale/zero,
-        out')`` with the rows padded to a multiple of 16 (padding rows are zero: code 8, scale and zero 0); q4
-        ``(packed,)``, see :meth:`_pack_q4`."""
+        out')`` with the rows padded to a multiple of 16 (padding rows are zero: code 8, scale and zero 0); q4 and q8
+        ``(packed,)``, see :meth:`_pack`."""
         with torch.inference_mode(False), torch.no_grad():
             if self.kind == "int8":
                 return self.codes.contiguous(), self.scale.contiguous()
-            if self.kind == "q4":
-                return (self._pack_q4(),)
+            if self.kind in _SCHEME:
+                return (self._pack(),)
             out = self.shape[0]
             pad = -out % _N_ALIGN
-            codes, scale, zero = self.int4_codes().to(torch.int32), self.scale, self.zero
+            codes, scale, zero = self.unpacked_codes().to(torch.int32), self.scale, self.zero
             if pad:
                 codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
                 scale = torch.cat([scale, scale.new_zeros((pad, scale.shape[1]))])
@@ -199,34 +242,41 @@ class QuantMatrix:
             scale_zero = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()  # [groups, out + pad, 2]
             return packed, scale_zero
 
-    def _pack_q4(self) -> torch.Tensor:
-        """uint8 ``[out' / 16, in / 32, 320]``: the q4 kernel's blocks (``csrc/q4.cpp``), ``out`` padded to
-        ``out'``, a multiple of 16, with zero rows. Per block of 16 columns ``j`` x 32 inputs: byte ``64 c + 4 j + b``
-        holds input ``4 c + b`` of column ``j`` in its low nibble and input ``16 + 4 c + b`` in its high nibble
-        (c, b < 4), then the 16 float16 scales and the 16 float16 minimums."""
+    def _pack(self) -> torch.Tensor:
+        """uint8 ``[out' / 16, in / 32, 320 or 576]``: the q4 / q8 kernel's blocks (``csrc/q4.cpp``), ``out`` padded
+        to ``out'``, a multiple of 16, with zero rows. Per block of 16 columns ``j`` x 32 inputs, q4: byte
+        ``64 c + 4 j + b`` holds input ``4 c + b`` of column ``j`` in its low nibble and input ``16 + 4 c + b`` in
+        its high nibble (c, b < 4); q8: byte ``64 s + 4 j + b`` holds input ``4 s + b`` (s < 8); then the 16
+        float16 scales and the 16 float16 minimums."""
         out, inp = self.shape
         groups, pad = inp // GROUP, -out % kernels.Q4_COLUMNS
-        q, scale, minimum = self.int4_codes(), self.scale, self.zero  # [out, in], [out, groups] x 2
+        q, scale, minimum = self.unpacked_codes(), self.scale, self.zero  # [out, in], [out, groups] x 2
         if pad:
             q = torch.cat([q, q.new_zeros(pad, inp)])
             scale = torch.cat([scale, scale.new_zeros(pad, groups)])
             minimum = torch.cat([minimum, minimum.new_zeros(pad, groups)])
         blocks = (out + pad) // kernels.Q4_COLUMNS
-        # input k = 32 g + 16 half + 4 c + b of column 16 nb + j  ->  [nb, g, c, j, b, half]
-        q = q.reshape(blocks, kernels.Q4_COLUMNS, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-        codes = (q[..., 0] | (q[..., 1] << 4)).reshape(blocks, groups, 256)
+        if self.kind == "q8":  # input k = 32 g + 4 s + b of column 16 nb + j  ->  [nb, g, s, j, b]
+            q = q.reshape(blocks, kernels.Q4_COLUMNS, groups, 8, 4).permute(0, 2, 3, 1, 4)
+            codes = q.reshape(blocks, groups, 512)
+        else:  # input k = 32 g + 16 half + 4 c + b of column 16 nb + j  ->  [nb, g, c, j, b, half]
+            q = q.reshape(blocks, kernels.Q4_COLUMNS, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+            codes = (q[..., 0] | (q[..., 1] << 4)).reshape(blocks, groups, 256)
 
         def per_block(v: torch.Tensor) -> torch.Tensor:  # [out', groups] float16 -> [nb, groups, 32] bytes
             return v.reshape(blocks, kernels.Q4_COLUMNS, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
         return torch.cat([codes, per_block(scale), per_block(minimum)], -1).contiguous()
 
-    def _unpack_q4(self) -> torch.Tensor:
-        """uint8 ``[out, in / 2]`` nibble codes (the even input's in the low nibble) read back from the kernel's
-        blocks: the inverse of :meth:`_pack_q4`'s reordering."""
+    def _unpack(self) -> torch.Tensor:
+        """:attr:`codes` read back from the kernel's blocks (the inverse of :meth:`_pack`'s reordering): uint8
+        ``[out, in / 2]`` nibble pairs (q4) or ``[out, in]`` (q8)."""
         out, inp = self.shape
-        packed = self._kernel[0]  # [out' / 16, groups, 320]
+        packed = self._kernel[0]  # [out' / 16, groups, 320 or 576]
         blocks, groups = packed.shape[0], packed.shape[1]
+        if self.kind == "q8":
+            b = packed[..., :512].reshape(blocks, groups, 8, kernels.Q4_COLUMNS, 4)  # [nb, g, s, j, b]
+            return b.permute(0, 3, 1, 2, 4).reshape(blocks * kernels.Q4_COLUMNS, inp)[:out]
         b = packed[..., :256].reshape(blocks, groups, 4, kernels.Q4_COLUMNS, 4)  # [nb, g, c, j, b]
         q = torch.stack([b & 15, b >> 4], -1)  # [nb, g, c, j, b, half]
         q = q.permute(0, 3, 1, 5, 2, 4).reshape(blocks * kernels.Q4_COLUMNS, inp)[:out]  # [out, in]
@@ -235,30 +285,27 @@ class QuantMatrix:
 
     # ---------------------------------------------------------------------------------------------- use
 
-    def int4_codes(self) -> torch.Tensor:
-        """uint8 ``[out, in]``: the int4 (q4) codes, one per byte."""
+    def unpacked_codes(self) -> torch.Tensor:
+        """uint8 ``[out, in]``: the int4 / q4 / q8 codes, one per byte."""
         if self.kind == "int8":
-            raise ValueError(f"int4_codes of a {self.kind} matrix")
-        return torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.shape)
+            raise ValueError(f"unpacked_codes of a {self.kind} matrix: its codes are int8 [out, in] already")
+        return self.codes if self.kind == "q8" else _nibbles(self.codes).reshape(self.shape)
 
     def dequantize(self) -> torch.Tensor:
         """``[out, in]`` in :attr:`dtype`: the matrix the quantized kernels multiply by (float32 arithmetic)."""
         if self.kind == "int8":
             w = self.codes.float() * self.scale.float()[:, None]
-        elif self.kind == "q4":
-            q = self.int4_codes().float().reshape(self.shape[0], -1, GROUP)
-            w = (q * self.scale.float()[..., None] + self.zero.float()[..., None]).reshape(self.shape)
         else:
-            q = self.int4_codes().float().reshape(self.shape[0], -1, GROUP) - 8
+            q = self.unpacked_codes().float().reshape(self.shape[0], -1, GROUP) - (8 if self.kind == "int4" else 0)
             w = (q * self.scale.float()[..., None] + self.zero.float()[..., None]).reshape(self.shape)
         return w.to(self.dtype)
 
     def fused(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
               eps: float = 0.0, glu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        """:func:`speculant.core.ops.fused_linear` in one call of speculant's q4 kernel, or None where it cannot
-        run here (another kind, no compiled kernel, a dtype or device it does not take)."""
+        """:func:`speculant.core.ops.fused_linear` in one call of speculant's q4 kernel (q4 and q8 matrices), or
+        None where it cannot run here (another kind, no compiled kernel, a dtype or device it does not take)."""
         dtype, k = x.dtype, self.shape[1]
-        if (self.kind != "q4" or dtype != self.dtype or dtype not in (torch.float32, torch.bfloat16)
+        if (self.kind not in _SCHEME or dtype != self.dtype or dtype not in (torch.float32, torch.bfloat16)
                 or x.device.type != "cpu" or x.shape[-1] != (2 * k if glu else k)
                 or not (_fits(norm, dtype, k) and _fits(bias, dtype, self.shape[0]) and _fits(residual, dtype, None))
                 or (norm is not None and glu)):
@@ -268,7 +315,8 @@ class QuantMatrix:
             return None
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in] ([M, 2 in] with glu)
         res = None if residual is None else residual.reshape(rows.shape[0], self.shape[0]).contiguous()  # [M, out]
-        out = kernels.q4_call(rows, k, self._kernel[0], self.shape[0], lib, norm, float(eps), glu, bias, res)
+        out = kernels.q4_call(rows, k, self._kernel[0], self.bits, self.shape[0], lib, norm, float(eps), glu, bias,
+                              res)
         return out.view(*x.shape[:-1], self.shape[0])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -278,18 +326,23 @@ class QuantMatrix:
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
         if self.kind == "int8":
             out = torch._weight_int8pack_mm(rows, *self._kernel)
-        elif self.kind == "q4":
+        elif self.kind in _SCHEME:
             lib = kernels.library()
             if lib is None or rows.dtype not in (torch.float32, torch.bfloat16):  # (float16: the reference)
                 out = q4_reference(rows, self).to(self.dtype)
             else:
-                out = kernels.q4_matmul(rows, self._kernel[0], self.shape[0], lib)
+                out = kernels.q4_matmul(rows, self._kernel[0], self.shape[0], lib, bits=self.bits)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self._kernel[0], GROUP, self._kernel[1])
             if out.shape[1] != self.shape[0]:
                 out = out[:, : self.shape[0]].contiguous()
         out = out.view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
+
+
+def _nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[..., n]`` nibble pairs -> ``[..., n, 2]`` codes (low nibble first)."""
+    return torch.stack([packed & 15, packed >> 4], -1)
 
 
 def _fits(t: torch.Tensor | None, dtype: torch.dtype, numel: int | None) -> bool:
@@ -311,8 +364,8 @@ def q4_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def q4_reference(x: torch.Tensor, matrix: QuantMatrix, columns: int = 4096) -> torch.Tensor:
-    """The q4 product ``x [M, K] -> [M, N]`` (float32) in torch: the kernel's scheme, op for op, with each fused
-    multiply-add done in float64 and rounded to float32 (the same result but for rare double rounding). Row
+    """The q4 (or q8) product ``x [M, K] -> [M, N]`` (float32) in torch: the kernel's scheme, op for op, with each
+    fused multiply-add done in float64 and rounded to float32 (the same result but for rare double rounding). Row
     independent (integer-valued matmuls are exact; the rest is elementwise). Used without a compiler and by the
     tests; ``columns`` output columns at a time bound its memory."""
     a, d, s = q4_activations(x)  # [M, G, 32], [M, G], [M, G]
@@ -320,8 +373,8 @@ def q4_reference(x: torch.Tensor, matrix: QuantMatrix, columns: int = 4096) -> t
     out = torch.empty(x.shape[0], n)
     for c0 in range(0, n, columns):
         c1 = min(n, c0 + columns)
-        q = torch.stack([matrix.codes[c0:c1] & 15, matrix.codes[c0:c1] >> 4], -1).reshape(c1 - c0, -1, GROUP)
-        q = q.float()  # [C, G, 32]
+        q = matrix.codes[c0:c1]
+        q = (q if matrix.kind == "q8" else _nibbles(q)).reshape(c1 - c0, -1, GROUP).float()  # [C, G, 32]
         sw, mw = matrix.scale[c0:c1].float(), matrix.zero[c0:c1].float()  # [C, G]
         acc = torch.zeros(x.shape[0], c1 - c0)
         for g in range(k // GROUP):
@@ -363,19 +416,19 @@ def quantized_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def quantization_of(model: torch.nn.Module) -> str:
-    """``"none"``, ``"int8"``, ``"int4"`` or ``"q4"``: what :func:`quantize_model` made of ``model``."""
+    """``"none"`` or one of :data:`KINDS`: what :func:`quantize_model` made of ``model``."""
     return getattr(model, "speculant_quantization", "none")
 
 
 def quantize_model(model: torch.nn.Module, quantization: str) -> torch.nn.Module:
     """Quantize ``model`` in place to ``quantization`` (one of :data:`QUANTIZATIONS`) and return it: every linear of
     its decoder layers and its LM head (see the module doc). ``"none"`` leaves it as it is; quantizing again to
-    the same kind is a no-op, to another kind a ValueError (reload the model instead). int4 and q4 need each
+    the same kind is a no-op, to another kind a ValueError (reload the model instead). int4, q4 and q8 need each
     matrix's input size to be a multiple of 32.
 
-    A linear that already carries a matrix of this kind (:func:`attach`: a GGUF loader built it from the file's
-    own codes, or it is a head shared with a target quantized alike) is kept as it is; one that carries another
-    kind is a ValueError (requantizing it would change the model that shares it)."""
+    A linear that already carries a matrix of a kind this one holds (:data:`HOLDS`; :func:`attach`: a GGUF loader
+    built it from the file's own codes, or it is a head shared with a target quantized alike) is kept as it is; one
+    that carries another kind is a ValueError (requantizing it would change the model that shares it)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     current = quantization_of(model)
@@ -384,12 +437,12 @@ def quantize_model(model: torch.nn.Module, quantization: str) -> torch.nn.Module
     if current != "none":
         raise ValueError(f"the model is already quantized to {current}; load it again to quantize to {quantization}")
     linears = quantized_linears(model)
-    other = [m for m in linears if getattr(m, ATTR, None) is not None and getattr(m, ATTR).kind != quantization]
+    other = [m for m in linears if getattr(m, ATTR, None) is not None and getattr(m, ATTR).kind not in HOLDS[quantization]]
     if other:
         raise ValueError(f"a linear of the model already holds a {getattr(other[0], ATTR).kind} matrix (shared with "
                          f"another model?): it cannot be quantized to {quantization}")
     linears = [m for m in linears if getattr(m, ATTR, None) is None]
-    if quantization in ("int4", "q4"):
+    if quantization != "int8":
         bad = [m for m in linears if m.weight.shape[1] % GROUP]
         if bad:
             raise ValueError(f"{quantization} needs input sizes that are multiples of {GROUP}, got "

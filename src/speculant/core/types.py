@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MIN_TEMPERATURE", "SamplingParams", "Probes", "DraftTree", "Verdict", "GenerationStats", "TokenLogprob",
-           "Generation"]
+__all__ = ["FINISH_REASONS", "MIN_TEMPERATURE", "SamplingParams", "Probes", "DraftTree", "Verdict", "GenerationStats",
+           "TokenLogprob", "Generation", "StepEvent"]
 
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -296,3 +296,28 @@ class Generation:
     token_ids: list[int]
     stats: GenerationStats
     logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" (a stop token), "length" (max_new_tokens) or "cancelled"
+
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+"""Why a generation ended (:attr:`Generation.finish_reason`, :attr:`StepEvent.finish_reason`)."""
+
+
+@dataclass
+class StepEvent:
+    """What one decoding step did for one sequence (:func:`speculant.core.engine.generate_steps`,
+    :class:`speculant.core.batch.Batch`).
+
+    ``tokens`` were committed (the accepted draft tokens and the bonus, cut at a stop token or at
+    ``max_new_tokens``); ``accepted`` draft tokens were accepted of ``drafted`` in the tree, ``offered`` being the
+    draft depth along the accepted path (as :meth:`GenerationStats.record_step` counts it); ``logprobs`` per token
+    when asked for; ``done`` when the sequence finished with this step, and why (``finish_reason``)."""
+
+    sequence: int
+    tokens: list[int]
+    accepted: int
+    offered: int
+    drafted: int
+    logprobs: list[TokenLogprob] | None = None
+    done: bool = False
+    finish_reason: str | None = None

@@ -9,8 +9,9 @@ the model's own size; it reuses transformers' processors and name map, so the re
 
 Decoding runs gguf's own numpy block decoders (the reference itself) over chunks of blocks in threads, straight
 into the output (:func:`decode`); vectorised torch decoders for Q4_K/Q6_K/Q5_0/Q8_0, written bit-exact, were
-1.5-3x slower than gguf's numpy on this 2-core machine, so there are none. :func:`q4_k_codes` exposes a Q4_K
-tensor's raw block codes (4-bit codes, per-group scales and minimums, as tensors) for quantized linears.
+1.5-3x slower than gguf's numpy on this 2-core machine, so there are none. :func:`file_tensors` exposes the raw
+block codes (per-group codes, scales and minimums, as tensors) of the types whose blocks have that shape (Q4_K,
+Q4_1, Q4_0, Q5_0, Q5_1, Q8_0: :data:`CODE_TYPES`) for quantized linears.
 
 Only architectures whose transform is per tensor are read directly (:data:`DIRECT_ARCHITECTURES`); anything else
 takes transformers' full conversion (:func:`speculant.models.sources.convert_gguf`).
@@ -25,8 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DIRECT_ARCHITECTURES", "INT4_TYPES", "decode", "q4_k_codes", "q4_1_codes", "int4_tensors",
-           "load_gguf_model", "gguf_architecture"]
+__all__ = ["CODE_TYPES", "DIRECT_ARCHITECTURES", "INT4_TYPES", "WIDE_TYPES", "decode", "file_tensors",
+           "gguf_architecture", "int4_tensors", "load_gguf_model", "q4_0_codes", "q4_1_codes", "q4_k_codes",
+           "q5_0_codes", "q5_1_codes", "q8_0_codes"]
 
 log = logging.getLogger(__name__)
 
@@ -69,34 +71,91 @@ def q4_1_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return codes, _half(blocks, 0), -_half(blocks, 2)
 
 
-INT4_TYPES = {12: q4_k_codes, 3: q4_1_codes}
-"""GGML types whose blocks are 4-bit codes with a scale and a minimum per 32 inputs (Q4_K, Q4_1): the shape of
-speculant's int4/q4 matrices (:meth:`speculant.core.quant.QuantMatrix.int4`), so their codes carry over unchanged."""
+def q4_0_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 blocks (uint8 ``[nb, 18]``: fp16 ``d``, 16 bytes of nibbles; value ``d * (q - 8)``) as ``(codes
+    [nb, 1, 32], scales [nb, 1], mins [nb, 1])``, value = scale * code - min (``min = 8 d``, exact in float32)."""
+    d = _half(blocks, 0)
+    return _nibbles(blocks[:, 2:18], 1, 16).reshape(blocks.shape[0], 1, 32), d, 8 * d
 
 
-def int4_tensors(path: str | Path, model: torch.nn.Module):
-    """Yield ``(parameter name, codes, scale, minimum)`` for each of ``model``'s parameters that GGUF file ``path``
-    stores as an :data:`INT4_TYPES` tensor: codes uint8 ``[out, in]`` (in ``[0, 16)``), scale and minimum float32
-    ``[out, in / 32]``, value = ``scale * code + minimum``, bit-equal to the file's dequantized value (float32),
-    rows in the model's order: the architecture's ``TensorProcessor`` (Llama's reverse Q/K permutation) is run on
-    the row indices and the codes follow it, so they line up with :func:`load_gguf_model`'s weights. One tensor
-    at a time (a caller quantizes it before the next is unpacked)."""
+def _fifth_bits(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The 32 fifth bits of a Q5_0/Q5_1 block, stored as one little-endian uint32 at byte ``at``: ``[nb, 32]``."""
+    qh = blocks[:, at:at + 4].to(torch.int64)
+    word = qh[:, 0] | (qh[:, 1] << 8) | (qh[:, 2] << 16) | (qh[:, 3] << 24)  # [nb]
+    return ((word[:, None] >> torch.arange(32)) & 1).to(torch.uint8)
+
+
+def q5_0_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_0 blocks (uint8 ``[nb, 22]``: fp16 ``d``, 4 bytes of fifth bits, 16 bytes of nibbles; value
+    ``d * (q - 16)``, q in [0, 32)) as ``(codes [nb, 1, 32], scales [nb, 1], mins [nb, 1])``, ``min = 16 d``."""
+    d = _half(blocks, 0)
+    low = _nibbles(blocks[:, 6:22], 1, 16).reshape(blocks.shape[0], 32)
+    return (low | (_fifth_bits(blocks, 2) << 4)).reshape(-1, 1, 32), d, 16 * d
+
+
+def q5_1_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q5_1 blocks (uint8 ``[nb, 24]``: fp16 ``d`` and ``m``, fifth bits, nibbles; value ``d * q + m``) as
+    ``(codes [nb, 1, 32], scales [nb, 1], mins [nb, 1])``, ``min = -m``."""
+    low = _nibbles(blocks[:, 8:24], 1, 16).reshape(blocks.shape[0], 32)
+    return (low | (_fifth_bits(blocks, 4) << 4)).reshape(-1, 1, 32), _half(blocks, 0), -_half(blocks, 2)
+
+
+def q8_0_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q8_0 blocks (uint8 ``[nb, 34]``: fp16 ``d``, 32 int8 ``q``; value ``d * q``) as ``(codes [nb, 1, 32]``
+    (``q + 128`` in [0, 256)), ``scales [nb, 1], mins [nb, 1])``, ``min = 128 d``."""
+    d = _half(blocks, 0)
+    q = blocks[:, 2:34].contiguous().view(torch.int8).to(torch.int16) + 128
+    return q.to(torch.uint8).reshape(-1, 1, 32), d, 128 * d
+
+
+CODE_TYPES = {12: (q4_k_codes, 144, 4), 3: (q4_1_codes, 20, 4), 2: (q4_0_codes, 18, 4), 6: (q5_0_codes, 22, 8),
+              7: (q5_1_codes, 24, 8), 8: (q8_0_codes, 34, 8)}
+"""GGML types whose blocks are codes with one scale and one minimum per 32 inputs (Q4_K, Q4_1, Q4_0; Q5_0, Q5_1,
+Q8_0): the shape of speculant's int4/q4/q8 matrices (:meth:`speculant.core.quant.QuantMatrix.from_codes`), so their
+codes carry over unchanged: ``type: (unpacker, bytes per block, bits of the matrix kind that holds the codes)``."""
+
+INT4_TYPES = frozenset(t for t, (_, _, bits) in CODE_TYPES.items() if bits == 4)
+"""The :data:`CODE_TYPES` of 4-bit codes."""
+
+WIDE_TYPES = frozenset({6, 7, 8, 13, 14, 15})
+"""GGML block types of 5 to 8 bits per weight (Q5_0, Q5_1, Q8_0, Q5_K, Q6_K, Q8_K): the tensors a quantized file
+spends more than 4 bits on, kept at 8 bits (q8) in a q4 model (:func:`speculant.models.loading.quantize_loaded`)."""
+
+
+def file_tensors(path: str | Path, model: torch.nn.Module, codes: bool = True):
+    """Yield ``(parameter name, ggml type, codes, scale, minimum)`` for each of ``model``'s 2-D parameters in GGUF
+    file ``path``. For a :data:`CODE_TYPES` tensor (and ``codes``): codes uint8 ``[out, in]`` (in ``[0, 16)``, or
+    ``[0, 256)`` for 5- and 8-bit types), scale and minimum float32 ``[out, in / 32]``, value = ``scale * code +
+    minimum``, equal to the file's dequantized value (float32), rows in the model's order: the architecture's
+    ``TensorProcessor`` (Llama's reverse Q/K permutation) is run on the row indices and the codes follow it, so they
+    line up with :func:`load_gguf_model`'s weights; for other types ``None`` three times. One tensor at a time (a
+    caller quantizes it before the next is unpacked)."""
     header = _Header(path)
     names = _weights_map(model, header.architecture)
     processor = _processor(header.architecture, model.config)
     params = dict(model.named_parameters())
     for name, qtype, data in header.tensors:
-        unpack = INT4_TYPES.get(qtype)
-        if unpack is None or names.get(name) not in params or data.ndim != 2:
+        if names.get(name) not in params or data.ndim != 2:
             continue
         rows = data.shape[0]
         result = processor.process(weights=np.arange(rows)[:, None], name=name, tensor_key_mapping=names,
                                    parsed_parameters={"tensors": {}})
+        if qtype not in CODE_TYPES or not codes:
+            yield names[result.name], qtype, None, None, None
+            continue
         order = torch.from_numpy(np.ascontiguousarray(result.weights).reshape(rows))  # model row i = file row order[i]
-        size = {12: 144, 3: 20}[qtype]
-        codes, scales, mins = unpack(torch.from_numpy(np.array(data)).reshape(-1, size))  # a copy: the map is read-only
-        codes, scales, mins = codes.reshape(rows, -1), scales.reshape(rows, -1), mins.reshape(rows, -1)
-        yield names[result.name], codes[order], scales[order], -mins[order]
+        unpack, size, _ = CODE_TYPES[qtype]
+        c, scales, mins = unpack(torch.from_numpy(np.array(data)).reshape(-1, size))  # a copy: the map is read-only
+        c, scales, mins = c.reshape(rows, -1), scales.reshape(rows, -1), mins.reshape(rows, -1)
+        yield names[result.name], qtype, c[order], scales[order], -mins[order]
+
+
+def int4_tensors(path: str | Path, model: torch.nn.Module):
+    """:func:`file_tensors`' 4-bit code tensors (:data:`INT4_TYPES`) as ``(parameter name, codes, scale,
+    minimum)``."""
+    for name, qtype, c, scale, minimum in file_tensors(path, model):
+        if qtype in INT4_TYPES:
+            yield name, c, scale, minimum
 
 
 def _processor(arch: str, config):

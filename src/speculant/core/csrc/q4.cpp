@@ -1,28 +1,31 @@
 // speculant's "q4" matrix product: int4 weights (GGUF Q4_1-like blocks) x int8-quantized activations
-// (Q8_1-like blocks), for the 1..16 rows of a decoding / verification forward on a CPU.
+// (Q8_1-like blocks), for the 1..16 rows of a decoding / verification forward on a CPU; and its 8-bit sibling
+// "q8" (the same scheme with 8-bit weight codes), for the tensors a GGUF file stores in more than 4 bits.
 //
 // Built by speculant/core/kernels.py on first use (-O3 -march=native -fopenmp) and called through ctypes: plain
 // C ABI, no torch headers, so the build takes a couple of seconds and needs no ninja.
 //
-// The scheme (see speculant.core.quant, kind "q4"), per output column n, input block g of 32, row m:
-//   weights      w[n, 32g + i] = sw[n, g] * q[n, 32g + i] + mw[n, g],   q in [0, 16), sw and mw float16
+// The scheme (see speculant.core.quant, kinds "q4" and "q8"), per output column n, input block g of 32, row m:
+//   weights      w[n, 32g + i] = sw[n, g] * q[n, 32g + i] + mw[n, g],   q in [0, 2^bits), sw and mw float16
 //   activations  x[m, 32g + i] ~ dx[m, g] * a[m, 32g + i],   a in [-127, 127] (int8),
 //                dx = max|x| / 127 over the block, a = round_half_even(x * (1 / dx)),  sx[m, g] = dx * sum_i a
 //   y[m, n] = sum over g in increasing order of:  t = sw * dx;  acc = fma(t, dot(q, a), acc);  acc = fma(mw, sx, acc)
-// in float32, acc starting at 0. dot(q, a) is an exact integer (|dot| <= 32 * 15 * 127 < 2^24, exact in float).
+// in float32, acc starting at 0. dot(q, a) is an exact integer (|dot| <= 32 * 255 * 127 < 2^24, exact in float).
 //
 // Row independence by construction: every (row, column) is computed by the same float operations in the same
 // order whatever the number of rows M and the thread count: rows only ever share the loads of a weight block (each
 // block is read once per 16 rows), threads split the output columns (blocks of 16) and never the reduction. The
 // AVX-512, AVX2 and scalar paths perform the very same float operations per lane, so they agree bit for bit too.
 //
-// Packed weight layout, one 320-byte block per (16 output columns, 32 inputs), blocks ordered [N / 16][K / 32]:
-//   bytes [64 c + 4 j + b], c < 4, j < 16, b < 4:  low nibble  = q[n0 + j, k0 + 4 c + b]
-//                                                  high nibble = q[n0 + j, k0 + 16 + 4 c + b]
-//   bytes [256 + 2 j]: sw[n0 + j] (float16);  bytes [288 + 2 j]: mw[n0 + j] (float16)
-// Why: one 64-byte load gives, per 32-bit lane j, four consecutive inputs of column j for two steps (low and high
-// nibbles), which is what dpbusd (u8 x s8, four products summed per int32 lane) wants with the activations'
-// 4 bytes broadcast; an AVX2 register takes the first or second half of each load (columns 0-7, 8-15).
+// Packed weight layout, one block per (16 output columns, 32 inputs), blocks ordered [N / 16][K / 32]:
+//   4 bits (320 bytes): bytes [64 c + 4 j + b], c < 4, j < 16, b < 4:  low nibble  = q[n0 + j, k0 + 4 c + b]
+//                                                                      high nibble = q[n0 + j, k0 + 16 + 4 c + b]
+//                       bytes [256 + 2 j]: sw[n0 + j] (float16);  bytes [288 + 2 j]: mw[n0 + j] (float16)
+//   8 bits (576 bytes): bytes [64 s + 4 j + b], s < 8:  q[n0 + j, k0 + 4 s + b]
+//                       bytes [512 + 2 j]: sw[n0 + j];  bytes [544 + 2 j]: mw[n0 + j]
+// Why: one 64-byte load gives, per 32-bit lane j, four consecutive inputs of column j (two steps' worth with
+// 4 bits: low and high nibbles), which is what dpbusd (u8 x s8, four products summed per int32 lane) wants with the
+// activations' 4 bytes broadcast; an AVX2 register takes the first or second half of each load (columns 0-7, 8-15).
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -46,7 +49,6 @@ namespace {
 
 constexpr int QK = 32;           // inputs per block
 constexpr int NC = 16;           // output columns per block
-constexpr int BLOCK = 320;       // bytes per packed block
 constexpr int MT_MAX = 16;       // rows per tile: each weight block is read once per tile
 // Software prefetch this many blocks ahead of the one being multiplied (the next blocks of the same stream): with
 // 4-16 rows the arithmetic per block hides the hardware prefetcher's latency less well; measured on 2 cores of a
@@ -150,43 +152,124 @@ void prologue(const void* x, bool bf16, int64_t K, const void* norm_w, float eps
 
 // ---------------------------------------------------------------------------------------- one tile
 
-// MT rows x 16 columns over all G blocks of one column block: tile[MT][16] (float32).
-template <int MT>
-void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const float* sx, int64_t K, float* out) {
+// Bytes per packed block of 16 columns x 32 inputs: 4-bit codes (256) or 8-bit codes (512), then the 16 float16
+// scales and the 16 float16 minimums.
+template <int BITS>
+constexpr int block_bytes() { return BITS == 4 ? 320 : 576; }
+
 #if defined(Q4_AVX512)
-    __m512 acc[MT];
-    for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    for (int64_t g = 0; g < G; ++g, w += BLOCK) {
-        for (int i = 0; i < BLOCK / 64; ++i) _mm_prefetch((const char*)w + PREFETCH_BLOCKS * BLOCK + 64 * i, _MM_HINT_T0);
-        __m512i c[8];  // c[s]: per lane j, inputs 4s..4s+3 of column j (u8 codes)
+// c[s] for s < 8: per 32-bit lane j, the u8 codes of inputs 4s .. 4s + 3 of column j.
+template <int BITS>
+inline void codes512(const uint8_t* w, __m512i* c) {
+    if (BITS == 4) {
+        const __m512i low = _mm512_set1_epi8(0x0f);
         for (int i = 0; i < 4; ++i) {
             const __m512i raw = _mm512_loadu_si512((const void*)(w + 64 * i));
             c[i] = _mm512_and_si512(raw, low);
             c[i + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
         }
-        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 256)));
-        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + 288)));
-        for (int r = 0; r < MT; ++r) {
-            const int8_t* ar = a + r * K + g * QK;
+    } else {
+        for (int s = 0; s < 8; ++s) c[s] = _mm512_loadu_si512((const void*)(w + 64 * s));
+    }
+}
+
+// The exact integer dot product of each lane's 32 codes with the row's 32 activations ar.
+template <int BITS>
+inline __m512i dot512(const __m512i* c, const int8_t* ar) {
 #if defined(__AVX512VNNI__)
-            // two independent chains (integer sums: any order gives the same exact result)
-            __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_set1_epi32(load_i32(ar)));
-            __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[1], _mm512_set1_epi32(load_i32(ar + 4)));
-            d0 = _mm512_dpbusd_epi32(d0, c[2], _mm512_set1_epi32(load_i32(ar + 8)));
-            d1 = _mm512_dpbusd_epi32(d1, c[3], _mm512_set1_epi32(load_i32(ar + 12)));
-            d0 = _mm512_dpbusd_epi32(d0, c[4], _mm512_set1_epi32(load_i32(ar + 16)));
-            d1 = _mm512_dpbusd_epi32(d1, c[5], _mm512_set1_epi32(load_i32(ar + 20)));
-            d0 = _mm512_dpbusd_epi32(d0, c[6], _mm512_set1_epi32(load_i32(ar + 24)));
-            d1 = _mm512_dpbusd_epi32(d1, c[7], _mm512_set1_epi32(load_i32(ar + 28)));
-            const __m512i dot = _mm512_add_epi32(d0, d1);
+    // two independent chains (integer sums: any order gives the same exact result); u8 x s8 products of up to
+    // 255 * 127, four per int32 lane
+    __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], _mm512_set1_epi32(load_i32(ar)));
+    __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[1], _mm512_set1_epi32(load_i32(ar + 4)));
+    d0 = _mm512_dpbusd_epi32(d0, c[2], _mm512_set1_epi32(load_i32(ar + 8)));
+    d1 = _mm512_dpbusd_epi32(d1, c[3], _mm512_set1_epi32(load_i32(ar + 12)));
+    d0 = _mm512_dpbusd_epi32(d0, c[4], _mm512_set1_epi32(load_i32(ar + 16)));
+    d1 = _mm512_dpbusd_epi32(d1, c[5], _mm512_set1_epi32(load_i32(ar + 20)));
+    d0 = _mm512_dpbusd_epi32(d0, c[6], _mm512_set1_epi32(load_i32(ar + 24)));
+    d1 = _mm512_dpbusd_epi32(d1, c[7], _mm512_set1_epi32(load_i32(ar + 28)));
+    return _mm512_add_epi32(d0, d1);
 #else
-            // u8 x s8 pairs summed to int16: |2 * 15 * 127| * 8 steps = 30480 fits int16 without saturation
-            __m512i s16 = _mm512_maddubs_epi16(c[0], _mm512_set1_epi32(load_i32(ar)));
-            for (int s = 1; s < 8; ++s)
-                s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(c[s], _mm512_set1_epi32(load_i32(ar + 4 * s))));
-            const __m512i dot = _mm512_madd_epi16(s16, _mm512_set1_epi16(1));
+    // u8 x s8 pairs summed to int16: |2 * 15 * 127| * 8 steps = 30480 fits int16 without saturation; 8-bit codes
+    // are split into their two nibbles (dot = dot(low) + 16 dot(high)), the same exact integer
+    const __m512i low = _mm512_set1_epi8(0x0f), ones = _mm512_set1_epi16(1);
+    const auto nib = [&](int s, int h) {
+        return BITS == 4 ? c[s] : _mm512_and_si512(h ? _mm512_srli_epi16(c[s], 4) : c[s], low);
+    };
+    __m512i dot = _mm512_setzero_si512();
+    for (int h = 0; h < (BITS == 4 ? 1 : 2); ++h) {
+        __m512i s16 = _mm512_maddubs_epi16(nib(0, h), _mm512_set1_epi32(load_i32(ar)));
+        for (int s = 1; s < 8; ++s)
+            s16 = _mm512_add_epi16(s16, _mm512_maddubs_epi16(nib(s, h), _mm512_set1_epi32(load_i32(ar + 4 * s))));
+        const __m512i part = _mm512_madd_epi16(s16, ones);
+        dot = _mm512_add_epi32(dot, h ? _mm512_slli_epi32(part, 4) : part);
+    }
+    return dot;
 #endif
+}
+#elif defined(Q4_AVX2)
+// c[s] for s < 8: per 32-bit lane j, the u8 codes of inputs 4s .. 4s + 3 of column 8h + j.
+template <int BITS>
+inline void codes256(const uint8_t* w, int h, __m256i* c) {
+    if (BITS == 4) {
+        const __m256i low = _mm256_set1_epi8(0x0f);
+        for (int i = 0; i < 4; ++i) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + 64 * i + 32 * h));
+            c[i] = _mm256_and_si256(raw, low);
+            c[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        }
+    } else {
+        for (int s = 0; s < 8; ++s) c[s] = _mm256_loadu_si256((const __m256i*)(w + 64 * s + 32 * h));
+    }
+}
+
+template <int BITS>
+inline __m256i dot256(const __m256i* c, const int8_t* ar) {
+#if defined(__AVXVNNI__)
+    __m256i dot = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s) dot = _mm256_dpbusd_avx_epi32(dot, c[s], _mm256_set1_epi32(load_i32(ar + 4 * s)));
+    return dot;
+#else
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const auto nib = [&](int s, int h) {
+        return BITS == 4 ? c[s] : _mm256_and_si256(h ? _mm256_srli_epi16(c[s], 4) : c[s], low);
+    };
+    __m256i dot = _mm256_setzero_si256();
+    for (int h = 0; h < (BITS == 4 ? 1 : 2); ++h) {
+        __m256i s16 = _mm256_maddubs_epi16(nib(0, h), _mm256_set1_epi32(load_i32(ar)));
+        for (int s = 1; s < 8; ++s)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(nib(s, h), _mm256_set1_epi32(load_i32(ar + 4 * s))));
+        const __m256i part = _mm256_madd_epi16(s16, ones);
+        dot = _mm256_add_epi32(dot, h ? _mm256_slli_epi32(part, 4) : part);
+    }
+    return dot;
+#endif
+}
+#endif
+
+// The code of column j, input i (< 32) of a packed block (see the top of the file).
+template <int BITS>
+inline int code_at(const uint8_t* w, int j, int i) {
+    if (BITS == 8) return w[64 * (i / 4) + 4 * j + i % 4];
+    const int k = i % 16;
+    const uint8_t byte = w[64 * (k / 4) + 4 * j + k % 4];
+    return i < 16 ? byte & 15 : byte >> 4;
+}
+
+// MT rows x 16 columns over all G blocks of one column block: tile[MT][16] (float32).
+template <int MT, int BITS>
+void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const float* sx, int64_t K, float* out) {
+    constexpr int B = block_bytes<BITS>(), CODES = 16 * BITS * 4;  // CODES: bytes of codes per block
+#if defined(Q4_AVX512)
+    __m512 acc[MT];
+    for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g, w += B) {
+        for (int i = 0; i < B / 64; ++i) _mm_prefetch((const char*)w + PREFETCH_BLOCKS * B + 64 * i, _MM_HINT_T0);
+        __m512i c[8];
+        codes512<BITS>(w, c);
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + CODES)));
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + CODES + 32)));
+        for (int r = 0; r < MT; ++r) {
+            const __m512i dot = dot512<BITS>(c, a + r * K + g * QK);
             const __m512 t = _mm512_mul_ps(sw, _mm512_set1_ps(dx[r * (K / QK) + g]));
             acc[r] = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(dot), acc[r]);
             acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * (K / QK) + g]), acc[r]);
@@ -196,30 +279,15 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
 #elif defined(Q4_AVX2)
     __m256 acc[MT][2];
     for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    for (int64_t g = 0; g < G; ++g, w += BLOCK) {
-        for (int i = 0; i < BLOCK / 64; ++i) _mm_prefetch((const char*)w + PREFETCH_BLOCKS * BLOCK + 64 * i, _MM_HINT_T0);
+    for (int64_t g = 0; g < G; ++g, w += B) {
+        for (int i = 0; i < B / 64; ++i) _mm_prefetch((const char*)w + PREFETCH_BLOCKS * B + 64 * i, _MM_HINT_T0);
         for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7
             __m256i c[8];
-            for (int i = 0; i < 4; ++i) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + 64 * i + 32 * h));
-                c[i] = _mm256_and_si256(raw, low);
-                c[i + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-            }
-            const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 256 + 16 * h)));
-            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + 288 + 16 * h)));
+            codes256<BITS>(w, h, c);
+            const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + CODES + 16 * h)));
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + CODES + 32 + 16 * h)));
             for (int r = 0; r < MT; ++r) {
-                const int8_t* ar = a + r * K + g * QK;
-#if defined(__AVXVNNI__)
-                __m256i dot = _mm256_setzero_si256();
-                for (int s = 0; s < 8; ++s)
-                    dot = _mm256_dpbusd_avx_epi32(dot, c[s], _mm256_set1_epi32(load_i32(ar + 4 * s)));
-#else
-                __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(load_i32(ar)));
-                for (int s = 1; s < 8; ++s)
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[s], _mm256_set1_epi32(load_i32(ar + 4 * s))));
-                const __m256i dot = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-#endif
+                const __m256i dot = dot256<BITS>(c, a + r * K + g * QK);
                 const __m256 t = _mm256_mul_ps(sw, _mm256_set1_ps(dx[r * (K / QK) + g]));
                 acc[r][h] = _mm256_fmadd_ps(t, _mm256_cvtepi32_ps(dot), acc[r][h]);
                 acc[r][h] = _mm256_fmadd_ps(mw, _mm256_set1_ps(sx[r * (K / QK) + g]), acc[r][h]);
@@ -232,20 +300,15 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
     }
 #else
     float acc[MT][NC] = {};
-    for (int64_t g = 0; g < G; ++g, w += BLOCK) {
+    for (int64_t g = 0; g < G; ++g, w += B) {
         int q[NC][QK];
         float sw[NC], mw[NC];
         for (int j = 0; j < NC; ++j) {
-            for (int c = 0; c < 4; ++c)
-                for (int b = 0; b < 4; ++b) {
-                    const uint8_t byte = w[64 * c + 4 * j + b];
-                    q[j][4 * c + b] = byte & 15;
-                    q[j][16 + 4 * c + b] = byte >> 4;
-                }
+            for (int i = 0; i < QK; ++i) q[j][i] = code_at<BITS>(w, j, i);
             uint16_t h;
-            memcpy(&h, w + 256 + 2 * j, 2);
+            memcpy(&h, w + CODES + 2 * j, 2);
             sw[j] = half_to_float(h);
-            memcpy(&h, w + 288 + 2 * j, 2);
+            memcpy(&h, w + CODES + 32 + 2 * j, 2);
             mw[j] = half_to_float(h);
         }
         for (int r = 0; r < MT; ++r) {
@@ -266,13 +329,14 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
 
 typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, float*);
 
-template <int... I>
+template <int BITS, int... I>
 struct Tiles {
-    static constexpr TileFn table[sizeof...(I)] = {&tile<I + 1>...};
+    static constexpr TileFn table[sizeof...(I)] = {&tile<I + 1, BITS>...};
 };
-template <int... I>
-constexpr TileFn Tiles<I...>::table[sizeof...(I)];
-using Table = Tiles<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
+template <int BITS, int... I>
+constexpr TileFn Tiles<BITS, I...>::table[sizeof...(I)];
+using Table4 = Tiles<4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
+using Table8 = Tiles<8, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
 
 }  // namespace
 
@@ -292,15 +356,18 @@ int q4_isa(void) {
 }
 
 // y[M, N] = q4 product of x[M, K] (float32, or bfloat16 when bf16) by the packed weights w ([ceil(N / 16)][K / 32]
-// blocks, see the top of the file), written in x's dtype. K must be a multiple of 32. Uses `threads` OpenMP threads
+// blocks of `bits` (4 or 8) bit codes, see the top of the file), written in x's dtype. K must be a multiple of 32. Uses `threads` OpenMP threads
 // over the column blocks. Fused steps, each rounded to the dtype as torch's separate ops would round it (all
 // optional; pass null / 0):
 //   before: norm_w [K] (RMSNorm of each row with eps) or glu (x is [M, 2K] = [gate | up], see prologue());
 //   after:  y = y + bias[N], then y = residual[M, N] + y  (residual may be y itself).
-// Returns 0, or -1 when out of memory.
-int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, int64_t N, void* y,
+// Returns 0, -1 when out of memory, -3 for bits other than 4 and 8.
+int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, int bits, int64_t N, void* y,
               const void* norm_w, float eps, int glu, const void* bias, const void* residual, int threads) {
+    if (bits != 4 && bits != 8) return -3;
     const int64_t G = K / QK, NB = (N + NC - 1) / NC, XK = glu ? 2 * K : K;
+    const int64_t B = bits == 4 ? block_bytes<4>() : block_bytes<8>();
+    const TileFn* table = bits == 4 ? Table4::table : Table8::table;
     int8_t* a = (int8_t*)malloc((size_t)(M * K + 64));
     float* dxs = (float*)malloc(sizeof(float) * (size_t)(2 * M * G + 1));
     float* vs = (float*)malloc(sizeof(float) * (size_t)(M * K + 1));
@@ -327,7 +394,7 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
         const int64_t n0 = nb * NC, cols = N - n0 < NC ? N - n0 : NC;
         for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
             const int mt = (int)(M - m0 < MT_MAX ? M - m0 : MT_MAX);
-            Table::table[mt - 1](w + nb * G * BLOCK, G, a + m0 * K, dx + m0 * G, sx + m0 * G, K, out);
+            table[mt - 1](w + nb * G * B, G, a + m0 * K, dx + m0 * G, sx + m0 * G, K, out);
             for (int r = 0; r < mt; ++r) {
                 const float* o = out + NC * r;
                 const int64_t at = (m0 + r) * N + n0;

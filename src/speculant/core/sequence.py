@@ -1,0 +1,199 @@
+"""One generation's state and the two halves of its decoding step, around a verification forward it does not run.
+
+A :class:`Sequence` holds what one request needs between steps: its committed ids (:class:`DecodeState`), its
+target cache (possibly evicting), its drafter, sampling settings and generator, stop tokens, budget, statistics and
+logprobs. A step is split where the forward is, so that a batch (:class:`speculant.core.batch.Batch`) can verify
+many sequences in one forward:
+
+1. :meth:`Sequence.plan` drafts the tree and returns the verification inputs (a :class:`Segment`: ``[root] + tree``,
+   its positions and tree mask, probe slots, a KV policy's query capture);
+2. the caller runs the forward (one sequence alone, or many at once: :func:`speculant.core.forward.batched_logits`);
+3. :meth:`Sequence.absorb` verifies the logits, keeps the root and the accepted path in the cache (rejected slots are
+   dropped from it, never zeroed), commits the accepted tokens and the bonus, cuts at a stop token or the budget,
+   records the statistics and tells the drafter; it returns the step's :class:`StepEvent`.
+
+Invariant (as before the split): the cache holds every committed token except the last one, the *root*. Plain
+decoding (no drafter) is the same step with an empty tree, so it is the fair baseline.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .cache import SpecCache
+from .checks import num_layers
+from .drafting import DecodeState, Drafter, capability, sync
+from .eviction import BudgetedKV
+from .forward import Segment, TargetForward
+from .logprobs import emission_rows, token_logprobs
+from .sampling import make_generator
+from .tree import TreeAttention
+from .types import DraftTree, Generation, GenerationStats, SamplingParams, StepEvent, TokenLogprob
+from .verification import verify
+
+__all__ = ["Sequence"]
+
+_EMPTY = DraftTree.empty()
+
+
+class Sequence:
+    """One generation: prompt ``ids`` (checked by the caller), its drafter (None: plain decoding) and settings.
+    ``forward`` is its target forward (:class:`TargetForward`), ``kv`` its evicting cache (None: a full one);
+    ``logprobs``: the number of alternatives per token to report (None: no logprobs)."""
+
+    def __init__(self, index: int, target: torch.nn.Module, forward: TargetForward, ids: list[int],
+                 drafter: Drafter | None, max_new_tokens: int, params: SamplingParams, stops: set[int],
+                 kv: BudgetedKV | None = None, logprobs: int | None = None) -> None:
+        self.index = index
+        self.target, self.forward, self.drafter, self.kv = target, forward, drafter, kv
+        self.device = target.device
+        self.stops = stops
+        self.logprobs = logprobs
+        self.state = DecodeState(target=target, ids=list(ids), params=params,
+                                 generator=make_generator(params.seed, self.device),
+                                 max_length=len(ids) + max_new_tokens, remaining=max_new_tokens,
+                                 stats=GenerationStats(target_forward=forward.kind))
+        self.new: list[int] = []
+        self.new_logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
+        self.done = False
+        self.finish_reason: str | None = None
+        # a drafter declaring uses_target_hidden reads the target's hidden states of every token entering its cache
+        self.hidden: list | None = [] if capability(drafter, "uses_target_hidden") else None
+        self._tree_attn = TreeAttention(target.dtype, self.device)
+        self._cache: SpecCache | None = None
+        self._step: tuple[DraftTree, int, object] | None = None  # plan()'s tree, cache length and capture
+        self._start = 0.0
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.state.stats
+
+    @property
+    def cache(self) -> SpecCache:
+        """The target's cache (made by :meth:`prefill`)."""
+        return self._cache
+
+    # ------------------------------------------------------------------------------------------------ prefill
+
+    def prefill(self) -> None:
+        """Start the clock, begin the drafter and feed the prompt (all but the root) into a new cache."""
+        state, ids = self.state, self.state.ids
+        self._start = time.perf_counter()
+        if self.drafter is not None:
+            self.drafter.begin(state)
+        if self.kv is None:
+            self._cache = SpecCache(num_layers(self.target), capacity=state.max_length + 64)
+            if len(ids) > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
+                self.forward.prefill(self._cache, torch.tensor([ids[:-1]], device=self.device),
+                                     hidden_out=self.hidden)
+        else:
+            self._cache = self.kv.cache  # block-wise prefill: at most kv_budget + kv_block tokens per layer
+            if len(ids) > 1:
+                self.kv.prefill(self.target, torch.tensor([ids[:-1]], device=self.device), following=ids[-1:],
+                                forward=self.forward, hidden_out=self.hidden)
+        if self.hidden:
+            state.target_hidden.extend(h[0] for h in self.hidden)  # [T_i, F] blocks
+            self.hidden.clear()
+        sync(self.device)
+        self.stats.prefill_s = time.perf_counter() - self._start
+
+    # ------------------------------------------------------------------------------------------------ a step
+
+    def plan(self) -> Segment:
+        """Draft this step's tree and return the verification forward's inputs for this sequence."""
+        state, device = self.state, self.device
+        tree = self.drafter.propose(state) if self.drafter is not None and state.remaining > 1 else _EMPTY
+        cache_len = self._cache.length
+        inputs = torch.tensor([[state.ids[-1], *tree.tokens]], device=device)  # [1, Q]
+        embeds = None
+        if tree.probes is not None:  # probe slots after the tree: one forward, see types.Probes
+            embeds = _with_probes(self.target, inputs, tree.probes)  # [1, Q + P, H]
+            extended = DraftTree(tokens=[0] * (len(tree) + len(tree.probes.embeds)),
+                                 parents=tree.parents + tree.probes.parents(len(tree)))
+            mask, positions = self._tree_attn.build(extended, cache_len)  # [1, 1, Q + P, L + Q + P], [1, Q + P]
+        elif tree.is_chain():  # the causal mask is the tree mask: the forward builds it (fast kernels)
+            mask = positions = None
+        else:
+            mask, positions = self._tree_attn.build(tree, cache_len)  # [1, 1, Q, L + Q], [1, Q]
+        capture = None
+        if self.kv is not None:  # evicted caches: positions are the original ones, not the cache length
+            if positions is None:
+                positions = torch.arange(cache_len, cache_len + len(tree) + 1, device=device).unsqueeze(0)  # [1, Q]
+            positions = positions + (self.kv.next_position - cache_len)
+            capture = self.kv.capture(self.target)
+        self._step = (tree, cache_len, capture)
+        return Segment(self._cache, None if embeds is not None else inputs, embeds, positions, mask, capture)
+
+    def absorb(self, logits: torch.Tensor, forward_s: float) -> StepEvent:
+        """Verify this step's ``logits [Q (+ P), V]`` (the forward of :meth:`plan`'s inputs, which took
+        ``forward_s`` seconds), commit what is accepted and the bonus, and return the step's event."""
+        tree, cache_len, capture = self._step
+        self._step = None
+        state, stats = self.state, self.stats
+        stats.target_forward_s += forward_s
+        verdict = verify(tree, logits[: len(tree) + 1], state.params, state.generator)
+        state.last_logits, state.last_accepted = logits, verdict.accepted
+        if self.hidden is not None:  # the root's and the accepted nodes' states: the rows the cache keeps
+            state.target_hidden.append(self.hidden.pop()[0, [0] + [1 + n for n in verdict.accepted]])  # [1 + a, F]
+        self._cache.keep(cache_len, [cache_len] + [cache_len + 1 + n for n in verdict.accepted])
+        if self.kv is not None:  # only verified tokens are in the cache now
+            self.kv.after_step(capture, [0] + [1 + n for n in verdict.accepted])
+        accepted = [tree.tokens[n] for n in verdict.accepted]
+        emitted = accepted + [verdict.bonus]
+        if len(emitted) > state.remaining:
+            emitted = emitted[: state.remaining]
+        reason = None
+        for i, tok in enumerate(emitted):
+            if tok in self.stops:
+                emitted, reason = emitted[: i + 1], "stop"
+                break
+        last = verdict.accepted[-1] if verdict.accepted else -1
+        offered = len(verdict.accepted) + (1 if tree.children[last + 1] else 0)
+        stats.record_step(tree.max_depth, offered, len(verdict.accepted), len(emitted))
+        stats.draft_tokens += len(tree)
+        state.ids.extend(emitted)
+        self.new.extend(emitted)
+        state.remaining -= len(emitted)
+        if reason is None and state.remaining <= 0:
+            reason = "length"
+        step_logprobs = None
+        if self.new_logprobs is not None:  # the rows the emitted tokens came from: no extra forward (core.logprobs)
+            rows = emission_rows(verdict.accepted)[: len(emitted)]
+            step_logprobs = token_logprobs(logits[rows], emitted, self.logprobs)
+            self.new_logprobs.extend(step_logprobs)
+        if reason is not None:
+            self._finish(reason)
+        elif self.drafter is not None:
+            self.drafter.commit(state, accepted)
+        return StepEvent(self.index, emitted, min(len(verdict.accepted), len(emitted)), offered, len(tree),
+                         step_logprobs, self.done, self.finish_reason)
+
+    # ------------------------------------------------------------------------------------------------ the end
+
+    def cancel(self) -> None:
+        """Stop here (finish reason ``"cancelled"``); what was committed stays the result."""
+        if not self.done:
+            self._step = None
+            self._finish("cancelled")
+
+    def _finish(self, reason: str) -> None:
+        self.done, self.finish_reason = True, reason
+        stats = self.stats
+        stats.wall_s = time.perf_counter() - self._start
+        # a full cache only grows (a tree's rejected slots are dropped again, not counted); a budget cache keeps its
+        # peak
+        stats.kv_peak_bytes = self.kv.peak_nbytes if self.kv is not None else (
+            self._cache.nbytes() if self._cache is not None else 0)
+
+    def result(self) -> Generation:
+        """The generation so far (complete once :attr:`done`)."""
+        return Generation(token_ids=list(self.new), stats=self.stats, logprobs=self.new_logprobs,
+                          finish_reason=self.finish_reason)
+
+
+def _with_probes(target, inputs: torch.Tensor, probes) -> torch.Tensor:
+    """``[1, Q + P, H]``: the embeddings of ``inputs`` ``[1, Q]`` followed by the probe embeddings ``[P, H]``."""
+    embeds = target.get_input_embeddings()(inputs)  # [1, Q, H]
+    return torch.cat([embeds, probes.embeds.to(embeds.dtype).unsqueeze(0)], dim=1)

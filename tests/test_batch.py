@@ -1,0 +1,200 @@
+"""Batched decoding (speculant.core.batch, engine.generate_batch / generate_steps): several sequences, one
+verification forward per step, each sequence with its own drafter, cache and settings, equals each prompt decoded
+alone, token for token; sequences join and leave between steps; the step iterator can stop early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculant.core.batch import Batch
+from speculant.core.cache import SpecCache
+from speculant.core.engine import generate, generate_batch, generate_steps
+from speculant.core.lean import LeanForward, Segment
+from speculant.core.quant import quantize_model
+from speculant.core.types import SamplingParams
+from speculant.drafters.registry import build_drafter
+from speculant.testing import perturbed, tiny_model
+
+VOCAB = 96
+SPECS = (None, "chain:k=3", "specinfer:width=2:depth=3", "lookup", "chain:k=2")
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = (1, 7, 19, 4, 12, 30)
+    out = []
+    for i in range(n):
+        p = torch.randint(2, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist()
+        out.append(p + p[: len(p) // 2])  # some repetition: lookup finds drafts
+    return out
+
+
+def _pair(arch: str, kind: str, dtype=torch.float32):
+    target = tiny_model(arch, seed=0, vocab_size=VOCAB, dtype=dtype)
+    draft = perturbed(tiny_model(arch, seed=0, vocab_size=VOCAB, dtype=dtype), 0.05, seed=2)
+    if kind != "none":
+        quantize_model(target, kind)
+        quantize_model(draft, kind)
+    return target, draft
+
+
+def _drafter(spec, draft):
+    return None if spec is None else build_drafter(spec, None if spec == "lookup" else draft)
+
+
+@pytest.mark.parametrize("arch, kind, dtype", [("llama", "q4", torch.float32), ("qwen2", "q4", torch.bfloat16),
+                                               ("qwen2", "none", torch.float32), ("mistral", "int8", torch.float32)])
+def test_a_batch_decodes_each_prompt_as_it_decodes_alone(arch, kind, dtype):
+    """Five prompts of different lengths, each with its own method (plain, chain, tree, lookup), budgets that end
+    at different steps and a stop token: the batch's greedy output is each prompt's own, token for token."""
+    target, draft = _pair(arch, kind, dtype)
+    prompts = _prompts(len(SPECS))
+    budgets = [9, 24, 17, 31, 5]
+    alone = [generate(target, p, drafter=_drafter(s, draft), max_new_tokens=n, eos_token_id=[7])
+             for p, s, n in zip(prompts, SPECS, budgets)]
+    batch = Batch(target)
+    indices = [batch.add(p, _drafter(s, draft), n, stops={7}) for p, s, n in zip(prompts, SPECS, budgets)]
+    sizes = []
+    while len(batch):
+        sizes.append(len(batch))
+        events = batch.step()
+        assert [e.sequence for e in events] == [i for i in indices if i in [e.sequence for e in events]]
+    for i, want in zip(indices, alone):
+        got = batch.result(i)
+        assert got.token_ids == want.token_ids, (i, SPECS[i])
+        assert got.finish_reason == want.finish_reason in ("stop", "length")
+        assert got.stats.target_calls == want.stats.target_calls
+    assert sizes[0] == len(SPECS) and sizes[-1] < len(SPECS)  # sequences left as they finished
+    assert sum(g.stats.accepted_hist[1:] != [] and sum(g.stats.accepted_hist[1:]) > 0 for g in alone) >= 2
+
+
+def test_sampling_in_a_batch_draws_what_each_sequence_draws_alone():
+    """Each sequence keeps its own generator (its seed): with row-independent q4 weights its sampled tokens are the
+    same in a batch as alone, so the batch samples each sequence's distribution exactly."""
+    target, draft = _pair("llama", "q4")
+    prompts = _prompts(3, seed=1)
+    specs = ("chain:k=3", None, "specinfer:width=2:depth=2")
+    kwargs = dict(max_new_tokens=20, temperature=0.9, top_p=0.95, eos_token_id=[])
+    alone = [generate(target, p, drafter=_drafter(s, draft), seed=10 + i, **kwargs).token_ids
+             for i, (p, s) in enumerate(zip(prompts, specs))]
+    got = generate_batch(target, prompts, [_drafter(s, draft) for s in specs], seed=[10, 11, 12], **kwargs)
+    assert [g.token_ids for g in got] == alone
+    assert len({tuple(a) for a in alone}) == 3
+
+
+def test_sequences_join_and_leave_between_steps():
+    target, draft = _pair("qwen2", "q4")
+    p1, p2, p3 = _prompts(3, seed=2)
+    want = [generate(target, p, drafter=_drafter("chain:k=3", draft), max_new_tokens=16, eos_token_id=[]).token_ids
+            for p in (p1, p2, p3)]
+    batch = Batch(target)
+    a = batch.add(p1, _drafter("chain:k=3", draft), 16)
+    batch.step()
+    batch.step()
+    b = batch.add(p2, _drafter("chain:k=3", draft), 16)  # joins a running batch
+    batch.step()
+    c = batch.add(p3, _drafter("chain:k=3", draft), 16)
+    cancelled = batch.cancel(b)  # leaves before it finished
+    assert cancelled.finish_reason == "cancelled" and cancelled.token_ids == want[1][: len(cancelled.token_ids)]
+    assert batch.active == [a, c]
+    while len(batch):
+        batch.step()
+    assert batch.result(a).token_ids == want[0] and batch.result(c).token_ids == want[2]
+
+
+def test_the_step_iterator_yields_what_generate_returns_and_can_stop():
+    target, draft = _pair("llama", "q4")
+    prompt = _prompts(1, seed=3)[0]
+    whole = generate(target, prompt, drafter=_drafter("chain:k=3", draft), max_new_tokens=24, eos_token_id=[])
+    steps = generate_steps(target, prompt, drafter=_drafter("chain:k=3", draft), max_new_tokens=24,
+                           eos_token_id=[], logprobs=2)
+    with pytest.raises(ValueError, match="not finished"):
+        steps.result
+    events = list(steps)
+    assert [t for e in events for t in e.tokens] == whole.token_ids
+    assert events[-1].done and events[-1].finish_reason == "length" and not any(e.done for e in events[:-1])
+    assert sum(e.accepted for e in events) == sum(i * c for i, c in enumerate(whole.stats.accepted_hist))
+    assert all(len(e.logprobs) == len(e.tokens) for e in events)
+    assert steps.result.token_ids == whole.token_ids and steps.result.finish_reason == "length"
+    early = generate_steps(target, prompt, drafter=_drafter("chain:k=3", draft), max_new_tokens=24, eos_token_id=[])
+    first = next(early)
+    result = early.close()
+    assert result.finish_reason == "cancelled" and result.token_ids == first.tokens
+    assert list(early) == [] and early.result is result
+
+
+def test_bad_batches_are_one_line_value_errors():
+    target, draft = _pair("llama", "q4")
+    shared = _drafter("chain:k=2", draft)
+    with pytest.raises(ValueError, match="its own drafter"):
+        generate_batch(target, [[3, 4], [5, 6]], [shared, shared])
+    with pytest.raises(ValueError, match="one drafter \\(or None\\) per prompt"):
+        generate_batch(target, [[3, 4], [5, 6]], [None])
+    with pytest.raises(ValueError, match="non-empty list"):
+        generate_batch(target, [])
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate_batch(target, [[3, 4], [5, 6]], seed=[1, 2, 3])
+    with pytest.raises(ValueError, match="input_ids"):
+        generate_batch(target, [[3, 4], [VOCAB + 5]])
+    with pytest.raises(ValueError, match="no sequence 9"):
+        Batch(target).result(9)
+
+
+@pytest.mark.parametrize("kind", ["q4", "none"])
+def test_the_batched_lean_forward_gives_each_sequence_its_own_bits(kind):
+    """hidden_batch over three sequences (a prompt, a chain, a tree with out-of-order positions) equals three
+    separate forwards: bit for bit with q4 weights (through the compiled layer loop and through the per-layer
+    path), to float rounding with float weights."""
+    model = tiny_model("qwen2", hidden=64, heads=4, kv_heads=2, vocab_size=128)
+    if kind != "none":
+        quantize_model(model, kind)
+    lean = LeanForward(model)
+    ids = torch.randint(2, 128, (3, 30), generator=torch.Generator().manual_seed(4))
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+
+    def caches():
+        out = []
+        for i, n in enumerate((0, 11, 20)):
+            cache = SpecCache(2, capacity=8)
+            if n:
+                lean(ids[i : i + 1, :n], cache)
+            out.append(cache)
+        return out
+
+    def segments(cs):
+        mask = torch.cat([torch.ones(4, 20, dtype=torch.bool), tree], 1)[None, None]
+        return [Segment(cs[0], ids[0:1, :9]), Segment(cs[1], ids[1:2, 11:14]),
+                Segment(cs[2], ids[2:3, 20:24], positions=torch.tensor([[20, 21, 22, 22]]), mask=mask)]
+
+    alone_caches = caches()
+    alone = [lean.hidden_batch([s])[0] for s in segments(alone_caches)]
+    batched_caches = caches()
+    together = lean.hidden_batch(segments(batched_caches))
+    for a, b in zip(alone, together):
+        if kind == "none":
+            torch.testing.assert_close(a, b)
+        else:
+            assert torch.equal(a, b)
+    for ca, cb in zip(alone_caches, batched_caches):
+        assert ca.length == cb.length
+        for la, lb in zip(ca.layers, cb.layers):
+            if kind == "none":
+                torch.testing.assert_close(la.keys, lb.keys)
+            else:
+                assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    if kind != "none":  # the per-layer path (no compiled layer loop) gives the same bits
+        lean._table_for, lean._table = torch.float32, None
+        lean._q4_table = lambda dtype: None
+        per_layer = lean.hidden_batch(segments(caches()))
+        assert all(torch.equal(a, b) for a, b in zip(per_layer, together))
+
+
+def test_the_batch_counts_its_rows():
+    target, draft = _pair("llama", "q4")
+    batch = Batch(target)
+    batch.add([3, 4, 5], _drafter("chain:k=3", draft), 8)
+    batch.add([6, 7], None, 8)
+    batch.step()
+    assert batch.rows == (1 + 3) + 1 and batch.steps == 1
+    assert isinstance(SamplingParams(), SamplingParams)
