@@ -201,3 +201,16 @@ def cli_error_line(capsys, argv: list[str], *needles: str) -> str:
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
     return lines[0]
+
+
+def model_metrics(url: str) -> dict[str, float]:
+    """The samples of a server's /metrics without labels other than model_name: name -> value."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            if set(s.labels) == {"model_name"}:
+                out[s.name] = s.value
+    return out

@@ -54,7 +54,7 @@ def test_a_batch_decodes_each_prompt_as_it_decodes_alone(arch, kind, dtype):
     alone = [generate(target, p, drafter=_drafter(s, draft), max_new_tokens=n, eos_token_id=[7])
              for p, s, n in zip(prompts, SPECS, budgets)]
     batch = Batch(target)
-    indices = [batch.add(p, _drafter(s, draft), n, stops={7}) for p, s, n in zip(prompts, SPECS, budgets)]
+    indices = [batch.add(p, _drafter(s, draft), n, eos_token_id=[7]) for p, s, n in zip(prompts, SPECS, budgets)]
     sizes = []
     while len(batch):
         sizes.append(len(batch))

@@ -281,12 +281,12 @@ SPECS = ("chain:k=3", "specinfer:width=2:depth=3", "lookup")
 
 
 def _mixed(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` quantized to q4 with some matrices in q8 (as a GGUF file's 6- and 8-bit tensors load): the first
-    layer's v and down projections and the LM head."""
+    """``model`` quantized to q4m: q4 with some matrices in q8 (as a GGUF file's 6- and 8-bit tensors load): the
+    first layer's v and down projections and the LM head."""
     layer, free = model.model.layers[0], releasable(model)
     for m in (layer.self_attn.v_proj, layer.mlp.down_proj, model.lm_head):
         attach(m, QuantMatrix.quantize(m.weight, "q8"), release_weight=id(m) in free)
-    return quantize_model(model, "q4")
+    return quantize_model(model, "q4m")
 
 
 @pytest.mark.parametrize("arch, dtype, kind", [("llama", torch.float32, "q4"), ("qwen2", torch.bfloat16, "q4"),

@@ -53,10 +53,12 @@ def test_a_packaged_target_loads_in_its_own_format_unless_told():
     from speculant.session import _resolve_quantization
 
     qwen = "qwen2.5-coder-1.5b-instruct"
-    assert PACKAGED[qwen].default_quantization == "q4"
-    assert _resolve_quantization(qwen, "qwen2.5-coder-0.5b-instruct", None, None) == ("q4", "q4")
+    assert PACKAGED[qwen].default_quantization == "q4m"  # q4 with the file's 6-bit tensors in 8 bits
+    assert PACKAGED["qwen2.5-coder-0.5b-instruct"].default_quantization == "q4"
+    assert _resolve_quantization(qwen, "qwen2.5-coder-0.5b-instruct", None, None) == ("q4m", "q4")  # DRAFT_KIND
+    assert _resolve_quantization(qwen, None, "q8", None) == ("q8", "q8")
     assert _resolve_quantization(qwen, None, "none", None) == ("none", "none")
-    assert _resolve_quantization(qwen, None, None, "none") == ("q4", "none")
+    assert _resolve_quantization(qwen, None, None, "none") == ("q4m", "none")
     assert _resolve_quantization("smollm2-135m-instruct", None, None, None) == ("none", "none")
     assert _resolve_quantization("some/dir", None, None, None) == ("none", "none")
 
@@ -332,27 +334,27 @@ def test_q4_from_q4_1_codes_is_exact_and_from_q4_k_within_float16_scales(gguf_fi
         assert diff.max() > 0  # Q4_K's d * sc does not fit in float16: q4 rounds it (measured, not assumed)
 
 
-@pytest.mark.parametrize("qtype, kind", [("Q8_0", "q4"), ("Q5_0", "q4"), ("Q5_1", "q8"), ("Q4_0", "q4"),
-                                         ("Q4_0", "q8"), ("Q8_0", "q8")])
-def test_q4_and_q8_keep_4_5_and_8_bit_codes_exactly(gguf_files, cache_dir, qtype, kind):
+@pytest.mark.parametrize("qtype, kind", [("Q8_0", "q4m"), ("Q5_0", "q4m"), ("Q5_1", "q8"), ("Q4_0", "q4m"),
+                                         ("Q4_0", "q8"), ("Q8_0", "q8"), ("Q4_0", "q4")])
+def test_q4m_and_q8_keep_4_5_and_8_bit_codes_exactly(gguf_files, cache_dir, qtype, kind):
     """Q4_0, Q5_0, Q5_1 and Q8_0 blocks are codes with a float16 scale and minimum per 32 (Q5_0: ``d (q - 16)``,
-    minimum ``-16 d``; Q8_0: ``d q`` = ``d (q + 128) - 128 d``): q8 holds them as they are, and so does a q4
-    model (its 5- and 8-bit tensors as q8 matrices), every weight the file's value."""
+    minimum ``-16 d``; Q8_0: ``d q`` = ``d (q + 128) - 128 d``): q8 holds them as they are, and so does a q4m
+    model (its 5- and 8-bit tensors as q8 matrices, its 4-bit ones as q4), every weight the file's value."""
     want = _file_values(gguf_files[qtype])
     model, _ = load_pretrained(gguf_files[qtype], dtype="float32")
     assert quantize_loaded(model, kind, gguf_files[qtype]) == 8 and quantization_of(model) == kind
-    holds = "q4" if qtype == "Q4_0" and kind == "q4" else "q8"
+    holds = "q4" if qtype == "Q4_0" and kind != "q8" else "q8"
     for i, m in enumerate(quantized_linears(model)):
         q = getattr(m, ATTR)
         assert q.kind == holds and torch.equal(q.dequantize(), want[i]), i
 
 
-def test_a_q4_model_keeps_6_bit_tensors_in_8_bits(gguf_files, cache_dir):
-    """Q6_K (16 scales per 256, no minimum) has no per-32 form: a q4 model requantizes it to q8 from its values,
-    within half a q8 step (1/510 of the group's range) of the file, 16x closer than q4 would be; int4 and q8
-    requantize it to their own kind."""
+def test_a_q4m_model_keeps_6_bit_tensors_in_8_bits(gguf_files, cache_dir):
+    """Q6_K (16 scales per 256, no minimum) has no per-32 form: a q4m model requantizes it to q8 from its values,
+    within half a q8 step (1/510 of the group's range) of the file, 16x closer than q4 would be; int4 and q4
+    requantize it to their own kind (and the 8-bit codes of Q8_0 too)."""
     want = _file_values(gguf_files["Q6_K"])
-    model, matrices = _matrices(gguf_files["Q6_K"], "q4")
+    model, matrices = _matrices(gguf_files["Q6_K"], "q4m")
     for i, q in enumerate(matrices):
         assert q.kind == "q8"
         group = want[i].reshape(want[i].shape[0], -1, 32)
@@ -361,7 +363,11 @@ def test_a_q4_model_keeps_6_bit_tensors_in_8_bits(gguf_files, cache_dir):
         assert bool((err <= span / 510 * 1.01 + 1e-6).all()), i
         q4 = QuantMatrix.quantize(want[i], "q4")
         assert float(err.mean()) < float((q4.dequantize() - want[i]).abs().mean()) / 8
-    assert {getattr(m, ATTR).kind for m in quantized_linears(_matrices(gguf_files["Q6_K"], "int4")[0])} == {"int4"}
+    for kind in ("int4", "q4"):
+        assert {getattr(m, ATTR).kind for m in quantized_linears(_matrices(gguf_files["Q6_K"], kind)[0])} == {kind}
+    model, _ = load_pretrained(gguf_files["Q8_0"], dtype="float32")
+    assert quantize_loaded(model, "q4", gguf_files["Q8_0"]) == 0
+    assert {getattr(m, ATTR).kind for m in quantized_linears(model)} == {"q4"}
 
 
 def test_other_types_are_requantized_from_their_values(gguf_files, cache_dir):

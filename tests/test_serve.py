@@ -50,7 +50,8 @@ def server(models, tmp_path_factory):
     """The server, with the /health answers seen while it started (503 until the model is loaded)."""
     log = tmp_path_factory.mktemp("serve-log") / "stderr.txt"
     proc, url = _start(["--target", models["target"], "--draft", models["draft"], "--method", "chain:k=4",
-                        "--max-queue", "1", "--api-key", KEY, "--served-model-name", MODEL], log)
+                        "--max-queue", "1", "--max-batch", "1", "--speculation", "on", "--api-key", KEY,
+                        "--served-model-name", MODEL], log)
     seen = []
     try:
         deadline = time.time() + 60
@@ -590,17 +591,17 @@ def test_settings_choose_the_method_when_none_is_given(models, monkeypatch):
 def test_a_failing_request_does_not_take_the_server_down(models, monkeypatch):
     from fastapi.testclient import TestClient
 
-    import speculant.core.engine
+    from speculant.core.batch import Batch
     from speculant.serve import ServeSettings, check_settings, create_app
 
-    real = speculant.core.engine.generate
+    real = Batch.add
 
-    def flaky(target, ids, **kw):
-        if kw.get("max_new_tokens") == 3:
+    def flaky(self, ids, drafter, max_new_tokens, *args, **kw):  # fails while joining the batch
+        if max_new_tokens == 3:
             raise RuntimeError("boom")
-        return real(target, ids, **kw)
+        return real(self, ids, drafter, max_new_tokens, *args, **kw)
 
-    monkeypatch.setattr(speculant.core.engine, "generate", flaky)
+    monkeypatch.setattr(Batch, "add", flaky)
     app = create_app(check_settings(ServeSettings(target=models["target"], method="ar", model_name=MODEL)))
     with TestClient(app, base_url="http://127.0.0.1") as c:  # no API key: loopback Hosts only
         until_loaded(c)

@@ -18,9 +18,8 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from helpers import cli_error_line, start_server, stop_server, until_loaded, wait_for  # noqa: E402
+from helpers import cli_error_line, model_metrics, start_server, stop_server, until_loaded, wait_for  # noqa: E402
 from speculant.serve import ServeSettings, check_settings, create_app  # noqa: E402
 
 MODEL = "tiny-chat"
@@ -41,17 +40,10 @@ def models(chat_models):
 
 def _args(models, *extra: str) -> list[str]:
     return ["--target", models["target"], "--draft", models["draft"], "--method", "chain:k=4",
-            "--served-model-name", MODEL, *extra]
+            "--served-model-name", MODEL, "--max-batch", "1", *extra]
 
 
-def _metrics(url: str) -> dict[str, float]:
-    """The samples of /metrics without labels other than model_name: name -> value."""
-    out = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for s in family.samples:
-            if set(s.labels) == {"model_name"}:
-                out[s.name] = s.value
-    return out
+_metrics = model_metrics
 
 
 def _send_raw(url: str, body: dict) -> socket.socket:

@@ -16,13 +16,15 @@ they resolve the same defaults and agree on the same rules:
   ``mask-probe`` ...) is not loaded, and loading warns once that it is not used.
 * **dtype** None: float32 (the only dtype in which greedy speculative output is guaranteed token-identical to a
   separately run plain decode); **device** None: the best available (:func:`speculant.core.checks.resolve_device`).
-* **quantization** None: a packaged target's own format (:attr:`speculant.models.sources.PackagedModel.default_quantization`:
-  ``q4`` for the Qwen2.5-Coder pair, measured fastest at every token count), else ``"none"``
-  (:data:`speculant.core.quant.QUANTIZATIONS`); the models loaded by name are
-  quantized as they load (:func:`speculant.models.loading.load_model_dir`: a GGUF file's own codes are kept
-  where the kind holds them, :func:`speculant.models.loading.quantize_loaded`). **draft_quantization** None: the target's kind, because the draft only proposes (its
-  numerics never change what is emitted) and a quantized target usually wants a draft as cheap as itself; give
-  ``"none"`` to keep a float draft. A loaded module is never quantized here: quantization None takes it as it
+* **quantization** None: a packaged target's own format
+  (:attr:`speculant.models.sources.PackagedModel.default_quantization`: ``q4m`` for Qwen2.5-Coder-1.5B: its GGUF
+  file's 4-bit tensors in q4, its 6-bit ones in q8, within 0.99 top-1 agreement of the float32 file), else
+  ``"none"`` (:data:`speculant.core.quant.QUANTIZATIONS`); the models loaded by name are quantized as they load
+  (:func:`speculant.models.loading.load_model_dir`: a GGUF file's own codes are kept where the kind holds them,
+  :func:`speculant.models.loading.quantize_loaded`). **draft_quantization** None: the target's kind, in its
+  fastest form (:data:`speculant.core.quant.DRAFT_KIND`: q4 under a q4m target), because the draft only proposes
+  (its numerics never change what is emitted) and a quantized target usually wants a draft as cheap as itself;
+  give ``"none"`` to keep a float draft. A loaded module is never quantized here: quantization None takes it as it
   is, any other kind must be the one it already has (:func:`speculant.core.quant.quantization_of`).
 
 Two phases, because a server checks its settings before it listens and loads afterwards: :func:`resolve` checks
@@ -292,7 +294,7 @@ def _resolve_quantization(target: Model, draft: Model | None, quantization: str 
                           draft_quantization: str | None) -> tuple[str, str]:
     """The target's and the draft's kinds (see the module docstring); one-line errors for an unknown kind and for a
     loaded module asked for a kind it does not have."""
-    from .core.quant import quantization_of
+    from .core.quant import DRAFT_KIND, quantization_of
     from .models.loading import check_quantization, default_quantization_for
 
     def kind_of(role: str, model: Model | None, kind: str | None) -> str:
@@ -309,7 +311,7 @@ def _resolve_quantization(target: Model, draft: Model | None, quantization: str 
         quantization = default_quantization_for(target)  # a packaged model's own format (q4 for the Qwen pair)
     target_kind = kind_of("target", target, quantization)
     # a draft module given with no kind is taken as it is; a draft by name follows the target unless told
-    draft_default = None if isinstance(draft, torch.nn.Module) else target_kind
+    draft_default = None if isinstance(draft, torch.nn.Module) else DRAFT_KIND.get(target_kind, target_kind)
     return target_kind, kind_of("draft", draft, draft_quantization if draft_quantization is not None
                                 else draft_default)
 

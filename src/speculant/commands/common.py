@@ -285,7 +285,7 @@ def add_model_arguments(
     )
     p.add_argument(
         "--quantization",
-        choices=["none", "int8", "int4", "q4", "q8"],  # speculant.core.quant.QUANTIZATIONS (not imported: no torch)
+        choices=["none", "int8", "int4", "q4", "q4m", "q8"],  # speculant.core.quant.QUANTIZATIONS (not imported: no torch)
         default=None,
         help="weight quantization of the models loaded by name (the draft takes the target's kind): none (the "
         "float weights); int8 (per-row int8 weights, torch's int8 kernel); int4 (groups of 32 4-bit weights with "

@@ -36,7 +36,8 @@ DESCRIPTION = (
     "Serve the target model over HTTP with OpenAI's API (POST /v1/chat/completions, POST /v1/completions, GET "
     "/v1/models), losslessly accelerated by the drafting method, plus GET /health (200 once the model is loaded, "
     "503 before) and GET /metrics (Prometheus, vLLM's metric names). One model per process; requests are queued "
-    "(--max-queue) and decoded one at a time in arrival order. Needs the serve extra: pip install "
+    "(--max-queue) and decoded together, up to --max-batch at once (continuous batching: each joins at the next "
+    "step and leaves when done, cancelled or its client goes away). Needs the serve extra: pip install "
     "'speculant[serve]'."
 )
 
@@ -73,8 +74,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="listen on this address (0.0.0.0: every interface); default: %(default)s")
     p.add_argument("--port", type=_port, metavar="N", default=d["port"],
                    help="listen on this port (0: a free one, printed on stderr); default: %(default)s")
+    p.add_argument("--max-batch", type=positive_int, metavar="N", default=d["max_batch"],
+                   help="decode up to N requests together, one target forward per step for all of them (on a CPU "
+                   "a forward over several rows costs little more than over one, since it reads every weight once); "
+                   "1: one request at a time; default: %(default)s")
+    p.add_argument("--speculation", choices=["auto", "on", "off"], default=d["speculation"],
+                   help="how deep each request drafts per step: auto (the depth that maximises tokens per second "
+                   "for the batch, from each request's measured acceptance and the measured cost of a forward over "
+                   "the batch's rows: at low load the method's full depth, at high load less or none, so "
+                   "speculation never costs throughput), on (always the method's depth), off (plain decoding); "
+                   "output is the same either way; default: %(default)s")
     p.add_argument("--max-queue", type=nonnegative_int, metavar="N", default=d["max_queue"],
-                   help="requests that may wait behind the one being decoded; one more is answered 429 at once; "
+                   help="requests that may wait behind a full batch; one more is answered 429 at once; "
                    "default: %(default)s")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV, d["api_key"]),
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (401 otherwise); default: ${API_KEY_ENV} "

@@ -19,24 +19,44 @@ built on this class; a server keeps one Batch and feeds it requests.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
+from .adaptive import Speculation
+from .checks import (
+    as_id_list,
+    check_fits_context,
+    check_logprobs,
+    check_positive_int,
+    check_token_ids,
+    num_layers,
+    resolve_eos,
+    vocab_size,
+    warn_once,
+)
 from .drafting import Drafter, capability, sync
-from .eviction import BudgetedKV
-from .forward import TargetForward, batched_logits
+from .eviction import BudgetedKV, EvictionPolicy
+from .forward import FORWARDS, TargetForward, batched_logits
 from .sequence import Sequence
 from .types import Generation, SamplingParams, StepEvent
 
 __all__ = ["Batch"]
 
+log = logging.getLogger(__name__)
+
 
 class Batch:
     """Sequences of ``target`` decoded together (see the module doc). ``forward``: ``"auto"``, ``"lean"`` or
-    ``"model"`` (:class:`~speculant.core.forward.TargetForward`), for every sequence."""
+    ``"model"`` (:class:`~speculant.core.forward.TargetForward`), for every sequence. ``speculation``: how deep the
+    sequences draft each step (:class:`~speculant.core.adaptive.Speculation` or its mode: ``"on"``, each drafter
+    as deep as it likes; ``"off"``; ``"auto"``, by goodput from the measured acceptance and forward cost)."""
 
-    def __init__(self, target: torch.nn.Module, forward: str = "auto") -> None:
+    def __init__(self, target: torch.nn.Module, forward: str = "auto", speculation: Speculation | str = "on") -> None:
+        if forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
+        self.speculation = speculation if isinstance(speculation, Speculation) else Speculation(speculation)
         self.target = target
         self.forward_mode = forward
         self._sequences: dict[int, Sequence] = {}  # active
@@ -54,19 +74,51 @@ class Batch:
         """Indices of the active sequences, in the order they joined."""
         return list(self._sequences)
 
-    def add(self, ids: list[int], drafter: Drafter | None = None, max_new_tokens: int = 128,
-            params: SamplingParams | None = None, stops: set[int] | frozenset[int] = frozenset(),
-            kv: BudgetedKV | None = None, logprobs: int | None = None) -> int:
-        """Add a sequence (checked arguments: :func:`speculant.core.engine.generate_batch` checks them) and prefill
-        its prompt; returns its index (``StepEvent.sequence``). A drafter object serves one sequence at a time (it
-        keeps per-generation state)."""
+    def check(self, input_ids, drafter: Drafter | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
+              top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+              eos_token_id: int | list[int] | None = None, kv_policy: EvictionPolicy | None = None,
+              kv_budget: int | None = None, kv_block: int = 128, logprobs: int | None = None) -> list[int]:
+        """Check one generation's arguments as :meth:`add` takes them (one-line ValueErrors, nothing loaded or
+        prefilled); returns the prompt's ids."""
+        SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        ids = as_id_list(input_ids)
+        vocab = vocab_size(self.target)
+        check_token_ids(ids, vocab, "input_ids")
+        check_positive_int("max_new_tokens", max_new_tokens)
+        check_logprobs(logprobs)
+        check_fits_context(self.target, len(ids), max_new_tokens)
+        if eos_token_id is not None:
+            check_token_ids(sorted(resolve_eos(self.target, eos_token_id)), vocab, "eos_token_id")
+        _check_drafter(drafter)
+        _check_kv(kv_policy, kv_budget, kv_block)
+        return ids
+
+    def add(self, input_ids, drafter: Drafter | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
+            top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+            eos_token_id: int | list[int] | None = None, kv_policy: EvictionPolicy | None = None,
+            kv_budget: int | None = None, kv_block: int = 128, logprobs: int | None = None) -> int:
+        """Add a generation (the arguments of :func:`speculant.core.engine.generate`, checked: :meth:`check`) and
+        prefill its prompt; returns its index (``StepEvent.sequence``). A drafter object serves one sequence at a
+        time (it keeps per-generation state)."""
+        ids = self.check(input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
+                         kv_policy, kv_budget, kv_block, logprobs)
         if drafter is not None and any(s.drafter is drafter for s in self._sequences.values()):
             raise ValueError("a drafter object serves one sequence at a time: give each sequence its own drafter")
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        if params.greedy and (top_k is not None or top_p not in (None, 1.0)):
+            warn_once(log, "top_k / top_p have no effect with greedy decoding (temperature 0)")
+        if self.target.training:
+            log.warning("target model was in training mode (dropout active); switching it to eval mode")
+            self.target.eval()
+        kv: BudgetedKV | None = None
+        if kv_policy is not None:
+            kv_policy.bind_draft(capability(drafter, "model"))  # SpecKV drafts with the drafter's model
+            kv = kv_policy.budgeted(num_layers(self.target), kv_budget, kv_block)
         forward = TargetForward(self.target, self.forward_mode, max_length=len(ids) + max_new_tokens,
                                 taps=capability(drafter, "target_taps"))
         index, self._next = self._next, self._next + 1
-        seq = Sequence(index, self.target, forward, ids, drafter, max_new_tokens, params or SamplingParams(),
-                       set(stops), kv, logprobs)
+        seq = Sequence(index, self.target, forward, ids, drafter, max_new_tokens, params,
+                       resolve_eos(self.target, eos_token_id), kv, logprobs)
         with torch.inference_mode():
             seq.prefill()
         self._sequences[index] = seq
@@ -78,6 +130,7 @@ class Batch:
         seqs = list(self._sequences.values())
         if not seqs:
             return []
+        self.speculation.plan(seqs)
         with torch.inference_mode():
             segments = [s.plan() for s in seqs]
             self.rows = sum(seg.input_ids.shape[1] if seg.input_ids is not None else seg.inputs_embeds.shape[1]
@@ -86,6 +139,7 @@ class Batch:
             logits = batched_logits([s.forward for s in seqs], segments, [s.hidden for s in seqs])
             sync(seqs[0].device)
             elapsed = time.perf_counter() - start
+            self.speculation.cost.observe(self.rows, elapsed)
             events = [s.absorb(out[0], elapsed) for s, out in zip(seqs, logits)]
         self.steps += 1
         for seq in seqs:
@@ -114,3 +168,29 @@ class Batch:
     def release(self, index: int) -> None:
         """Forget finished sequence ``index`` (its cache and result)."""
         self._finished.pop(index, None)
+
+
+_RESOLVE = "use speculant.generate, which resolves names and models, or pass the resolved object"
+
+
+def _check_drafter(drafter) -> None:
+    """A one-line ValueError unless ``drafter`` is None or a Drafter (a name or a model belongs to the wrapper)."""
+    if drafter is None or isinstance(drafter, Drafter):
+        return
+    got = repr(drafter) if isinstance(drafter, str) else type(drafter).__name__
+    raise ValueError(f"drafter: speculant.core.engine.generate takes a Drafter or None, got {got:.80}; {_RESOLVE} "
+                     "(speculant.build_drafter)")
+
+
+def _check_kv(kv_policy, kv_budget, kv_block) -> None:
+    """One-line errors for inconsistent KV settings (eviction needs a policy object and a budget)."""
+    check_positive_int("kv_block", kv_block)  # checked even unused: a wrong type is a mistake either way
+    if kv_policy is None and kv_budget is None:
+        return None
+    if kv_policy is None or kv_budget is None:
+        raise ValueError("KV eviction needs both kv_policy and kv_budget (e.g. kv_policy='keydiff', kv_budget=256)")
+    if not isinstance(kv_policy, EvictionPolicy):
+        got = repr(kv_policy) if isinstance(kv_policy, str) else type(kv_policy).__name__
+        raise ValueError(f"kv_policy: speculant.core.engine.generate takes a ScorePolicy or None, got {got:.80}; "
+                         f"{_RESOLVE} (speculant.kv.parse_policy)")
+    check_positive_int("kv_budget", kv_budget)

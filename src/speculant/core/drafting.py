@@ -35,8 +35,9 @@ class DecodeState:
     """What a drafter may read during one generation.
 
     ``ids`` are all committed token ids (prompt + new); the last one is the root of the next tree (not yet in
-    the target's cache). ``remaining`` is how many tokens may still be committed, so a drafter can shorten its
-    draft (at most ``remaining - 1`` draft tokens are useful: the step also emits a bonus token).
+    the target's cache). ``remaining`` is how many tokens may still be committed; ``max_draft`` a cap the engine
+    may set for the next step (speculation that adapts to load: :mod:`speculant.core.adaptive`; None: none). A
+    drafter drafts at most :attr:`draft_limit` levels deep.
     """
 
     target: torch.nn.Module
@@ -53,6 +54,14 @@ class DecodeState:
     # the tokens that entered its cache since the drafter last took them (it clears the list): the outputs of the
     # layers the drafter's ``target_taps`` names, then the final-normed hidden state (F = (taps + 1) H)
     target_hidden: list[torch.Tensor] = field(default_factory=list)
+    max_draft: int | None = None
+
+    @property
+    def draft_limit(self) -> int:
+        """The deepest draft worth proposing this step: ``remaining - 1`` (the step also emits a bonus token, so
+        deeper tokens could never be committed), and at most ``max_draft`` when the engine set one."""
+        limit = self.remaining - 1
+        return limit if self.max_draft is None else min(limit, self.max_draft)
 
     @contextmanager
     def draft_forward(self, device: torch.device) -> Iterator[None]:

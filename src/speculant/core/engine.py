@@ -17,22 +17,10 @@ from collections.abc import Callable
 import torch
 
 from .batch import Batch
-from .checks import (
-    as_id_list,
-    check_fits_context,
-    check_logprobs,
-    check_positive_int,
-    check_stream,
-    check_token_ids,
-    num_layers,
-    resolve_eos,
-    vocab_size,
-    warn_once,
-)
-from .drafting import Drafter, capability
-from .eviction import BudgetedKV, EvictionPolicy
-from .forward import FORWARDS
-from .types import Generation, SamplingParams, StepEvent
+from .checks import check_stream
+from .drafting import Drafter
+from .eviction import EvictionPolicy
+from .types import Generation, StepEvent
 
 __all__ = ["Steps", "generate", "generate_batch", "generate_steps"]
 
@@ -135,10 +123,10 @@ def generate_steps(
     """:func:`generate` as an iterator of steps (:class:`Steps`): the arguments are checked and the prompt is
     prefilled at once, then each ``next()`` runs one decoding step and returns its
     :class:`~speculant.core.types.StepEvent`; :meth:`Steps.close` stops early (e.g. a client that went away)."""
-    batch = Batch(target, _check_forward(forward))
-    request = _request(target, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
-                       kv_policy, kv_budget, kv_block, logprobs)
-    return Steps(batch, batch.add(**request))
+    batch = Batch(target, forward)
+    index = batch.add(input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, kv_policy,
+                      kv_budget, kv_block, logprobs)
+    return Steps(batch, index)
 
 
 def generate_batch(
@@ -153,11 +141,14 @@ def generate_batch(
     eos_token_id: int | list[int] | None = None,
     forward: str = "auto",
     logprobs: int | None = None,
+    speculation: str = "on",
 ) -> list[Generation]:
     """Decode several prompts together (:class:`~speculant.core.batch.Batch`): one verification forward per step
     for every unfinished sequence, each with its own drafter (``drafters[i]``, a distinct object per prompt, or
     None for plain decoding; None: plain decoding for all) and cache. ``seed``: one for all or one per prompt;
-    the other settings apply to every prompt (see :func:`speculant.generate`). Returns one
+    the other settings apply to every prompt (see :func:`speculant.generate`); ``speculation``: ``"on"`` (each
+    drafter as deep as it likes), ``"off"`` or ``"auto"`` (depths chosen per step by goodput,
+    :mod:`speculant.core.adaptive`). Returns one
     :class:`~speculant.core.types.Generation` per prompt, in order; each equals what :func:`generate` gives the
     prompt alone, token for token, greedy, with quantized weights (see the batch module on float weights)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -171,70 +162,13 @@ def generate_batch(
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"seed: give one seed, or one per prompt ({len(prompts)}), got {len(seeds)}")
-    batch = Batch(target, _check_forward(forward))
-    requests = [_request(target, ids, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, None, None,
-                         128, logprobs) for ids, d, s in zip(prompts, drafters, seeds)]
-    indices = [batch.add(**r) for r in requests]
+    batch = Batch(target, forward, speculation)
+    ids = [batch.check(p, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, logprobs=logprobs)
+           for p, d, s in zip(prompts, drafters, seeds)]  # every prompt checked before any is prefilled
+    if len({id(d) for d in drafters if d is not None}) < sum(d is not None for d in drafters):
+        raise ValueError("a drafter object serves one sequence at a time: give each prompt its own drafter")
+    indices = [batch.add(p, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, logprobs=logprobs)
+               for p, d, s in zip(ids, drafters, seeds)]
     while len(batch):
         batch.step()
     return [batch.result(i) for i in indices]
-
-
-def _check_forward(forward: str) -> str:
-    if forward not in FORWARDS:
-        raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
-    return forward
-
-
-def _request(target, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, kv_policy,
-             kv_budget, kv_block, logprobs) -> dict:
-    """One generation's arguments checked (one-line ValueErrors) and resolved into :meth:`Batch.add`'s."""
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    if params.greedy and (top_k is not None or top_p not in (None, 1.0)):
-        warn_once(log, "top_k / top_p have no effect with greedy decoding (temperature 0)")
-    ids = as_id_list(input_ids)
-    vocab = vocab_size(target)
-    check_token_ids(ids, vocab, "input_ids")
-    check_positive_int("max_new_tokens", max_new_tokens)
-    check_logprobs(logprobs)
-    check_fits_context(target, len(ids), max_new_tokens)
-    stops = resolve_eos(target, eos_token_id)
-    if eos_token_id is not None:
-        check_token_ids(sorted(stops), vocab, "eos_token_id")
-    _check_drafter(drafter)
-    if target.training:
-        log.warning("target model was in training mode (dropout active); switching it to eval mode")
-        target.eval()
-    _check_kv(kv_policy, kv_budget, kv_block)
-    kv: BudgetedKV | None = None
-    if kv_policy is not None:
-        kv_policy.bind_draft(capability(drafter, "model"))  # SpecKV drafts with the drafter's model
-        kv = kv_policy.budgeted(num_layers(target), kv_budget, kv_block)
-    return {"ids": ids, "drafter": drafter, "max_new_tokens": max_new_tokens, "params": params, "stops": stops,
-            "kv": kv, "logprobs": logprobs}
-
-
-_RESOLVE = "use speculant.generate, which resolves names and models, or pass the resolved object"
-
-
-def _check_drafter(drafter) -> None:
-    """A one-line ValueError unless ``drafter`` is None or a Drafter (a name or a model belongs to the wrapper)."""
-    if drafter is None or isinstance(drafter, Drafter):
-        return
-    got = repr(drafter) if isinstance(drafter, str) else type(drafter).__name__
-    raise ValueError(f"drafter: speculant.core.engine.generate takes a Drafter or None, got {got:.80}; {_RESOLVE} "
-                     "(speculant.build_drafter)")
-
-
-def _check_kv(kv_policy, kv_budget, kv_block) -> None:
-    """One-line errors for inconsistent KV settings (eviction needs a policy object and a budget)."""
-    check_positive_int("kv_block", kv_block)  # checked even unused: a wrong type is a mistake either way
-    if kv_policy is None and kv_budget is None:
-        return None
-    if kv_policy is None or kv_budget is None:
-        raise ValueError("KV eviction needs both kv_policy and kv_budget (e.g. kv_policy='keydiff', kv_budget=256)")
-    if not isinstance(kv_policy, EvictionPolicy):
-        got = repr(kv_policy) if isinstance(kv_policy, str) else type(kv_policy).__name__
-        raise ValueError(f"kv_policy: speculant.core.engine.generate takes a ScorePolicy or None, got {got:.80}; "
-                         f"{_RESOLVE} (speculant.kv.parse_policy)")
-    check_positive_int("kv_budget", kv_budget)

@@ -199,7 +199,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def q4_call(x: torch.Tensor, k: int, packed: torch.Tensor, bits: int, n: int, lib: ctypes.CDLL,
-            norm: torch.Tensor | None, eps: float, glu: bool, bias: torch.Tensor | None, residual: torch.Tensor | None) -> torch.Tensor:
+            norm: torch.Tensor | None, eps: float, glu: bool, bias: torch.Tensor | None,
+            residual: torch.Tensor | None) -> torch.Tensor:
     """:func:`q4_matmul` without its checks (``x [M, K]`` or ``[M, 2K]`` with ``glu``): for callers that hold
     operands of known shapes (:meth:`speculant.core.quant.QuantMatrix.fused`, hundreds of calls per forward)."""
     m = x.shape[0]

@@ -65,6 +65,9 @@ class Sequence:
         self._cache: SpecCache | None = None
         self._step: tuple[DraftTree, int, object] | None = None  # plan()'s tree, cache length and capture
         self._start = 0.0
+        self.natural_depth = 0  # the deepest draft the drafter proposed uncapped (0: not seen yet)
+        self.probed_at: int | None = None  # target calls when it last proposed uncapped
+        self.rows_per_level = 1.0  # draft tokens per level of its last uncapped tree (a chain: 1)
 
     @property
     def stats(self) -> GenerationStats:
@@ -104,7 +107,12 @@ class Sequence:
     def plan(self) -> Segment:
         """Draft this step's tree and return the verification forward's inputs for this sequence."""
         state, device = self.state, self.device
-        tree = self.drafter.propose(state) if self.drafter is not None and state.remaining > 1 else _EMPTY
+        tree = self.drafter.propose(state) if self.drafter is not None and state.draft_limit > 0 else _EMPTY
+        if state.max_draft is None and self.drafter is not None:  # its own depth and width (adaptive speculation)
+            self.probed_at = self.stats.target_calls
+            if tree.max_depth:
+                self.natural_depth = max(self.natural_depth, tree.max_depth)
+                self.rows_per_level = len(tree) / tree.max_depth
         cache_len = self._cache.length
         inputs = torch.tensor([[state.ids[-1], *tree.tokens]], device=device)  # [1, Q]
         embeds = None
@@ -167,8 +175,9 @@ class Sequence:
             self._finish(reason)
         elif self.drafter is not None:
             self.drafter.commit(state, accepted)
-        return StepEvent(self.index, emitted, min(len(verdict.accepted), len(emitted)), offered, len(tree),
-                         step_logprobs, self.done, self.finish_reason)
+        # as stats.record_step counts a step cut short inside its accepted block: its last token is the bonus
+        taken = len(verdict.accepted) if len(emitted) > len(verdict.accepted) else len(emitted) - 1
+        return StepEvent(self.index, emitted, taken, offered, len(tree), step_logprobs, self.done, self.finish_reason)
 
     # ------------------------------------------------------------------------------------------------ the end
 

@@ -33,5 +33,5 @@ class HybridDrafter(MaskProbeDrafter):
 
     def _nodes(self, state: DecodeState) -> tuple[list[int], list[int]]:
         tokens, parents = super()._nodes(state)
-        chain = lookup_continuation(state.ids, self.ngram, min(self.k, state.remaining - 1))
+        chain = lookup_continuation(state.ids, self.ngram, min(self.k, state.draft_limit))
         return merge_chain(tokens, parents, chain)

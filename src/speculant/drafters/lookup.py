@@ -59,7 +59,7 @@ class PromptLookupDrafter(Drafter):
         pass
 
     def propose(self, state: DecodeState) -> DraftTree:
-        k = min(self.k, state.remaining - 1)
+        k = min(self.k, state.draft_limit)
         return DraftTree.chain(lookup_continuation(state.ids, self.ngram, k))  # deterministic: draft_probs None
 
     def commit(self, state: DecodeState, accepted: list[int]) -> None:

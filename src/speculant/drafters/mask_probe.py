@@ -109,7 +109,7 @@ class MaskProbeDrafter(Drafter):
 
     def _nodes(self, state: DecodeState) -> tuple[list[int], list[int]]:
         """The draft tree's ``(tokens, parents)`` from the masks' guesses (empty on the first step)."""
-        depth = min(self.masks, state.remaining - 1)
+        depth = min(self.masks, state.draft_limit)
         if self._guesses is None or depth <= 0:
             return [], []
         if self.budget is None:

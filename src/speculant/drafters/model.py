@@ -259,7 +259,7 @@ class DraftModelDrafter(DraftModelBase):
         return self.k
 
     def propose(self, state: DecodeState) -> DraftTree:
-        k = min(self.k, state.remaining - 1)
+        k = min(self.k, state.draft_limit)
         logits = self._catch_up(state)  # [V_shared], or [M] trimmed
         tokens: list[int] = []
         rows: list[torch.Tensor] = []

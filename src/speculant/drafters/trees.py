@@ -99,7 +99,7 @@ class TreeDrafterBase(DraftModelBase):
         return self._all_logits(state, tokens, mask[:, :, start + 1 :], positions[:, start + 1 :])
 
     def _depth(self, state: DecodeState, depth: int) -> int:
-        return min(depth, state.remaining - 1)  # deeper nodes could never be committed
+        return min(depth, state.draft_limit)  # deeper nodes could never be committed, or the engine caps it
 
     def _finish(self, state: DecodeState, tokens: list[int], parents: list[int], rows: list[torch.Tensor],
                 fed: int | list[int], **tree_options) -> DraftTree:

@@ -45,7 +45,7 @@ class WithLookup(Drafter):
         tree = self.inner.propose(state)
         if tree.probes is not None:
             raise ValueError("lookup= cannot merge into a draft that carries mask probes (use the hybrid method)")
-        chain = lookup_continuation(state.ids, self.ngram, min(self.k, state.remaining - 1))
+        chain = lookup_continuation(state.ids, self.ngram, min(self.k, state.draft_limit))
         if not chain:
             return tree  # unchanged: a sampled chain keeps its q and speculative sampling
         tokens, parents = merge_chain(tree.tokens, tree.parents, chain)

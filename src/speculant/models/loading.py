@@ -82,26 +82,26 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
     """Quantize a freshly loaded ``model`` in place to ``quantization`` (:func:`speculant.core.quant.quantize_model`)
     and return how many matrices were built from a GGUF file's own codes.
 
-    With ``gguf_file`` (the file the model's weights were read from) and an int4, q4 or q8 kind, every matrix the
-    file stores as codes with a scale and minimum per 32 (:data:`speculant.models.gguf.CODE_TYPES`) takes those
+    With ``gguf_file`` (the file the model's weights were read from) and an int4, q4, q4m or q8 kind, every matrix
+    the file stores as codes with a scale and minimum per 32 (:data:`speculant.models.gguf.CODE_TYPES`) takes those
     codes unchanged (:meth:`~speculant.core.quant.QuantMatrix.from_codes`) where the kind holds them: 4-bit codes
-    (Q4_K, Q4_1, Q4_0) in int4, q4 and q8; 5- and 8-bit codes (Q5_0, Q5_1, Q8_0) in q8 matrices, which a q4 model
-    holds too. So the quantized model is the file's model: int4 computes ``(q - 8) * scale + (minimum + 8 *
+    (Q4_K, Q4_1, Q4_0) in int4, q4, q4m and q8; 5- and 8-bit codes (Q5_0, Q5_1, Q8_0) in q8 matrices, which a q4m
+    model holds too. So the quantized model is the file's model: int4 computes ``(q - 8) * scale + (minimum + 8 *
     scale)`` in the model's dtype (float32: the file's values but for a rare last-bit rounding of that form), q4
     and q8 round each scale and minimum to float16 (exact for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, whose d and m are
     float16 and whose minimums 8 d, 16 d, 128 d are too; Q4_K's ``d * sc`` has up to 17 significant bits: a relative
     rounding of at most 2^-11 of the scale and of the minimum).
 
-    In a q4 model the file's other 5- to 8-bit tensors (Q6_K, Q5_K: :data:`speculant.models.gguf.WIDE_TYPES`)
+    In a q4m model the file's other 5- to 8-bit tensors (Q6_K, Q5_K: :data:`speculant.models.gguf.WIDE_TYPES`)
     become q8 matrices requantized from their values (8-bit codes per 32 inputs: within 1/510 of a group's range of
     the file's value, where 4 bits would be 1/30): the file spent more bits on them (a Q4_K_M file's LM head, half of
-    its value and down projections), and q4 keeps them. Every other matrix (F16/F32 tensors, fewer-bit types, or any
-    tensor for int8) is requantized to the kind from its values."""
-    from ..core.quant import BITS, HOLDS, QuantMatrix, attach, quantization_of, quantize_model, quantized_linears, \
-        releasable
+    its value and down projections), and q4m keeps them. Every other matrix (F16/F32 tensors, fewer-bit types, any
+    wider tensor for int4 and q4, or any tensor for int8) is requantized to the kind from its values."""
+    from ..core.quant import BITS, HOLDS, MATRIX_KIND, QuantMatrix, attach, quantization_of, quantize_model, \
+        quantized_linears, releasable
 
     built = 0
-    if gguf_file is not None and quantization in ("int4", "q4", "q8") and quantization_of(model) == "none":
+    if gguf_file is not None and quantization in ("int4", "q4", "q4m", "q8") and quantization_of(model) == "none":
         from .gguf import CODE_TYPES, WIDE_TYPES, file_tensors
 
         targets = {id(m.weight): m for m in quantized_linears(model)}
@@ -111,13 +111,14 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
             module = targets.get(id(params[name]))
             if module is None:  # e.g. a Q4_K token embedding under an untied head: not a quantized linear
                 continue
-            # the kind of matrix that keeps this tensor: 8-bit codes in q8 (a q4 model holds q8 matrices too)
-            kind = "q8" if qtype in WIDE_TYPES and "q8" in HOLDS[quantization] else quantization
+            # the kind of matrix that keeps this tensor: a wide one in q8 where the model holds q8 (q4m, q8)
+            kind = "q8" if qtype in WIDE_TYPES and "q8" in HOLDS[quantization] else \
+                MATRIX_KIND.get(quantization, quantization)
             dtype = module.weight.dtype
             if codes is not None and CODE_TYPES[qtype][2] <= BITS[kind]:
                 matrix = QuantMatrix.from_codes(codes, scale, minimum, dtype, kind)
                 built += 1
-            elif kind != quantization:  # a wide type without code-compatible blocks (Q6_K): 8 bits from its values
+            elif qtype in WIDE_TYPES and kind == "q8":  # a wide type without per-32 blocks (Q6_K): 8 bits from values
                 matrix = QuantMatrix.quantize(module.weight, kind)
             else:
                 continue  # requantized with the rest below

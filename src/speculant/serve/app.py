@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..core.types import SamplingParams
@@ -40,6 +40,7 @@ from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .guard import BrowserGuard
 from .limits import BodyLimit, check_prompt_chars
 from .logprobs import LogprobShape
+from .page import PAGE
 from .protocol import (APIError, GenerationRequest, clip, error_body, parse_body, parse_chat_request,
                        parse_completion_request)
 from .settings import ServeSettings
@@ -224,6 +225,11 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
 
     # ------------------------------------------------------------------------------------------ routes
 
+    @app.get("/")
+    async def page() -> HTMLResponse:
+        """The chat playground (speculant.serve.page): same origin, so the browser guard lets it call the API."""
+        return HTMLResponse(PAGE)
+
     @app.get("/health")
     async def health() -> Response:
         if drain.draining:
@@ -261,7 +267,8 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         ids = await asyncio.to_thread(prompt_ids, req)
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
         job = Job(ids=ids, max_tokens=max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
-                  stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+                  stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+                  sources=req.sources and req.stream)
         try:
             worker.submit(job)
         except QueueFull as exc:
@@ -364,6 +371,7 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
     client went away), it cancels the job."""
     done = False
     pending: list[dict] = []  # logprob entries not sent yet: they go with the next text chunk (or the last)
+    sources = None  # the next text chunk's "speculant" annotation (speculant_sources)
     try:
         if shape.chat:
             yield _event(shape.chunk(role=True))
@@ -371,9 +379,14 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
             kind, payload = await job.events.get()
             if kind == "logprobs":
                 pending.extend(payload)
+            elif kind == "sources":
+                sources = payload
             elif kind == "text":
-                yield _event(shape.chunk(payload, logprobs=pending))
-                pending = []
+                chunk = shape.chunk(payload, logprobs=pending)
+                if sources is not None:
+                    chunk["speculant"] = sources
+                yield _event(chunk)
+                pending, sources = [], None
             elif kind == "done":
                 done = True
                 yield _event(shape.last_chunk(payload, job.ids, logprobs=pending))
@@ -409,8 +422,8 @@ async def _collect(request: Request, worker: Worker, job: Job, shape: _Shape) ->
             kind, payload = event.result()
             if kind == "text":
                 pieces.append(payload)
-            elif kind == "logprobs":
-                continue  # the whole response's are in the result
+            elif kind in ("logprobs", "sources"):
+                continue  # the whole response's are in the result (sources: streams only)
             elif kind == "done":
                 if payload.finish_reason == ABORT:
                     return None

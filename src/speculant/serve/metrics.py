@@ -3,8 +3,8 @@ them), each labelled with ``model_name``; plus speculant's own counters for what
 
 vLLM's names (``prometheus_client`` appends ``_total`` to counters in the exposition):
 
-* ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (gauges): the request being decoded (0 or 1: one
-  at a time) and the requests queued behind it;
+* ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (gauges): the requests in the batch being decoded
+  (up to ``--max-batch``) and the requests queued behind it;
 * ``vllm:prompt_tokens``, ``vllm:generation_tokens`` (counters): tokens read and generated (every generated token,
   also those of a cancelled request);
 * ``vllm:request_success`` (counter, label ``finished_reason``: ``stop``, ``length``, or ``abort`` for requests
@@ -18,6 +18,9 @@ vLLM's names (``prometheus_client`` appends ``_total`` to counters in the exposi
   (label ``position``, 0-based: steps whose draft at depth ``position + 1`` was accepted).
 
 speculant's: ``speculant:target_calls`` (target forwards while decoding: τ = generation tokens / target calls),
+``speculant:batch_size`` (gauge: requests in the last batched step), ``speculant:batch_steps`` (counter: batched
+steps, one target forward each; per-request ``target_calls`` count each request's share),
+``speculant:step_rows`` (histogram: rows of each batched step's target forward, every request's root and draft),
 ``speculant:requests_cancelled`` (clients that went away, or stop strings never reached: cancelled while queued
 or decoding) and ``speculant:cancelled_generation_tokens`` (tokens generated for cancelled requests before the
 generation stopped), ``speculant:requests_failed`` (requests answered 500).
@@ -39,6 +42,7 @@ disable_created_metrics()  # no *_created series: they double every counter for 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
                     640.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 
 
@@ -81,24 +85,33 @@ class ServerMetrics:
         self.cancelled_tokens = counter("speculant:cancelled_generation_tokens",
                                         "Tokens generated for requests that were then cancelled").labels(model_name)
         self.failed = counter("speculant:requests_failed", "Requests that failed (HTTP 500)").labels(model_name)
+        self.batch_size = Gauge("speculant:batch_size", "Requests in the last batched step", m,
+                                registry=reg).labels(model_name)
+        self.batch_steps = counter("speculant:batch_steps", "Batched steps (one target forward each)").labels(
+            model_name)
+        self.rows = histogram("speculant:step_rows", "Rows (tokens) of a batched step's target forward", _ROWS)
         for reason in ("stop", "length"):  # present from the start, so a scrape before any request sees 0
             self._success.labels(model_name, reason)
         self.running.set(0)
         self.waiting.set(0)
 
-    def step(self, new_tokens: int, draft_tokens: int) -> None:
-        """One verification step: ``new_tokens`` committed, of which ``new_tokens - 1`` were accepted drafts
-        (the engine's accounting: the last committed token stands for the bonus), from a draft of
-        ``draft_tokens`` tokens (0: no draft)."""
+    def step(self, new_tokens: int, draft_tokens: int, accepted: int) -> None:
+        """One request's verification step: ``new_tokens`` committed, ``accepted`` of them accepted draft tokens
+        (the engine's :class:`~speculant.core.types.StepEvent`), from a draft of ``draft_tokens`` tokens (0: no
+        draft). (In a batch, each request's step counts as one target call: τ stays per request.)"""
         self.target_calls.inc()
         self.generation_tokens.inc(new_tokens)
         if draft_tokens > 0:
-            accepted = max(0, new_tokens - 1)
             self.drafts.inc()
             self.draft_tokens.inc(draft_tokens)
             self.accepted_tokens.inc(accepted)
             for pos in range(accepted):
                 self._accepted_per_pos.labels(self.model_name, str(pos)).inc()
+
+    def batch(self, size: int) -> None:
+        """A batched step is about to run over ``size`` requests."""
+        self.batch_size.set(size)
+        self.batch_steps.inc()
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

@@ -14,7 +14,9 @@ Log-probabilities: chat takes ``logprobs: true`` and ``top_logprobs`` (0 to :dat
 
 Defaults follow OpenAI's API: ``temperature`` 1.0, ``top_p`` 1.0; ``max_tokens`` 16 on ``/v1/completions`` and
 the rest of the context on ``/v1/chat/completions``. ``top_k``, ``ignore_eos`` and ``return_token_ids`` (the
-prompt's and the completion's token ids in the response) are vLLM's extensions.
+prompt's and the completion's token ids in the response) are vLLM's extensions. ``speculant_sources`` (speculant's,
+streaming only) adds to each chunk how its text came: ``"speculant": {"sources": [[chars, "draft" | "target"],
+...], "tokens": n, "accepted": a}`` (the web page colours accepted draft tokens with it).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class GenerationRequest:
     include_usage: bool = False
     ignore_eos: bool = False
     return_token_ids: bool = False
+    sources: bool = False  # speculant_sources: per chunk, which characters were accepted draft tokens
     logprobs: int | None = None  # alternatives per token to report (0: the emitted token's only); None: off
     max_tokens_param: str = "max_tokens"  # the field that set max_tokens (for errors)
 
@@ -281,7 +284,7 @@ _FREE: dict[str, Callable[[Any], bool]] = {
     "safety_identifier": lambda v: v is None or isinstance(v, str),
 }
 _SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-                  "ignore_eos", "return_token_ids"}
+                  "ignore_eos", "return_token_ids", "speculant_sources"}
 _CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "logprobs"}
 
@@ -372,6 +375,7 @@ def _common(body: Mapping, kind: str) -> dict[str, Any]:
         "include_usage": include_usage,
         "ignore_eos": _bool(body, "ignore_eos"),
         "return_token_ids": _bool(body, "return_token_ids"),
+        "sources": _bool(body, "speculant_sources"),
     }
 
 

@@ -2,9 +2,9 @@
 
 Each replica is a Ray actor (its own process) that builds :func:`speculant.serve.app.create_app` at start-up
 (Ray Serve's ingress builder function, Ray >= 2.47) and loads its model there (a replica is ready only once its
-model is), so every replica holds one model and decodes one request at a time behind its own queue; Ray's proxy
-spreads requests over the replicas and holds them when every replica has ``max_queue + 1`` requests (Ray's
-``max_ongoing_requests``). ``/metrics`` answers from the replica the request reaches (each replica counts its own
+model is), so every replica holds one model and decodes up to ``max_batch`` requests at once behind its own
+queue; Ray's proxy spreads requests over the replicas and holds them when every replica has ``max_queue +
+max_batch`` requests (Ray's ``max_ongoing_requests``). ``/metrics`` answers from the replica the request reaches (each replica counts its own
 requests).
 
 Without ``--ray-address`` (or ``RAY_ADDRESS``) a local Ray cluster is started, and token authentication is left
@@ -47,7 +47,7 @@ def build_deployment(settings: ServeSettings, replicas: int, cpus_per_replica: f
         serve.ingress(build_app)(SpeculantReplica),
         name="speculant",
         num_replicas=replicas,
-        max_ongoing_requests=settings.max_queue + 1,
+        max_ongoing_requests=settings.max_queue + settings.max_batch,
         ray_actor_options={"num_cpus": cpus_per_replica},
         health_check_period_s=10,
     )

@@ -46,7 +46,11 @@ class ServeSettings:
     :func:`speculant.session.resolve` (``method`` None: the method measured fastest for a packaged target with its
     shipped drafter, else ``chain``, which needs a draft: ``draft`` or the drafter speculant ships for the target).
     ``target`` None: :func:`default_target` (a packaged chat model, or an error). ``model_name`` None: the target
-    as given. ``max_queue``: requests that may wait behind the one being decoded; one more is answered 429.
+    as given. ``max_queue``: requests that may wait behind a full batch; one more is answered 429. ``max_batch``:
+    requests decoded together (continuous batching: one target forward per step for all of them; 1: one at a time).
+    ``speculation``: how deep each request drafts per step (``auto``: by goodput from its measured acceptance and the
+    measured cost of a forward over the batch's rows, :mod:`speculant.core.adaptive`; ``on``: as deep as the method
+    drafts; ``off``: plain decoding).
     ``api_key`` None: no authentication (printable ASCII: HTTP headers carry ASCII). ``port``: 0 to 65535 (0: a
     free one). ``allow_origin``: the browser origins (``http://localhost:3000``, or ``*``) allowed to call the
     server cross-origin, with CORS; without an API key every other origin, and any ``Host`` that is not this
@@ -71,6 +75,8 @@ class ServeSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     max_queue: int = 64
+    max_batch: int = 4
+    speculation: str = "auto"
     api_key: str | None = None
     model_name: str | None = None
     allow_origin: tuple[str, ...] = ()
@@ -98,6 +104,10 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
     given and speculant ships none for the target is an error, as for ``generate``); one-line ValueErrors for a
     bad method, KV options, device, or model, and for the server's own options. May convert a GGUF target once
     (see README). Without a target: :func:`default_target`."""
+    if settings.speculation not in ("auto", "on", "off"):  # speculant.core.adaptive.MODES (no torch import here)
+        raise ValueError(f"--speculation must be auto, on or off, got {settings.speculation!r}")
+    if settings.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {settings.max_batch}")
     if settings.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {settings.max_queue}")
     if settings.max_body_bytes < 1:

@@ -1,15 +1,19 @@
-"""One model, one decoding thread, a bounded FIFO queue in front of it.
+"""One model, one decoding thread, a bounded FIFO queue in front of it, continuous batching behind it.
 
-The HTTP handlers (asyncio) tokenise a request and :meth:`Worker.submit` a :class:`Job`; the worker thread takes
-jobs in arrival order and decodes one at a time with its :class:`speculant.session.Session` (loaded from the
-settings, as every front-end loads), a fresh drafter per job (drafters hold per-generation state). Each verification step's committed tokens go through the job's
-:class:`~speculant.models.text.Detokenizer` and :class:`~speculant.models.text.StopMatcher` and are handed back to
-the handler's event loop as events (``("text", str)``, then ``("done", Result)`` or ``("error", str)``).
+The HTTP handlers (asyncio) tokenise a request and :meth:`Worker.submit` a :class:`Job`; the worker thread keeps a
+:class:`speculant.core.batch.Batch` of up to ``max_batch`` jobs (``--max-batch``), each with a fresh drafter of the
+session's method (drafters hold per-generation state), its own sampling settings, seed and stop tokens. At each
+step boundary waiting jobs join in arrival order (their prompts are prefilled as they join), then one batched step
+drafts for every job and verifies them all in one target forward. Each job's committed tokens go through its
+:class:`~speculant.models.text.Detokenizer` and :class:`~speculant.models.text.StopMatcher` and are handed back to the
+handler's event loop as events (``("text", str)``, then ``("done", Result)`` or ``("error", str)``). The statistics
+of a response (τ, accepted per position) are the engine's own step events (:class:`~speculant.core.types.StepEvent`),
+not recomputed.
 
-Stopping a generation early: the engine has no cancel flag, so the stream callback raises (:class:`_Stop`) at the
-next step when the job was cancelled (its client went away), aborted (the server is shutting down: it ends with
-``finish_reason`` ``abort``, vLLM's name) or a stop string is complete; ``generate`` lets it propagate. A failure
-in one job is logged and answered as an error; the thread goes on with the next job.
+A job leaves the batch at the next step boundary when it finished, when a stop string is complete, when its client
+went away (streaming or not: :meth:`Worker.cancel`) or when the server aborts it (shutdown: ``finish_reason``
+``abort``, vLLM's name); the others go on. A failure while joining fails that job; a failure inside a step fails
+the jobs of that step; either way it is logged, answered as an error, and the thread goes on.
 
 Shutting down (:mod:`speculant.serve.shutdown`): :meth:`Worker.stop_admitting`, then wait for :meth:`Worker.idle`,
 then :meth:`Worker.abort` what is left.
@@ -26,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.types import SamplingParams
+from ..core.adaptive import Speculation, row_cost
+from ..core.types import SamplingParams, StepEvent
 from .logprobs import token_entries
 from .metrics import ServerMetrics
 from .settings import ServeSettings
@@ -47,10 +52,6 @@ class ShuttingDown(Exception):
 
 ABORT = "abort"
 """The ``finish_reason`` of a generation ended by the server's shutdown (vLLM's: its FINISH_REASON_STRINGS)."""
-
-
-class _Stop(Exception):
-    """Raised from the stream callback to end a generation at this step (cancelled, or a stop string)."""
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Job:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token; None: no logprobs (then no "logprobs" events)
+    sources: bool = False  # a ("sources", {...}) event before each text event: which characters were drafts
     arrived: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
@@ -101,31 +103,126 @@ class Job:
             pass
 
 
-class _CountingDrafter:
-    """Passes a drafter through and remembers the size of its last proposal (draft tokens of this step); every
-    other attribute is the drafter's own (e.g. its ``model``, which a KV policy may use)."""
+class _Active:
+    """A job in the batch: its sequence, the text handed out so far (detokenizer, stop strings, logprob entries)
+    and the statistics of its steps, read from the engine's step events."""
 
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.proposed = 0
+    def __init__(self, worker: Worker, job: Job, index: int, start: float) -> None:
+        self.worker, self.job, self.index, self.start = worker, job, index, start
+        self.detok = Detokenizer(worker.tokenizer, worker.tokenizer_lock)
+        self.stops = StopMatcher(job.stop)
+        self.steps = {"calls": 0, "tokens": 0, "draft": 0, "accepted": 0, "per_pos": []}
+        self.first: float | None = None
+        self.generated: list[int] = []
+        self.returned = 0  # characters of text handed to the client
+        self.entries: list[dict] = []  # logprob entries of generated (job.logprobs set)
+        self.sent = 0  # entries handed to the client
+        self._held: list[list] = []  # [chars, source] of text fed to the stop matcher and not handed out yet
 
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
+    def release(self, upto: int) -> None:
+        """A ("logprobs", entries) event for generated[sent:upto], before its text."""
+        if self.job.logprobs is not None and upto > self.sent:
+            self.job.emit("logprobs", self.entries[self.sent:upto])
+            self.sent = upto
 
-    def begin(self, state) -> None:
-        self.inner.begin(state)
+    def on_step(self, event: StepEvent) -> bool:
+        """Take one step's event (its committed tokens go out as text); True when the job must stop now: its client
+        went away, a stop string is complete, or the server aborts it."""
+        job, steps, m = self.job, self.steps, self.worker.metrics
+        steps["calls"] += 1
+        steps["tokens"] += len(event.tokens)
+        steps["draft"] += event.drafted
+        steps["accepted"] += event.accepted
+        for pos in range(event.accepted):
+            if pos == len(steps["per_pos"]):
+                steps["per_pos"].append(0)
+            steps["per_pos"][pos] += 1
+        m.step(len(event.tokens), event.drafted, event.accepted)
+        self.generated.extend(event.tokens)
+        if event.logprobs is not None:
+            self.entries.extend(token_entries(self.worker.tokenizer, event.logprobs, self.worker.tokenizer_lock))
+        if self.first is None:
+            self.first = time.perf_counter()
+            m.ttft.observe(self.first - job.arrived)
+        if job.cancelled.is_set():
+            return True
+        text = self._text(event) if job.sources else self.stops.feed(self.detok.push(event.tokens))
+        if text:
+            self.returned += len(text)
+            # with stop strings, only the tokens of text handed out: held text may yet be trimmed
+            if job.logprobs is not None:  # the prefix search decodes: only when logprobs are asked for
+                self.release(self.worker._tokens_for(self.generated, self.returned) if job.stop
+                             else len(self.generated))
+            job.emit("text", text)
+        return self.stops.hit or job.aborted.is_set()  # aborted: this step's text was handed over
 
-    def propose(self, state):
-        tree = self.inner.propose(state)
-        self.proposed = len(tree)
-        return tree
+    def _text(self, event: StepEvent) -> str:
+        """The text of ``event``'s tokens to hand out now, preceded by a ("sources", ...) event that says which of
+        its characters came from accepted draft tokens and which from the target's own (bonus) token."""
+        cut = event.accepted if len(event.tokens) > event.accepted else len(event.tokens)
+        out = ""
+        for part, source in ((event.tokens[:cut], "draft"), (event.tokens[cut:], "target")):
+            piece = self.detok.push(part) if part else ""
+            if piece:
+                self._held.append([len(piece), source])
+                out += self.stops.feed(piece)
+        if out:
+            self.job.emit("sources", {"sources": self._spans(len(out)), "tokens": len(event.tokens),
+                                      "accepted": event.accepted})
+        return out
 
-    def commit(self, state, accepted) -> None:
-        self.inner.commit(state, accepted)
+    def _spans(self, chars: int) -> list[list]:
+        """``[[chars, source], ...]`` of the next ``chars`` characters handed out (oldest held text first)."""
+        spans = []
+        while chars and self._held:
+            n = min(chars, self._held[0][0])
+            spans.append([n, self._held[0][1]])
+            self._held[0][0] -= n
+            chars -= n
+            if not self._held[0][0]:
+                self._held.pop(0)
+        if chars:  # text the detokenizer held back (a split character) and released at the end
+            spans.append([chars, "target"])
+        return spans
+
+    def finish(self, reason: str | None) -> tuple[str, Any] | None:
+        """The job's last event once its sequence ended (``reason``: the engine's finish reason, ``"cancelled"``
+        when the worker stopped it); None when nobody listens any more."""
+        job, m, stops = self.job, self.worker.metrics, self.stops
+        if job.cancelled.is_set() and not stops.hit:
+            m.cancelled.inc()
+            m.cancelled_tokens.inc(self.steps["tokens"])
+            return "error", "cancelled"
+        generated = self.generated
+        if not stops.hit:
+            tail = stops.feed(self.detok.finish())
+            tail += stops.flush()
+            self.release(len(generated))
+            if tail:
+                if job.sources:
+                    job.emit("sources", {"sources": self._spans(len(tail)), "tokens": 0, "accepted": 0})
+                job.emit("text", tail)
+        if stops.hit:
+            final = "stop"
+            generated = generated[:self.worker._tokens_for(generated, self.returned)]
+            self.release(len(generated))
+        elif reason in ("stop", "length"):
+            final = reason
+        else:  # stopped by the server's shutdown before its end
+            final = ABORT
+        end = time.perf_counter()
+        m.e2e.observe(end - job.arrived)
+        if self.first is not None and self.steps["tokens"] > 1:
+            m.tpot.observe((end - self.first) / (self.steps["tokens"] - 1))
+        m.finished(final)
+        stats = _stats(self.worker.settings.method, self.steps, end - self.start)
+        return "done", Result(final, len(job.ids), len(generated), stats, generated,
+                              self.entries[:len(generated)] if job.logprobs is not None else None)
 
 
 class Worker:
-    """Loads the model (:meth:`load`), then decodes queued jobs one at a time on its own thread.
+    """Loads the model (:meth:`load`), then decodes queued jobs on its own thread, up to ``max_batch`` at once
+    (continuous batching: :class:`speculant.core.batch.Batch`).
 
     ``ready`` is set once the model is loaded; ``load_error`` holds the one-line reason when loading failed.
     ``tokenizer_lock`` guards the tokenizer, used by the handlers (encode) and the thread (decode)."""
@@ -137,12 +234,13 @@ class Worker:
         self.load_error: str | None = None
         self.tokenizer_lock = threading.Lock()
         self.session = None  # a speculant.session.Session once loaded
+        self.speculation = None  # its speculant.core.adaptive.Speculation (the forward costs it measured)
         self.target = self.tokenizer = self.draft_model = None
         self.context_length: int | None = None
         self.token_chars = 1  # the most characters one token stands for (limits.longest_token_chars)
         self._queue: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
-        self._running: Job | None = None
+        self._running: list[Job] = []  # the jobs in the batch
         self._closed = False
         self._admitting = True
         self._thread: threading.Thread | None = None
@@ -161,7 +259,14 @@ class Worker:
         self.target, self.tokenizer, self.draft_model = session.target, session.tokenizer, session.draft
         self.context_length = context_length(session.target)
         self.token_chars = longest_token_chars(session.tokenizer)
-        log.info("loaded %s (method %s)", self.settings.served_name, session.method.spec)
+        self.speculation = Speculation(self.settings.speculation)
+        if self.settings.speculation == "auto":  # a first measure of what rows cost, before any request
+            self.speculation.cost.calibrate(row_cost(session.target, self._forward()))
+        log.info("loaded %s (method %s, up to %d requests per batch, speculation %s)", self.settings.served_name,
+                 session.method.spec, self.settings.max_batch, self.settings.speculation)
+
+    def _forward(self) -> str:
+        return self.session.generate_options().get("forward", "auto")
 
     def stop_ids(self, chat: bool) -> list[int] | None:
         """The end-of-sequence ids of a request: end of the assistant's turn for chats, the model's own EOS
@@ -199,11 +304,11 @@ class Worker:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop taking jobs; the running one is cancelled at its next step, waiting ones are dropped."""
+        """Stop taking jobs; the running ones are cancelled at their next step, waiting ones are dropped."""
         with self._cond:
             self._closed = True
-            if self._running is not None:
-                self._running.cancelled.set()
+            for job in self._running:
+                job.cancelled.set()
             for job in self._queue:
                 job.cancelled.set()
                 job.emit("error", "the server is shutting down")
@@ -212,13 +317,12 @@ class Worker:
             self._cond.notify_all()
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; QueueFull when ``max_queue`` jobs wait already (and one is being decoded), ShuttingDown
-        once :meth:`stop_admitting` or :meth:`close` was called."""
+        """Queue ``job``; QueueFull when ``max_queue`` jobs wait already (beyond a full batch), ShuttingDown once
+        :meth:`stop_admitting` or :meth:`close` was called."""
         with self._cond:
             if self._closed or not self._admitting:
                 raise ShuttingDown("the server is shutting down")
-            busy = len(self._queue) + (self._running is not None)
-            if busy > self.settings.max_queue:
+            if len(self._queue) + max(0, len(self._running) - self.settings.max_batch + 1) > self.settings.max_queue:
                 raise QueueFull(f"the queue is full ({self.settings.max_queue} requests waiting)")
             self._queue.append(job)
             self.metrics.waiting.set(len(self._queue))
@@ -232,14 +336,14 @@ class Worker:
     def idle(self) -> bool:
         """Whether no job runs or waits."""
         with self._cond:
-            return self._running is None and not self._queue
+            return not self._running and not self._queue
 
     def abort(self) -> None:
-        """End every job now, with ``finish_reason`` :data:`ABORT`: the running one at its next step (with what it
-        generated), the queued ones at once (nothing generated)."""
+        """End every job now, with ``finish_reason`` :data:`ABORT`: the running ones at their next step (with what
+        they generated), the queued ones at once (nothing generated)."""
         with self._cond:
-            if self._running is not None:
-                self._running.aborted.set()
+            for job in self._running:
+                job.aborted.set()
             for job in self._queue:
                 job.aborted.set()
                 self.metrics.finished(ABORT)
@@ -248,135 +352,105 @@ class Worker:
             self.metrics.waiting.set(0)
 
     def cancel(self, job: Job) -> None:
-        """The client of ``job`` went away: drop it from the queue, or stop its generation at the next step."""
+        """The client of ``job`` went away: drop it from the queue, or take it out of the batch at the next step."""
         with self._cond:
             job.cancelled.set()
             if job in self._queue:
                 self._queue.remove(job)
                 self.metrics.waiting.set(len(self._queue))
                 self.metrics.cancelled.inc()
+            self._cond.notify()
 
-    def _next(self) -> Job | None:
+    def _admit(self, running: int) -> list[Job] | None:
+        """The queued jobs that join the batch at this step boundary (up to ``max_batch`` running); waits while
+        nothing runs or waits; None once closed."""
         with self._cond:
-            while not self._queue and not self._closed:
+            while not self._queue and not running and not self._closed:
                 self._cond.wait()
             if self._closed:
                 return None
-            job = self._queue.popleft()
-            self._running = job
+            joining = []
+            while self._queue and running + len(joining) < self.settings.max_batch:
+                joining.append(self._queue.popleft())
+            self._running.extend(joining)
             self.metrics.waiting.set(len(self._queue))
-            self.metrics.running.set(1)
-            return job
+            return joining
+
+    def _leave(self, job: Job, last: tuple[str, Any] | None) -> None:
+        """``job`` left the batch: free its place before its client hears the end (its next request finds room)."""
+        with self._cond:
+            self._running.remove(job)
+            self.metrics.running.set(len(self._running))
+        if last is not None:
+            job.emit(*last)
 
     def _loop(self) -> None:
-        while (job := self._next()) is not None:
+        from ..core.batch import Batch
+
+        batch: Batch | None = None
+        active: dict[int, _Active] = {}
+        while (joining := self._admit(len(active))) is not None:
+            if batch is None:
+                batch = Batch(self.target, self._forward(), self.speculation)
+            for job in joining:
+                try:
+                    a = self._join(batch, job)
+                except Exception as exc:  # noqa: BLE001: one request's failure never stops the server
+                    self._leave(job, self._failure(exc))
+                    continue
+                if a is None:
+                    self._leave(job, None)
+                else:
+                    active[a.index] = a
+            self.metrics.running.set(len(active))
+            if not active:
+                continue
+            self.metrics.batch(len(active))
             try:
-                last = self._run(job)
-            except Exception as exc:  # noqa: BLE001: one request's failure never stops the server
-                log.exception("request failed")
-                self.metrics.failed.inc()
-                last = ("error", f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500])
-            with self._cond:  # free before the client hears the end, so that its next request finds room
-                self._running = None
-                self.metrics.running.set(0)
-            if last is not None:
-                job.emit(*last)
+                events = batch.step()
+            except Exception as exc:  # noqa: BLE001: the step failed for every job in it; the server goes on
+                last = self._failure(exc)
+                for a in active.values():
+                    self._leave(a.job, last)
+                active.clear()
+                batch = None  # a fresh batch: the failed one's caches may be half-written
+                continue
+            self.metrics.rows.observe(batch.rows)
+            for event in events:
+                a = active[event.sequence]
+                try:
+                    stop = a.on_step(event)
+                    if not (event.done or stop):
+                        continue
+                    reason = event.finish_reason if event.done else ("cancelled" if a.job.cancelled.is_set()
+                                                                     else None)
+                    last = a.finish(reason)
+                except Exception as exc:  # noqa: BLE001: this job's text handling failed; the others go on
+                    last, event.done = self._failure(exc), False
+                if not event.done:
+                    batch.cancel(a.index)
+                batch.release(a.index)
+                del active[a.index]
+                self._leave(a.job, last)
+            for index in [i for i, a in active.items() if a.job.cancelled.is_set() or a.job.aborted.is_set()]:
+                a = active.pop(index)  # marked between steps: leaves before the next one
+                batch.cancel(index)
+                batch.release(index)
+                try:
+                    last = a.finish("cancelled" if a.job.cancelled.is_set() else None)
+                except Exception as exc:  # noqa: BLE001
+                    last = self._failure(exc)
+                self._leave(a.job, last)
+        if batch is not None:
+            for a in active.values():
+                self._leave(a.job, None)
+
+    def _failure(self, exc: Exception) -> tuple[str, str]:
+        log.error("request failed", exc_info=exc)
+        self.metrics.failed.inc()
+        return "error", f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:500]
 
     # ------------------------------------------------------------------------------------------ one job
-
-    def _run(self, job: Job) -> tuple[str, Any] | None:
-        """Decode ``job``, emitting its text as it comes; returns its last event (None: nobody listens)."""
-        from ..core.checks import resolve_eos
-
-        m = self.metrics
-        start = time.perf_counter()
-        m.queue_time.observe(start - job.arrived)
-        if job.cancelled.is_set():
-            m.cancelled.inc()
-            return None
-        m.prompt_tokens.inc(len(job.ids))
-        drafter = self.session.drafter()
-        counting = _CountingDrafter(drafter) if drafter is not None else None
-        detok = Detokenizer(self.tokenizer, self.tokenizer_lock)
-        stops = StopMatcher(job.stop)
-        steps = {"calls": 0, "tokens": 0, "draft": 0, "accepted": 0, "per_pos": []}
-        first: list[float] = []
-        generated: list[int] = []
-
-        returned = [0]  # characters of text handed to the client
-        entries: list[dict] = []  # logprob entries of generated (job.logprobs set)
-        sent = [0]  # entries handed to the client
-
-        def release(upto: int) -> None:  # a ("logprobs", entries) event for generated[sent:upto], before its text
-            if job.logprobs is not None and upto > sent[0]:
-                job.emit("logprobs", entries[sent[0]:upto])
-                sent[0] = upto
-
-        def on_step(new_ids: list[int], logprobs=None) -> None:
-            proposed = counting.proposed if counting is not None else 0
-            if counting is not None:
-                counting.proposed = 0  # a step without a proposal (the last token) drafts nothing
-            accepted = len(new_ids) - 1 if proposed else 0
-            steps["calls"] += 1
-            steps["tokens"] += len(new_ids)
-            steps["draft"] += proposed
-            steps["accepted"] += accepted
-            for pos in range(accepted):
-                if pos == len(steps["per_pos"]):
-                    steps["per_pos"].append(0)
-                steps["per_pos"][pos] += 1
-            m.step(len(new_ids), proposed)
-            generated.extend(new_ids)
-            if logprobs is not None:
-                entries.extend(token_entries(self.tokenizer, logprobs, self.tokenizer_lock))
-            if not first:
-                first.append(time.perf_counter())
-                m.ttft.observe(first[0] - job.arrived)
-            if job.cancelled.is_set():
-                raise _Stop
-            text = stops.feed(detok.push(new_ids))
-            if text:
-                returned[0] += len(text)
-                # with stop strings, only the tokens of text handed out: held text may yet be trimmed
-                if job.logprobs is not None:  # the prefix search decodes: only when logprobs are asked for
-                    release(self._tokens_for(generated, returned[0]) if job.stop else len(generated))
-                job.emit("text", text)
-            if stops.hit or job.aborted.is_set():  # aborted: this step's text was handed over
-                raise _Stop
-
-        eos = [] if job.ignore_eos else self.stop_ids(job.chat)
-        try:
-            self.session.generate(job.ids, drafter=counting, max_new_tokens=job.max_tokens,
-                                  temperature=job.sampling.temperature, top_k=job.sampling.top_k,
-                                  top_p=job.sampling.top_p, seed=job.sampling.seed, eos_token_id=eos, stream=on_step,
-                                  logprobs=job.logprobs)
-        except _Stop:
-            pass
-        if job.cancelled.is_set() and not stops.hit:
-            m.cancelled.inc()
-            m.cancelled_tokens.inc(steps["tokens"])
-            return "error", "cancelled"
-        if not stops.hit:
-            tail = stops.feed(detok.finish())
-            tail += stops.flush()
-            release(len(generated))
-            if tail:
-                job.emit("text", tail)
-        ended_by_eos = bool(generated) and generated[-1] in resolve_eos(self.target, eos)
-        complete = stops.hit or ended_by_eos or len(generated) >= job.max_tokens
-        reason = "stop" if stops.hit or ended_by_eos else ("length" if complete or not job.aborted.is_set()
-                                                           else ABORT)
-        if stops.hit:
-            generated = generated[:self._tokens_for(generated, returned[0])]
-            release(len(generated))
-        end = time.perf_counter()
-        m.e2e.observe(end - job.arrived)
-        if first and steps["tokens"] > 1:
-            m.tpot.observe((end - first[0]) / (steps["tokens"] - 1))
-        m.finished(reason)
-        stats = _stats(self.settings.method, steps, end - start)
-        return "done", Result(reason, len(job.ids), len(generated), stats, generated,
-                              entries[:len(generated)] if job.logprobs is not None else None)
 
     def _tokens_for(self, ids: list[int], chars: int) -> int:
         """The fewest leading tokens of ``ids`` whose text (as the detokenizer decodes it) has ``chars``
@@ -392,6 +466,21 @@ class Worker:
                 lo = mid + 1
         return lo
 
+    def _join(self, batch, job: Job) -> _Active | None:
+        """Add ``job`` to the batch (its prompt is prefilled now); None when its client went away while it waited."""
+        m = self.metrics
+        start = time.perf_counter()
+        m.queue_time.observe(start - job.arrived)
+        if job.cancelled.is_set():
+            m.cancelled.inc()
+            return None
+        m.prompt_tokens.inc(len(job.ids))
+        eos = [] if job.ignore_eos else self.stop_ids(job.chat)
+        options = {k: v for k, v in self.session.generate_options().items() if k != "forward"}
+        s = job.sampling
+        index = batch.add(job.ids, self.session.drafter(), job.max_tokens, s.temperature, s.top_k, s.top_p,
+                          s.seed, eos, logprobs=job.logprobs, **options)
+        return _Active(self, job, index, start)
 
 def _stats(method: str, steps: dict, decode_s: float) -> dict[str, Any]:
     """The ``speculant`` field of a response from its step counts (``{}``: a job that never ran)."""

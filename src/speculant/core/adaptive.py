@@ -1,0 +1,213 @@
+"""Speculation that adapts to load: each step, each sequence's draft depth from its measured acceptance and the
+measured cost of a target forward over the batch's rows (goodput; after "Optimizing Speculative Decoding for
+Serving Large Language Models Using Goodput", SmartSpec).
+
+Batching and speculation compete for the same rows: a forward over a batch reads every weight once whatever the
+number of rows, but its cost grows with them (on this 2-core CPU, Qwen2.5-Coder-1.5B q4: about 1x, 1.3x and 2.3x
+one row's cost at 4, 8 and 16 rows). Speculating deeper pays while the expected extra tokens outweigh the rows
+they add. :class:`Speculation` decides per step, in one of three modes:
+
+* ``on``: every drafter drafts as deep as it likes (a single generation's behaviour);
+* ``off``: no drafts (plain decoding for every sequence);
+* ``auto``: maximise expected goodput, tokens committed per second of the step:
+
+  ``G(k) = sum_i E_i(k_i) / (sum_i k_i c_i + F(sum_i (1 + w_i k_i)))``,
+
+  where sequence i drafts ``k_i`` levels (at most its drafter's own depth), ``E_i(k) = 1 + a_i + ... + a_i^k``
+  is its expected number of committed tokens (bonus included) with ``a_i`` its measured per-level acceptance (a
+  prior of 0.6 worth two levels until measured), ``c_i`` its measured seconds per draft level, ``w_i`` its draft
+  tokens per level (a chain: 1, a tree: its width), and ``F(rows)`` the target forward's measured seconds for that
+  many rows (:class:`ForwardCost`). The depths are raised one level at a time where the gain is largest, as long as
+  the goodput grows (``E`` is concave in ``k`` and the time linear, so the greedy climb finds the best).
+
+Exactness is untouched: the verifier does not care how deep a drafter drafted (a depth of 0 is plain decoding).
+Greedy output is the same at any depth; a sampled request's draws depend on the depths, so a request with a seed
+keeps its method's own depth in every mode but ``off`` (its seed then reproduces its output under any load).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+import torch
+
+__all__ = ["MODES", "ForwardCost", "Speculation"]
+
+MODES = ("auto", "on", "off")
+"""Accepted values of ``speculation=`` (``--speculation``)."""
+
+_PRIOR_ACCEPTANCE, _PRIOR_WEIGHT = 0.6, 2.0
+
+
+class ForwardCost:
+    """Seconds of a target forward by its number of rows: a running mean per row count (the last ``memory``
+    observations weigh most), read between the counts seen by linear interpolation and beyond them by the line
+    through the two nearest (never below the cost of fewer rows)."""
+
+    def __init__(self, memory: int = 8) -> None:
+        self.memory = memory
+        self._seen: dict[int, tuple[float, int]] = {}  # rows -> (mean seconds, observations)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        mean, n = self._seen.get(rows, (0.0, 0))
+        n = min(n + 1, self.memory)
+        self._seen[rows] = (mean + (seconds - mean) / n, n)
+
+    @property
+    def known(self) -> bool:
+        """Whether any forward was measured."""
+        return bool(self._seen)
+
+    def __call__(self, rows: int) -> float:
+        if not self._seen:
+            return 1.0
+        points = sorted((r, m) for r, (m, _) in self._seen.items())
+        if rows in self._seen:
+            return self._seen[rows][0]
+        if len(points) == 1:
+            return points[0][1]  # one point: flat (as a memory-bound forward is, until measured otherwise)
+        below = [p for p in points if p[0] < rows]
+        above = [p for p in points if p[0] > rows]
+        if below and above:
+            (r0, m0), (r1, m1) = below[-1], above[0]
+        elif above:  # fewer rows than any seen: the first two points' line, not below zero
+            (r0, m0), (r1, m1) = points[0], points[1]
+        else:  # more rows than any seen
+            (r0, m0), (r1, m1) = points[-2], points[-1]
+        slope = max(0.0, (m1 - m0) / (r1 - r0))
+        return max(0.0, m0 + slope * (rows - r0))
+
+    def calibrate(self, forward, rows: Seq[int] = (1, 4, 8, 16), repeats: int = 3) -> None:
+        """Measure ``forward(rows)`` (a callable running one target forward over that many new rows) for each row
+        count, after one warm-up: a start for :meth:`__call__` before any step ran."""
+        for r in rows:
+            forward(r)
+        for _ in range(repeats):
+            for r in rows:
+                start = time.perf_counter()
+                forward(r)
+                self.observe(r, time.perf_counter() - start)
+
+
+class Speculation:
+    """Chooses the draft depth of every sequence of a batch, each step (see the module doc)."""
+
+    def __init__(self, mode: str = "on", cost: ForwardCost | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"speculation must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.cost = cost if cost is not None else ForwardCost()
+
+    def plan(self, sequences: list) -> None:
+        """Set each sequence's ``state.max_draft`` for the next step (:class:`~speculant.core.sequence.Sequence`:
+        its statistics, drafter depth and width)."""
+        if self.mode == "on":
+            for s in sequences:
+                s.state.max_draft = None
+            return
+        if self.mode == "off":
+            for s in sequences:
+                s.state.max_draft = 0
+            return
+        free = [s for s in sequences if s.drafter is not None and (_pinned(s) or _probe(s))]
+        for s in free:  # as deep as its drafter likes (see _pinned and _probe)
+            s.state.max_draft = None
+        rest = [s for s in sequences if s not in free]
+        fixed = [_Profile.of(s) for s in free]  # drafting at their own depth in the same forward
+        depths = self.depths([_Profile.of(s) for s in rest], extra_rows=sum(1 + p.width * p.depth for p in fixed),
+                             extra_tokens=sum(p.expected(p.depth) for p in fixed))
+        for s, k in zip(rest, depths):
+            s.state.max_draft = k
+
+    def depths(self, profiles: list[_Profile], extra_rows: float = 0, extra_tokens: float = 0) -> list[int]:
+        """The goodput-maximising draft depths of ``profiles`` (``extra_rows``, ``extra_tokens``: the rows and
+        expected tokens of other sequences in the same forward, whose depth is fixed)."""
+        k = [0] * len(profiles)
+
+        def goodput(depths: list[int]) -> float:
+            tokens = extra_tokens + sum(p.expected(d) for p, d in zip(profiles, depths))
+            rows = extra_rows + sum(1 + p.width * d for p, d in zip(profiles, depths))
+            seconds = sum(p.draft_s * d for p, d in zip(profiles, depths)) + self.cost(max(1, round(rows)))
+            return tokens / seconds if seconds > 0 else float("inf")
+
+        best = goodput(k)
+        while True:
+            choice, value = None, best
+            for i, p in enumerate(profiles):
+                if k[i] < p.depth:
+                    k[i] += 1
+                    g = goodput(k)
+                    k[i] -= 1
+                    if g > value * (1 + 1e-9):
+                        choice, value = i, g
+            if choice is None:
+                return k
+            k[choice] += 1
+            best = value
+
+
+_REPROBE = 8  # steps after which a drafter that proposed nothing uncapped is let to propose uncapped again
+
+
+def _pinned(seq) -> bool:
+    """A seeded sampling request drafts at its method's own depth, whatever the load: its sampled tokens then
+    depend on its seed only (the draws a step makes depend on how deep it drafted), so a seed reproduces its output;
+    greedy output is the same at any depth, and unseeded sampling need not repeat."""
+    params = seq.state.params
+    return not params.greedy and params.seed is not None
+
+
+def _probe(seq) -> bool:
+    """Whether ``seq``'s drafter should draft uncapped this step, to measure its own depth and width: never yet, or
+    its uncapped proposals were empty (prompt lookup with nothing to copy) and ``_REPROBE`` steps have passed."""
+    if seq.probed_at is None:
+        return True
+    return not seq.natural_depth and seq.stats.target_calls - seq.probed_at >= _REPROBE
+
+
+class _Profile:
+    """What :meth:`Speculation.depths` knows of one sequence."""
+
+    __slots__ = ("acceptance", "depth", "width", "draft_s")
+
+    def __init__(self, acceptance: float, depth: int, width: float, draft_s: float) -> None:
+        self.acceptance, self.depth, self.width, self.draft_s = acceptance, depth, width, draft_s
+
+    @classmethod
+    def of(cls, seq) -> _Profile:
+        stats = seq.stats
+        reached, accepted = sum(stats.depth_reached), sum(stats.depth_accepted)
+        a = (accepted + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (reached + _PRIOR_WEIGHT)
+        depth = min(seq.natural_depth, max(0, seq.state.remaining - 1)) if seq.drafter is not None else 0
+        if _pinned(seq) or seq.probed_at is None:  # drafting uncapped this step: as deep as it did before, at least 1
+            depth = max(1, depth) if seq.drafter is not None else 0
+        per_level = stats.draft_forward_s / stats.draft_calls if stats.draft_calls else 0.0
+        return cls(min(a, 0.999), depth, seq.rows_per_level, per_level)
+
+    def expected(self, k: int) -> float:
+        """Expected tokens committed by a step drafting ``k`` levels (bonus included)."""
+        a = self.acceptance
+        return (1 - a ** (k + 1)) / (1 - a)
+
+
+def row_cost(target: torch.nn.Module, forward: str = "auto"):
+    """A callable ``f(rows)`` that runs one target forward over ``rows`` new tokens after a short prompt, on a
+    scratch cache (for :meth:`ForwardCost.calibrate`)."""
+    from .cache import SpecCache
+    from .checks import num_layers
+    from .forward import TargetForward
+
+    fwd = TargetForward(target, forward)
+    vocab = int(target.get_input_embeddings().weight.shape[0])
+    ids = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(0)).to(target.device)
+    cache = SpecCache(num_layers(target), capacity=128)
+    with torch.inference_mode():
+        fwd.prefill(cache, ids[:, :32])
+
+    def run(rows: int) -> None:
+        with torch.inference_mode():
+            fwd(cache, input_ids=ids[:, 32:32 + rows])
+            cache.crop(32)
+
+    return run

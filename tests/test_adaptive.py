@@ -1,0 +1,119 @@
+"""Speculation that adapts to load (speculant.core.adaptive): the forward-cost model, the goodput choice of draft
+depths, and batches decoded with speculation auto / off giving the same tokens as each prompt alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speculant.core.adaptive import ForwardCost, Speculation, _Profile, row_cost
+from speculant.core.batch import Batch
+from speculant.core.engine import generate, generate_batch
+from speculant.core.quant import quantize_model
+from speculant.drafters.registry import build_drafter
+from speculant.testing import perturbed, tiny_model
+
+VOCAB = 96
+
+
+class _Dear(ForwardCost):
+    """Every row costs a whole forward, whatever is measured."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def __call__(self, rows: int) -> float:
+        return float(rows)
+
+
+def _cost(points: dict[int, float]) -> ForwardCost:
+    cost = ForwardCost()
+    for rows, seconds in points.items():
+        cost.observe(rows, seconds)
+    return cost
+
+
+def test_the_forward_cost_interpolates_and_extrapolates_what_it_measured():
+    cost = _cost({1: 1.0, 4: 1.0, 8: 1.4, 16: 2.4})
+    assert cost(4) == 1.0 and cost(6) == pytest.approx(1.2) and cost(12) == pytest.approx(1.9)
+    assert cost(32) == pytest.approx(4.4)  # the last two points' line
+    assert _cost({5: 2.0})(40) == 2.0  # one point: flat until measured otherwise
+    assert ForwardCost()(3) == 1.0 and not ForwardCost().known
+    running = _cost({4: 1.0})
+    for _ in range(60):
+        running.observe(4, 3.0)
+    assert running(4) == pytest.approx(3.0, rel=0.01)  # recent observations weigh most
+
+
+def test_goodput_drafts_deep_when_rows_are_free_and_not_when_they_are_dear():
+    good, poor = _Profile(0.9, 4, 1.0, 0.0), _Profile(0.2, 4, 1.0, 0.0)
+    flat = Speculation("auto", _cost({1: 1.0, 32: 1.0}))
+    assert flat.depths([good, poor]) == [4, 4]  # free rows: full depth even at low acceptance
+    linear = Speculation("auto", _cost({1: 1.0, 2: 2.0}))  # every row costs a whole forward
+    assert linear.depths([good, poor]) == [0, 0]
+    middle = Speculation("auto", _cost({1: 1.0, 9: 2.0}))  # 1/8 forward per row
+    k = middle.depths([good, poor])
+    assert k[0] >= 3 and k[1] <= 1  # the well-predicted sequence drafts deeper
+    # a drafter's own cost counts too: an expensive drafter drafts less
+    costly = _Profile(0.9, 4, 1.0, 0.5)
+    assert flat.depths([costly])[0] < 4
+    with pytest.raises(ValueError, match="auto, on, off"):
+        Speculation("sometimes")
+
+
+def test_calibration_measures_the_target():
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    cost = ForwardCost()
+    cost.calibrate(row_cost(target), rows=(1, 4), repeats=1)
+    assert cost.known and cost(1) > 0 and cost(4) > 0
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_adaptive_and_no_speculation_decode_the_same_tokens(mode):
+    target = quantize_model(tiny_model("qwen2", seed=0, vocab_size=VOCAB), "q4")
+    draft = quantize_model(perturbed(tiny_model("qwen2", seed=0, vocab_size=VOCAB), 0.05, seed=2), "q4")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 14)]
+    specs = ["chain:k=4", "specinfer:width=2:depth=3", "lookup"]
+    alone = [generate(target, p, drafter=build_drafter(s, None if s == "lookup" else draft), max_new_tokens=20,
+                      eos_token_id=[]).token_ids for p, s in zip(prompts, specs)]
+    # auto: rows that cost as much as a forward each: after the first step nobody drafts
+    batch = Batch(target, speculation=Speculation(mode, _Dear()))
+    got = [batch.add(p, build_drafter(s, None if s == "lookup" else draft), 20, eos_token_id=[])
+           for p, s in zip(prompts, specs)]
+    while len(batch):
+        batch.step()
+    results = [batch.result(i) for i in got]
+    assert [r.token_ids for r in results] == alone
+    drafted = [r.stats.draft_tokens for r in results]
+    if mode == "off":
+        assert drafted == [0, 0, 0]
+    else:  # only the measuring drafts: the first step's (and lookup's re-probes while it finds nothing)
+        assert drafted[0] <= 4 and drafted[1] <= 6 and max(drafted) > 0
+        assert results[0].stats.target_calls > 10  # after the first step, plain decoding
+
+
+def test_a_seeded_sampled_request_keeps_its_depth_and_its_draws():
+    """Sampling draws depend on how deep a step drafted: a seeded request keeps its method's depth under auto (so the
+    seed reproduces its output whatever the load), an unseeded one follows the load."""
+    target = quantize_model(tiny_model("llama", seed=0, vocab_size=VOCAB), "q4")
+    draft = quantize_model(perturbed(tiny_model("llama", seed=0, vocab_size=VOCAB), 0.05, seed=2), "q4")
+    kwargs = dict(max_new_tokens=16, temperature=0.8, eos_token_id=[])
+    want = generate(target, [3, 4, 5], drafter=build_drafter("chain:k=3", draft), seed=7, **kwargs).token_ids
+    batch = Batch(target, speculation=Speculation("auto", _Dear()))  # drafting never pays
+    seeded = batch.add([3, 4, 5], build_drafter("chain:k=3", draft), seed=7, **kwargs)
+    free = batch.add([3, 4, 5], build_drafter("chain:k=3", draft), **kwargs)
+    while len(batch):
+        batch.step()
+    assert batch.result(seeded).token_ids == want
+    assert batch.result(seeded).stats.draft_tokens > 3 * batch.result(free).stats.draft_tokens
+
+
+def test_generate_batch_takes_the_mode():
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    draft = perturbed(tiny_model("llama", seed=0, vocab_size=VOCAB), 0.05, seed=2)
+    out = generate_batch(target, [[3, 4, 5], [6, 7]], [build_drafter("chain:k=3", draft), None], max_new_tokens=6,
+                         speculation="off", eos_token_id=[])
+    assert all(r.stats.draft_tokens == 0 for r in out)
+    with pytest.raises(ValueError, match="speculation must be one of"):
+        generate_batch(target, [[3, 4]], speculation="maybe")
