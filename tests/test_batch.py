@@ -198,3 +198,29 @@ def test_the_batch_counts_its_rows():
     batch.step()
     assert batch.rows == (1 + 3) + 1 and batch.steps == 1
     assert isinstance(SamplingParams(), SamplingParams)
+
+
+def test_the_public_entry_points_resolve_drafters_per_prompt(code_models):
+    import speculant
+
+    target, draft = _pair("llama", "q4")
+    prompts = _prompts(3, seed=6)
+    want = [speculant.generate(target, p, drafter=draft, max_new_tokens=12, eos_token_id=[]).token_ids
+            for p in prompts]
+    got = speculant.generate_batch(target, prompts, drafter=draft, max_new_tokens=12, eos_token_id=[])
+    assert [g.token_ids for g in got] == want  # a chain drafter built per prompt over the draft model
+    mixed = speculant.generate_batch(target, prompts, drafter=["lookup", None, draft], max_new_tokens=12,
+                                     eos_token_id=[])
+    assert [g.token_ids for g in mixed] == want and mixed[1].stats.draft_tokens == 0
+    with pytest.raises(ValueError, match="serves one prompt"):
+        speculant.generate_batch(target, prompts, drafter=build_drafter("chain:k=2", draft))
+    with pytest.raises(ValueError, match="one per prompt"):
+        speculant.generate_batch(target, prompts, drafter=["lookup"])
+    steps = speculant.generate_steps(target, prompts[0], drafter="lookup", max_new_tokens=12, eos_token_id=[])
+    assert [t for e in steps for t in e.tokens] == want[0]
+    # a session batches text prompts through the chat template, each stopping at its end of turn
+    session = speculant.load(code_models["target"], code_models["draft"], method="chain:k=3", quantization="q4")
+    texts = ["def add(a, b):", "print('hi')"]
+    alone = [session.generate(t, max_new_tokens=10, raw=True).token_ids for t in texts]
+    together = session.generate_batch(texts, max_new_tokens=10, raw=True)
+    assert [g.token_ids for g in together] == alone

@@ -524,6 +524,19 @@ def test_bench_serve(server, tmp_path, capsys):
         assert lv["spec"]["tau"] > 1 and 0 < lv["spec"]["acceptance_rate"] <= 1
     assert (out / "results.md").read_text().startswith("# speculant bench serve")
     assert (out / "serve.png").exists()
+    # the same levels once per speculation mode, each request asking the server for it
+    code = cli.main(["bench", "serve", "--url", server["url"], "--concurrency", "1,2", "--requests", "2",
+                     "--max-tokens", "8", "--ignore-eos", "--prompts", str(prompts), "--api-key", KEY, "--out",
+                     str(tmp_path / "modes"), "--speculation", "on,off", "--warmup", "0"])
+    assert code == 0, capsys.readouterr().err
+    results = json.loads((tmp_path / "modes" / "results.json").read_text())
+    assert [(lv["speculation"], lv["concurrency"]) for lv in results["levels"]] == [
+        ("on", 1), ("on", 2), ("off", 1), ("off", 2)]
+    on, off = results["levels"][0]["spec"], results["levels"][2]["spec"]
+    assert on["draft_tokens"] > 0 and off["draft_tokens"] == 0 and off["tau"] == 1.0
+    assert "| on | 1 |" in (tmp_path / "modes" / "results.md").read_text()
+    assert cli.main(["bench", "serve", "--url", server["url"], "--speculation", "sometimes"]) == 2
+    assert "speculation modes are auto, on and off" in capsys.readouterr().err
 
 
 def test_bench_serve_refuses_other_hosts(capsys):

@@ -125,6 +125,13 @@ def test_a_failing_step_fails_its_requests_and_the_server_goes_on(models, monkey
         r = c.post("/v1/completions", json=body)  # a fresh batch
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 20
         assert "speculant:requests_failed_total" in c.get("/metrics").text
+        # a request may set its own speculation
+        r = c.post("/v1/completions", json={**body, "speculant_speculation": "off"})
+        assert r.status_code == 200 and r.json()["speculant"]["draft_tokens"] == 0
+        r = c.post("/v1/completions", json={**body, "speculant_speculation": "on"})
+        assert r.json()["speculant"]["draft_tokens"] > 0
+        r = c.post("/v1/completions", json={**body, "speculant_speculation": "always"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculant_speculation"
 
 
 def test_max_batch_is_checked():

@@ -5,6 +5,7 @@
 
 >>> gen = speculant.generate(target, input_ids, drafter=speculant.DraftModelDrafter(draft, k=4))
 >>> gen.token_ids, gen.stats.acceptance_length
+>>> speculant.generate_batch(target, [ids_a, ids_b], drafter=draft)   # one verification forward per step for both
 
 Every drafting method of the registry (``speculant generate --method``) has a Python entry point:
 ``speculant.build_drafter(spec, draft_model)`` builds any of them from its spec, and each has its class here
@@ -44,6 +45,9 @@ _EXPORTS: dict[str, str] = {
     "resolve": ".session",
     "build_drafter": ".drafters.registry",
     "generate": ".api",
+    "generate_batch": ".api",
+    "generate_steps": ".api",
+    "StepEvent": ".core.types",
     "load_pretrained": ".models.loading",
     "load_draft": ".models.loading",
     "chat_ids": ".models.chat",
@@ -77,12 +81,15 @@ __all__ = [
     "SessionPlan",
     "SpecInferDrafter",
     "SpecTrDrafter",
+    "StepEvent",
     "TokenLogprob",
     "Verdict",
     "__version__",
     "build_drafter",
     "chat_ids",
     "generate",
+    "generate_batch",
+    "generate_steps",
     "load",
     "load_draft",
     "load_pretrained",

@@ -1,4 +1,5 @@
-"""``speculant.generate``: the public entry point, which resolves names and models, then runs the engine.
+"""``speculant.generate`` (and ``generate_steps``, ``generate_batch``): the public entry points, which resolve names
+and models, then run the engine.
 
 The engine (:func:`speculant.core.engine.generate`) takes resolved objects only (a Drafter or None, a KV policy
 object or None) and knows no method or policy by name; this wrapper is the edge where a method spec string, a draft
@@ -20,7 +21,7 @@ from .drafters.registry import resolve_drafter
 from .kv.policies import ScorePolicy
 from .kv.registry import parse_policy
 
-__all__ = ["generate"]
+__all__ = ["generate", "generate_batch", "generate_steps"]
 
 
 def generate(
@@ -87,3 +88,95 @@ def generate(
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                            stream=stream, kv_policy=kv_policy, kv_budget=kv_budget, kv_block=kv_block,
                            forward=forward, logprobs=logprobs)
+
+
+def generate_steps(
+    target: torch.nn.Module,
+    input_ids,
+    drafter: Drafter | torch.nn.Module | str | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    kv_policy: str | ScorePolicy | None = None,
+    kv_budget: int | None = None,
+    kv_block: int = 128,
+    forward: str = "auto",
+    logprobs: int | None = None,
+) -> engine.Steps:
+    """:func:`generate` one step at a time: an iterator of :class:`speculant.core.types.StepEvent` (each step's
+    committed tokens, what was accepted of what was drafted); ``.result`` is the :class:`Generation` once it ends,
+    and ``.close()`` stops early (e.g. when the reader went away). Same arguments as :func:`generate` but ``stream``.
+
+    >>> steps = speculant.generate_steps(target, ids, drafter="lookup")
+    >>> for step in steps:
+    ...     print(step.tokens, step.accepted)
+    >>> steps.result.stats.acceptance_length
+    """
+    ids = as_id_list(input_ids)
+    if isinstance(kv_policy, str):
+        kv_policy = parse_policy(kv_policy)
+    return engine.generate_steps(target, ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                 eos_token_id=eos_token_id, kv_policy=kv_policy, kv_budget=kv_budget,
+                                 kv_block=kv_block, forward=forward, logprobs=logprobs)
+
+
+def generate_batch(
+    target: torch.nn.Module,
+    prompts: list,
+    drafter=None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int | list[int | None] | None = None,
+    eos_token_id: int | list[int] | None = None,
+    kv_policy: str | ScorePolicy | None = None,
+    kv_budget: int | None = None,
+    kv_block: int = 128,
+    forward: str = "auto",
+    logprobs: int | None = None,
+    speculation: str = "on",
+) -> list[Generation]:
+    """Decode several prompts together: one target forward per step verifies every unfinished sequence
+    (:class:`speculant.core.batch.Batch`), each with its own drafter, cache and acceptance. Returns one
+    :class:`Generation` per prompt, in order.
+
+    Args:
+        prompts: a list of prompts, each as :func:`generate`'s ``input_ids``; lengths may differ.
+        drafter: for every prompt, a method spec string or a draft model (a drafter of that kind is built per
+            prompt), or None (plain decoding); or a list with one of those, or a Drafter object, per prompt (a
+            Drafter object serves one prompt: it keeps per-generation state).
+        seed: one seed for every prompt, or one per prompt.
+        speculation: ``"on"`` (each drafter as deep as it likes), ``"off"``, or ``"auto"`` (each sequence's depth
+            chosen per step by goodput, :mod:`speculant.core.adaptive`); output does not depend on it.
+        the rest: as :func:`generate`, for every prompt.
+
+    With quantized weights (``int8``/``int4``/``q4``/``q4m``/``q8``) each sequence's greedy output equals
+    :func:`generate` of its prompt alone, token for token (a forward is row independent); with float weights a
+    batched row may round differently and flip a near-tie.
+    """
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of prompts (token id sequences)")
+    ids = [as_id_list(p) for p in prompts]
+    if isinstance(drafter, (list, tuple)):
+        drafters = list(drafter)
+    elif drafter is None or isinstance(drafter, (str, torch.nn.Module)):
+        drafters = [drafter] * len(ids)  # resolved one by one below: a fresh drafter per prompt
+    else:
+        drafters = [drafter] if len(ids) == 1 else None
+        if drafters is None:
+            raise ValueError("a Drafter object serves one prompt at a time: pass a method spec or a draft model "
+                             "(one drafter is built per prompt), or a list of drafters, one per prompt")
+    if len(drafters) != len(ids):
+        raise ValueError(f"drafter: give one per prompt ({len(ids)}), got {len(drafters)}")
+    if isinstance(kv_policy, str):
+        kv_policy = parse_policy(kv_policy)
+    return engine.generate_batch(target, ids, [resolve_drafter(d) for d in drafters], max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                 eos_token_id=eos_token_id, kv_policy=kv_policy, kv_budget=kv_budget,
+                                 kv_block=kv_block, forward=forward, logprobs=logprobs, speculation=speculation)
+

@@ -396,6 +396,41 @@ class Session:
         plan = dataclasses.replace(plan, target_name=self.plan.target_name, kv_spec=self.plan.kv_spec)
         return plan.load()
 
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int] | Any],
+        *,
+        max_new_tokens: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | list[int | None] | None = None,
+        raw: bool = False,
+        system: str | None = None,
+        logprobs: int | None = None,
+        speculation: str = "on",
+    ) -> list[Generation]:
+        """Several prompts decoded together with fresh drafters of the session's method, one verification
+        forward per step for all of them (:func:`speculant.core.engine.generate_batch`); each prompt as in
+        :meth:`generate` (text through the chat template unless ``raw``, or token ids; it stops at its own end of
+        turn). ``seed``: one for all or one per prompt; ``speculation``: ``on``, ``off`` or ``auto``
+        (:mod:`speculant.core.adaptive`)."""
+        from .core import engine
+
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of prompts")
+        encoded = [self.encode(p, raw=raw, system=system) for p in prompts]
+        stops = {tuple(s) if s is not None else None for _, s in encoded}
+        if len(stops) > 1:
+            raise ValueError("prompts of one batch must stop alike: all text (chat) or all token ids")
+        d = generate_defaults()
+        sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p}
+        sampling = {k: (d[k] if v is None else v) for k, v in sampling.items()}
+        options = self.generate_options()
+        return engine.generate_batch(self.target, [ids for ids, _ in encoded], [self.drafter() for _ in encoded],
+                                     seed=seed, eos_token_id=encoded[0][1], logprobs=logprobs,
+                                     speculation=speculation, **sampling, **options)
+
     def encode(self, prompt: str | Sequence[int] | Any, raw: bool = False,
                system: str | None = None) -> tuple[list[int], list[int] | None]:
         """``(input ids, stop ids)`` of a prompt: text through the tokenizer's chat template when it has one

@@ -39,7 +39,8 @@ __all__ = ["LoadSettings", "RequestResult", "check_url", "percentile", "run_load
 class LoadSettings:
     """One ``bench serve`` run: ``requests`` per level at each of ``concurrency``; ``warmup`` untimed requests
     first; ``temperature`` 0 is greedy; ``ignore_eos`` asks for exactly ``max_tokens`` tokens (vLLM's extension,
-    which ``speculant serve`` takes too)."""
+    which ``speculant serve`` takes too); ``speculation``: run every level once per mode, each request asking for
+    it (``speculant_speculation``: ``auto``, ``on``, ``off``), to compare them on one ``speculant serve``."""
 
     url: str
     concurrency: tuple[int, ...] = (1, 2, 4)
@@ -51,6 +52,7 @@ class LoadSettings:
     timeout_s: float = 600.0
     api_key: str | None = None
     model: str | None = None
+    speculation: tuple[str, ...] = ()  # each mode's levels in turn (speculant_speculation); (): the server's own
 
 
 @dataclass
@@ -158,12 +160,14 @@ def _spec_delta(before: Mapping | None, after: Mapping | None) -> dict[str, Any]
 # ---------------------------------------------------------------------------------------------- requests
 
 
-def _body(record: Mapping, model: str, s: LoadSettings) -> tuple[str, dict]:
+def _body(record: Mapping, model: str, s: LoadSettings, mode: str | None = None) -> tuple[str, dict]:
     chat = "messages" in record
     body: dict[str, Any] = {"model": model, "max_tokens": s.max_tokens, "temperature": s.temperature,
                             "stream": True, "stream_options": {"include_usage": True}}
     if s.ignore_eos:
         body["ignore_eos"] = True
+    if mode is not None:
+        body["speculant_speculation"] = mode
     if chat:
         body["messages"] = record["messages"]
     else:
@@ -171,8 +175,9 @@ def _body(record: Mapping, model: str, s: LoadSettings) -> tuple[str, dict]:
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
-async def _request(client, base: str, record: Mapping, model: str, s: LoadSettings, headers: dict) -> RequestResult:
-    path, body = _body(record, model, s)
+async def _request(client, base: str, record: Mapping, model: str, s: LoadSettings, headers: dict,
+                   mode: str | None = None) -> RequestResult:
+    path, body = _body(record, model, s, mode)
     t0 = time.perf_counter()
     first: float | None = None
     tokens = 0
@@ -216,25 +221,27 @@ async def _request(client, base: str, record: Mapping, model: str, s: LoadSettin
 
 
 async def _level(client, base: str, prompts: Sequence[Mapping], model: str, s: LoadSettings, headers: dict,
-                 concurrency: int, n: int) -> tuple[list[RequestResult], float]:
+                 concurrency: int, n: int, mode: str | None = None) -> tuple[list[RequestResult], float]:
     order = itertools.count()
     results: list[RequestResult] = []
 
     async def user() -> None:
         while (i := next(order)) < n:
-            results.append(await _request(client, base, prompts[i % len(prompts)], model, s, headers))
+            results.append(await _request(client, base, prompts[i % len(prompts)], model, s, headers, mode))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(user() for _ in range(concurrency)))
     return results, time.perf_counter() - t0
 
 
-def _summary(concurrency: int, results: list[RequestResult], wall: float, spec: dict | None) -> dict:
+def _summary(concurrency: int, results: list[RequestResult], wall: float, spec: dict | None,
+             mode: str | None = None) -> dict:
     ok = [r for r in results if r.error is None]
     tokens = sum(r.completion_tokens for r in ok)
     errors = [r.error for r in results if r.error is not None]
     return {
         "concurrency": concurrency,
+        "speculation": mode,
         "requests": len(results),
         "completed": len(ok),
         "failed": len(errors),
@@ -279,12 +286,15 @@ async def run_load(settings: LoadSettings, prompts: Sequence[Mapping], progress=
                 progress(f"warm-up: {settings.warmup} request(s)")
             await _level(client, base, prompts, model, settings, headers, 1, settings.warmup)
         levels = []
-        for c in settings.concurrency:
-            if progress:
-                progress(f"concurrency {c}: {settings.requests} requests")
-            before = await scrape_metrics(client, base, model)
-            results, wall = await _level(client, base, prompts, model, settings, headers, c, settings.requests)
-            after = await scrape_metrics(client, base, model)
-            levels.append(_summary(c, results, wall, _spec_delta(before, after)))
+        for mode in settings.speculation or (None,):
+            for c in settings.concurrency:
+                if progress:
+                    progress(f"concurrency {c}{'' if mode is None else f', speculation {mode}'}: "
+                             f"{settings.requests} requests")
+                before = await scrape_metrics(client, base, model)
+                results, wall = await _level(client, base, prompts, model, settings, headers, c, settings.requests,
+                                             mode)
+                after = await scrape_metrics(client, base, model)
+                levels.append(_summary(c, results, wall, _spec_delta(before, after), mode))
     return {"model": model, "levels": levels}
 

@@ -25,14 +25,16 @@ def _fmt(v, spec: str) -> str:
 
 
 def level_table(results: dict) -> str:
-    """One Markdown row per concurrency level: throughput, latencies (ms, median (p90 / p99)), acceptance."""
-    rows = ["| concurrency | requests ok | req/s | output tok/s | TTFT ms | TPOT ms | E2E ms | τ | acceptance rate "
+    """One Markdown row per concurrency level (and speculation mode, when the run compared them): throughput,
+    latencies (ms, median (p90 / p99)), acceptance."""
+    modes = any(lv.get("speculation") for lv in results["levels"])
+    rows = ["| " + ("speculation | " if modes else "") + "concurrency | requests ok | req/s | output tok/s | TTFT ms | TPOT ms | E2E ms | τ | acceptance rate "
             "| accepted/draft |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "|" + ("---|" if modes else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for lv in results["levels"]:
         spec = lv.get("spec") or {}
         rows.append(
-            f"| {lv['concurrency']} | {lv['completed']}/{lv['requests']} | {lv['request_throughput']:.2f} | "
+            ("| " + str(lv.get("speculation")) + " " if modes else "") + f"| {lv['concurrency']} | {lv['completed']}/{lv['requests']} | {lv['request_throughput']:.2f} | "
             f"{lv['output_tokens_per_s']:.1f} | {_latency(lv['ttft_s'])} | {_latency(lv['tpot_s'])} | "
             f"{_latency(lv['e2e_s'])} | {_fmt(spec.get('tau'), '.2f')} | {_fmt(spec.get('acceptance_rate'), '.3f')} "
             f"| {_fmt(spec.get('accepted_tokens'), '.0f')}/{_fmt(spec.get('draft_tokens'), '.0f')} |")
@@ -67,23 +69,28 @@ def write_plot(results: dict, out: Path) -> list[Path]:
     except ImportError:
         log.warning("matplotlib is not installed: plot skipped (pip install 'speculant[plots]')")
         return []
-    levels = results["levels"]
-    xs = [lv["concurrency"] for lv in levels]
+    modes = list(dict.fromkeys(lv.get("speculation") for lv in results["levels"]))
+    xs = sorted({lv["concurrency"] for lv in results["levels"]})
     fig = Figure(figsize=(10, 3.6), layout="constrained")
     FigureCanvasAgg(fig)
     ax_tp, ax_lat = fig.subplots(1, 2)
-    ax_tp.plot(xs, [lv["output_tokens_per_s"] for lv in levels], marker="o", label="output tokens/s")
+    styles = ("-", ":", "-.", "--")
+    for m, mode in enumerate(modes):  # one set of lines per speculation mode compared (one: the server's)
+        levels = [lv for lv in results["levels"] if lv.get("speculation") == mode]
+        cs = [lv["concurrency"] for lv in levels]
+        tag = "" if mode is None else f" ({mode})"
+        ax_tp.plot(cs, [lv["output_tokens_per_s"] for lv in levels], marker="o", linestyle=styles[m % 4],
+                   label=f"output tokens/s{tag}")
+        for i, (key, label) in enumerate((("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end"))):
+            med = [1000 * (lv[key]["median"] or 0) for lv in levels]
+            ax_lat.plot(cs, med, marker="o", color=f"C{i}", linestyle=styles[m % 4], label=f"{label} median{tag}")
+            if len(modes) == 1:
+                p90 = [1000 * (lv[key]["p90"] or 0) for lv in levels]
+                ax_lat.plot(cs, p90, linestyle="--", color=f"C{i}", label=f"{label} p90")
     ax_tp.set_xlabel("concurrency")
     ax_tp.set_ylabel("output tokens/s")
-    ax_rq = ax_tp.twinx()
-    ax_rq.plot(xs, [lv["request_throughput"] for lv in levels], marker="s", color="C1", label="requests/s")
-    ax_rq.set_ylabel("requests/s")
     ax_tp.set_title("throughput")
-    for i, (key, label) in enumerate((("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end"))):
-        med = [1000 * (lv[key]["median"] or 0) for lv in levels]
-        p90 = [1000 * (lv[key]["p90"] or 0) for lv in levels]
-        ax_lat.plot(xs, med, marker="o", color=f"C{i}", label=f"{label} median")
-        ax_lat.plot(xs, p90, linestyle="--", color=f"C{i}", label=f"{label} p90")
+    ax_tp.legend(fontsize="small")
     ax_lat.set_yscale("log")
     ax_lat.set_xlabel("concurrency")
     ax_lat.set_ylabel("ms")

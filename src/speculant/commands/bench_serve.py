@@ -61,6 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the server, on this machine: http://127.0.0.1:PORT (a trailing /v1 is fine)")
     p.add_argument("--concurrency", type=positive_int_list, metavar="C[,C...]", default=d["concurrency"],
                    help="concurrent clients, one level each; default: " + ",".join(map(str, d["concurrency"])))
+    p.add_argument("--speculation", type=_modes, metavar="MODE[,MODE...]", default=d["speculation"],
+                   help="run every level once per speculation mode (auto, on, off), each request asking speculant "
+                   "serve for it (speculant_speculation), to compare them on one server; default: the server's own")
     p.add_argument("--requests", type=positive_int, metavar="N", default=d["requests"],
                    help="requests per level; default: %(default)s")
     p.add_argument("--prompts", metavar="SOURCE", default=DEFAULT_PROMPTS,
@@ -83,6 +86,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="output directory (created); default: %(default)s")
     p.add_argument("--json", action="store_true",
                    help="print the results as one JSON object on the last stdout line")
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in ("auto", "on", "off")]
+    if not modes or bad:
+        raise argparse.ArgumentTypeError(f"speculation modes are auto, on and off, got {text!r}")
+    return modes
 
 
 def run(args: argparse.Namespace) -> int:

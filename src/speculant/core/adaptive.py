@@ -99,22 +99,23 @@ class Speculation:
         self.mode = mode
         self.cost = cost if cost is not None else ForwardCost()
 
-    def plan(self, sequences: list) -> None:
+    def plan(self, all_sequences: list) -> None:
         """Set each sequence's ``state.max_draft`` for the next step (:class:`~speculant.core.sequence.Sequence`:
         its statistics, drafter depth and width)."""
-        if self.mode == "on":
-            for s in sequences:
-                s.state.max_draft = None
-            return
-        if self.mode == "off":
-            for s in sequences:
-                s.state.max_draft = 0
+        own = {id(s): s.speculation or self.mode for s in all_sequences}  # a sequence's own mode wins
+        for s in all_sequences:
+            if own[id(s)] != "auto":
+                s.state.max_draft = None if own[id(s)] == "on" else 0
+        sequences = [s for s in all_sequences if own[id(s)] == "auto"]
+        if not sequences:
             return
         free = [s for s in sequences if s.drafter is not None and (_pinned(s) or _probe(s))]
         for s in free:  # as deep as its drafter likes (see _pinned and _probe)
             s.state.max_draft = None
         rest = [s for s in sequences if s not in free]
         fixed = [_Profile.of(s) for s in free]  # drafting at their own depth in the same forward
+        others = [s for s in all_sequences if own[id(s)] != "auto"]  # "on" / "off" ones in the same forward
+        fixed += [_Profile.of(s, given=0 if own[id(s)] == "off" else None) for s in others]
         depths = self.depths([_Profile.of(s) for s in rest], extra_rows=sum(1 + p.width * p.depth for p in fixed),
                              extra_tokens=sum(p.expected(p.depth) for p in fixed))
         for s, k in zip(rest, depths):
@@ -175,13 +176,15 @@ class _Profile:
         self.acceptance, self.depth, self.width, self.draft_s = acceptance, depth, width, draft_s
 
     @classmethod
-    def of(cls, seq) -> _Profile:
+    def of(cls, seq, given: int | None = None) -> _Profile:
         stats = seq.stats
         reached, accepted = sum(stats.depth_reached), sum(stats.depth_accepted)
         a = (accepted + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (reached + _PRIOR_WEIGHT)
         depth = min(seq.natural_depth, max(0, seq.state.remaining - 1)) if seq.drafter is not None else 0
         if _pinned(seq) or seq.probed_at is None:  # drafting uncapped this step: as deep as it did before, at least 1
             depth = max(1, depth) if seq.drafter is not None else 0
+        if given is not None:
+            depth = given
         per_level = stats.draft_forward_s / stats.draft_calls if stats.draft_calls else 0.0
         return cls(min(a, 0.999), depth, seq.rows_per_level, per_level)
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .adaptive import Speculation
+from .adaptive import MODES, Speculation
 from .checks import (
     as_id_list,
     check_fits_context,
@@ -96,12 +96,16 @@ class Batch:
     def add(self, input_ids, drafter: Drafter | None = None, max_new_tokens: int = 128, temperature: float = 0.0,
             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
             eos_token_id: int | list[int] | None = None, kv_policy: EvictionPolicy | None = None,
-            kv_budget: int | None = None, kv_block: int = 128, logprobs: int | None = None) -> int:
+            kv_budget: int | None = None, kv_block: int = 128, logprobs: int | None = None,
+            speculation: str | None = None) -> int:
         """Add a generation (the arguments of :func:`speculant.core.engine.generate`, checked: :meth:`check`) and
         prefill its prompt; returns its index (``StepEvent.sequence``). A drafter object serves one sequence at a
-        time (it keeps per-generation state)."""
+        time (it keeps per-generation state). ``speculation``: this sequence's own mode (``auto``, ``on``,
+        ``off``), over the batch's (None)."""
         ids = self.check(input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
                          kv_policy, kv_budget, kv_block, logprobs)
+        if speculation is not None and speculation not in MODES:
+            raise ValueError(f"speculation must be one of {', '.join(MODES)}, got {speculation!r}")
         if drafter is not None and any(s.drafter is drafter for s in self._sequences.values()):
             raise ValueError("a drafter object serves one sequence at a time: give each sequence its own drafter")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -119,6 +123,7 @@ class Batch:
         index, self._next = self._next, self._next + 1
         seq = Sequence(index, self.target, forward, ids, drafter, max_new_tokens, params,
                        resolve_eos(self.target, eos_token_id), kv, logprobs)
+        seq.speculation = speculation
         with torch.inference_mode():
             seq.prefill()
         self._sequences[index] = seq

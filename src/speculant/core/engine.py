@@ -139,6 +139,9 @@ def generate_batch(
     top_p: float | None = None,
     seed: int | list[int | None] | None = None,
     eos_token_id: int | list[int] | None = None,
+    kv_policy: EvictionPolicy | None = None,
+    kv_budget: int | None = None,
+    kv_block: int = 128,
     forward: str = "auto",
     logprobs: int | None = None,
     speculation: str = "on",
@@ -163,11 +166,12 @@ def generate_batch(
     if len(seeds) != len(prompts):
         raise ValueError(f"seed: give one seed, or one per prompt ({len(prompts)}), got {len(seeds)}")
     batch = Batch(target, forward, speculation)
-    ids = [batch.check(p, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, logprobs=logprobs)
+    kv = {"kv_policy": kv_policy, "kv_budget": kv_budget, "kv_block": kv_block}  # each sequence its own budget
+    ids = [batch.check(p, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, logprobs=logprobs, **kv)
            for p, d, s in zip(prompts, drafters, seeds)]  # every prompt checked before any is prefilled
     if len({id(d) for d in drafters if d is not None}) < sum(d is not None for d in drafters):
         raise ValueError("a drafter object serves one sequence at a time: give each prompt its own drafter")
-    indices = [batch.add(p, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, logprobs=logprobs)
+    indices = [batch.add(p, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, logprobs=logprobs, **kv)
                for p, d, s in zip(ids, drafters, seeds)]
     while len(batch):
         batch.step()

@@ -67,6 +67,7 @@ class Sequence:
         self._start = 0.0
         self.natural_depth = 0  # the deepest draft the drafter proposed uncapped (0: not seen yet)
         self.probed_at: int | None = None  # target calls when it last proposed uncapped
+        self.speculation: str | None = None  # this sequence's own mode (auto, on, off), over its batch's
         self.rows_per_level = 1.0  # draft tokens per level of its last uncapped tree (a chain: 1)
 
     @property

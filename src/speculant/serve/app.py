@@ -268,7 +268,7 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
         job = Job(ids=ids, max_tokens=max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
                   stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-                  sources=req.sources and req.stream)
+                  sources=req.sources and req.stream, speculation=req.speculation)
         try:
             worker.submit(job)
         except QueueFull as exc:

@@ -16,7 +16,9 @@ Defaults follow OpenAI's API: ``temperature`` 1.0, ``top_p`` 1.0; ``max_tokens``
 the rest of the context on ``/v1/chat/completions``. ``top_k``, ``ignore_eos`` and ``return_token_ids`` (the
 prompt's and the completion's token ids in the response) are vLLM's extensions. ``speculant_sources`` (speculant's,
 streaming only) adds to each chunk how its text came: ``"speculant": {"sources": [[chars, "draft" | "target"],
-...], "tokens": n, "accepted": a}`` (the web page colours accepted draft tokens with it).
+...], "tokens": n, "accepted": a}`` (the web page colours accepted draft tokens with it);
+``speculant_speculation`` (``auto``, ``on``, ``off``) sets this request's speculation over the server's
+``--speculation`` (``speculant bench serve --speculation`` compares them on one server).
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     return_token_ids: bool = False
     sources: bool = False  # speculant_sources: per chunk, which characters were accepted draft tokens
+    speculation: str | None = None  # speculant_speculation: this request's auto / on / off (None: the server's)
     logprobs: int | None = None  # alternatives per token to report (0: the emitted token's only); None: off
     max_tokens_param: str = "max_tokens"  # the field that set max_tokens (for errors)
 
@@ -215,6 +218,14 @@ def _int(body: Mapping, name: str, lo: int, hi: int | None = None) -> int | None
     return v
 
 
+def _speculation(body: Mapping) -> str | None:
+    v = body.get("speculant_speculation")
+    if v is not None and v not in ("auto", "on", "off"):
+        raise _bad("speculant_speculation", f"'speculant_speculation' must be 'auto', 'on' or 'off', got "
+                   f"{clip(json.dumps(v))}", "invalid_value")
+    return v
+
+
 def _bool(body: Mapping, name: str) -> bool:
     v = body.get(name)
     if v is None:
@@ -284,7 +295,8 @@ _FREE: dict[str, Callable[[Any], bool]] = {
     "safety_identifier": lambda v: v is None or isinstance(v, str),
 }
 _SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
-                  "ignore_eos", "return_token_ids", "speculant_sources"}
+                  "ignore_eos", "return_token_ids", "speculant_sources",
+                  "speculant_speculation"}
 _CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 _COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "logprobs"}
 
@@ -376,6 +388,7 @@ def _common(body: Mapping, kind: str) -> dict[str, Any]:
         "ignore_eos": _bool(body, "ignore_eos"),
         "return_token_ids": _bool(body, "return_token_ids"),
         "sources": _bool(body, "speculant_sources"),
+        "speculation": _speculation(body),
     }
 
 

@@ -83,6 +83,7 @@ class Job:
     ignore_eos: bool = False
     logprobs: int | None = None  # alternatives per token; None: no logprobs (then no "logprobs" events)
     sources: bool = False  # a ("sources", {...}) event before each text event: which characters were drafts
+    speculation: str | None = None  # this request's speculation mode (None: the server's --speculation)
     arrived: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
@@ -479,7 +480,7 @@ class Worker:
         options = {k: v for k, v in self.session.generate_options().items() if k != "forward"}
         s = job.sampling
         index = batch.add(job.ids, self.session.drafter(), job.max_tokens, s.temperature, s.top_k, s.top_p,
-                          s.seed, eos, logprobs=job.logprobs, **options)
+                          s.seed, eos, logprobs=job.logprobs, speculation=job.speculation, **options)
         return _Active(self, job, index, start)
 
 def _stats(method: str, steps: dict, decode_s: float) -> dict[str, Any]:
