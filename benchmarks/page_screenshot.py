@@ -15,6 +15,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "server.log"
+    log = Path(tempfile.gettempdir()) / "speculant-page-server.log"  # the server's stderr (not a result)
     with log.open("w") as err:
         server = subprocess.Popen([sys.executable, "-m", "speculant", "serve", "--target", args.target, "--port", "0",
                                    "--threads", str(args.threads)], stdout=subprocess.DEVNULL, stderr=err)

@@ -90,7 +90,7 @@ def weight_error(path: Path, model) -> dict:
             continue
         matrix = getattr(module, ATTR)
         kinds[matrix.kind] += 1
-        if codes is None or (matrix.kind == "int4" and int(codes.max()) > 15):  # requantized from values
+        if codes is None or int(codes.max()) >= 1 << matrix.bits:  # requantized from values (8-bit codes, 4 bits)
             continue
         want = (codes.float().reshape(codes.shape[0], -1, 32) * scale[..., None] + minimum[..., None])
         got = matrix.dequantize().float().reshape(want.shape)
@@ -198,7 +198,7 @@ def main() -> None:
             logprobs = answer_logprobs(model, sequences)
         row = compare(reference, logprobs, categories)
         row["matrices_from_file_codes"] = built
-        if backing is not None and kind in ("int4", "q4", "q8"):
+        if backing is not None and kind in ("int4", "q4", "q4m", "q8"):
             row["weights"] = weight_error(backing, model)
         results[kind] = row
         print(f"{kind}: top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.5f} nats "

@@ -75,8 +75,9 @@ def test_adaptive_and_no_speculation_decode_the_same_tokens(mode):
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (3, 9, 14)]
     specs = ["chain:k=4", "specinfer:width=2:depth=3", "lookup"]
-    alone = [generate(target, p, drafter=build_drafter(s, None if s == "lookup" else draft), max_new_tokens=20,
-                      eos_token_id=[]).token_ids for p, s in zip(prompts, specs)]
+    runs = [generate(target, p, drafter=build_drafter(s, None if s == "lookup" else draft), max_new_tokens=20,
+                     eos_token_id=[]) for p, s in zip(prompts, specs)]
+    alone = [g.token_ids for g in runs]
     # auto: rows that cost as much as a forward each: after the first step nobody drafts
     batch = Batch(target, speculation=Speculation(mode, _Dear()))
     got = [batch.add(p, build_drafter(s, None if s == "lookup" else draft), 20, eos_token_id=[])
@@ -88,9 +89,9 @@ def test_adaptive_and_no_speculation_decode_the_same_tokens(mode):
     drafted = [r.stats.draft_tokens for r in results]
     if mode == "off":
         assert drafted == [0, 0, 0]
-    else:  # only the measuring drafts: the first step's (and lookup's re-probes while it finds nothing)
-        assert drafted[0] <= 4 and drafted[1] <= 6 and max(drafted) > 0
-        assert results[0].stats.target_calls > 10  # after the first step, plain decoding
+    else:  # only the measuring drafts: the first two steps' and a re-probe every 8 steps
+        assert sum(drafted) < sum(g.stats.draft_tokens for g in runs) / 2 and max(drafted) > 0
+        assert results[0].stats.target_calls > 10  # mostly plain decoding
 
 
 def test_a_seeded_sampled_request_keeps_its_depth_and_its_draws():
@@ -106,7 +107,7 @@ def test_a_seeded_sampled_request_keeps_its_depth_and_its_draws():
     while len(batch):
         batch.step()
     assert batch.result(seeded).token_ids == want
-    assert batch.result(seeded).stats.draft_tokens > 3 * batch.result(free).stats.draft_tokens
+    assert batch.result(seeded).stats.draft_tokens > 2 * batch.result(free).stats.draft_tokens
 
 
 def test_generate_batch_takes_the_mode():

@@ -224,3 +224,31 @@ def test_the_public_entry_points_resolve_drafters_per_prompt(code_models):
     alone = [session.generate(t, max_new_tokens=10, raw=True).token_ids for t in texts]
     together = session.generate_batch(texts, max_new_tokens=10, raw=True)
     assert [g.token_ids for g in together] == alone
+
+
+def test_every_method_and_feature_drafters_batch_as_they_run_alone():
+    """The other methods in one batch, each sequence as alone: RSD and SpecTr trees, the dynamic tree, mask probing
+    (probe slots as input embeddings in the batched forward), hybrid lookup, and feature (EAGLE-style) drafters that
+    read the target's states, one of them a lower layer's (taps: the batched forward hands each sequence its rows)."""
+    from speculant.drafters.feature import FeatureDrafter
+    from speculant.models.attached import build_attached
+
+    target = tiny_model("llama", seed=2, vocab_size=VOCAB)
+    draft = perturbed(tiny_model("llama", seed=2, vocab_size=VOCAB), 0.05, seed=3)
+    feature = build_attached(target, [1], features=True)
+    tapped = build_attached(target, [0], features=True, taps=[0])
+    for d in (feature, tapped):
+        with torch.no_grad():
+            for p in d.parameters():
+                if p.requires_grad:
+                    p.add_(0.2 * torch.randn_like(p))
+    makers = [lambda: build_drafter("rsd-c", draft), lambda: build_drafter("spectr", draft),
+              lambda: build_drafter("tree", draft), lambda: build_drafter("mask-probe"),
+              lambda: build_drafter("hybrid"), lambda: FeatureDrafter(feature, k=3),
+              lambda: FeatureDrafter(tapped, k=2), lambda: None]
+    prompts = _prompts(len(makers), seed=9)
+    alone = [generate(target, p, drafter=m(), max_new_tokens=18, eos_token_id=[]).token_ids
+             for p, m in zip(prompts, makers)]
+    got = generate_batch(target, prompts, [m() for m in makers], max_new_tokens=18, eos_token_id=[])
+    assert [g.token_ids for g in got] == alone
+    assert sum(g.stats.draft_tokens for g in got) > 0

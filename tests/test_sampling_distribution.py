@@ -244,3 +244,26 @@ def test_negative_control_bias_is_detected(models, monkeypatch, bug):
     counts, _ = sample_joint(target, draft, params, k=2, n=N_FAST, seed0=77)
     pvalue = _chisq_pvalue(counts, expected)
     assert pvalue < FAIL_P, f"the bias went undetected (p = {pvalue:.3g})"
+
+
+def test_a_batch_of_two_temperatures_samples_each_targets_distribution(models):
+    """Two sequences in one batch, at temperatures 1.0 and 0.6, each with its own chain drafter: every step one
+    verification forward for both; each sequence's first three tokens follow the target's distribution at its own
+    temperature (chi-square over N_FAST batches)."""
+    from speculant.core.batch import Batch
+
+    target, draft = models
+    temps = (1.0, 0.6)
+    expected = [exact_joint(target, SamplingParams(temperature=t), 3) for t in temps]
+    counts = [np.zeros([VOCAB] * 3) for _ in temps]
+    for i in range(N_FAST):
+        batch = Batch(target)
+        index = [batch.add(PROMPT, speculant.DraftModelDrafter(draft, k=2), 3, temperature=t, seed=1000 + 2 * i + j,
+                           eos_token_id=[]) for j, t in enumerate(temps)]
+        while len(batch):
+            batch.step()
+        for j, ix in enumerate(index):
+            counts[j][tuple(batch.result(ix).token_ids)] += 1
+    for c, e, t in zip(counts, expected, temps):
+        p = pvalues(c, e)
+        assert min(p.values()) > PASS_P, (t, p)

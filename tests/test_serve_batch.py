@@ -188,3 +188,16 @@ def test_the_page_is_served_and_chats_in_a_real_browser(servers, tmp_path):
         assert float(b.js("return document.getElementById('tau').textContent")) > 1.0
         b.screenshot(tmp_path / "page.png")
         assert (tmp_path / "page.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_checked_settings_keep_a_packaged_targets_quantization(models, monkeypatch):
+    """check_settings turns a target name into its directory; the packaged default quantization found by the name
+    must travel with it (a later resolve of the directory finds none: the 1.5B was served unquantized)."""
+    from speculant.models import loading
+    from speculant.serve import ServeSettings, check_settings
+
+    monkeypatch.setattr(loading, "default_quantization_for", lambda target: "q4")
+    settings = check_settings(ServeSettings(target=models["target"], draft=models["draft"], method="chain:k=2"))
+    assert settings.quantization == "q4"
+    monkeypatch.setattr(loading, "default_quantization_for", lambda target: None)
+    assert check_settings(settings).quantization == "q4"  # resolving the checked settings again keeps it

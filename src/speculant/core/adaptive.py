@@ -148,7 +148,7 @@ class Speculation:
             best = value
 
 
-_REPROBE = 8  # steps after which a drafter that proposed nothing uncapped is let to propose uncapped again
+_REPROBE = 8  # steps after which a capped drafter proposes uncapped again (fresh acceptance and cost figures)
 
 
 def _pinned(seq) -> bool:
@@ -160,11 +160,12 @@ def _pinned(seq) -> bool:
 
 
 def _probe(seq) -> bool:
-    """Whether ``seq``'s drafter should draft uncapped this step, to measure its own depth and width: never yet, or
-    its uncapped proposals were empty (prompt lookup with nothing to copy) and ``_REPROBE`` steps have passed."""
-    if seq.probed_at is None:
+    """Whether ``seq``'s drafter should draft uncapped this step, to measure its depth, width, acceptance and cost:
+    until its cost per level was measured (its first proposal also fills its cache, so it is not counted), and again
+    every ``_REPROBE`` steps (acceptance and costs drift; a sequence capped to no drafts measures nothing)."""
+    if seq.probed_at is None or (seq.draft_s_per_level is None and seq.natural_depth):
         return True
-    return not seq.natural_depth and seq.stats.target_calls - seq.probed_at >= _REPROBE
+    return seq.stats.target_calls - seq.probed_at >= _REPROBE
 
 
 class _Profile:
@@ -185,7 +186,7 @@ class _Profile:
             depth = max(1, depth) if seq.drafter is not None else 0
         if given is not None:
             depth = given
-        per_level = stats.draft_forward_s / stats.draft_calls if stats.draft_calls else 0.0
+        per_level = seq.draft_s_per_level or 0.0
         return cls(min(a, 0.999), depth, seq.rows_per_level, per_level)
 
     def expected(self, k: int) -> float:

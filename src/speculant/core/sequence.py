@@ -67,6 +67,8 @@ class Sequence:
         self._start = 0.0
         self.natural_depth = 0  # the deepest draft the drafter proposed uncapped (0: not seen yet)
         self.probed_at: int | None = None  # target calls when it last proposed uncapped
+        self.draft_s_per_level: float | None = None  # measured drafting seconds per level (moving average)
+        self._proposals = 0
         self.speculation: str | None = None  # this sequence's own mode (auto, on, off), over its batch's
         self.rows_per_level = 1.0  # draft tokens per level of its last uncapped tree (a chain: 1)
 
@@ -108,7 +110,15 @@ class Sequence:
     def plan(self) -> Segment:
         """Draft this step's tree and return the verification forward's inputs for this sequence."""
         state, device = self.state, self.device
-        tree = self.drafter.propose(state) if self.drafter is not None and state.draft_limit > 0 else _EMPTY
+        tree = _EMPTY
+        if self.drafter is not None and state.draft_limit > 0:
+            start = time.perf_counter()
+            tree = self.drafter.propose(state)
+            if tree.max_depth and self._proposals:  # seconds per draft level (the first proposal also prefills)
+                per = (time.perf_counter() - start) / tree.max_depth
+                self.draft_s_per_level = per if self.draft_s_per_level is None else (
+                    0.7 * self.draft_s_per_level + 0.3 * per)
+            self._proposals += 1
         if state.max_draft is None and self.drafter is not None:  # its own depth and width (adaptive speculation)
             self.probed_at = self.stats.target_calls
             if tree.max_depth:
