@@ -443,7 +443,9 @@ class LeanForward:
             start = bounds[-1][1] if bounds else 0
             bounds.append((start, start + p.t))
         lib = self._fused_attention(segments, plans, x)
-        keys = [None if p.allowed is None else p.allowed.to(torch.uint8).contiguous() for p in plans]  # [T, L + T]
+        keys = [None] * len(plans)  # the compiled calls' masks, uint8 [T, L + T] (the torch path reads plan.allowed)
+        if lib is not None:
+            keys = [None if p.allowed is None else p.allowed.to(torch.uint8).contiguous() for p in plans]
         if lib is not None:  # one compiled call per layer and sequence for RoPE, the cache write and attention
             table = self._q4_table(x.dtype) if taps is None else None
             if table is not None:
