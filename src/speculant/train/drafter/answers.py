@@ -26,7 +26,7 @@ from transformers import DynamicCache
 
 from ...core.cache import cache_kwarg
 
-__all__ = ["AnswerShard", "generate_answers", "load_shards", "sample_batch", "shard_paths"]
+__all__ = ["AnswerShard", "generate_answers", "load_shards", "make_shard", "plan_shards", "sample_batch", "shard_paths"]
 
 log = logging.getLogger(__name__)
 
@@ -138,11 +138,7 @@ def generate_answers(model, prompts: list[list[int]], out: str | Path, *, stop_i
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))  # similar lengths: little padding
-    batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    rng = np.random.default_rng(seed + first_shard)
-    rng.shuffle(batches)  # so that any prefix of the shards mixes prompt lengths and kinds
-    batches = batches[:max_batches] if max_batches is not None else batches
+    batches = plan_shards(prompts, batch_size, seed, first_shard, max_batches)
     bar = tqdm(total=len(batches), desc="target answers", unit="batch", disable=not progress)
     file_rows = list(range(len(prompts))) if prompt_rows is None else list(prompt_rows)
     for n, rows in enumerate(batches, start=first_shard):
@@ -154,18 +150,38 @@ def generate_answers(model, prompts: list[list[int]], out: str | Path, *, stop_i
         gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed * 100003 + n)
         answers, tops = sample_batch(model, [prompts[i] for i in rows], max_new_tokens, temperature, stop_ids,
                                       topk, gen)
-        shard = AnswerShard(
-            prompt_ids=np.concatenate([np.asarray(prompts[i], np.int32) for i in rows]),
-            prompt_offsets=np.cumsum([0] + [len(prompts[i]) for i in rows]).astype(np.int64),
-            answer_ids=np.concatenate([np.asarray(a, np.int32) for a in answers]),
-            answer_offsets=np.cumsum([0] + [len(a) for a in answers]).astype(np.int64),
-            topk_ids=np.concatenate([t[0] for t in tops]),
-            topk_logprobs=np.concatenate([t[1] for t in tops]),
-            temperature=np.full(len(rows), temperature, np.float32),
-            prompt_index=np.asarray([file_rows[i] for i in rows], np.int64),
-        )
+        shard = make_shard([prompts[i] for i in rows], answers, tops, temperature, [file_rows[i] for i in rows])
         shard.save(path)
         bar.update(1)
         bar.set_postfix(tokens=int(shard.answer_offsets[-1]), T=temperature)
     bar.close()
     return out
+
+
+def plan_shards(prompts: list[list[int]], size: int, seed: int, first_shard: int = 0,
+                max_batches: int | None = None) -> list[list[int]]:
+    """The prompts (indices) of each shard, shard ``first_shard`` first: ``size`` prompts of similar length per
+    shard, the shards in an order shuffled by ``seed`` (so that any prefix mixes prompt lengths and kinds), the
+    first ``max_batches`` of them (all when None). A function of the arguments only: a resumed run plans the same
+    shards."""
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))  # similar lengths: little padding
+    batches = [order[s:s + size] for s in range(0, len(order), size)]
+    rng = np.random.default_rng(seed + first_shard)
+    rng.shuffle(batches)
+    return batches[:max_batches] if max_batches is not None else batches
+
+
+def make_shard(prompts: list[list[int]], answers: list[list[int]], tops: list[tuple[np.ndarray, np.ndarray]],
+               temperature: float, prompt_index: list[int]) -> AnswerShard:
+    """One shard from its samples: prompt and answer ids, per answer the target's top-k ``(ids [a, k] int32,
+    logprobs [a, k] float16)``, the temperature it was written at and each prompt's row of the prompts file."""
+    return AnswerShard(
+        prompt_ids=np.concatenate([np.asarray(p, np.int32) for p in prompts]),
+        prompt_offsets=np.cumsum([0] + [len(p) for p in prompts]).astype(np.int64),
+        answer_ids=np.concatenate([np.asarray(a, np.int32) for a in answers]),
+        answer_offsets=np.cumsum([0] + [len(a) for a in answers]).astype(np.int64),
+        topk_ids=np.concatenate([t[0] for t in tops]),
+        topk_logprobs=np.concatenate([t[1] for t in tops]),
+        temperature=np.full(len(prompts), temperature, np.float32),
+        prompt_index=np.asarray(prompt_index, np.int64),
+    )

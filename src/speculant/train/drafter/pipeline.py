@@ -42,7 +42,7 @@ class DraftRunConfig:
 
     target: str  # model name, directory or .gguf file
     out: str  # run directory
-    prompts: str | None = None  # JSONL of {"messages": [...]} or {"prompt": "..."} rows; default: built-in
+    prompts: str | None = None  # JSONL files or builtin:NAME sets, comma-separated; default: built-in instructions
     num_prompts: int = 1600
     prompt_seed: int = 0
     self_prompts: int = 0  # more prompts written by the target itself (Magpie), appended to the others
@@ -52,7 +52,9 @@ class DraftRunConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.7, 1.0])
     gen_batch: int = 32
     answer_batches: int | None = None  # answer only the first N batches (the batch order is shuffled)
-    gen_dtype: str = "bfloat16"  # the dtype the target answers in (speed only; its top-k becomes the teacher)
+    gen_dtype: str = "bfloat16"  # the dtype the target answers in through transformers (speed only)
+    engine: str = "auto"  # who answers: transformers, speculant (batched engine, deployed weights) or auto
+    quantization: str | None = None  # the target's weights when speculant answers (None: its packaged default)
     topk: int = 32
     kind: str = "token"  # token: a token-level drafter; feature: a feature (EAGLE) drafter reading the target's states
     layers: list[int] = field(default_factory=lambda: [0, 1])  # target layers the drafter starts from
@@ -117,8 +119,8 @@ def _prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
 
     path = run / "prompts.jsonl"
     saved = load_prompts(path) if path.exists() else None
-    if cfg.prompts:
-        rows = load_prompts(cfg.prompts)
+    if cfg.prompts:  # one source or several, comma-separated, concatenated
+        rows = [r for source in cfg.prompts.split(",") for r in load_prompts(source)]
     else:
         from ...data.instructions import instruction_prompts
 
@@ -162,7 +164,6 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     """Stages 1 and 2: ``RUN/prompts.jsonl`` and the target's answers in ``RUN/answers`` (resumable; a grown run
     answers only its new rows, in shards numbered after the existing ones)."""
     from ...models.chat import stop_ids
-    from ...models.loading import load_pretrained
     from .answers import generate_answers, shard_paths
 
     run = Path(cfg.out)
@@ -177,49 +178,88 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     parts = _answer_parts(folder)
     if parts and parts[-1]["seconds"] is not None:
-        if parts[-1]["rows"][1] >= len(rows):
+        last = parts[-1]
+        if last.get("batches") is not None and (cfg.answer_batches is None or cfg.answer_batches > last["batches"]):
+            last["earlier_seconds"], last["seconds"] = last["seconds"], None  # more of its batches: continue it
+        elif last["rows"][1] >= len(rows):
             return folder
-        parts.append({"rows": [parts[-1]["rows"][1], len(rows)], "first_shard": len(shard_paths(folder)),
-                      "seconds": None})
+        else:
+            parts.append({"rows": [last["rows"][1], len(rows)], "first_shard": len(shard_paths(folder)),
+                          "seconds": None})
     elif not parts:
         parts = [{"rows": [0, len(rows)], "first_shard": 0, "seconds": None}]
     part = parts[-1]  # the part to write (new, or interrupted earlier)
     (folder / "PARTS.json").write_text(json.dumps(parts, indent=1))
     (folder / "DONE").unlink(missing_ok=True)
     a, b = part["rows"]
-    model, tokenizer = load_pretrained(cfg.target, dtype=cfg.gen_dtype)
+    model, tokenizer, engine = _answer_model(cfg)
     prompts, kept = tokenize_prompts(tokenizer, rows[a:b], cfg.max_prompt_tokens)
     start = time.perf_counter()
-    generate_answers(model, prompts, folder, stop_ids=stop_ids(tokenizer, model), max_new_tokens=cfg.max_new_tokens,
-                     temperatures=tuple(cfg.temperatures), batch_size=cfg.gen_batch, topk=cfg.topk, seed=cfg.seed,
-                     max_batches=cfg.answer_batches, first_shard=part["first_shard"],
-                     prompt_rows=[a + i for i in kept], progress=progress)
-    part["seconds"] = time.perf_counter() - start
+    common = dict(stop_ids=stop_ids(tokenizer, model), max_new_tokens=cfg.max_new_tokens,
+                  temperatures=tuple(cfg.temperatures), topk=cfg.topk, seed=cfg.seed, max_batches=cfg.answer_batches,
+                  first_shard=part["first_shard"], prompt_rows=[a + i for i in kept], progress=progress)
+    if engine == "speculant":
+        from .batch_answers import engine_answers
+        from .features import features_dir
+
+        features = features_dir(run, cfg.taps) if cfg.kind == "feature" else None
+        engine_answers(model, prompts, folder, shard_size=cfg.gen_batch, batch=cfg.gen_batch, features=features,
+                       taps=cfg.taps, **common)
+    else:
+        generate_answers(model, prompts, folder, batch_size=cfg.gen_batch, **common)
+    part["seconds"] = time.perf_counter() - start + part.pop("earlier_seconds", 0.0)
+    part["batches"] = cfg.answer_batches
     (folder / "PARTS.json").write_text(json.dumps(parts, indent=1))
-    (folder / "DONE").write_text(json.dumps({"rows": b, "seconds": sum(p["seconds"] for p in parts)}))
+    seconds = sum(p["seconds"] for p in parts)
+    tokens = 0
+    for path in shard_paths(folder):
+        with np.load(path) as z:
+            tokens += int(z["answer_offsets"][-1])
+    (folder / "DONE").write_text(json.dumps({"rows": b, "seconds": seconds, "answer_tokens": tokens,
+                                             "answer_tokens_per_s": round(tokens / max(seconds, 1e-9), 2),
+                                             "engine": engine}))
     return folder
 
 
 KINDS = ("token", "feature")
+ENGINES = ("auto", "speculant", "transformers")
+
+
+def _answer_model(cfg: DraftRunConfig):
+    """``(model, tokenizer, engine)`` that answer the prompts: speculant's batched engine over the target in its
+    deployed weights (``cfg.quantization``, else its packaged default; float32 activations), or transformers in
+    ``cfg.gen_dtype``. ``auto``: speculant when the target loads quantized, else transformers."""
+    from ...models.loading import check_quantization, default_quantization_for, load_pretrained
+
+    if cfg.engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {cfg.engine!r}")
+    quantization = check_quantization(cfg.quantization or default_quantization_for(cfg.target))
+    engine = cfg.engine if cfg.engine != "auto" else ("speculant" if quantization != "none" else "transformers")
+    if engine == "speculant":
+        model, tokenizer = load_pretrained(cfg.target, dtype="float32", quantization=quantization)
+    else:
+        model, tokenizer = load_pretrained(cfg.target, dtype=cfg.gen_dtype)
+    return model, tokenizer, engine
 
 
 def run_features(cfg: DraftRunConfig, progress: bool = True) -> Path:
     """Feature drafters: the target's final hidden states over every answer, ``RUN/features`` (resumable)."""
-    from ...models.loading import load_pretrained
     from .answers import shard_paths
     from .features import extract_features, features_dir
 
     folder = features_dir(cfg.out, cfg.taps)
     done = folder / "DONE"
     missing = [p for p in shard_paths(Path(cfg.out) / "answers") if not (folder / (p.stem + ".npy")).exists()]
-    if not done.exists() or missing:  # missing: the run grew after its features were made
+    if missing:  # features not written while answering, or the run grew after its features were made
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        model, _ = load_pretrained(cfg.target, dtype=cfg.gen_dtype)
+        model, _, engine = _answer_model(cfg)  # the weights that answered
         start = time.perf_counter()
         extract_features(model, Path(cfg.out) / "answers", folder, taps=cfg.taps, progress=progress)
-        done.write_text(json.dumps({"dtype": cfg.gen_dtype, "taps": cfg.taps,
-                                    "seconds_this_session": time.perf_counter() - start}))
+        done.write_text(json.dumps({"dtype": str(next(model.parameters()).dtype), "engine": engine,
+                                    "taps": cfg.taps, "seconds_this_session": time.perf_counter() - start}))
+    elif not done.exists():
+        done.write_text(json.dumps({"taps": cfg.taps, "written_while_answering": True}))
     return folder
 
 

@@ -1,0 +1,164 @@
+"""Distillation data written by speculant's own batched engine (train.drafter.batch_answers): the same answers as
+decoding each prompt alone, the target's top-k and its states taken from the decoding forwards equal to a separate
+pass, shards written out of order and resumed exactly; and the ShareGPT reader (data.sharegpt): a cut-off file read
+up to the cut, the evaluation split held out."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from speculant.core.cache import SpecCache
+from speculant.core.engine import generate
+from speculant.core.forward import TargetForward
+from speculant.core.quant import quantize_model
+from speculant.data.sharegpt import EVAL_SIZE, read_conversations, sharegpt_first_turns
+from speculant.testing import tiny_model
+from speculant.train.drafter.answers import AnswerShard, load_shards, plan_shards, shard_paths
+from speculant.train.drafter.batch_answers import engine_answers
+from speculant.train.drafter.features import load_features, sequence_lengths, to_tensor
+
+VOCAB = 96
+STOP = 5
+
+
+def _prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(6, VOCAB, (3 + (7 * i) % 17,), generator=g).tolist() for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = tiny_model("qwen2", seed=1, vocab_size=VOCAB)
+    return quantize_model(model, "q4")
+
+
+def test_engine_answers_equal_decoding_alone_with_the_target_topk_and_states(target, tmp_path):
+    prompts = _prompts(11)
+    taps = [0]
+    out, feats = tmp_path / "answers", tmp_path / "features"
+    engine_answers(target, prompts, out, stop_ids=[STOP], max_new_tokens=9, temperatures=(0.0,), shard_size=4,
+                   batch=3, topk=5, features=feats, taps=taps, progress=False)
+    shards = load_shards(out)
+    assert [p.name for p in shard_paths(out)] == ["shard-00000.npz", "shard-00001.npz", "shard-00002.npz"]
+    assert sorted(i for s in shards for i in s.prompt_index) == list(range(11))
+    planned = plan_shards(prompts, 4, 0)
+    states = load_features(feats, len(shards))
+    for n, shard in enumerate(shards):
+        assert list(shard.prompt_index) == planned[n]  # plan order within each shard
+        assert states[n].shape == (int(sequence_lengths(shard).sum()), 2 * target.config.hidden_size)
+        row = 0
+        for i in range(len(shard)):
+            prompt, answer, where = shard.sample(i)
+            alone = generate(target, prompt.tolist(), max_new_tokens=9, eos_token_id=STOP)
+            assert answer.tolist() == alone.token_ids
+            # the teacher: the target's own log-softmax at each answer position, most likely first
+            seq = torch.from_numpy(np.concatenate([prompt, answer[:-1]]).astype(np.int64))[None]  # [1, T]
+            forward = TargetForward(target, taps=taps)
+            cache = SpecCache(target.config.num_hidden_layers, capacity=seq.shape[1] + 8)
+            hidden: list[torch.Tensor] = []
+            logits = forward(cache, seq, hidden_out=hidden)[0]  # [T, V]
+            logp = logits[len(prompt) - 1:].float().log_softmax(-1)  # [A, V]
+            top = logp.topk(5, dim=-1)
+            assert np.array_equal(shard.topk_ids[where], top.indices.numpy())
+            np.testing.assert_allclose(shard.topk_logprobs[where].astype(np.float32), top.values.numpy(),
+                                       atol=2e-3)
+            # the states the decoding forwards handed over equal one pass over prompt + answer[:-1]
+            got = to_tensor(states[n][row:row + seq.shape[1]])
+            torch.testing.assert_close(got, hidden[0][0].to(torch.bfloat16).float(), atol=0.02, rtol=0.02)
+            row += seq.shape[1]
+
+
+def test_engine_answers_resume_with_the_same_shards_and_sample_per_prompt(target, tmp_path):
+    prompts = _prompts(9)
+    out = tmp_path / "answers"
+    kwargs = dict(stop_ids=[STOP], max_new_tokens=7, temperatures=(1.0, 0.0), shard_size=3, batch=2, topk=4,
+                  seed=5, progress=False)
+    engine_answers(target, prompts, out, **kwargs)
+    first = {p.name: AnswerShard.load(p) for p in shard_paths(out)}
+    assert len(first) == 3
+    (out / "shard-00001.npz").unlink()  # interrupted
+    engine_answers(target, prompts, out, batch=3, **{k: v for k, v in kwargs.items() if k != "batch"})
+    again = {p.name: AnswerShard.load(p) for p in shard_paths(out)}
+    assert again.keys() == first.keys()
+    for name, shard in first.items():  # the same answers, whatever ran beside them
+        assert all(np.array_equal(getattr(again[name], k), getattr(shard, k)) for k in AnswerShard.__dataclass_fields__)
+    assert {float(s.temperature[0]) for s in again.values()} == {1.0, 0.0}
+
+
+def test_the_pipeline_answers_with_the_engine_for_a_quantized_target(tmp_path):
+    from helpers import chat_model_pair
+
+    from speculant.train.drafter.pipeline import DraftRunConfig, run_answers, run_features
+
+    target_dir = chat_model_pair(tmp_path / "m", layers=2)[0]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n"
+                               for i in range(5)))
+    extra = tmp_path / "q.jsonl"
+    extra.write_text(json.dumps({"prompt": "class A:"}) + "\n")
+    cfg = DraftRunConfig(target=target_dir, out=str(tmp_path / "run"), prompts=f"{prompts},{extra}",
+                         max_new_tokens=5, gen_batch=2, engine="speculant", quantization="q4", kind="feature",
+                         taps=[1])
+    folder = run_answers(cfg, progress=False)
+    assert sorted(i for s in load_shards(folder) for i in s.prompt_index) == list(range(6))
+    features = run_features(cfg, progress=False)  # written while answering: nothing left to extract
+    assert json.loads((features / "DONE").read_text())["written_while_answering"] is True
+    with pytest.raises(ValueError, match="engine must be one of"):
+        run_answers(DraftRunConfig(target=target_dir, out=str(tmp_path / "run2"), prompts=str(prompts),
+                                   engine="vllm"), progress=False)
+
+
+def _conversation(cid: str, first: str, text: str) -> dict:
+    return {"id": cid, "conversations": [{"from": first, "value": text}, {"from": "gpt", "value": "ok"}]}
+
+
+def test_sharegpt_reader_keeps_every_complete_conversation_before_the_cut(tmp_path):
+    rows = [_conversation(f"c{i}_0", "human", f"question {i}") for i in range(EVAL_SIZE + 40)]
+    rows += [_conversation("late_1", "human", "a later chunk"), _conversation("g_0", "gpt", "model first"),
+             _conversation("dup_0", "human", "question 3")]
+    text = json.dumps(rows, indent=2)
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[: text.rindex('"ok"') - 3])  # cut inside the last conversation
+    assert len(list(read_conversations(path))) == len(rows) - 1
+    turns = sharegpt_first_turns(path)
+    assert len(turns) == EVAL_SIZE + 40  # chunk _1, a model-first chat and the cut duplicate are not first turns
+    assert all(t["messages"][0]["role"] == "user" for t in turns)
+    held = [t for t in turns if t["split"] == "eval"]
+    assert len(held) == EVAL_SIZE
+    # the split is a function of the ids only: the same conversations in another order split the same way
+    shuffled = tmp_path / "shuffled.json"
+    shuffled.write_text(json.dumps(rows[:-3][::-1]))
+    assert {t["id"] for t in sharegpt_first_turns(shuffled) if t["split"] == "eval"} == {t["id"] for t in held}
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"id": 1}')
+    with pytest.raises(ValueError, match="not a JSON array"):
+        list(read_conversations(bad))
+
+
+def test_a_run_answers_more_of_its_batches_when_asked(tmp_path):
+    """--answer-batches N answers a random subset; a later run with a larger N (or none) answers the rest of that
+    part in new shards, keeping the first ones."""
+    from helpers import chat_model_pair
+
+    from speculant.train.drafter.pipeline import DraftRunConfig, run_answers
+
+    target_dir = chat_model_pair(tmp_path / "m", layers=2)[0]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n"
+                               for i in range(7)))
+    cfg = DraftRunConfig(target=target_dir, out=str(tmp_path / "run"), prompts=str(prompts), max_new_tokens=4,
+                         gen_batch=2, engine="speculant", quantization="q4", answer_batches=2)
+    folder = run_answers(cfg, progress=False)
+    first = {p.name: p.read_bytes() for p in shard_paths(folder)}
+    assert len(first) == 2
+    cfg.answer_batches = None
+    run_answers(cfg, progress=False)
+    assert len(shard_paths(folder)) == 4 and all((folder / n).read_bytes() == b for n, b in first.items())
+    assert sorted(i for s in load_shards(folder) for i in s.prompt_index) == list(range(7))
+    done = json.loads((folder / "DONE").read_text())
+    assert done["answer_tokens"] == sum(int(s.answer_offsets[-1]) for s in load_shards(folder))
+    assert done["engine"] == "speculant"
