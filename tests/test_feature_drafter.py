@@ -13,7 +13,10 @@ import torch
 
 import speculant
 from speculant.models.attached import build_attached, is_feature_drafter, load_attached, save_attached
-from speculant.drafters.feature import FeatureDrafter
+from speculant.core.drafting import DecodeState
+from speculant.core.sampling import make_generator
+from speculant.drafters.feature import FeatureDrafter, FeatureTreeDrafter, feature_variant
+from speculant.drafters.trees import SpecInferDrafter
 from speculant.testing import tiny_model
 from speculant.core.types import SamplingParams
 
@@ -165,9 +168,97 @@ def test_clear_errors():
     feature = build_attached(target, [0], features=True)
     with pytest.raises(ValueError, match="not a feature drafter"):
         FeatureDrafter(token_level)
-    with pytest.raises(ValueError, match="feature"):
-        speculant.build_drafter("specinfer", feature)
+    with pytest.raises(ValueError, match="feature_variant"):
+        SpecInferDrafter(feature)
     assert isinstance(speculant.build_drafter("chain:k=2", feature), FeatureDrafter)
+    assert isinstance(speculant.build_drafter("tree", feature), FeatureTreeDrafter)
+    assert isinstance(speculant.build_drafter("specinfer", feature), feature_variant(SpecInferDrafter))
     other = tiny_model("llama", seed=8, hidden=48)
     with pytest.raises(ValueError):
         speculant.generate(other, PROMPT, drafter=FeatureDrafter(feature), max_new_tokens=4)
+
+
+TREES = ("tree:budget=8:topk=2:depth=3", "specinfer:width=2:depth=3", "spectr:width=2:depth=2",
+         "rsd-c:branching=2/2", "rsd-s:width=2:depth=3")
+
+
+def test_a_tree_accepts_everything_when_the_drafter_predicts_the_next_state_exactly():
+    target = _zero_layers(tiny_model("llama", seed=1, layers=2))
+    draft = _pass_embedding(build_attached(target, [0], features=True))
+    plain = speculant.generate(target, PROMPT, max_new_tokens=24, eos_token_id=[])
+    gen = speculant.generate(target, PROMPT, drafter=FeatureTreeDrafter(draft, budget=9, topk=3, depth=3),
+                             max_new_tokens=24, eos_token_id=[])
+    assert gen.token_ids == plain.token_ids
+    assert gen.stats.accepted_hist[3] == gen.stats.target_calls == 6  # 24 = 6 x (3 accepted + the bonus)
+
+
+class _NodeLogits(FeatureTreeDrafter):
+    """Records the draft logits after each fed tree node, in feed order."""
+
+    def _all_logits(self, state, tokens, mask, positions):
+        out = super()._all_logits(state, tokens, mask, positions)
+        self.node_logits.extend(out)
+        return out
+
+
+@pytest.mark.parametrize("forward", ["lean", "model"])
+def test_each_tree_node_drafts_from_its_own_path(forward):
+    """A node's row reads its parent's output state and sees the committed rows and its ancestors only: its
+    logits equal those of a chain fed along its path."""
+    target = tiny_model("llama", seed=2)
+    draft = _perturb(build_attached(target, [1], features=True), 0.3)
+
+    def state():
+        with torch.no_grad():
+            hidden = target.model(input_ids=torch.tensor([PROMPT])).last_hidden_state[0, :-1]  # [T - 1, H]
+        s = DecodeState(target=target, ids=list(PROMPT), params=SamplingParams(), generator=make_generator(0),
+                        max_length=len(PROMPT) + 20, remaining=20)
+        s.target_hidden.append(hidden)
+        return s
+
+    tree_drafter = _NodeLogits(draft, budget=12, topk=2, depth=4)
+    tree_drafter.lean_forward = forward == "lean"
+    tree_drafter.node_logits = []
+    s = state()
+    tree_drafter.begin(s)
+    tree_drafter.propose(s)
+    fed_tokens, fed_parents = tree_drafter._fed_tokens, tree_drafter._fed_parents
+    assert len(fed_tokens) == 2 + 2 + 2 and len(tree_drafter.node_logits) == len(fed_tokens)
+    for j in range(len(fed_tokens)):
+        path, node = [], j
+        while node >= 0:
+            path.insert(0, fed_tokens[node])
+            node = fed_parents[node]
+        chain = FeatureDrafter(draft, k=1)
+        chain.lean_forward = forward == "lean"
+        c = state()
+        chain.begin(c)
+        chain._catch_up(c)
+        for tok in path:
+            logits = chain._next_logits(c, [tok])
+        torch.testing.assert_close(tree_drafter.node_logits[j], logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", TREES)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_feature_trees_greedy_equal_plain_decoding(arch, spec):
+    target = tiny_model(arch, seed=2)
+    draft = _perturb(build_attached(target, [1], features=True, taps=[0]), 0.2)
+    plain = speculant.generate(target, PROMPT, max_new_tokens=30, eos_token_id=[])
+    for prompt in (PROMPT, PROMPT[:1]):  # a one-token prompt: no target state before the first step
+        ref = plain if prompt is PROMPT else speculant.generate(target, prompt, max_new_tokens=30, eos_token_id=[])
+        gen = speculant.generate(target, prompt, drafter=speculant.build_drafter(spec, draft), max_new_tokens=30,
+                                 eos_token_id=[])
+        assert gen.token_ids == ref.token_ids, (arch, spec, len(prompt))
+
+
+@pytest.mark.parametrize("spec", ["specinfer:width=2:depth=2", "tree:budget=5:topk=2:depth=2"])
+def test_feature_trees_sample_the_target_distribution(spec):
+    from test_sampling_distribution import VOCAB, exact_joint, pvalues, sample_counts
+
+    target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
+    draft = _perturb(build_attached(target, [1], features=True), 0.5, seed=7)
+    params = SamplingParams(temperature=1.0)
+    counts, _, _ = sample_counts(target, speculant.build_drafter(spec, draft), params, 3, 3000, seed0=99)
+    bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
+    assert not bad, f"empirical distribution differs from the target's: p-values {bad}"

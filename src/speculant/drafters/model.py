@@ -80,7 +80,8 @@ class DraftModelBase(Drafter):
             )
         if is_feature_drafter(draft_model) and not self.uses_target_hidden:
             raise ValueError(f"the draft model is a feature (EAGLE) drafter, which {type(self).__name__} cannot "
-                             "drive: draft with it through the chain method (speculant.drafters.FeatureDrafter)")
+                             "drive: build the method through speculant.build_drafter, or use "
+                             "speculant.drafters.feature.feature_variant(" + type(self).__name__ + ")")
         self.model = draft_model  # the declared capability (Drafter.model)
         self._lean: LeanForward | None = None
         self.tokenizers_match = tokenizers_match
@@ -214,7 +215,17 @@ class DraftModelBase(Drafter):
         self._base = len(state.ids)
         self._fed = fed
 
+    def _root_slot(self) -> int:
+        """The draft-cache slot of the proposal's root (tree levels are fed behind it): the last committed
+        token's."""
+        return self._n_cached - 1
+
     def commit(self, state: DecodeState, accepted: list[int]) -> None:
+        """Keep the draft cache consistent with what was accepted (:meth:`_keep_accepted`)."""
+        self._keep_accepted(accepted)
+        self._tree = None
+
+    def _keep_accepted(self, accepted: list[int]) -> None:
         """Keep the fed nodes of the accepted path in the draft cache, drop the rest of the proposal's slots.
 
         Siblings of a tree have distinct tokens, so the accepted tokens name the accepted nodes."""
@@ -233,7 +244,6 @@ class DraftModelBase(Drafter):
                 node = nxt
         self._cache.keep(self._base, slots)  # a crop when the kept slots are the first ones (chains)
         self._n_cached = self._base + len(slots)
-        self._tree = None
 
 
 class DraftModelDrafter(DraftModelBase):

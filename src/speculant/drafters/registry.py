@@ -25,7 +25,7 @@ from ..models.attached import is_feature_drafter
 from ..core.forward import FORWARDS
 from ..core.specs import NO_DEFAULT, Key, split_spec
 from .base import Drafter
-from .feature import FeatureDrafter
+from .feature import feature_variant
 from .model import DraftModelDrafter
 from .trees import (
     DynamicTreeDrafter,
@@ -270,13 +270,13 @@ def _ar(draft_model: torch.nn.Module | None) -> None:
     return None
 
 
-def _model_drafter(cls: type, features: type | None = None) -> Callable[..., Drafter]:
-    """The factory of a draft-model drafter class: ``trim`` is its ``vocab_trim``; ``features``: the class that
-    drives a feature (EAGLE) draft model instead, if the method has one."""
+def _model_drafter(cls: type) -> Callable[..., Drafter]:
+    """The factory of a draft-model drafter class: ``trim`` is its ``vocab_trim``; a feature (EAGLE) draft model
+    is driven by the class's feature variant (:func:`speculant.drafters.feature.feature_variant`)."""
 
     def factory(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
                 lookup: int = 0, **options: Any) -> Drafter:
-        use = features if features is not None and is_feature_drafter(draft_model) else cls
+        use = feature_variant(cls) if is_feature_drafter(draft_model) else cls
         drafter = use(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
         if lookup:
             from .with_lookup import WithLookup
@@ -308,7 +308,7 @@ def _keys(cls: type, **docs: tuple[Any, str]) -> dict[str, Key]:
 register("ar", _ar, needs_draft=False, doc="plain autoregressive decoding, no draft (the baseline)")
 register(
     "chain",
-    _model_drafter(DraftModelDrafter, features=FeatureDrafter),
+    _model_drafter(DraftModelDrafter),
     needs_draft=True,
     keys={**_keys(DraftModelDrafter, k=(int, "draft tokens per step (gamma)")), "lookup": _LOOKUP},
     sizing=Sizing(depth="k", budget="k"),

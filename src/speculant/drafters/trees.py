@@ -95,7 +95,7 @@ class TreeDrafterBase(DraftModelBase):
         fed = DraftTree(tokens=list(self._fed_tokens), parents=list(self._fed_parents))
         if fed.is_chain():  # the causal mask is the tree mask
             return self._all_logits(state, tokens, None, None)
-        mask, positions = self._attn.build(fed, self._n_cached - 1)  # [1, 1, Q, L + Q], [1, Q]
+        mask, positions = self._attn.build(fed, self._root_slot())  # [1, 1, Q, L + Q], [1, Q]
         return self._all_logits(state, tokens, mask[:, :, start + 1 :], positions[:, start + 1 :])
 
     def _depth(self, state: DecodeState, depth: int) -> int:

@@ -11,10 +11,12 @@ drafts ``s_{j+2}``. The losses:
   ``regression`` (the states are RMS-normalised per row first, so the weight does not depend on the model's
   scale).
 
-Deeper draft tokens are drafted from the drafter's own ``f̂``, not the target's ``F``. With ``unroll = 2`` a second
-pass feeds row ``j`` with ``f̂_j`` (the first pass's output of row ``j - 1``) in place of ``F_j`` and is trained on
-the same targets: the conditions of the second draft token (EAGLE-3's "training-time test", simplified: in that
-pass every earlier row also carries a predicted state). Validation reports the agreement of each pass.
+Deeper draft tokens are drafted from the drafter's own ``f̂``, not the target's ``F``: EAGLE-3's "training-time
+test" (Li et al. 2025). With ``unroll = U`` the drafter runs U passes; pass ``d >= 1`` feeds row ``j`` with
+``f̂_j`` (pass ``d - 1``'s output of row ``j - 1``) in place of ``F_j`` and is trained on the same targets: the
+conditions of draft token ``d + 1``. Each pass attends exactly as that draft row does at inference
+(:func:`ttt_mask`): to the real rows before its chain started (pass 0's keys) and to its own chain's rows of
+the earlier passes, kept in one cache across the passes. Validation reports the agreement of each pass.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...core.cache import cache_kwarg
 from .answers import AnswerShard
 from .draft_train import Batch, Objective, Sample, make_batch
 from .features import sequence_lengths, to_tensor
 
-__all__ = ["FeatureSample", "collect_feature_samples", "FeatureBatch", "FeatureObjective"]
+__all__ = ["FeatureSample", "collect_feature_samples", "FeatureBatch", "FeatureObjective", "ttt_mask"]
 
 
 @dataclass
@@ -84,14 +87,19 @@ class FeatureObjective(Objective):
         fields["cols"] = base.cols - 1
         return FeatureBatch(**fields, features=feats)
 
-    def _pass(self, draft, batch: FeatureBatch, feats: torch.Tensor) -> torch.Tensor:
-        """Rows ``j = 0 .. T-2`` on ``feats [B, T-1, F]``; the output states ``f̂ [B, T-1, H]`` (row j: f̂_{j+1})."""
+    def _pass(self, draft, batch: FeatureBatch, feats: torch.Tensor, depth: int, cache) -> torch.Tensor:
+        """Pass ``depth`` (0: the target's states) of rows ``j = 0 .. T-2`` on ``feats [B, T-1, F]``, attending
+        as a draft row of that depth does (:func:`ttt_mask`) over the keys of every earlier pass, kept in
+        ``cache``; the output states ``f̂ [B, T-1, H]`` (row j: f̂_{j+1})."""
         emb = draft.get_input_embeddings()(batch.input_ids[:, 1:])  # [B, T-1, H]: s_{j+1}
         x = draft.feature_fc(torch.cat([emb, feats.to(emb.dtype)], -1))
-        return draft.model(inputs_embeds=x, attention_mask=batch.mask[:, 1:],
-                           position_ids=batch.positions[:, :-1]).last_hidden_state
+        mask = ttt_mask(batch.mask[:, 1:].bool(), depth, x.dtype)  # [B, 1, T-1, (depth + 1)(T-1)]
+        return draft.model(inputs_embeds=x, attention_mask=mask, position_ids=batch.positions[:, :-1],
+                           **cache_kwarg(draft.model, cache), use_cache=True).last_hidden_state
 
     def predict(self, draft, batch: FeatureBatch, head: torch.Tensor, training: bool):
+        from transformers import DynamicCache
+
         states = batch.features  # [B, T, F]: tapped layers' outputs, then the final-normed state (last H)
         h = draft.config.hidden_size
         target = states[..., -h:]  # [B, T, H]
@@ -101,8 +109,9 @@ class FeatureObjective(Objective):
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * self.noise * scale
         valid = batch.mask[:, 1:].bool()  # [B, T-1]: rows whose regression target F_{j+1} is real
         steps, aux = [], None
+        cache = DynamicCache(config=draft.config)  # every pass's keys: the draft rows' attention (ttt_mask)
         for depth in range(self.unroll):
-            out = self._pass(draft, batch, inputs)  # [B, T-1, H]
+            out = self._pass(draft, batch, inputs, depth, cache)  # [B, T-1, H]
             steps.append(out[batch.rows, batch.cols] @ head.T)  # [N, K]
             if self.regression:
                 reg = _regression(out.float()[valid], target[:, 1:][valid])
@@ -113,6 +122,21 @@ class FeatureObjective(Objective):
         if aux is not None:
             aux = self.regression * aux / self.unroll
         return steps, aux
+
+
+def ttt_mask(valid: torch.Tensor, depth: int, dtype: torch.dtype) -> torch.Tensor:
+    """EAGLE-3's training-time-test attention, additive ``[B, 1, T, (depth + 1) T]`` over the keys of passes
+    ``0 .. depth`` (``valid [B, T]``: real rows). Row ``p`` of pass ``depth`` stands for the draft row of that
+    depth whose chain started after real row ``p - depth``: it sees the real rows ``0 .. p - depth`` (pass 0) and
+    the rows of its own chain, row ``p - depth + l`` of pass ``l`` for ``l = 1 .. depth`` (itself last), exactly
+    what the drafter's cache holds for it at inference. ``depth = 0``: causal over the real rows."""
+    b, t = valid.shape
+    p = torch.arange(t)[:, None]  # [T, 1]
+    q = torch.arange(t)[None, :]  # [1, T]
+    blocks = [(q <= p - depth)[None] & valid[:, None, :]]  # [B, T, T]
+    blocks += [(q == p - depth + level)[None].expand(b, t, t) for level in range(1, depth + 1)]
+    allowed = torch.cat(blocks, -1)[:, None]  # [B, 1, T, (depth + 1) T]
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _regression(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
