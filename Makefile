@@ -18,7 +18,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 QWEN_STAMP := $(VENV)/.speculant-qwen-installed
 
-.PHONY: demo qwen-models qwen-draft-data qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
+.PHONY: demo qwen-models qwen-draft-data qwen-eagle3 qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,17 @@ qwen-draft-data: $(QWEN_STAMP)
 		--prompts builtin:sharegpt,builtin:code-chat-train --max-prompt-tokens 512 --max-new-tokens 256 \
 		--gen-batch 16 --kind feature --taps 2/14/25 --data-only \
 		$(if $(QWEN_DATA_BATCHES),--answer-batches $(QWEN_DATA_BATCHES),)
+
+# The 1.5B target's EAGLE-3 drafter, trained on that data (resumable; QWEN_EAGLE3_STEPS optimizer steps of 8
+# answers, 3 training-time-test depths, one layer initialised from the target's last): the answers already in
+# $(QWEN_DATA) (run qwen-draft-data first; training reads the shards present when it starts).
+QWEN_EAGLE3_STEPS ?= 2000
+qwen-eagle3: $(QWEN_STAMP)
+	$(PY) -m speculant train draft --target qwen2.5-coder-1.5b-instruct --out $(QWEN_DATA) \
+		--prompts builtin:sharegpt,builtin:code-chat-train --max-prompt-tokens 512 --max-new-tokens 256 \
+		--gen-batch 16 --kind eagle3 --taps 2/14/25 --layers 27 --train-only \
+		--steps $(QWEN_EAGLE3_STEPS) --batch-size 8 --lr 3e-4 --warmup 50 --keep 8192 --loss fkl \
+		--name qwen2.5-coder-1.5b-instruct-eagle3
 
 # First and later load times of the packaged Qwen models (README), in fresh processes and temporary caches.
 qwen-load: $(QWEN_STAMP)

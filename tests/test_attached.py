@@ -219,6 +219,36 @@ def test_train_feature_draft_end_to_end(target_dir, tmp_path, capsys):
     _exact_through_cli(target_dir, export, capsys)
 
 
+def test_train_eagle3_draft_end_to_end(target_dir, tmp_path, capsys):
+    """--kind eagle3: taps default to a low, a middle and a high layer, the training-time test runs 3 depths,
+    no regression; the drafter drafts exactly with a dynamic tree through the CLI."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n"
+                               for i in range(8)))
+    out = tmp_path / "run"
+    argv = ["train", "draft", "--target", target_dir, "--out", str(out), "--prompts", str(prompts), "--kind",
+            "eagle3", "--engine", "speculant", "--quantization", "q4", "--max-new-tokens", "6", "--gen-batch", "4",
+            "--steps", "3", "--batch-size", "3", "--warmup", "1", "--keep", "64", "--layers", "2",
+            "--validation-fraction", "0.25"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    export = out / "eagle3-fkl" / "draft"
+    assert capsys.readouterr().out.strip() == str(export)
+    assert (out / "features-taps-0-1-2" / "DONE").exists()  # recorded while answering
+    config = json.loads((out / "eagle3-fkl" / "run_config.json").read_text())
+    assert config["taps"] == [0, 1, 2] and config["unroll"] == 3 and config["regression"] == 0.0
+    history = json.loads((out / "eagle3-fkl" / "history.json").read_text())
+    assert "greedy_agreement_d3" in history[-1]
+    assert "EAGLE-3 drafter" in (export / "MODEL_CARD.md").read_text()
+    target, _ = load_model_dir(target_dir, dtype=torch.float32)
+    draft = load_draft(export, target)
+    assert draft.feature_fc.in_features == 5 * target.config.hidden_size  # [emb ; 3 taps ; final]
+    prompt = chat_ids(load_model_dir(target_dir)[1], [{"role": "user", "content": "def g(y):"}])
+    plain = generate(target, prompt, max_new_tokens=12)
+    for spec in ("tree:budget=6:topk=2:depth=3", "chain:k=3"):
+        assert generate(target, prompt, drafter=build_drafter(spec, draft), max_new_tokens=12).token_ids == \
+            plain.token_ids
+
+
 def test_train_draft_bad_input(target_dir, tmp_path, capsys):
     base = ["train", "draft", "--target", target_dir, "--out", str(tmp_path / "r")]
     for extra, needle in ((["--loss", "rkl"], "--loss"), (["--prompts", str(tmp_path / "none.jsonl")], "--prompts"),

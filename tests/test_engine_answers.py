@@ -162,3 +162,18 @@ def test_a_run_answers_more_of_its_batches_when_asked(tmp_path):
     done = json.loads((folder / "DONE").read_text())
     assert done["answer_tokens"] == sum(int(s.answer_offsets[-1]) for s in load_shards(folder))
     assert done["engine"] == "speculant"
+
+
+def test_the_validation_split_holds_its_prompts_out_as_the_data_grows():
+    from speculant.train.drafter.draft_train import Sample
+    from speculant.train.drafter.pipeline import split_validation
+
+    def samples(rows):
+        return [Sample(np.zeros(1), np.zeros(1), np.zeros((1, 1)), np.zeros((1, 1)), 0, row=r) for r in rows]
+
+    _, small = split_validation(samples(range(200)), 0.1, seed=0)
+    train, big = split_validation(samples(list(range(2000)) * 2), 0.1, seed=0)  # grown; each row answered twice
+    assert {s.row for s in small} <= {s.row for s in big}
+    assert not {s.row for s in train} & {s.row for s in big}  # a prompt's answers stay on one side
+    assert 0.07 < len(big) / 4000 < 0.13
+    assert len(split_validation(samples([5]), 0.01, seed=0)[1]) == 1  # at least one held out

@@ -262,3 +262,29 @@ def test_feature_trees_sample_the_target_distribution(spec):
     counts, _, _ = sample_counts(target, speculant.build_drafter(spec, draft), params, 3, 3000, seed0=99)
     bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
+
+
+def test_the_eagle3_method_drafts_a_dynamic_tree_from_a_feature_drafter():
+    from speculant.bench.harness import _method_draft
+    from speculant.models.loading import bundled_dir, default_draft_for
+
+    target = tiny_model("qwen2", seed=2)
+    draft = _perturb(build_attached(target, [1], features=True, taps=[0]), 0.2)
+    drafter = speculant.build_drafter("eagle3:budget=6:topk=2:depth=3", draft)
+    assert isinstance(drafter, FeatureTreeDrafter) and drafter.budget == 6
+    plain = speculant.generate(target, PROMPT, max_new_tokens=20, eos_token_id=[])
+    assert speculant.generate(target, PROMPT, drafter=drafter, max_new_tokens=20, eos_token_id=[]).token_ids == \
+        plain.token_ids
+    with pytest.raises(ValueError, match="EAGLE-3 feature drafter"):
+        speculant.build_drafter("eagle3", build_attached(target, [0]))
+    # the drafter shipped per target and method: named only where it is installed; the bench says how to give one
+    name = "qwen2.5-coder-1.5b-instruct-eagle3"
+    shipped = bundled_dir(name) is not None
+    assert default_draft_for("qwen2.5-coder-1.5b-instruct", "eagle3") == (name if shipped else None)
+    assert _method_draft("eagle3:draft=/some/dir", "qwen2.5-coder-1.5b-instruct") == "/some/dir"
+    assert _method_draft("chain:k=3", "qwen2.5-coder-1.5b-instruct") is None
+    if shipped:
+        assert _method_draft("eagle3", "qwen2.5-coder-1.5b-instruct") == name
+    else:
+        with pytest.raises(ValueError, match="eagle3:draft=DIR"):
+            _method_draft("eagle3", "qwen2.5-coder-1.5b-instruct")

@@ -42,7 +42,7 @@ def test_each_training_pass_drafts_what_the_drafter_drafts_at_that_depth(lean):
     states = torch.cat([out.hidden_states[1][0], out.last_hidden_state[0]], -1)  # [14, 2H]: layer 0 ; final
     bits = states.to(torch.bfloat16).view(torch.int16).numpy()  # as stored
     dummy = np.zeros((len(answer), 1))
-    sample = FeatureSample(context, answer, dummy.astype(np.int32), dummy.astype(np.float16), 0, bits)
+    sample = FeatureSample(context, answer, dummy.astype(np.int32), dummy.astype(np.float16), 0, features=bits)
     objective = FeatureObjective(regression=0.0, unroll=3)
     kept_index = torch.arange(VOCAB)
     head = draft.get_output_embeddings().weight.detach().float()  # [V, H]

@@ -272,7 +272,7 @@ def resolve(
     target_dir = target if isinstance(target, torch.nn.Module) else str(check_model_dir(resolve_model(target)))
     users = ([f"method {parsed.name!r}"] if parsed.needs_draft else []) + list(draft_for)
     if users and draft is None and by_name:
-        draft = default_draft_for(target)
+        draft = default_draft_for(target, parsed.name)
         if draft is not None:
             log.info("draft: %s (the drafter speculant ships for %s)", draft, target)
     if users and draft is None:

@@ -295,7 +295,8 @@ def run_bench(
     matched = None
     if matching:
         specs, matched = matched_specs(specs, budgets or [], depths or [], skip=(REFERENCE,))
-    method_drafts = {spec: _method_draft(spec) for spec in specs}  # spec -> its own draft=, or None
+    # spec -> its own draft (draft=, or the drafter shipped for the target for a method with its own kind), or None
+    method_drafts = {spec: _method_draft(spec, target) for spec in specs}
     parsed = [(spec, ParsedMethod.parse(_without_draft(spec))) for spec in specs]  # each spec parsed once
     if not any(spec == REFERENCE for spec, _ in parsed):
         parsed.insert(0, (REFERENCE, ParsedMethod.parse(REFERENCE)))
@@ -450,9 +451,24 @@ def method_specs(methods: str | Sequence[str] | None, target: Any, draft: Any = 
     return [spec if s == DEFAULT else s for s in specs], {"spec": spec, "from": source}
 
 
-def _method_draft(spec: str) -> str | None:
-    """The ``draft=NAME`` option of a method spec (the bench runs that method with its own draft model)."""
-    return split_spec(spec, "method", [])[1].get("draft") or None
+def _method_draft(spec: str, target=None) -> str | None:
+    """The ``draft=NAME`` option of a method spec (the bench runs that method with its own draft model); without
+    one, the drafter speculant ships for ``target`` for a method with its own kind of drafter (``eagle3``), else
+    None (the shared draft)."""
+    from ..models.loading import default_draft_for
+    from ..models.sources import PACKAGED
+
+    name, raw = split_spec(spec, "method", [])
+    if raw.get("draft"):
+        return raw["draft"]
+    model = PACKAGED.get(str(target)) if isinstance(target, (str, Path)) else None
+    if model is not None and name in dict(model.method_drafts):
+        own = default_draft_for(target, name)
+        if own is None:
+            raise ValueError(f"method {name!r} needs its own drafter and speculant does not ship it for {target} "
+                             f"in this installation: give one with {name}:draft=DIR")
+        return own
+    return None
 
 
 def _without_draft(spec: str) -> str:

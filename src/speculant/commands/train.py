@@ -112,11 +112,15 @@ _DRAFT_DOCS = {
                     "packaged target's own (q4m for the 1.5B Qwen)",
     "topk": "target log-probabilities kept per answer token (the teacher)",
     "kind": "token: a token-level drafter; feature: a feature (EAGLE) drafter that also reads the target's final "
-            "hidden states (exported to OUT/feature-<loss>/draft)",
+            "hidden states (exported to OUT/feature-<loss>/draft); eagle3: EAGLE-3 (Li et al. 2025), a feature "
+            "drafter reading a low, a middle and a high layer (--taps default 2/L//2/L-3), trained with the "
+            "training-time test over at least 3 draft depths (--unroll >= 3), no regression loss (exported to "
+            "OUT/eagle3-<loss>/draft)",
     "layers": "target layers the drafter starts from, separated by '/'",
     "taps": "feature drafters: target layers whose outputs they also read (EAGLE-3 style), separated by '/'",
     "regression": "feature drafters: weight of the hidden-state regression loss (EAGLE)",
-    "unroll": "feature drafters: training passes, 2 also trains on the drafter's own states (2nd draft token)",
+    "unroll": "feature drafters: training passes (EAGLE-3's training-time test): pass d reads the drafter's own "
+              "states and attends as its (d+1)-th draft token does",
     "loss": "distillation loss: fkl, tvd, tvd++, or none (export the untrained initialisation)",
     "steps": "optimizer steps",
     "batch_size": "answers per step",
@@ -170,7 +174,16 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     from ..core.checks import check_positive_int
     from ..models.loading import resolve_model
     from ..models.loading import check_quantization
-    from ..train.drafter.pipeline import ENGINES, KINDS, DraftRunConfig, run_answers, run_features, run_training
+    from ..train.drafter.pipeline import (
+        ENGINES,
+        FEATURE_KINDS,
+        KINDS,
+        DraftRunConfig,
+        resolve_kind,
+        run_answers,
+        run_features,
+        run_training,
+    )
     from ..train.drafter.card import write_drafter_card
     from ..train.losses import LOSSES
 
@@ -188,10 +201,16 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     check_quantization(args.quantization)
     _check_layers(resolve_model(args.target), args.layers, args.taps)  # a clear error before any work
     _check_draft_prompts(args)  # before the run directory is made: a refused run leaves nothing behind
-    cfg = dataclass_from_args(DraftRunConfig, args)
-    run_answers(cfg)
-    if cfg.kind == "feature":
-        run_features(cfg)
+    if args.data_only and args.train_only:
+        raise ValueError("--data-only and --train-only exclude each other")
+    cfg = resolve_kind(dataclass_from_args(DraftRunConfig, args))
+    if args.train_only:
+        if not (Path(cfg.out) / "answers").is_dir():
+            raise ValueError(f"--train-only: {cfg.out} has no answers yet (run without --train-only first)")
+    else:
+        run_answers(cfg)
+        if cfg.kind in FEATURE_KINDS:
+            run_features(cfg)
     if args.data_only:
         print(cfg.out)
         return 0
@@ -246,6 +265,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     draft.add_argument("--data-only", action="store_true", help="stop after the data stages (prompts, the target's "
                        "answers and, for feature drafters, its states) and print the run directory; a later run "
                        "without it trains")
+    draft.add_argument("--train-only", action="store_true", help="skip the data stages: train on the answers (and "
+                       "states) the run directory holds now, e.g. while another process is still answering")
     distill = sub.add_parser("distill-data", help="collect the target's completions of training prompts "
                              "(distillation data for a drafter)", formatter_class=Formatter)
     add_dataclass_arguments(distill, DistillDataConfig, skip=set(), docs=_DISTILL_DATA_DOCS)

@@ -357,18 +357,41 @@ register(
     doc="Recursive Speculative Decoding, stochastic beam search (Jeon et al. 2024; Kool et al. 2019); greedy: "
         "beam search",
 )
+_TREE_KEYS = _keys(DynamicTreeDrafter, budget=(int, "tree tokens per target call N (best cumulative log-prob)"),
+                   topk=(int, "children per expanded node, and nodes expanded per level K"),
+                   depth=(int, "levels L (draft forwards per step)"),
+                   calibrate=(bool, "rank nodes by acceptance rates learned online from verification (0: by raw "
+                                    "draft probability, as EAGLE-2)"))
 register(
     "tree",
     _model_drafter(DynamicTreeDrafter),
     needs_draft=True,
-    keys=_keys(DynamicTreeDrafter, budget=(int, "tree tokens per target call N (best cumulative log-prob)"),
-               topk=(int, "children per expanded node, and nodes expanded per level K"),
-               depth=(int, "levels L (draft forwards per step)"),
-               calibrate=(bool, "rank nodes by acceptance rates learned online from verification (0: by raw "
-                                "draft probability, as EAGLE-2)")) | {"lookup": _LOOKUP},
+    keys=_TREE_KEYS | {"lookup": _LOOKUP},
     sizing=Sizing(depth="depth", budget="budget"),
     doc="greedy dynamic draft tree (EAGLE-2 style, Li et al. 2024); deterministic: exact at any temperature "
         "(greedy / deterministic-draft verification)",
+)
+
+
+def _eagle3(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
+            **options: Any) -> Drafter:
+    from .feature import FeatureTreeDrafter
+
+    if not is_feature_drafter(draft_model):
+        raise ValueError("method 'eagle3' drafts with an EAGLE-3 feature drafter (speculant train draft --kind "
+                         "eagle3), not a plain draft model: give one with draft=DIR / --draft DIR, or use chain or "
+                         "tree for a token-level draft")
+    return FeatureTreeDrafter(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
+
+
+register(
+    "eagle3",
+    _eagle3,
+    needs_draft=True,
+    keys=_TREE_KEYS,
+    sizing=Sizing(depth="depth", budget="budget"),
+    doc="EAGLE-3 (Li et al. 2025): a feature drafter reading the target's low, middle and high layers, drafting "
+        "EAGLE-2's dynamic tree; with no draft given, the EAGLE-3 drafter speculant ships for the target",
 )
 
 

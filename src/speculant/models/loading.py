@@ -187,6 +187,7 @@ BUNDLED = {
     "default-target": "default-target",
     "default-draft": "default-draft",
     "smollm2-135m-instruct-draft": "smollm2-135m-instruct-draft",
+    "qwen2.5-coder-1.5b-instruct-eagle3": "qwen2.5-coder-1.5b-instruct-eagle3",  # once trained and shipped
 }
 """Names of the models shipped inside the package (directories under ``speculant/assets``)."""
 
@@ -252,12 +253,18 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = 
     return load_model_dir(resolve_model(name_or_path), dtype, quantization)
 
 
-def default_draft_for(target: str | Path) -> str | None:
+def default_draft_for(target: str | Path, method: str | None = None) -> str | None:
     """The name of the drafter speculant ships for ``target`` (a bundled or packaged model name, or the
     directory one resolves to), or None when it ships none. A packaged model's default draft is a bundled drafter
     directory or another packaged model (:attr:`speculant.models.sources.PackagedModel.default_draft`), named only
-    when it is there (bundled, or its packages installed)."""
+    when it is there (bundled, or its packages installed). ``method``: a method that needs its own kind of
+    drafter (:attr:`~speculant.models.sources.PackagedModel.method_drafts`, e.g. ``eagle3``) gets that one, or
+    None when it is not shipped."""
     key = str(target)
+    model = PACKAGED.get(key)
+    own = dict(model.method_drafts) if model is not None else {}
+    if method is not None and method in own:
+        return own[method] if bundled_dir(own[method]) is not None else None
     if key == "default-target" or (bundled_dir("default-target") is not None
                                    and Path(key).expanduser().resolve() == bundled_dir("default-target").resolve()):
         return "default-draft" if bundled_dir("default-draft") is not None else None

@@ -73,7 +73,9 @@ class PackagedModel:
     fastest); ``default_quantization`` the weight quantization the demo runs it in (``none``/``int8``/``int4``/
     ``q4``; None: float weights). ``files``: ``(asset, name)`` pairs, files speculant ships for the model (under
     ``speculant/assets``) that its cached directory holds as ``name`` (e.g. a VocabTrim calibration, see
-    :func:`install_files`)."""
+    :func:`install_files`). ``method_drafts``: ``(method, drafter)`` pairs, the drafter a method that needs its
+    own kind of draft model (``eagle3``: an EAGLE-3 feature drafter) uses for this target when none is given (a
+    bundled asset directory; used only when it is there)."""
 
     name: str
     module: str = ""  # the import name of the package that holds the file (never imported: only located)
@@ -86,6 +88,7 @@ class PackagedModel:
     default_quantization: str | None = None
     parts: tuple[tuple[str, str], ...] = ()
     files: tuple[tuple[str, str], ...] = ()
+    method_drafts: tuple[tuple[str, str], ...] = ()
     size: int = 0
     sha256: str = ""
 
@@ -155,6 +158,8 @@ PACKAGED: dict[str, PackagedModel] = {
             # the file's 6-bit tensors (LM head, half the v/down projections) in 8 bits: top-1 agreement with the
             # float32 file 0.996 where all-4-bit q4 gives 0.961 (benchmarks/results/quant-fidelity), ~10% slower
             default_quantization="q4m",
+            # the EAGLE-3 drafter trained for it (make qwen-eagle3; speculant train draft --kind eagle3)
+            method_drafts=(("eagle3", "qwen2.5-coder-1.5b-instruct-eagle3"),),
         ),
         PackagedModel(
             name="qwen2.5-coder-0.5b-instruct",

@@ -26,17 +26,22 @@ def _history_table(history: list[dict]) -> str:
 
 def _kind_paragraph(meta: dict, cfg: dict) -> str:
     """What kind of drafter this is (token-level, or a feature drafter and how it was trained)."""
-    if meta.get("kind", "token") != "feature":
+    kind = meta.get("kind", "token")
+    if kind not in ("feature", "eagle3"):
         return ""
-    return ("\nA **feature drafter** (EAGLE, Li et al. 2024; `speculant.drafters.FeatureDrafter`): each input row is "
+    name = "An **EAGLE-3 drafter** (Li et al. 2025)" if kind == "eagle3" else "A **feature drafter** (EAGLE, Li et al. 2024)"
+    where = (f"answered and recorded by speculant's batched engine over the {cfg.get('quantization') or 'packaged'} "
+             "target" if cfg.get("engine", "transformers") != "transformers" else f"extracted in {cfg['gen_dtype']}")
+    return (f"\n{name}, `speculant.drafters.FeatureDrafter` / `FeatureTreeDrafter`: each input row is "
             "`feature_fc([emb(x_{t+1}) ; f_t])`, with `f_t` the target's final-normed hidden state"
-            + (f" preceded by the outputs of its layers {cfg['taps']} (EAGLE-3 style; zeros on draft rows)"
-               if cfg.get("taps") else "")
-            + ", and its output state is read by the target's LM head. It was trained on the target's states over the same answers "
-            f"(extracted in {cfg['gen_dtype']}), with EAGLE's hidden-state regression (smooth L1, weight "
-            f"{cfg['regression']}) added to the distillation loss"
-            + (f", over {cfg['unroll']} passes (pass 2 reads the drafter's own states, as the 2nd draft token does)"
-               if cfg.get("unroll", 1) > 1 else "") + ". Drafting: `chain` over it (the default method).\n")
+            + (f" preceded by the outputs of its layers {cfg['taps']} (zeros on draft rows)" if cfg.get("taps") else "")
+            + ", and its output state is read by the target's LM head. It was trained on the target's states over "
+            f"the same answers ({where})"
+            + (f", with EAGLE's hidden-state regression (smooth L1, weight {cfg['regression']})" if cfg.get("regression")
+               else "")
+            + (f", with the training-time test over {cfg['unroll']} draft depths (pass d reads the drafter's own "
+               "states and attends as its (d+1)-th draft token does)" if cfg.get("unroll", 1) > 1 else "")
+            + ". Drafting: `chain` or any tree method over it (`tree`: EAGLE-2's dynamic tree).\n")
 
 
 def ablation_section(run: str | Path) -> str:

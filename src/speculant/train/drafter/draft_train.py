@@ -41,6 +41,7 @@ class Sample:
     topk_ids: np.ndarray  # [a, k]
     topk_logprobs: np.ndarray  # [a, k]
     start: int  # position of context[0]
+    row: int = -1  # the prompt's row in the run's prompts file (which split it belongs to)
 
 
 def collect_samples(shards: list[AnswerShard], context: int) -> list[Sample]:
@@ -52,7 +53,8 @@ def collect_samples(shards: list[AnswerShard], context: int) -> list[Sample]:
             if len(answer) == 0:
                 continue
             ctx = prompt[-context:]
-            out.append(Sample(ctx, answer, sh.topk_ids[rows], sh.topk_logprobs[rows], len(prompt) - len(ctx)))
+            out.append(Sample(ctx, answer, sh.topk_ids[rows], sh.topk_logprobs[rows], len(prompt) - len(ctx),
+                              row=int(sh.prompt_index[i])))
     return out
 
 

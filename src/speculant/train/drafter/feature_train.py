@@ -57,7 +57,8 @@ def collect_feature_samples(shards: list[AnswerShard], features: list[np.ndarray
             ctx = prompt[-context:]
             skip = len(prompt) - len(ctx)
             f = feats[offsets[i] + skip : offsets[i + 1]]  # [c + a - 1, H]
-            out.append(FeatureSample(ctx, answer, sh.topk_ids[rows], sh.topk_logprobs[rows], skip, f))
+            out.append(FeatureSample(ctx, answer, sh.topk_ids[rows], sh.topk_logprobs[rows], skip,
+                                     row=int(sh.prompt_index[i]), features=f))
     return out
 
 

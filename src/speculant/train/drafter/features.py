@@ -79,12 +79,15 @@ def extract_features(target, answers: str | Path, out: str | Path, taps: list[in
     return out
 
 
-def load_features(folder: str | Path, shards: int) -> list[np.ndarray]:
-    """The feature arrays of the first ``shards`` shards (int16 views of bfloat16 ``[rows, F]``), memory-mapped."""
+def load_features(folder: str | Path, shards: int | list[str | Path]) -> list[np.ndarray]:
+    """The feature arrays (int16 views of bfloat16 ``[rows, F]``, memory-mapped) of the answer shards ``shards``
+    (their paths or names: ``shard-00007.npz`` pairs with ``shard-00007.npy``), or of the first ``shards`` shards
+    (an int)."""
     folder = Path(folder)
+    names = [f"shard-{i:05d}" for i in range(shards)] if isinstance(shards, int) else [Path(p).stem for p in shards]
     out = []
-    for i in range(shards):
-        path = folder / f"shard-{i:05d}.npy"
+    for name in names:
+        path = folder / f"{name}.npy"
         if not path.exists():
             raise ValueError(f"missing target features {path}: run the feature stage first")
         out.append(np.load(path, mmap_mode="r"))

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DraftRunConfig", "KINDS", "tokenize_prompts", "run_answers", "run_features", "run_training"]
+__all__ = ["DraftRunConfig", "FEATURE_KINDS", "KINDS", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
+           "run_training"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class DraftRunConfig:
     engine: str = "auto"  # who answers: transformers, speculant (batched engine, deployed weights) or auto
     quantization: str | None = None  # the target's weights when speculant answers (None: its packaged default)
     topk: int = 32
-    kind: str = "token"  # token: a token-level drafter; feature: a feature (EAGLE) drafter reading the target's states
+    kind: str = "token"  # token-level drafter, feature (EAGLE) or eagle3 drafter reading the target's states
     layers: list[int] = field(default_factory=lambda: [0, 1])  # target layers the drafter starts from
     taps: list[int] = field(default_factory=list)  # feature drafters: target layers whose outputs they also read
     regression: float = 1.0  # feature drafters: weight of the hidden-state regression loss
@@ -166,6 +167,7 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     from ...models.chat import stop_ids
     from .answers import generate_answers, shard_paths
 
+    resolve_kind(cfg)
     run = Path(cfg.out)
     run.mkdir(parents=True, exist_ok=True)
     saved = run / "run_config.json"
@@ -202,7 +204,7 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
         from .batch_answers import engine_answers
         from .features import features_dir
 
-        features = features_dir(run, cfg.taps) if cfg.kind == "feature" else None
+        features = features_dir(run, cfg.taps) if cfg.kind in FEATURE_KINDS else None
         engine_answers(model, prompts, folder, shard_size=cfg.gen_batch, batch=cfg.gen_batch, features=features,
                        taps=cfg.taps, **common)
     else:
@@ -221,7 +223,29 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     return folder
 
 
-KINDS = ("token", "feature")
+KINDS = ("token", "feature", "eagle3")
+FEATURE_KINDS = ("feature", "eagle3")
+"""The kinds that read the target's states: ``feature`` (EAGLE: the final state, optional taps, hidden-state
+regression) and ``eagle3`` (EAGLE-3, Li et al. 2025: the outputs of a low, a middle and a high layer plus the
+final state, no regression, training-time test over at least 3 draft depths)."""
+
+
+def resolve_kind(cfg: DraftRunConfig) -> DraftRunConfig:
+    """``cfg`` with its kind's settings filled in: for ``eagle3``, taps ``2 / L//2 / L-3`` of the target's
+    ``L`` layers when none are given, ``unroll`` at least 3 and no regression loss. Returns ``cfg``."""
+    if cfg.kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
+    if cfg.kind == "eagle3":
+        if not cfg.taps:
+            from transformers import AutoConfig
+
+            from ...models.loading import resolve_model
+
+            n = AutoConfig.from_pretrained(str(resolve_model(cfg.target)), local_files_only=True).num_hidden_layers
+            cfg.taps = sorted({min(2, n - 1), n // 2, max(n - 3, 0)})
+        cfg.unroll = max(cfg.unroll, 3)
+        cfg.regression = 0.0
+    return cfg
 ENGINES = ("auto", "speculant", "transformers")
 
 
@@ -247,6 +271,7 @@ def run_features(cfg: DraftRunConfig, progress: bool = True) -> Path:
     from .answers import shard_paths
     from .features import extract_features, features_dir
 
+    resolve_kind(cfg)
     folder = features_dir(cfg.out, cfg.taps)
     done = folder / "DONE"
     missing = [p for p in shard_paths(Path(cfg.out) / "answers") if not (folder / (p.stem + ".npy")).exists()]
@@ -264,22 +289,33 @@ def run_features(cfg: DraftRunConfig, progress: bool = True) -> Path:
 
 
 def _split_samples(cfg: DraftRunConfig, run: Path):
-    from .answers import load_shards
+    from .answers import AnswerShard, shard_paths
     from .draft_train import collect_samples
 
-    shards = load_shards(run / "answers")
-    if cfg.kind == "feature":
+    paths = shard_paths(run / "answers")  # shards finish out of order: pair each with its own features
+    shards = [AnswerShard.load(p) for p in paths]
+    if cfg.kind in FEATURE_KINDS:
         from .feature_train import collect_feature_samples
         from .features import features_dir, load_features
 
-        feats = load_features(features_dir(run, cfg.taps), len(shards))
+        feats = load_features(features_dir(run, cfg.taps), paths)
         samples = collect_feature_samples(shards, feats, context=_CONTEXT)
     else:
         samples = collect_samples(shards, context=_CONTEXT)
-    rng = np.random.default_rng(cfg.seed)
-    order = rng.permutation(len(samples))
-    n_val = max(1, int(round(cfg.validation_fraction * len(samples))))
-    return [samples[i] for i in order[n_val:]], [samples[i] for i in order[:n_val]]
+    return split_validation(samples, cfg.validation_fraction, cfg.seed)
+
+
+def split_validation(samples: list, fraction: float, seed: int) -> tuple[list, list]:
+    """``(train, validation)``: a sample is held out when a hash of its prompt row (and ``seed``) falls in the
+    first ``fraction`` of the hash range, so a run whose data grows keeps its held-out prompts held out (the
+    answers of one prompt at several temperatures stay on one side); at least one sample is held out."""
+    def unit(row: int) -> float:  # a hash of the row in [0, 1)
+        return ((row * 2654435761 + seed * 40503 + 12345) % 2**32) / 2**32
+
+    held = [unit(s.row) < fraction for s in samples]
+    if not any(held) and samples:
+        held[min(range(len(samples)), key=lambda i: unit(samples[i].row))] = True
+    return [s for s, h in zip(samples, held) if not h], [s for s, h in zip(samples, held) if h]
 
 
 _GREEDY_KEEP = 4096  # VocabTrim size used by default under greedy decoding (the target's top token is rarely rarer)
@@ -314,10 +350,9 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     from ..precision import autocast_dtype
 
     loss = loss or cfg.loss
-    if cfg.kind not in KINDS:
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
+    resolve_kind(cfg)
     run = Path(cfg.out)
-    out = run / (("feature-" if cfg.kind == "feature" else "") + loss.replace("+", "p"))
+    out = run / (("" if cfg.kind == "token" else cfg.kind + "-") + loss.replace("+", "p"))
     export = out / "draft"
     if (export / "model.safetensors").exists():
         return export
@@ -330,9 +365,9 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     train, validation = _split_samples(cfg, run)
     vocab = target.get_input_embeddings().weight.shape[0]
     kept = kept_ids(train, vocab, cfg.keep, stops)
-    draft = build_attached(target, cfg.layers, features=cfg.kind == "feature", taps=cfg.taps)
+    draft = build_attached(target, cfg.layers, features=cfg.kind in FEATURE_KINDS, taps=cfg.taps)
     objective = TOKEN
-    if cfg.kind == "feature":
+    if cfg.kind in FEATURE_KINDS:
         from .feature_train import FeatureObjective
 
         objective = FeatureObjective(regression=cfg.regression, unroll=cfg.unroll)
