@@ -87,6 +87,9 @@ def test_engine_answers_resume_with_the_same_shards_and_sample_per_prompt(target
     for name, shard in first.items():  # the same answers, whatever ran beside them
         assert all(np.array_equal(getattr(again[name], k), getattr(shard, k)) for k in AnswerShard.__dataclass_fields__)
     assert {float(s.temperature[0]) for s in again.values()} == {1.0, 0.0}
+    runs = json.loads((out / "RUNS.json").read_text())  # each run's progress
+    assert [r["shards"] for r in runs] == [3, 1]
+    assert runs[1]["answer_tokens"] == int(again["shard-00001.npz"].answer_offsets[-1]) and runs[1]["batch"] == 3
 
 
 def test_the_pipeline_answers_with_the_engine_for_a_quantized_target(tmp_path):

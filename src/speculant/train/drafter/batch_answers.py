@@ -20,11 +20,13 @@ reasonable time on a CPU:
   (:func:`.features.extract_features`), a second target forward over every token, is not needed.
 
 Sampled answers draw from each sequence's own generator, seeded by the prompt's row of the prompts file: a resumed
-run writes the same shards.
+run writes the same shards. Each run appends its progress (shards, answer tokens, seconds, tokens/s: tokens of
+answers finished in that run, prompts' prefill included in the time) to ``OUT/RUNS.json``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -94,6 +96,11 @@ def engine_answers(target: torch.nn.Module, prompts: list[list[int]], out: str |
     bar = tqdm(total=len(shards), initial=len(shards) - len(todo), desc="target answers", unit="shard",
                disable=not progress)
     tokens, start = 0, time.perf_counter()
+    runs_file = out / "RUNS.json"
+    runs = json.loads(runs_file.read_text()) if runs_file.exists() else []
+    record = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "batch": batch, "shards": 0, "answer_tokens": 0,
+              "seconds": 0.0}
+    runs.append(record)
     while queue or live:
         while queue and len(live) < batch:
             n, i = queue.popleft()
@@ -119,7 +126,11 @@ def engine_answers(target: torch.nn.Module, prompts: list[list[int]], out: str |
                 _write(out, features, n, [i for shard, rows in todo if shard == n for i in rows], done.pop(n),
                        prompts, temperatures[n % len(temperatures)], file_rows)
                 bar.update(1)
-                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+                seconds = time.perf_counter() - start
+                bar.set_postfix(tok_s=f"{tokens / seconds:.1f}")
+                record.update(shards=record["shards"] + 1, answer_tokens=tokens, seconds=round(seconds, 1),
+                              answer_tokens_per_s=round(tokens / seconds, 2))
+                runs_file.write_text(json.dumps(runs, indent=1))  # the progress of every run, for reports
     bar.close()
     return out
 
