@@ -56,7 +56,7 @@ qwen-eagle3: $(QWEN_STAMP)
 	$(PY) -m speculant train draft --target qwen2.5-coder-1.5b-instruct --out $(QWEN_DATA) \
 		--prompts builtin:sharegpt,builtin:code-chat-train --max-prompt-tokens 512 --max-new-tokens 256 \
 		--gen-batch 16 --kind eagle3 --taps 2/14/25 --layers 27 --train-only \
-		--steps $(QWEN_EAGLE3_STEPS) --batch-size 8 --lr 3e-4 --warmup 50 --keep 8192 --loss fkl \
+		--steps $(QWEN_EAGLE3_STEPS) --batch-size 8 --lr 3e-4 --warmup 50 --keep 8192 --loss fkl --group-by-length \
 		--name qwen2.5-coder-1.5b-instruct-eagle3
 
 # First and later load times of the packaged Qwen models (README), in fresh processes and temporary caches.

@@ -228,6 +228,7 @@ def test_train_eagle3_draft_end_to_end(target_dir, tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["train", "draft", "--target", target_dir, "--out", str(out), "--prompts", str(prompts), "--kind",
             "eagle3", "--engine", "speculant", "--quantization", "q4", "--max-new-tokens", "6", "--gen-batch", "4",
+            "--group-by-length",
             "--steps", "3", "--batch-size", "3", "--warmup", "1", "--keep", "64", "--layers", "2",
             "--validation-fraction", "0.25"]
     assert cli.main(argv) == 0, capsys.readouterr().err

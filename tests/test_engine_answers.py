@@ -180,3 +180,19 @@ def test_the_validation_split_holds_its_prompts_out_as_the_data_grows():
     assert not {s.row for s in train} & {s.row for s in big}  # a prompt's answers stay on one side
     assert 0.07 < len(big) / 4000 < 0.13
     assert len(split_validation(samples([5]), 0.01, seed=0)[1]) == 1  # at least one held out
+
+
+def test_batches_grouped_by_length_are_random_windows_of_similar_lengths():
+    from speculant.train.drafter.draft_train import _picks
+
+    lengths = np.random.default_rng(0).integers(10, 500, 100)
+    order = np.argsort(lengths, kind="stable")
+    rng = np.random.default_rng(1)
+    starts = set()
+    for _ in range(50):
+        picks = _picks(rng, order, 100, 8)
+        where = [int(np.where(order == i)[0][0]) for i in picks]
+        assert where == list(range(where[0], where[0] + 8))  # consecutive in length order
+        starts.add(where[0])
+    assert len(starts) > 20  # and spread over the data
+    assert len(set(_picks(rng, None, 100, 8).tolist())) == 8  # the default: a uniform draw without replacement

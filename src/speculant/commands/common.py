@@ -384,6 +384,11 @@ def add_dataclass_arguments(
         doc = docs.get(f.name, "")
         # a help text that says its default in words ("default: the built-in prompts") keeps only that one
         shown = required or "default:" in doc
+        if hint is bool:  # a switch: --name / --no-name
+            p.add_argument(option_name(f.name), action=argparse.BooleanOptionalAction,
+                           default=None if f.name in deferred else default,
+                           help=(doc + ("" if shown else f" (default: {'on' if default else 'off'})")).replace("%", "%%"))
+            continue
         p.add_argument(
             option_name(f.name),
             type=kind,

@@ -131,6 +131,8 @@ _DRAFT_DOCS = {
     "validation_fraction": "answers held out for validation",
     "seed": "data order and sampling seed",
     "threads": "torch CPU threads; default: left to torch",
+    "group_by_length": "each batch a random run of answers of similar length (a batch costs its longest: less "
+                       "padding) instead of a uniform draw",
 }
 
 

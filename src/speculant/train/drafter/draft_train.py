@@ -179,10 +179,12 @@ def evaluate(draft, batches: list, head: torch.Tensor, objective: Objective = TO
 def train_attached(draft, samples: list[Sample], validation: list[Sample], kept: list[int], out: Path, *,
                    loss: str, steps: int, batch_size: int, lr: float, warmup: int, seed: int, pad: int,
                    amp: torch.dtype | None = None, eval_every: int = 50, ckpt_every: int = 50,
-                   progress: bool = True, objective: Objective = TOKEN) -> list[dict]:
+                   progress: bool = True, objective: Objective = TOKEN, group_by_length: bool = False) -> list[dict]:
     """Train the drafter's own parameters (resumable from ``out/checkpoint.pt``); return the history. ``amp``:
     the autocast dtype of the drafter's forward (the loss is computed in float32); ``objective``: what it
-    learns to predict (:class:`TokenObjective`, or a feature drafter's)."""
+    learns to predict (:class:`TokenObjective`, or a feature drafter's). ``group_by_length``: each batch is a
+    random run of samples of similar length (less padding: a batch costs its longest sample) instead of a
+    uniform random draw."""
     from tqdm.auto import tqdm
 
     from ...models.attached import own_state
@@ -197,6 +199,8 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
     opt = torch.optim.AdamW(own, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     rng = np.random.default_rng(seed)
     val_batches = batches(validation, kept_index, batch_size, pad, objective)
+    by_length = np.argsort([len(x.context) + len(x.answer) for x in samples], kind="stable") if group_by_length \
+        else None
     ckpt = out / "checkpoint.pt"
     step, history = 0, []
     if ckpt.exists():
@@ -220,7 +224,7 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
         draft.train()
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        picks = rng.choice(len(samples), size=min(batch_size, len(samples)), replace=False)
+        picks = _picks(rng, by_length, len(samples), min(batch_size, len(samples)))
         batch = objective.batch([samples[i] for i in picks], kept_index, pad)
         with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
             depths, aux = objective.predict(draft, batch, head, training=True)
@@ -249,3 +253,11 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
     draft.eval()
     (out / "history.json").write_text(json.dumps(history, indent=1))
     return history
+
+
+def _picks(rng: np.random.Generator, by_length: np.ndarray | None, n: int, size: int) -> np.ndarray:
+    """One batch's indices among ``n`` samples: ``size`` drawn uniformly without replacement, or, with
+    ``by_length`` (the sample indices sorted by length), a random window of ``size`` consecutive ones in it."""
+    if by_length is None:
+        return rng.choice(n, size=size, replace=False)
+    return by_length[int(rng.integers(0, n - size + 1)):][:size]

@@ -72,6 +72,7 @@ class DraftRunConfig:
     validation_fraction: float = 0.05
     seed: int = 0
     threads: int | None = None
+    group_by_length: bool = False  # batches of samples of similar length (less padding) instead of uniform draws
 
 
 def tokenize_prompts(tokenizer, rows: list[dict], max_tokens: int) -> tuple[list[list[int]], list[int]]:
@@ -384,7 +385,7 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
         history = train_attached(draft, train, validation, kept, out, loss=loss, steps=cfg.steps,
                                  batch_size=cfg.batch_size, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
                                  pad=stops[0], amp=autocast_dtype(cfg.precision, torch.device("cpu")),
-                                 progress=progress, objective=objective)
+                                 progress=progress, objective=objective, group_by_length=cfg.group_by_length)
     seconds = time.perf_counter() - start
     tmp = out / "draft.tmp"
     save_attached(draft, target, tmp, target_name=cfg.target, dtype=torch.int8, extra={
