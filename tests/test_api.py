@@ -48,13 +48,27 @@ def test_spec_string_as_drafter(target, spec):
     assert (gen.stats.draft_tokens > 0) == (spec != "ar")
 
 
+class _CharTok:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % 7 for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(97 + i) for i in ids)
+
+
 def test_every_method_has_an_exported_python_entry_point(target):
     """build_drafter and the class each registry method builds are public names of speculant."""
     from speculant.drafters.registry import methods
 
     assert {"build_drafter", "PromptLookupDrafter", "MaskProbeDrafter", "load_draft"} <= set(speculant.__all__)
+    from speculant.models.attached import build_attached
+
+    feature = build_attached(target, [0], features=True)
+    special = {"eagle3": (feature, {}),  # a feature drafter; two tokenizers (any with encode/decode)
+               "cross-vocab": (target, {"draft_tokenizer": _CharTok(), "target_tokenizer": _CharTok()})}
     for name, method in methods().items():
-        drafter = speculant.build_drafter(name, target if method.needs_draft else None)
+        draft, context = special.get(name, (target if method.needs_draft else None, {}))
+        drafter = speculant.build_drafter(name, draft, **context)
         if drafter is None:
             assert name == "ar"
             continue

@@ -211,7 +211,7 @@ def test_default_out_is_ignored_by_git():
 
 def test_draft_defaults_to_the_one_shipped_for_the_target(dirs, monkeypatch):
     monkeypatch.setattr(model_loading, "default_draft_for",
-                        lambda t: dirs["draft"] if str(t) == dirs["target"] else None)
+                        lambda t, method=None: dirs["draft"] if str(t) == dirs["target"] else None)
     res = run_bench(dirs["prompts"], methods=["chain:k=2"], baselines=[], target=dirs["target"], num_prompts=1,
                     max_new_tokens=4, warmup=0, progress=False)
     assert res["settings"]["draft"] == dirs["draft"] and res["methods"]["chain:k=2"]["identical_to_ar"] == 1.0

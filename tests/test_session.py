@@ -55,7 +55,7 @@ def test_exported_from_the_package():
 
 def test_packaged_defaults_resolved_once(pair, monkeypatch):
     """No draft and no method: the shipped drafter and its measured method; a method without a model loads none."""
-    monkeypatch.setattr(loading, "default_draft_for", lambda t: pair["draft"])
+    monkeypatch.setattr(loading, "default_draft_for", lambda t, method=None: pair["draft"])
     monkeypatch.setattr(loading, "default_method_for", lambda t, d: "chain:k=2:lookup=3")
     plan = resolve(pair["target"], device="cpu")
     assert plan.draft == str(loading.check_model_dir(pair["draft"]))

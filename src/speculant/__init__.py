@@ -32,6 +32,8 @@ _EXPORTS: dict[str, str] = {
     "DraftModelDrafter": ".drafters.model",
     "DynamicTreeDrafter": ".drafters.trees",
     "FeatureDrafter": ".drafters.feature",
+    "FeatureTreeDrafter": ".drafters.feature",
+    "CrossVocabDrafter": ".drafters.cross_vocab",
     "RSDCDrafter": ".drafters.trees",
     "RSDSDrafter": ".drafters.trees",
     "SpecInferDrafter": ".drafters.trees",
@@ -63,12 +65,14 @@ _EXPORTS: dict[str, str] = {
 
 # a literal list, as static type checkers read it (this package ships py.typed); the same names as _EXPORTS
 __all__ = [
+    "CrossVocabDrafter",
     "DecodeState",
     "DraftModelDrafter",
     "DraftTree",
     "Drafter",
     "DynamicTreeDrafter",
     "FeatureDrafter",
+    "FeatureTreeDrafter",
     "Generation",
     "GenerationStats",
     "MaskProbeDrafter",
@@ -116,7 +120,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .drafters.base import DecodeState, Drafter
-    from .drafters.feature import FeatureDrafter
+    from .drafters.cross_vocab import CrossVocabDrafter
+    from .drafters.feature import FeatureDrafter, FeatureTreeDrafter
     from .drafters.hybrid import HybridDrafter
     from .drafters.lookup import PromptLookupDrafter
     from .drafters.mask_probe import MaskProbeDrafter

@@ -103,11 +103,13 @@ class ParsedMethod:
         built once over a stand-in (an empty module for methods that need a draft, else none). Drafter
         constructors only store and check their options (the models are read at ``begin``), so this is cheap;
         anything but a ValueError from the stand-in is left to the real build at load."""
-        from .drafters.registry import build_drafter
+        from .drafters.registry import NeedsContext, build_drafter
 
         stand_in = torch.nn.Module() if self.needs_draft else None
         try:
             build_drafter((self.name, dict(self.options)), stand_in)
+        except NeedsContext:  # what the loaded models provide (e.g. both tokenizers): checked at load
+            pass
         except ValueError as exc:
             raise ValueError(f"method {self.spec!r}: {exc}") from None
         except Exception:  # noqa: BLE001: the stand-in is no model; the real build reports real problems

@@ -101,10 +101,12 @@ class DraftModelBase(Drafter):
         """Most draft nodes one proposal feeds (sizes the draft cache; it grows past it if needed)."""
         return 0
 
+    def _shared_vocab(self, state: DecodeState) -> int:
+        """The ids draft and target share (checked: the same tokenizer, up to padding rows)."""
+        return check_vocab_compatible(vocab_size(state.target), vocab_size(self.model), self.tokenizers_match)
+
     def begin(self, state: DecodeState) -> None:
-        self._vocab = check_vocab_compatible(
-            vocab_size(state.target), vocab_size(self.model), self.tokenizers_match
-        )
+        self._vocab = self._shared_vocab(state)
         # a target with more (padding) rows could in principle emit an id the draft cannot embed
         self._max_input_id = vocab_size(self.model) - 1
         check_fits_context(self.model, len(state.ids), state.remaining, role="draft")

@@ -41,6 +41,7 @@ __all__ = [
     "NO_DEFAULT",
     "Key",
     "Method",
+    "NeedsContext",
     "Sizing",
     "build_drafter",
     "default_of",
@@ -392,6 +393,33 @@ register(
     sizing=Sizing(depth="depth", budget="budget"),
     doc="EAGLE-3 (Li et al. 2025): a feature drafter reading the target's low, middle and high layers, drafting "
         "EAGLE-2's dynamic tree; with no draft given, the EAGLE-3 drafter speculant ships for the target",
+)
+
+
+class NeedsContext(ValueError):
+    """A method was built without context only its caller has (e.g. both tokenizers): raised by its factory; a
+    check of option values on a stand-in model (:class:`speculant.session.ParsedMethod`) lets it pass."""
+
+
+def _cross_vocab(draft_model: torch.nn.Module, draft_tokenizer=None, target_tokenizer=None, trim: int | None = None,
+                 **options: Any) -> Drafter:
+    from .cross_vocab import CrossVocabDrafter
+
+    if draft_tokenizer is None or target_tokenizer is None:
+        raise NeedsContext("method 'cross-vocab' needs both tokenizers: on the command line they come with --draft "
+                         "and the target; in Python: build_drafter('cross-vocab', draft, draft_tokenizer=..., "
+                         "target_tokenizer=...)")
+    return CrossVocabDrafter(draft_model, draft_tokenizer, target_tokenizer, vocab_trim=trim, **options)
+
+
+register(
+    "cross-vocab",
+    _cross_vocab,
+    needs_draft=True,
+    keys={"k": Key(int, "draft tokens (the draft's own) per step", 6),
+          "max_ngram": Key(int, "longest run of draft tokens the translation cache keys", 4), "trim": _TRIM},
+    doc="cross-vocabulary drafting (OmniDraft style): a draft model with another tokenizer drafts text, an n-gram "
+        "cache grown online translates it into the target's tokens; deterministic draft: exact at any temperature",
 )
 
 

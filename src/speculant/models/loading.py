@@ -301,12 +301,17 @@ def default_method_for(target: str | Path, draft: str | Path | None = None) -> s
 
 def draft_context(draft: str | Path, target_tokenizer) -> dict:
     """The drafter-building context for draft model ``draft`` (a name or directory) next to a target with
-    ``target_tokenizer``: ``{"tokenizers_match": bool}``. An attached drafter reads the target's ids by
-    construction; an ordinary draft's tokenizer is loaded and compared (:func:`tokenizers_match`)."""
+    ``target_tokenizer``: ``{"tokenizers_match": bool}``, plus both tokenizers (``draft_tokenizer``,
+    ``target_tokenizer``) when they differ (what a cross-vocabulary drafter needs). An attached drafter reads the
+    target's ids by construction; an ordinary draft's tokenizer is loaded and compared (:func:`tokenizers_match`)."""
     d = resolve_model(draft)
     if is_attached(d):
         return {"tokenizers_match": True}
-    return {"tokenizers_match": tokenizers_match(target_tokenizer, load_tokenizer(d))}
+    draft_tokenizer = load_tokenizer(d)
+    if tokenizers_match(target_tokenizer, draft_tokenizer):
+        return {"tokenizers_match": True}
+    # another vocabulary: only a cross-vocabulary method can draft with it, and it needs both tokenizers
+    return {"tokenizers_match": False, "draft_tokenizer": draft_tokenizer, "target_tokenizer": target_tokenizer}
 
 
 def load_draft(name_or_path: str | Path, target: torch.nn.Module, dtype: torch.dtype | str | None = None,
