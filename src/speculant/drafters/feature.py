@@ -76,17 +76,21 @@ class FeatureInputs:
     def _rows(self, state: DecodeState, tokens: list[int], feats: torch.Tensor, mask: torch.Tensor | None = None,
               positions: torch.Tensor | None = None) -> torch.Tensor:
         """Feed rows ``feature_fc([emb(tokens) ; feats])`` (``feats [T, F]``: the tapped layers' outputs, then the
-        final state; a draft row has only the drafter's own state, zeros in place of the taps), causally or with
+        final state; a draft row has only the drafter's own state, zeros in place of the taps, whose columns of
+        ``feature_fc`` are then skipped), causally or with
         ``mask [1, 1, T, L + T]`` and ``positions [1, T]``; the drafter's output states ``f̂ [T, H]``
         (final-normed, what the LM head reads)."""
         device = self.model.device
         ids = torch.tensor(tokens, device=device).clamp_(max=self._max_input_id)  # [T]
         emb = self.model.get_input_embeddings()(ids)  # [T, H]
         fc = self.model.feature_fc
-        missing = fc.in_features - emb.shape[-1] - feats.shape[-1]
-        if missing:  # a draft row: no tapped states
-            feats = torch.cat([feats.new_zeros((feats.shape[0], missing)), feats], -1)
-        x = F.linear(torch.cat([emb, feats.to(emb.dtype)], -1), fc.weight, fc.bias)[None]  # [1, T, H]
+        h = emb.shape[-1]
+        if fc.in_features - h > feats.shape[-1]:  # a draft row: no tapped states (zeros), so only the columns
+            w = fc.weight  # of the embedding and of the final state count: [H, H] + [H, H] of the [H, F + H]
+            x = F.linear(emb, w[:, :h], fc.bias) + F.linear(feats.to(emb.dtype), w[:, -feats.shape[-1]:])
+            x = x[None]  # [1, T, H]
+        else:
+            x = F.linear(torch.cat([emb, feats.to(emb.dtype)], -1), fc.weight, fc.bias)[None]  # [1, T, H]
         with state.draft_forward(device):
             if self._lean is not None:
                 return self._lean.hidden(None, self._cache, positions, mask, inputs_embeds=x)[0]
