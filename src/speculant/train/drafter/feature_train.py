@@ -88,14 +88,16 @@ class FeatureObjective(Objective):
         fields["cols"] = base.cols - 1
         return FeatureBatch(**fields, features=feats)
 
-    def _pass(self, draft, batch: FeatureBatch, feats: torch.Tensor, depth: int, cache) -> torch.Tensor:
-        """Pass ``depth`` (0: the target's states) of rows ``j = 0 .. T-2`` on ``feats [B, T-1, F]``, attending
-        as a draft row of that depth does (:func:`ttt_mask`) over the keys of every earlier pass, kept in
-        ``cache``; the output states ``f̂ [B, T-1, H]`` (row j: f̂_{j+1})."""
-        emb = draft.get_input_embeddings()(batch.input_ids[:, 1:])  # [B, T-1, H]: s_{j+1}
+    def _pass(self, draft, batch: FeatureBatch, feats: torch.Tensor, depth: int, cache,
+              starts: list[int]) -> torch.Tensor:
+        """Pass ``depth`` (0: the target's states) of rows ``j = starts[depth] .. T-2`` on ``feats [B, R, F]``
+        (those rows), attending as a draft row of that depth does (:func:`ttt_mask`) over the keys of every earlier
+        pass, kept in ``cache``; the output states ``f̂ [B, R, H]`` (row j: f̂_{j+1})."""
+        first = starts[depth]
+        emb = draft.get_input_embeddings()(batch.input_ids[:, 1 + first:])  # [B, R, H]: s_{j+1}
         x = draft.feature_fc(torch.cat([emb, feats.to(emb.dtype)], -1))
-        mask = ttt_mask(batch.mask[:, 1:].bool(), depth, x.dtype)  # [B, 1, T-1, (depth + 1)(T-1)]
-        return draft.model(inputs_embeds=x, attention_mask=mask, position_ids=batch.positions[:, :-1],
+        mask = ttt_mask(batch.mask[:, 1:].bool(), depth, x.dtype, starts[:depth + 1])  # [B, 1, R, keys]
+        return draft.model(inputs_embeds=x, attention_mask=mask, position_ids=batch.positions[:, first:-1],
                            **cache_kwarg(draft.model, cache), use_cache=True).last_hidden_state
 
     def predict(self, draft, batch: FeatureBatch, head: torch.Tensor, training: bool):
@@ -109,34 +111,45 @@ class FeatureObjective(Objective):
             scale = inputs.pow(2).mean(-1, keepdim=True).sqrt()  # per row (over all tapped states together)
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * self.noise * scale
         valid = batch.mask[:, 1:].bool()  # [B, T-1]: rows whose regression target F_{j+1} is real
+        # pass d >= 1 only computes the rows an answer position's chain reaches: the first answer row a0 at the
+        # last pass, one more row before it per earlier pass (the prompt rows before them are never read)
+        first_answer = int(batch.cols.min())
+        starts = [0] + [max(0, first_answer - (self.unroll - 1 - d)) for d in range(1, self.unroll)]
         steps, aux = [], None
         cache = DynamicCache(config=draft.config)  # every pass's keys: the draft rows' attention (ttt_mask)
         for depth in range(self.unroll):
-            out = self._pass(draft, batch, inputs, depth, cache)  # [B, T-1, H]
-            steps.append(out[batch.rows, batch.cols] @ head.T)  # [N, K]
+            first = starts[depth]
+            out = self._pass(draft, batch, inputs, depth, cache, starts)  # [B, R, H], rows first .. T-2
+            steps.append(out[batch.rows, batch.cols - first] @ head.T)  # [N, K]
             if self.regression:
-                reg = _regression(out.float()[valid], target[:, 1:][valid])
+                rows = valid[:, first:]
+                reg = _regression(out.float()[rows], target[:, 1 + first:][rows])
                 aux = reg if aux is None else aux + reg
             if depth + 1 < self.unroll:  # next pass: row j reads f̂_j, the output of row j - 1 (no tapped layers)
-                own = torch.cat([target[:, :1], out[:, :-1].float()], 1)  # [B, T-1, H]
-                inputs = torch.cat([torch.zeros_like(states[:, :-1, :-h]), own], -1)
+                nxt = starts[depth + 1]
+                own = out[:, nxt - 1 - first:out.shape[1] - 1].float() if nxt > 0 else \
+                    torch.cat([target[:, :1], out[:, :-1].float()], 1)  # [B, R', H]
+                inputs = torch.cat([torch.zeros_like(states[:, nxt:-1, :-h]), own], -1)
         if aux is not None:
             aux = self.regression * aux / self.unroll
         return steps, aux
 
 
-def ttt_mask(valid: torch.Tensor, depth: int, dtype: torch.dtype) -> torch.Tensor:
-    """EAGLE-3's training-time-test attention, additive ``[B, 1, T, (depth + 1) T]`` over the keys of passes
-    ``0 .. depth`` (``valid [B, T]``: real rows). Row ``p`` of pass ``depth`` stands for the draft row of that
-    depth whose chain started after real row ``p - depth``: it sees the real rows ``0 .. p - depth`` (pass 0) and
-    the rows of its own chain, row ``p - depth + l`` of pass ``l`` for ``l = 1 .. depth`` (itself last), exactly
-    what the drafter's cache holds for it at inference. ``depth = 0``: causal over the real rows."""
+def ttt_mask(valid: torch.Tensor, depth: int, dtype: torch.dtype, starts: list[int] | None = None) -> torch.Tensor:
+    """EAGLE-3's training-time-test attention, additive ``[B, 1, R, keys]`` over the keys of passes ``0 .. depth``
+    (``valid [B, T]``: real rows; pass ``l`` holds rows ``starts[l] .. T-1``, all of them when ``starts`` is None;
+    ``R`` = the rows of pass ``depth``). Row ``p`` of pass ``depth`` stands for the draft row of that depth whose
+    chain started after real row ``p - depth``: it sees the real rows ``0 .. p - depth`` (pass 0) and the rows of
+    its own chain, row ``p - depth + l`` of pass ``l`` for ``l = 1 .. depth`` (itself last), exactly what the
+    drafter's cache holds for it at inference. ``depth = 0``: causal over the real rows."""
     b, t = valid.shape
-    p = torch.arange(t)[:, None]  # [T, 1]
-    q = torch.arange(t)[None, :]  # [1, T]
-    blocks = [(q <= p - depth)[None] & valid[:, None, :]]  # [B, T, T]
-    blocks += [(q == p - depth + level)[None].expand(b, t, t) for level in range(1, depth + 1)]
-    allowed = torch.cat(blocks, -1)[:, None]  # [B, 1, T, (depth + 1) T]
+    starts = [0] * (depth + 1) if starts is None else list(starts)
+    p = torch.arange(starts[depth], t)[:, None]  # [R, 1]
+    blocks = [(torch.arange(t)[None, :] <= p - depth)[None] & valid[:, None, :]]  # [B, R, T]
+    for level in range(1, depth + 1):
+        q = torch.arange(starts[level], t)[None, :]  # [1, T - starts[level]]
+        blocks.append((q == p - depth + level)[None].expand(b, -1, -1))
+    allowed = torch.cat(blocks, -1)[:, None]  # [B, 1, R, keys]
     return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
