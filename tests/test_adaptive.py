@@ -107,7 +107,9 @@ def test_a_seeded_sampled_request_keeps_its_depth_and_its_draws():
     while len(batch):
         batch.step()
     assert batch.result(seeded).token_ids == want
-    assert batch.result(seeded).stats.draft_tokens > 2 * batch.result(free).stats.draft_tokens
+    pinned, loose = batch.result(seeded).stats, batch.result(free).stats  # (the unseeded draws vary run to run)
+    assert pinned.depth_reached[0] >= pinned.target_calls - 1  # drafted at every step that could commit a draft
+    assert loose.depth_reached[0] <= loose.target_calls // 2  # only its probes
 
 
 def test_generate_batch_takes_the_mode():

@@ -192,6 +192,18 @@ class SessionPlan:
         return session
 
 
+def _attached_name(draft: Model | None) -> bool:
+    """Whether ``draft`` names (by path or name) an attached drafter directory."""
+    if not isinstance(draft, (str, Path)):
+        return False
+    from .models.loading import resolve_model
+
+    try:
+        return _attached(str(resolve_model(draft)))
+    except ValueError:
+        return False
+
+
 def _attached(path: str) -> bool:
     from .models.attached import is_attached
 
@@ -314,6 +326,8 @@ def _resolve_quantization(target: Model, draft: Model | None, quantization: str 
     target_kind = kind_of("target", target, quantization)
     # a draft module given with no kind is taken as it is; a draft by name follows the target unless told
     draft_default = None if isinstance(draft, torch.nn.Module) else DRAFT_KIND.get(target_kind, target_kind)
+    if _attached_name(draft):  # it shares the target's head: the target's kind
+        draft_default = target_kind
     return target_kind, kind_of("draft", draft, draft_quantization if draft_quantization is not None
                                 else draft_default)
 
@@ -391,8 +405,10 @@ class Session:
     def with_draft(self, draft: Model) -> Session:
         """A session over the same loaded target with another draft (loaded like the first; e.g. a benchmark
         that compares two drafters in one run)."""
+        kind = None if _attached_name(draft) else self.plan.draft_quantization  # attached: the target's kind
         plan = resolve(self.target, draft, self.plan.method.spec, tokenizer=self.tokenizer, dtype=self.plan.dtype,
-                       draft_quantization=self.plan.draft_quantization, threads=None,  # threads: set by the first load
+                       quantization=self.plan.quantization, draft_quantization=kind,
+                       threads=None,  # threads: set by the first load
                        kv_policy=self.plan.kv_policy, kv_budget=self.plan.kv_budget, kv_block=self.plan.kv_block,
                        draft_for=("another draft",))
         plan = dataclasses.replace(plan, target_name=self.plan.target_name, kv_spec=self.plan.kv_spec)

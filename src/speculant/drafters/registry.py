@@ -378,6 +378,8 @@ def _eagle3(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, 
             **options: Any) -> Drafter:
     from .feature import FeatureTreeDrafter
 
+    if not hasattr(draft_model, "config"):  # a stand-in (option checks before anything loads)
+        raise NeedsContext("method 'eagle3' needs its draft model")
     if not is_feature_drafter(draft_model):
         raise ValueError("method 'eagle3' drafts with an EAGLE-3 feature drafter (speculant train draft --kind "
                          "eagle3), not a plain draft model: give one with draft=DIR / --draft DIR, or use chain or "

@@ -219,7 +219,7 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
         return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
 
     bar = tqdm(total=steps, initial=step, desc=f"drafter {loss}", unit="step", disable=not progress)
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() - float(history[-1].get("seconds") or 0.0) if history else time.perf_counter()
     while step < steps:
         draft.train()
         for g in opt.param_groups:

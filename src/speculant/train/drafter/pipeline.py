@@ -386,7 +386,8 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
                                  batch_size=cfg.batch_size, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
                                  pad=stops[0], amp=autocast_dtype(cfg.precision, torch.device("cpu")),
                                  progress=progress, objective=objective, group_by_length=cfg.group_by_length)
-    seconds = time.perf_counter() - start
+    # the training's own clock across resumed runs (the history's last row), else this run's time
+    seconds = max(time.perf_counter() - start, float(history[-1].get("seconds") or 0.0))
     tmp = out / "draft.tmp"
     save_attached(draft, target, tmp, target_name=cfg.target, dtype=torch.int8, extra={
         "kind": cfg.kind, "layers_from_target": cfg.layers, "taps": cfg.taps, "loss": loss, "steps": cfg.steps if loss != "none" else 0,
