@@ -89,13 +89,12 @@ class CrossVocabDrafter(DraftModelBase):
     def _sync(self, text: str) -> list[int]:
         """Crop the draft cache to the held text's tokens but the last :data:`ROLLBACK`, and return the draft
         tokens of the rest of ``text`` (to feed; never empty for a non-empty text)."""
-        keep: list[int] = []
+        keep, held = [], ""
         if self._ids and text.startswith(self._text):
             keep = self._ids[:-ROLLBACK]
             held = self.draft_tokenizer.decode(keep, skip_special_tokens=False)
             if not text.startswith(held):
-                keep = []
-        held = self.draft_tokenizer.decode(keep, skip_special_tokens=False) if keep else ""
+                keep, held = [], ""
         new = self.draft_tokenizer.encode(text[len(held):], add_special_tokens=False)
         if not new and keep:  # nothing after the kept part: feed its last token again
             keep, new = keep[:-1], keep[-1:]

@@ -89,6 +89,7 @@ def engine_answers(target: torch.nn.Module, prompts: list[list[int]], out: str |
     shards = list(enumerate(plan_shards(prompts, shard_size, seed, first_shard, max_batches), start=first_shard))
     todo = [(n, rows) for n, rows in shards if not (out / f"shard-{n:05d}.npz").exists()]
     queue = deque((n, i) for n, rows in todo for i in rows)
+    plan = dict(todo)  # shard -> its prompts, in plan order
     left = {n: len(rows) for n, rows in todo}
     done: dict[int, dict[int, tuple]] = {n: {} for n, _ in todo}
     engine = Batch(target, speculation="off")
@@ -123,7 +124,7 @@ def engine_answers(target: torch.nn.Module, prompts: list[list[int]], out: str |
             tokens += len(gen.token_ids)
             left[n] -= 1
             if left[n] == 0:
-                _write(out, features, n, [i for shard, rows in todo if shard == n for i in rows], done.pop(n),
+                _write(out, features, n, plan[n], done.pop(n),
                        prompts, temperatures[n % len(temperatures)], file_rows)
                 bar.update(1)
                 seconds = time.perf_counter() - start
