@@ -11,7 +11,9 @@ warm-up round) with:
   forward);
 * ``int8``, ``int4``: :class:`speculant.core.quant.QuantMatrix` on torch's weight-only kernels (activations bf16);
 * ``q4``: :class:`~speculant.core.quant.QuantMatrix` on speculant's own kernel (int4 weights, int8 activations;
-  :mod:`speculant.core.kernels`; the JSON records its code path).
+  :mod:`speculant.core.kernels`; the JSON records its code path), and ``q8`` (the same with 8-bit codes). Where the
+  CPU has AMX tiles, 10..16 rows run on them; ``q4:vnni`` / ``q8:vnni`` time the same kernel with the tiles turned
+  off (AVX-512 VNNI), in the same run.
 
 It writes the milliseconds, cost(T)/cost(1) per format and each format's time relative to bf16-packed, with machine
 info and settings, as JSON. Run it on a quiet machine (timings taken on a shared one are noise):
@@ -35,7 +37,7 @@ from pathlib import Path
 import torch
 
 from speculant.bench.speed import machine_info
-from speculant.core.kernels import q4_isa
+from speculant.core.kernels import q4_amx, q4_isa
 from speculant.core.packed import PackedMatrix, linear, packable
 from speculant.core.quant import QuantMatrix
 
@@ -55,7 +57,7 @@ def _formats(shapes: list[tuple[int, int]], names: list[str], gen: torch.Generat
             elif n == "bf16-dense":
                 out[n].append(w)
             else:
-                out[n].append(QuantMatrix.quantize(w, n))
+                out[n].append(QuantMatrix.quantize(w, n.split(":")[0]))
     return out
 
 
@@ -63,7 +65,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=None, help="take the shapes of this model (default: Qwen2.5-1.5B's)")
     ap.add_argument("--layers", type=int, default=28, help="layers of the default shapes (fewer: a smoke run)")
-    ap.add_argument("--formats", default="bf16-packed,int8,int4,q4", help="bf16-packed, bf16-dense, int8, int4, q4")
+    ap.add_argument("--formats", default="bf16-packed,int8,int4,q4", help="bf16-packed, bf16-dense, int8, int4, q4, q8, q4:vnni, q8:vnni")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
@@ -87,6 +89,7 @@ def main() -> None:
         for rep in range(args.repeats + 1):  # round 0 warms up
             for r in rows:
                 for n in names:
+                    q4_amx(not n.endswith(":vnni"))
                     start = time.perf_counter()
                     for (_, i), m in zip(shapes, mats[n]):
                         linear(inputs[r][i], m)
@@ -96,7 +99,8 @@ def main() -> None:
     base = names[0]
     result = {
         "settings": vars(args), "machine": machine_info(), "matrices": len(shapes),
-        "q4_kernel": q4_isa() if "q4" in names else None,
+        "q4_kernel": q4_isa() if any(n.startswith(("q4", "q8")) for n in names) else None,
+        "q4_amx": q4_amx(True),
         "weights_mb": {n: sum(m.nbytes for m in mats[n]) / 1e6 for n in names},
         "ms": ms,
         "cost_vs_one_row": {n: {r: t[r] / t[rows[0]] for r in rows} for n, t in ms.items()},

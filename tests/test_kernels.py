@@ -183,6 +183,30 @@ def test_every_code_path_computes_the_same_bits(lib):
                         assert torch.equal(got, want), (isa, kind, dtype, n, k)
 
 
+@pytest.mark.skipif(not kernels.q4_amx(), reason="this CPU, OS or build has no AMX tiles")
+def test_the_amx_tiles_compute_the_same_bits_as_the_vnni_path(lib):
+    """With AMX, 10..16 rows take a tile multiply for a block's integer dots; the float operations after it are the
+    VNNI path's, so every row count gives the same bits with and without tiles (4- and 8-bit codes, tail columns,
+    extreme activations, 1 and 2 threads)."""
+    before = torch.get_num_threads()
+    try:
+        for kind in ("q4", "q8"):
+            for dtype in DTYPES:
+                for n, k in ((97, 64), (300, 1536)):
+                    q, x = _matrix(n, k, dtype, kind=kind), _rows(35, k, dtype)
+                    x[3] *= 1e3  # int8 codes at +-127 against 8-bit codes up to 255
+                    for rows in (2, 9, 10, 13, 16, 17, 26, 35):
+                        torch.set_num_threads(1 + rows % 2)
+                        kernels.q4_amx(False)
+                        want = kernels.q4_matmul(x[:rows], q._kernel[0], n, lib, bits=q.bits)
+                        assert kernels.q4_amx(True)
+                        got = kernels.q4_matmul(x[:rows], q._kernel[0], n, lib, bits=q.bits)
+                        assert torch.equal(got, want), (kind, dtype, n, k, rows)
+    finally:
+        kernels.q4_amx(True)
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("dtype, kind", [(torch.float32, "q4"), (torch.bfloat16, "q4"), (torch.float32, "q8")])
 def test_each_row_is_independent_of_the_row_count_and_the_threads(lib, dtype, kind):
     """Verification multiplies 1..16 rows where plain decoding multiplies one: a row's result is the same bits with

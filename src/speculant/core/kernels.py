@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q8_BLOCK_BYTES", "attend", "cache_dir",
-           "library", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "rope_attend"]
+           "library", "q4_amx", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "rope_attend"]
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +134,8 @@ def library(isa: str = "native") -> ctypes.CDLL | None:
                                       ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
             lib.q4_isa.restype = ctypes.c_int
+            lib.q4_amx.restype = ctypes.c_int
+            lib.q4_amx.argtypes = [ctypes.c_int]
             lib.q4_layers.restype = ctypes.c_int
             lib.q4_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_void_p,
                                       *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -148,7 +150,8 @@ def library(isa: str = "native") -> ctypes.CDLL | None:
             lib.attend.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, *[ctypes.c_int64] * 2,
                                    ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_int, *[ctypes.c_int64] * 5,
                                    ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
-            log.info("speculant q4 kernel (%s): %s", isa, _ISA_NAMES.get(lib.q4_isa(), "?"))
+            log.info("speculant q4 kernel (%s): %s%s", isa, _ISA_NAMES.get(lib.q4_isa(), "?"),
+                     " + AMX from 10 rows" if lib.q4_amx(-1) else "")
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("speculant's compiled kernels are unavailable (%s); using the slower torch references", e)
             lib = None
@@ -161,6 +164,16 @@ def q4_isa(isa: str = "native") -> str | None:
     without a library."""
     lib = library(isa)
     return None if lib is None else _ISA_NAMES.get(lib.q4_isa(), "?")
+
+
+def q4_amx(enabled: bool | None = None, isa: str = "native") -> bool:
+    """Whether the q4/q8 products of 10..16 rows (per tile of 16) run on AMX tiles (Intel Sapphire Rapids and later, a native build,
+    and Linux granting the tile state); ``enabled`` turns that on or off first (tests compare the paths: the same
+    bits). False without a library."""
+    lib = library(isa)
+    if lib is None:
+        return False
+    return bool(lib.q4_amx(-1 if enabled is None else int(enabled)))
 
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *,

@@ -26,6 +26,15 @@
 // Why: one 64-byte load gives, per 32-bit lane j, four consecutive inputs of column j (two steps' worth with
 // 4 bits: low and high nibbles), which is what dpbusd (u8 x s8, four products summed per int32 lane) wants with the
 // activations' 4 bytes broadcast; an AVX2 register takes the first or second half of each load (columns 0-7, 8-15).
+// The same 64-byte rows are also what an AMX tile multiply takes as its right operand ("VNNI layout": row s holds,
+// per column j, inputs 4s .. 4s + 3): 8-bit blocks are loaded into a tile as they are, 4-bit ones after their nibbles
+// are split into 8 rows.
+//
+// AMX (Intel Sapphire Rapids and later, when the build has -march=native there and Linux grants the tile state): for
+// 10..16 rows (AMX_MIN_ROWS), one tile instruction (tdpbsud: s8 activations x u8 codes, int32 sums) computes a block's exact integer
+// dots for all rows and 16 columns at once, where AVX-512 VNNI needs 8 dpbusd per row; the float operations after it
+// are the very ones above, so the AMX path gives the same bits as every other path (tested), and one row (plain
+// decoding, memory-bound) and a few keep the VNNI path.
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,6 +52,11 @@
 #define Q4_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define Q4_AVX2 1
+#endif
+#if defined(Q4_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define Q4_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -327,6 +341,126 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
 #endif
 }
 
+#if defined(Q4_AMX)
+// Whether this process may use the AMX tile state (Linux asks each process to request it once).
+bool amx_permitted() {
+    static const bool ok = [] {
+        constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }();
+    return ok;
+}
+
+struct TileConfig {  // ldtilecfg's 64-byte operand, palette 1
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Two sets of tiles for mt rows, so that one block's tile work overlaps the previous block's float work: set S uses
+// tile 3S the activations A [mt x 32 bytes], 3S + 1 a block's codes B [8 x 64 bytes], 3S + 2 the dots C [mt x 16
+// int32]. Tile configuration is per thread.
+void amx_configure(int mt) {
+    TileConfig c;
+    memset(&c, 0, sizeof(c));
+    c.palette = 1;
+    for (int set = 0; set < 2; ++set) {
+        c.rows[3 * set] = (uint8_t)mt;
+        c.colsb[3 * set] = QK;
+        c.rows[3 * set + 1] = QK / 4;
+        c.colsb[3 * set + 1] = 64;
+        c.rows[3 * set + 2] = (uint8_t)mt;
+        c.colsb[3 * set + 2] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+// A 4-bit block's codes as the 8 rows of 64 bytes a tile takes (see the top of the file).
+inline void amx_unpack4(const uint8_t* w, uint8_t* codes) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < 4; ++i) {
+        const __m512i raw = _mm512_loadu_si512((const void*)(w + 64 * i));
+        _mm512_store_si512((void*)(codes + 64 * i), _mm512_and_si512(raw, low));
+        _mm512_store_si512((void*)(codes + 64 * (i + 4)), _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+    }
+}
+
+// The exact integer dots of one block for all rows, into dots [rows, 16], on tile set S: b the block's codes as 8
+// rows of 64 bytes, the activations of input block g.
+template <int S>
+inline void amx_dots(const uint8_t* b, const int8_t* a, int64_t g, int64_t K, int32_t* dots) {
+    // (GCC's tile intrinsics paste their tile numbers into the assembly: literal numbers only)
+    if constexpr (S == 0) {
+        _tile_loadd(1, b, 64);
+        _tile_loadd(0, a + g * QK, K);
+        _tile_zero(2);
+        _tile_dpbsud(2, 0, 1);  // C[r][j] += sum_i a[r][i] (s8) * q[j][i] (u8)
+        _tile_stored(2, dots, 64);
+    } else {
+        _tile_loadd(4, b, 64);
+        _tile_loadd(3, a + g * QK, K);
+        _tile_zero(5);
+        _tile_dpbsud(5, 3, 4);
+        _tile_stored(5, dots, 64);
+    }
+}
+
+// tile() for MT >= AMX_MIN_ROWS rows with AMX (the tile state configured for MT rows): the same float operations per lane.
+// Software-pipelined: block g's dots are computed (tile set g % 2) before block g - 1's float work, and a 4-bit
+// block's codes are unpacked UNPACK_AHEAD blocks before a tile loads them (a tile load right after the vector
+// stores that wrote its rows waited for them: 2 rows cost 2.5x 1 row on 2 cores of a Xeon, 4-bit only).
+template <int MT, int BITS>
+void tile_amx(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const float* sx, int64_t K, float* out) {
+    constexpr int B = block_bytes<BITS>(), CODES = 16 * BITS * 4, UNPACK_AHEAD = 3, RING = 4;
+    alignas(64) uint8_t codes[RING][8 * 64];
+    alignas(64) int32_t dots[2][MT * NC];  // [MT, 16] exact integer dots of a block, by tile set
+    __m512 acc[MT];
+    for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+    const auto floats = [&](int64_t g, const int32_t* d) {
+        const uint8_t* wb = w + g * B;
+        const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wb + CODES)));
+        const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wb + CODES + 32)));
+        for (int r = 0; r < MT; ++r) {
+            const __m512i dot = _mm512_load_si512((const void*)(d + NC * r));
+            const __m512 t = _mm512_mul_ps(sw, _mm512_set1_ps(dx[r * (K / QK) + g]));
+            acc[r] = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(dot), acc[r]);
+            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * (K / QK) + g]), acc[r]);
+        }
+    };
+    // block g's codes for a tile, the blocks ahead prepared and prefetched
+    const auto codes_of = [&](int64_t g) -> const uint8_t* {
+        for (int i = 0; i < B / 64; ++i) _mm_prefetch((const char*)w + (g + PREFETCH_BLOCKS) * B + 64 * i, _MM_HINT_T0);
+        if (BITS == 8) return w + g * B;
+        if (g == 0)
+            for (int64_t h = 0; h < UNPACK_AHEAD && h < G; ++h) amx_unpack4(w + h * B, codes[h % RING]);
+        if (g + UNPACK_AHEAD < G) amx_unpack4(w + (g + UNPACK_AHEAD) * B, codes[(g + UNPACK_AHEAD) % RING]);
+        return codes[g % RING];
+    };
+    amx_dots<0>(codes_of(0), a, 0, K, dots[0]);
+    int64_t g = 1;
+    for (; g + 1 < G; g += 2) {
+        amx_dots<1>(codes_of(g), a, g, K, dots[1]);
+        floats(g - 1, dots[0]);
+        amx_dots<0>(codes_of(g + 1), a, g + 1, K, dots[0]);
+        floats(g, dots[1]);
+    }
+    if (g < G) {  // G even: the last block
+        amx_dots<1>(codes_of(g), a, g, K, dots[1]);
+        floats(g - 1, dots[0]);
+        floats(g, dots[1]);
+    } else {
+        floats(g - 1, dots[0]);
+    }
+    for (int r = 0; r < MT; ++r) _mm512_storeu_ps(out + NC * r, acc[r]);
+}
+#endif
+
+// Rows from which the AMX path runs: below, a block's AVX-512 VNNI dots cost less than the tile round trip (load,
+// multiply, store: ~65 cycles a block even for 2 rows). Measured on 2 cores of a Xeon (AMX), one 17920 x 1536 q4
+// matrix, ns per block per thread, VNNI / AMX: 2 rows 15 / 21, 8 rows 30 / 34, 10 rows 44 / 38, 16 rows 60 / 51.
+constexpr int AMX_MIN_ROWS = 10;
+int amx_mode = 1;  // 0: never use AMX (tests compare the paths), 1: use it where available
+
 typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, float*);
 
 template <int BITS, int... I>
@@ -337,12 +471,40 @@ template <int BITS, int... I>
 constexpr TileFn Tiles<BITS, I...>::table[sizeof...(I)];
 using Table4 = Tiles<4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
 using Table8 = Tiles<8, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
+#if defined(Q4_AMX)
+template <int BITS, int... I>
+struct AmxTiles {  // entry MT - 1; rows below AMX_MIN_ROWS take the VNNI tile
+    static constexpr TileFn table[sizeof...(I)] = {(I + 1 >= AMX_MIN_ROWS ? &tile_amx<I + 1, BITS> : &tile<I + 1, BITS>)...};
+};
+template <int BITS, int... I>
+constexpr TileFn AmxTiles<BITS, I...>::table[sizeof...(I)];
+using Amx4 = AmxTiles<4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
+using Amx8 = AmxTiles<8, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
+#endif
+
+// Whether products of `rows` rows run on AMX tiles now.
+bool amx_active() {
+#if defined(Q4_AMX)
+    return amx_mode && amx_permitted();
+#else
+    return false;
+#endif
+}
 
 }  // namespace
 
 extern "C" {
 
 // Which code path this build compiled: 3 AVX-512 VNNI, 2 AVX-512 (maddubs), 1 AVX2, 0 scalar.
+int q4_isa(void);
+
+// AMX for AMX_MIN_ROWS..16 rows: mode 0 turns it off, 1 on (where the build and the OS allow), -1 only asks. Returns whether
+// products now use it.
+int q4_amx(int mode) {
+    if (mode >= 0) amx_mode = mode ? 1 : 0;
+    return amx_active() ? 1 : 0;
+}
+
 int q4_isa(void) {
 #if defined(Q4_AVX512) && defined(__AVX512VNNI__)
     return 3;
@@ -368,6 +530,10 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
     const int64_t G = K / QK, NB = (N + NC - 1) / NC, XK = glu ? 2 * K : K;
     const int64_t B = bits == 4 ? block_bytes<4>() : block_bytes<8>();
     const TileFn* table = bits == 4 ? Table4::table : Table8::table;
+    const bool amx = M >= AMX_MIN_ROWS && amx_active();
+#if defined(Q4_AMX)
+    if (amx) table = bits == 4 ? Amx4::table : Amx8::table;
+#endif
     int8_t* a = (int8_t*)malloc((size_t)(M * K + 64));
     float* dxs = (float*)malloc(sizeof(float) * (size_t)(2 * M * G + 1));
     float* vs = (float*)malloc(sizeof(float) * (size_t)(M * K + 1));
@@ -388,12 +554,21 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
     }
     free(vs);
     (void)threads;
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel num_threads(threads)
+    {
+    int configured = 0;  // the rows this thread's tile state is configured for (AMX)
+#pragma omp for schedule(static)
     for (int64_t nb = 0; nb < NB; ++nb) {
         alignas(64) float out[MT_MAX * NC];
         const int64_t n0 = nb * NC, cols = N - n0 < NC ? N - n0 : NC;
         for (int64_t m0 = 0; m0 < M; m0 += MT_MAX) {
             const int mt = (int)(M - m0 < MT_MAX ? M - m0 : MT_MAX);
+#if defined(Q4_AMX)
+            if (amx && mt >= AMX_MIN_ROWS && configured != mt) {
+                amx_configure(mt);
+                configured = mt;
+            }
+#endif
             table[mt - 1](w + nb * G * B, G, a + m0 * K, dx + m0 * G, sx + m0 * G, K, out);
             for (int r = 0; r < mt; ++r) {
                 const float* o = out + NC * r;
@@ -409,6 +584,11 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
                 }
             }
         }
+    }
+#if defined(Q4_AMX)
+    if (configured) _tile_release();
+#endif
+    (void)configured;
     }
     free(a);
     free(dxs);
