@@ -84,6 +84,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the batch's rows: at low load the method's full depth, at high load less or none, so "
                    "speculation never costs throughput), on (always the method's depth), off (plain decoding); "
                    "output is the same either way; default: %(default)s")
+    p.add_argument("--online", action="store_true",
+                   help="adapt the draft model to the traffic (online speculative decoding): the target's verdicts "
+                   "on each request's drafts are kept, and every --online-every requests a copy of the draft is "
+                   "distilled on them while no request waits, then swapped in only if its agreement with the target "
+                   "on held-back requests did not drop. Output is unchanged (the target verifies every draft); "
+                   "needs a float draft model")
+    p.add_argument("--online-every", type=positive_int, metavar="N", default=d["online_every"],
+                   help="finished requests between two online updates; default: %(default)s")
+    p.add_argument("--online-state", metavar="DIR", default=d["online_state"],
+                   help="with --online: save the adapted drafter, its buffer and history to DIR on shutdown, and "
+                   "resume from them on start; default: none (adaptation starts afresh)")
     p.add_argument("--max-queue", type=nonnegative_int, metavar="N", default=d["max_queue"],
                    help="requests that may wait behind a full batch; one more is answered 429 at once; "
                    "default: %(default)s")

@@ -89,6 +89,11 @@ class ServerMetrics:
                                 registry=reg).labels(model_name)
         self.batch_steps = counter("speculant:batch_steps", "Batched steps (one target forward each)").labels(
             model_name)
+        self.online_version = Gauge("speculant:online_drafter_version", "Updates of the drafter taken online (--online)",
+                                    m, registry=reg).labels(model_name)
+        self._online_updates = counter("speculant:online_updates", "Online drafter updates, by result", ["result"])
+        self.online_buffer = Gauge("speculant:online_buffer_bytes", "Bytes held by the online buffer", m,
+                                   registry=reg).labels(model_name)
         self.rows = histogram("speculant:step_rows", "Rows (tokens) of a batched step's target forward", _ROWS)
         for reason in ("stop", "length"):  # present from the start, so a scrape before any request sees 0
             self._success.labels(model_name, reason)
@@ -112,6 +117,11 @@ class ServerMetrics:
         """A batched step is about to run over ``size`` requests."""
         self.batch_size.set(size)
         self.batch_steps.inc()
+
+    def online_update(self, accepted: bool, version: int) -> None:
+        """An online update ended (``accepted``: swapped in, else rolled back); the drafter's version now."""
+        self._online_updates.labels(self.model_name, "accepted" if accepted else "rolled_back").inc()
+        self.online_version.set(version)
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

@@ -60,7 +60,11 @@ class ServeSettings:
     token), 1.5 MB if every character is sent as a ``\\uXXXX`` escape, and under 1 MB as token ids.
     ``shutdown_grace``: seconds that running and queued requests get to finish after SIGTERM or Ctrl-C, while
     new ones are answered 503; those still running then end with ``finish_reason`` ``abort``
-    (:mod:`speculant.serve.shutdown`)."""
+    (:mod:`speculant.serve.shutdown`).
+    ``online``: adapt the draft model to the traffic (:mod:`speculant.train.online`): an update every
+    ``online_every`` finished requests, trained while no request waits, kept only if held-back agreement does not
+    drop; ``online_state``: a directory the adapted drafter, its buffer and history are saved to on shutdown and
+    resumed from."""
 
     target: str | None = None
     draft: str | None = None
@@ -82,6 +86,9 @@ class ServeSettings:
     allow_origin: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20
     shutdown_grace: float = 10.0
+    online: bool = False
+    online_every: int = 16
+    online_state: str | None = None
 
     @property
     def served_name(self) -> str:
@@ -114,6 +121,10 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         raise ValueError(f"--max-body-bytes must be >= 1, got {settings.max_body_bytes}")
     if not settings.shutdown_grace >= 0:  # also refuses nan
         raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {settings.shutdown_grace}")
+    if settings.online_every < 1:
+        raise ValueError(f"--online-every must be >= 1, got {settings.online_every}")
+    if settings.online_state is not None and not settings.online:
+        raise ValueError("--online-state needs --online")
     if not 0 <= settings.port <= MAX_PORT:
         raise ValueError(f"--port must be in [0, {MAX_PORT}], got {settings.port}")
     if settings.api_key is not None and not settings.api_key.strip():

@@ -114,6 +114,7 @@ class _Active:
         self.stops = StopMatcher(job.stop)
         self.steps = {"calls": 0, "tokens": 0, "draft": 0, "accepted": 0, "per_pos": []}
         self.first: float | None = None
+        self.drafter = None  # its drafter, when the worker observes it (--online)
         self.generated: list[int] = []
         self.returned = 0  # characters of text handed to the client
         self.entries: list[dict] = []  # logprob entries of generated (job.logprobs set)
@@ -236,6 +237,7 @@ class Worker:
         self.tokenizer_lock = threading.Lock()
         self.session = None  # a speculant.session.Session once loaded
         self.speculation = None  # its speculant.core.adaptive.Speculation (the forward costs it measured)
+        self.online = None  # a speculant.train.online.OnlineAdapter with --online
         self.target = self.tokenizer = self.draft_model = None
         self.context_length: int | None = None
         self.token_chars = 1  # the most characters one token stands for (limits.longest_token_chars)
@@ -263,6 +265,15 @@ class Worker:
         self.speculation = Speculation(self.settings.speculation)
         if self.settings.speculation == "auto":  # a first measure of what rows cost, before any request
             self.speculation.cost.calibrate(row_cost(session.target, self._forward()))
+        if self.settings.online:
+            from ..train.online import OnlineAdapter, OnlineConfig
+
+            self.online = OnlineAdapter(session, OnlineConfig(update_every=self.settings.online_every),
+                                        state_dir=self.settings.online_state)
+            self.metrics.online_version.set(self.online.version)
+            self.metrics.online_buffer.set(self.online.buffer.nbytes)
+            self.online.on_update = lambda entry: self.metrics.online_update(entry["accepted"], entry["version"])
+            self.online.start()
         log.info("loaded %s (method %s, up to %d requests per batch, speculation %s)", self.settings.served_name,
                  session.method.spec, self.settings.max_batch, self.settings.speculation)
 
@@ -305,7 +316,10 @@ class Worker:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop taking jobs; the running ones are cancelled at their next step, waiting ones are dropped."""
+        """Stop taking jobs; the running ones are cancelled at their next step, waiting ones are dropped. With
+        ``--online`` the adapter stops (and saves its state)."""
+        if self.online is not None:
+            self.online.stop()
         with self._cond:
             self._closed = True
             for job in self._running:
@@ -366,8 +380,12 @@ class Worker:
         """The queued jobs that join the batch at this step boundary (up to ``max_batch`` running); waits while
         nothing runs or waits; None once closed."""
         with self._cond:
+            if self.online is not None and not self._queue and not running:
+                self.online.set_busy(False)  # idle: an online update may take its steps
             while not self._queue and not running and not self._closed:
                 self._cond.wait()
+            if self.online is not None:
+                self.online.set_busy(True)
             if self._closed:
                 return None
             joining = []
@@ -432,6 +450,7 @@ class Worker:
                     batch.cancel(a.index)
                 batch.release(a.index)
                 del active[a.index]
+                self._observe(a)
                 self._leave(a.job, last)
             for index in [i for i, a in active.items() if a.job.cancelled.is_set() or a.job.aborted.is_set()]:
                 a = active.pop(index)  # marked between steps: leaves before the next one
@@ -441,10 +460,17 @@ class Worker:
                     last = a.finish("cancelled" if a.job.cancelled.is_set() else None)
                 except Exception as exc:  # noqa: BLE001
                     last = self._failure(exc)
+                self._observe(a)
                 self._leave(a.job, last)
         if batch is not None:
             for a in active.values():
                 self._leave(a.job, None)
+
+    def _observe(self, a: _Active) -> None:
+        """With ``--online``: what verification said of the job's drafts goes to the adapter's buffer."""
+        if self.online is not None and a.drafter is not None:
+            self.online.observe(a.drafter)
+            self.metrics.online_buffer.set(self.online.buffer.nbytes)
 
     def _failure(self, exc: Exception) -> tuple[str, str]:
         log.error("request failed", exc_info=exc)
@@ -479,9 +505,12 @@ class Worker:
         eos = [] if job.ignore_eos else self.stop_ids(job.chat)
         options = {k: v for k, v in self.session.generate_options().items() if k != "forward"}
         s = job.sampling
-        index = batch.add(job.ids, self.session.drafter(), job.max_tokens, s.temperature, s.top_k, s.top_p,
+        drafter = self.online.drafter() if self.online is not None else self.session.drafter()
+        index = batch.add(job.ids, drafter, job.max_tokens, s.temperature, s.top_k, s.top_p,
                           s.seed, eos, logprobs=job.logprobs, speculation=job.speculation, **options)
-        return _Active(self, job, index, start)
+        a = _Active(self, job, index, start)
+        a.drafter = drafter if self.online is not None else None
+        return a
 
 def _stats(method: str, steps: dict, decode_s: float) -> dict[str, Any]:
     """The ``speculant`` field of a response from its step counts (``{}``: a job that never ran)."""

@@ -1,0 +1,330 @@
+"""Online speculative decoding: a served drafter distilled on the target's verdicts about its own drafts.
+
+Liu et al. 2024 ("Online Speculative Decoding"): the requests a deployment sees differ from the drafter's training
+data, and verification already computes the target's distribution wherever the drafter proposed a token. An
+:class:`OnlineAdapter` wraps each generation's drafter (:class:`~speculant.drafters.observed.ObservedDrafter`),
+keeps what verification said in a bounded buffer (:class:`~speculant.train.online.buffer.OnlineBuffer`), and every
+``update_every`` finished requests runs a few distillation steps (forward KL at the positions where the draft was
+refused, as in the paper; TVD++ or all drafted positions as options) on a *copy* of the draft model. The copy is
+checked on held-back requests (greedy agreement with the target's top token at every drafted position, which is
+the acceptance of a greedy draft) and swapped in for new requests only if that does not drop; else it is rolled
+back. Each accepted update is a new version; every round is logged in :attr:`OnlineAdapter.history`.
+
+Exactness is untouched: the verifier does not care which drafter proposed. Only the draft's own parameters train:
+its token embedding and LM head (for an attached drafter: the target's, shared) stay frozen, and parameters shared
+with the target are never copied nor changed.
+
+Where it runs: :meth:`OnlineAdapter.generate` (Python, sequential: the update runs between requests) or a server
+(``speculant serve --online``: a background thread trains while no request is waiting, pausing between steps
+when one arrives; :meth:`OnlineAdapter.set_busy`). ``state_dir`` persists the drafter's trained parameters, the
+buffer and the history (:meth:`save` on shutdown, loaded on start).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...drafters.observed import Observation, ObservedDrafter
+from ..losses import LOSSES, distill_loss_probs
+from .buffer import OnlineBuffer
+
+__all__ = ["OnlineAdapter", "OnlineConfig"]
+
+log = logging.getLogger(__name__)
+
+_STATE_FILE, _PARAMS_FILE, _BUFFER_FILE = "online.json", "drafter.pt", "buffer.pt"
+
+
+@dataclass
+class OnlineConfig:
+    """Settings of online adaptation (``speculant serve --online-*``)."""
+
+    update_every: int = 16
+    """Finished requests between two updates."""
+    steps: int = 16
+    """Optimizer steps per update."""
+    batch: int = 4
+    """Observations (requests) per step."""
+    lr: float = 2e-4
+    """AdamW learning rate."""
+    loss: str = "fkl"
+    """Distillation loss: ``fkl`` (the paper's), ``tvd`` or ``tvd++`` (:mod:`speculant.train.losses`)."""
+    positions: str = "rejected"
+    """Positions a step trains on: ``rejected`` (where the draft was refused, as the paper) or ``all`` drafted."""
+    top_k: int = 32
+    """Target probabilities kept per position."""
+    max_bytes: int = 32 << 20
+    """Bound of the buffer's tensors."""
+    holdout_every: int = 5
+    """One request in this many is held back for the check."""
+    window: int = 512
+    """Context tokens a training forward reads before the positions it trains."""
+    min_positions: int = 16
+    """Refused positions the buffer must hold before an update."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"online loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.positions not in ("rejected", "all"):
+            raise ValueError(f"online positions must be 'rejected' or 'all', got {self.positions!r}")
+        for name in ("update_every", "steps", "batch", "top_k", "window", "max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"online {name} must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"online lr must be positive, got {self.lr}")
+
+
+class OnlineAdapter:
+    """Online adaptation of ``session``'s draft model (a :class:`speculant.session.Session` with a float draft
+    model); ``state_dir``: where the state is saved and, if present, resumed from."""
+
+    def __init__(self, session, config: OnlineConfig | None = None, state_dir: str | Path | None = None) -> None:
+        from ...core.quant import quantization_of
+
+        draft = session.draft
+        if draft is None:
+            raise ValueError("online adaptation needs a method with a draft model (e.g. chain:k=4 with --draft)")
+        if quantization_of(draft) != "none":
+            raise ValueError(f"online adaptation trains the draft model, which is quantized "
+                             f"({quantization_of(draft)}): load it in float (--draft-quantization none)")
+        self.session, self.config = session, config or OnlineConfig()
+        self.buffer = OnlineBuffer(self.config.max_bytes, self.config.holdout_every)
+        self.version = 0
+        self.history: list[dict[str, Any]] = []
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self._since_update = 0
+        self._lock = threading.Lock()  # one update at a time; the buffer's add vs an update's snapshot
+        self._free = threading.Event()  # set while no request waits: a background update may take a step
+        self._free.set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._gen = torch.Generator().manual_seed(self.config.seed)
+        self.on_update = None  # called with each round's history entry (a server's metrics)
+        if self.state_dir is not None and (self.state_dir / _STATE_FILE).exists():
+            self.load(self.state_dir)
+
+    # ------------------------------------------------------------------------------------------- observing
+
+    def drafter(self, spec=None) -> ObservedDrafter:
+        """A fresh drafter of ``spec`` (None: the session's method) over the current draft model, observed."""
+        inner = self.session.drafter(spec)
+        if inner is None:
+            raise ValueError("online adaptation needs a drafting method, not plain decoding")
+        return ObservedDrafter(inner, self.config.top_k)
+
+    def observe(self, drafter: ObservedDrafter) -> None:
+        """Keep what verification said of ``drafter``'s generation (call it once the generation ended)."""
+        observation = drafter.observation()
+        with self._lock:
+            if observation is not None:
+                self.buffer.add(observation)
+            self._since_update += 1
+
+    def due(self) -> bool:
+        """Whether enough requests finished since the last update and enough refused positions are buffered."""
+        return (self._since_update >= self.config.update_every
+                and self.buffer.positions(rejected_only=True) >= self.config.min_positions
+                and bool(self.buffer.held()))
+
+    def generate(self, prompt, **kwargs):
+        """:meth:`speculant.session.Session.generate` with an observed drafter, then an update when one is due (in
+        this thread, between requests). Returns the generation."""
+        drafter = self.drafter(kwargs.pop("method", None))
+        generation = self.session.generate(prompt, drafter=drafter, **kwargs)
+        self.observe(drafter)
+        if self.due():
+            self.update()
+        return generation
+
+    # ------------------------------------------------------------------------------------------- updating
+
+    def update(self) -> dict[str, Any]:
+        """One round: train a copy of the draft model, check it on held-back requests, swap it in if its agreement
+        did not drop (else roll it back). Returns the round's :attr:`history` entry."""
+        with self._lock:
+            train, held = self.buffer.train(), self.buffer.held()
+            self._since_update = 0
+        cfg = self.config
+        start = time.perf_counter()
+        serving = self.session.draft
+        candidate, params = self._trainable_copy(serving)
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+        losses = []
+        usable = [o for o in train if _trained(o, cfg.positions).any()]
+        for _ in range(cfg.steps if usable else 0):
+            self._free.wait()  # a server: only while no request waits
+            if self._stop.is_set():
+                break
+            pick = torch.randint(len(usable), (min(cfg.batch, len(usable)),), generator=self._gen).tolist()
+            optimizer.zero_grad(set_to_none=True)
+            loss = sum(self._loss(candidate, usable[i]) for i in pick) / len(pick)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+        candidate.eval().requires_grad_(False)
+        before, after = self.agreement(serving, held), self.agreement(candidate, held)
+        accepted = bool(losses) and after >= before
+        if accepted:
+            self.session.draft = candidate  # new requests draft with it; running ones keep theirs
+            self.version += 1
+        entry = {"version": self.version, "accepted": accepted, "steps": len(losses),
+                 "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+                 "agreement_before": before, "agreement_after": after, "train_requests": len(train),
+                 "held_requests": len(held), "buffer_bytes": self.buffer.nbytes, "seconds": time.perf_counter() - start,
+                 "time": time.time()}
+        self.history.append(entry)
+        if self.on_update is not None:
+            self.on_update(entry)
+        log.info("online update %s: agreement %.3f -> %.3f on %d held-back requests (%d steps, %.1f s)%s",
+                 "accepted" if accepted else "rolled back", before, after, len(held), len(losses),
+                 entry["seconds"], f", drafter version {self.version}" if accepted else "")
+        return entry
+
+    def _trainable_copy(self, model: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
+        """A deep copy of ``model`` sharing (not copying) the target's tensors, and its trainable parameters: all
+        but the token embedding, the LM head and anything shared with the target."""
+        target = self.session.target
+        memo: dict[int, Any] = {id(t): t for t in target.parameters()}
+        memo.update({id(m): m for m in target.modules()})
+        candidate = copy.deepcopy(model, memo)
+        frozen = {id(p) for p in target.parameters()}
+        for m in (candidate.get_input_embeddings(), candidate.get_output_embeddings()):
+            if m is not None:
+                frozen.update(id(p) for p in m.parameters())
+        params = []
+        for p in candidate.parameters():
+            train = id(p) not in frozen and p.is_floating_point()
+            p.requires_grad_(train)
+            if train:
+                params.append(p)
+        if not params:
+            raise ValueError("the draft model has no parameters of its own to adapt")
+        return candidate, params
+
+    def _loss(self, model: torch.nn.Module, o: Observation) -> torch.Tensor:
+        """The distillation loss of ``model`` on ``o``'s trained positions (within the context window)."""
+        keep = _trained(o, self.config.positions)
+        positions, top_ids, top_p = o.positions[keep], o.top_ids[keep].long(), o.top_p[keep].float()
+        end = int(positions.max())
+        start = max(0, end - self.config.window)
+        inside = positions - 1 >= start
+        positions, top_ids, top_p = positions[inside], top_ids[inside], top_p[inside]
+        logits = model(input_ids=o.ids[start:end].long()[None]).logits[0, positions - 1 - start]  # [P, V]
+        vocab = logits.shape[-1]
+        top_p = top_p * (top_ids < vocab)
+        q = torch.zeros_like(logits, dtype=torch.float32).scatter_(1, top_ids.clamp_max(vocab - 1), top_p)  # [P, V]
+        q = q / q.sum(-1, keepdim=True).clamp_min(1e-12)
+        return distill_loss_probs(logits, q, self.config.loss)
+
+    @torch.no_grad()
+    def agreement(self, model: torch.nn.Module, observations: list[Observation]) -> float:
+        """Share of the drafted positions of ``observations`` where ``model``'s greedy token is the target's most
+        probable one (the acceptance of a greedy draft at those positions; nan without positions)."""
+        hits = total = 0
+        for o in observations:
+            end = int(o.positions.max())
+            start = max(0, end - self.config.window)
+            positions = o.positions[o.positions - 1 >= start]
+            top = o.top_ids[o.positions - 1 >= start, 0].long()
+            logits = model(input_ids=o.ids[start:end].long()[None]).logits[0, positions - 1 - start]  # [P, V]
+            hits += int((logits.argmax(-1) == top).sum())
+            total += len(positions)
+        return hits / total if total else float("nan")
+
+    # ------------------------------------------------------------------------------------------- a server's thread
+
+    def set_busy(self, busy: bool) -> None:
+        """A server tells whether requests are running or waiting: a background update takes steps only while
+        not busy (decoding never waits for more than the step in flight)."""
+        if busy:
+            self._free.clear()
+        else:
+            self._free.set()
+
+    def start(self, poll_s: float = 0.5) -> None:
+        """Run updates in a background thread whenever one is due (:meth:`due`), until :meth:`stop`."""
+        if self._thread is not None:
+            return
+
+        def loop() -> None:
+            while not self._stop.wait(poll_s):
+                if self.due():
+                    try:
+                        self.update()
+                    except Exception:  # an update must never take the server down
+                        log.exception("online update failed; the drafter is unchanged")
+
+        self._thread = threading.Thread(target=loop, name="speculant-online", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the background thread (an update in flight ends after its current step) and save the state to
+        ``state_dir`` if one was given."""
+        self._stop.set()
+        self._free.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.state_dir is not None:
+            self.save(self.state_dir)
+
+    # ------------------------------------------------------------------------------------------- persistence
+
+    def _own_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        shared = {id(p) for p in self.session.target.parameters()}
+        return {name: p.detach().clone() for name, p in model.named_parameters() if id(p) not in shared}
+
+    def save(self, directory: str | Path) -> None:
+        """Write the draft model's own parameters, the buffer and the history to ``directory``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            torch.save(self._own_state(self.session.draft), directory / _PARAMS_FILE)
+            torch.save(self.buffer.state_dict(), directory / _BUFFER_FILE)
+            state = {"version": self.version, "history": self.history, "config": asdict(self.config),
+                     "since_update": self._since_update}
+        (directory / _STATE_FILE).write_text(json.dumps(state, indent=1))
+        log.info("online state (drafter version %d, %d requests buffered) saved to %s", self.version,
+                 len(self.buffer), directory)
+
+    def load(self, directory: str | Path) -> None:
+        """Resume from :meth:`save`'s files: the draft model's parameters (names and shapes must match), the
+        buffer and the history."""
+        directory = Path(directory)
+        try:
+            state = json.loads((directory / _STATE_FILE).read_text())
+            params = torch.load(directory / _PARAMS_FILE, weights_only=True)
+            buffer = torch.load(directory / _BUFFER_FILE, weights_only=True)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ValueError(f"cannot read the online state in {directory}: {e}") from e
+        own = dict(self.session.draft.named_parameters())
+        for name, value in params.items():
+            if name not in own or own[name].shape != value.shape:
+                raise ValueError(f"the online state in {directory} is for another draft model "
+                                 f"(parameter {name!r} {tuple(value.shape)} does not fit)")
+        model = self.session.draft
+        with torch.no_grad():
+            for name, value in params.items():
+                own[name].copy_(value)
+        model.__dict__.pop("_speculant_lean", None)  # a packed lean forward holds copies: rebuild it
+        self.buffer.load_state_dict(buffer)
+        self.version, self.history = int(state["version"]), list(state["history"])
+        self._since_update = int(state.get("since_update", 0))
+        log.info("online state resumed from %s: drafter version %d, %d requests buffered", directory, self.version,
+                 len(self.buffer))
+
+
+def _trained(o: Observation, positions: str) -> torch.Tensor:
+    """``[P]`` bool: the positions of ``o`` a step trains on."""
+    return o.rejected if positions == "rejected" else torch.ones_like(o.rejected)
