@@ -269,6 +269,14 @@ def resolve(
     from .models.loading import DTYPES, check_model_dir, check_quantization, default_draft_for, resolve_model
 
     by_name = isinstance(target, (str, Path))
+    if isinstance(target, torch.nn.Module):
+        from .models.vlm import is_vision_language, text_view
+
+        if is_vision_language(target):  # its text part is the target; the whole model reads image prompts
+            target = text_view(target)
+            if tokenizer is not None and hasattr(tokenizer, "image_processor"):  # a processor
+                target.__dict__["processor"] = tokenizer
+                tokenizer = tokenizer.tokenizer
     if method is None:
         method, _ = default_method(target, draft)
         log.info("method %s (pass a method to choose another)", method)
@@ -501,6 +509,8 @@ class Session:
         method: str | ParsedMethod | None = None,
         drafter: Drafter | None | str = "new",
         logprobs: int | None = None,
+        images: Sequence[Any] | None = None,
+        prompt_embeds: torch.Tensor | None = None,
     ) -> Generation:
         """One generation with a fresh drafter of the session's method.
 
@@ -515,6 +525,11 @@ class Session:
                 options apply); None: the session's method.
             drafter: ``"new"`` (default): a fresh drafter of the method; or a drafter built by the caller (e.g.
                 from :meth:`drafter`, wrapped), or None for plain decoding.
+            images: for a vision-language target, images (paths, encoded bytes or PIL images) the text prompt is
+                about: they go before the text in the user's turn; the target reads them, the drafter sees the
+                text only (:class:`speculant.drafters.text_only.TextOnlyDrafter`).
+            prompt_embeds: token ids' prompt embeddings ``[1, T, H]`` already made by :meth:`encode_images` (a
+                benchmark encodes each image prompt once); the drafter then sees the text only too.
 
         Returns:
             the engine's :class:`speculant.core.types.Generation` (``token_ids``: the new tokens only).
@@ -522,7 +537,13 @@ class Session:
         from .core import engine
         from .core.checks import check_stream
 
-        ids, stops = self.encode(prompt, raw=raw, system=system)
+        embeds = prompt_embeds
+        if images and prompt_embeds is not None:
+            raise ValueError("give images or prompt_embeds, not both")
+        if images:
+            ids, stops, embeds = self.encode_images(prompt, images, system=system, raw=raw)
+        else:
+            ids, stops = self.encode(prompt, raw=raw, system=system)
         check_stream(stream)
         d = generate_defaults()
         sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
@@ -533,6 +554,45 @@ class Session:
             if drafter != "new":
                 raise ValueError(f"drafter must be 'new', a Drafter or None, got {drafter!r}")
             drafter = self.drafter(parsed)
+        if embeds is not None and drafter is not None:
+            drafter = self.text_only(drafter)
         return engine.generate(self.target, ids, drafter=drafter, eos_token_id=eos_token_id if eos_token_id
-                               is not None else stops, stream=stream, logprobs=logprobs, **sampling,
-                               **self.generate_options(parsed))
+                               is not None else stops, stream=stream, logprobs=logprobs, prompt_embeds=embeds,
+                               **sampling, **self.generate_options(parsed))
+
+    def encode_images(self, prompt: str | list[dict], images: Sequence[Any], system: str | None = None,
+                      raw: bool = False) -> tuple[list[int], list[int] | None, torch.Tensor]:
+        """``(input ids, stop ids, prompt embeddings [1, T, H])`` of a text ``prompt`` (or chat messages with image
+        parts) about ``images``, for a vision-language target: the processor's chat template and image tokens,
+        the model's own image features in the embeddings."""
+        from .models.chat import stop_ids
+        from .models.vlm import image_inputs, prompt_embeds, user_messages, vision_parts
+
+        parts = vision_parts(self.target)
+        if parts is None:
+            raise ValueError("images need a vision-language target; this one reads text only")
+        if raw:
+            raise ValueError("images go through the chat template: drop --raw")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: give some text")
+            messages = user_messages(prompt, len(images), system)
+        else:
+            if system is not None:
+                raise ValueError("system needs a text prompt (put a system message in the messages)")
+            messages = list(prompt)
+        vlm, processor = parts
+        inputs = image_inputs(processor, messages, list(images))
+        ids = inputs["input_ids"][0].tolist()
+        embeds = prompt_embeds(vlm, {k: v.to(vlm.device) if hasattr(v, "to") else v for k, v in inputs.items()})
+        return ids, stop_ids(self.tokenizer, self.target), embeds
+
+    def text_only(self, drafter: Drafter) -> Drafter:
+        """``drafter`` drafting from the text of an image prompt only (the target's image tokens removed)."""
+        from .drafters.text_only import TextOnlyDrafter
+        from .models.vlm import image_token_ids, vision_parts
+
+        parts = vision_parts(self.target)
+        if parts is None or isinstance(drafter, TextOnlyDrafter):
+            return drafter
+        return TextOnlyDrafter(drafter, image_token_ids(parts[0]))

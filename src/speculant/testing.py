@@ -26,7 +26,7 @@ from transformers import (
 )
 
 __all__ = ["ARCHITECTURES", "tiny_config", "tiny_model", "perturbed", "stdlib_texts", "tiny_tokenizer",
-           "save_model_pair"]
+           "save_model_pair", "VLM_ARCHITECTURES", "VLM_CHAT_TEMPLATE", "save_tiny_llava", "tiny_vlm"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gpt_neox", "phi")
 BOS, EOS = "<s>", "</s>"  # ids 0 and 1, the bos/eos ids of tiny_config
@@ -129,3 +129,74 @@ def save_model_pair(
         tok.save_pretrained(path)
         paths.append(path)
     return paths[0], paths[1]
+
+
+VLM_ARCHITECTURES = ("llava", "idefics3")
+"""The vision-language families :func:`tiny_vlm` builds."""
+
+
+def tiny_vlm(kind: str = "llava", vocab_size: int = 96, image_token: int = 95, seed: int = 0,
+             init_std: float = 0.2, hidden: int = 32, image_size: int = 32, patch: int = 8) -> torch.nn.Module:
+    """A randomly initialised vision-language model in eval mode: a tiny vision tower and projector in front of
+    a 2-layer Llama (``kind``: ``llava``, a CLIP tower with 16 image tokens per 32x32 image; ``idefics3``, a
+    SigLIP-like tower with pixel shuffle, 4 image tokens)."""
+    from transformers import (CLIPVisionConfig, Idefics3Config, Idefics3ForConditionalGeneration, LlavaConfig,
+                              LlavaForConditionalGeneration)
+    from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
+
+    text = tiny_config("llama", vocab_size=vocab_size, hidden=hidden)
+    text.initializer_range = init_std
+    vision = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1, num_attention_heads=4,
+                  image_size=image_size, patch_size=patch)
+    torch.manual_seed(seed)
+    if kind == "llava":
+        cfg = LlavaConfig(vision_config=CLIPVisionConfig(**vision, projection_dim=hidden), text_config=text,
+                          image_token_index=image_token, vision_feature_select_strategy="default",
+                          vision_feature_layer=-1)
+        model = LlavaForConditionalGeneration(cfg)
+    elif kind == "idefics3":
+        cfg = Idefics3Config(vision_config=Idefics3VisionConfig(**vision).to_dict(), text_config=text.to_dict(),
+                             image_token_id=image_token, scale_factor=2)
+        model = Idefics3ForConditionalGeneration(cfg)
+    else:
+        raise ValueError(f"unknown vision-language family {kind!r}; known: {', '.join(VLM_ARCHITECTURES)}")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, init_std)
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id = 1
+    return model.eval()
+
+
+VLM_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+                     "{% else %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<image>{% else %}"
+                     "{{ p['text'] }}{% endif %}{% endfor %}{% endif %}</s>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+"""The tiny chat template with image parts (``<image>``, expanded by the processor into the image's tokens)."""
+
+
+def save_tiny_llava(out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny LLaVA (:func:`tiny_vlm`) with a real processor (CLIP image processor, a BPE tokenizer with an
+    ``<image>`` token and :data:`VLM_CHAT_TEMPLATE`), saved to ``out_dir``: loadable by name like any model."""
+    from transformers import LlavaProcessor
+
+    try:  # the PIL image processor: no torchvision needed (and no warning that it is missing)
+        from transformers import CLIPImageProcessorPil as CLIPImageProcessor
+    except ImportError:  # older transformers
+        from transformers import CLIPImageProcessor
+
+    tok = tiny_tokenizer(vocab_size=300)
+    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tok.chat_template = VLM_CHAT_TEMPLATE
+    image_token = tok.convert_tokens_to_ids("<image>")
+    model = tiny_vlm("llava", vocab_size=len(tok), image_token=image_token, seed=seed)
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                  crop_size={"height": 32, "width": 32}),
+                               tokenizer=tok, patch_size=8, vision_feature_select_strategy="default",
+                               image_token="<image>", num_additional_image_tokens=1,
+                               chat_template=VLM_CHAT_TEMPLATE)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

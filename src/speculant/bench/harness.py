@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +156,7 @@ class _EngineMethod:
         self.session, self.method, self.stops = session, method, stops
         self.last_drafter = session.drafter(method)
         self.models = drafter_models(self.last_drafter, session.target)
+        self.embeds: dict[tuple[int, ...], torch.Tensor] = {}  # image prompts' embeddings, by their ids
 
     def __call__(self, ids: list[int], max_new_tokens: int, **sampling) -> dict:
         drafter = self.session.drafter(self.method)
@@ -163,10 +164,27 @@ class _EngineMethod:
         # see every forward either way
         with probing(self.session.target, *(getattr(m, "base_model", m) for m in self.models)) as probes:
             gen = self.session.generate(ids, method=self.method, drafter=drafter, max_new_tokens=max_new_tokens,
-                                        eos_token_id=self.stops, **sampling)
+                                        eos_token_id=self.stops, prompt_embeds=self.embeds.get(tuple(ids)),
+                                        **sampling)
         self.last_drafter = drafter
         return {"token_ids": gen.token_ids, **gen.stats.as_dict(), "depth_reached": list(gen.stats.depth_reached),
                 "depth_accepted": list(gen.stats.depth_accepted), "kv_cache_peak_bytes": peak_kv_bytes(*probes)}
+
+
+def _with_images(record: Mapping, n: int) -> str | list[dict]:
+    """A prompt record as the text or chat :meth:`Session.encode_images` takes, ``n`` image parts opening its first
+    user turn."""
+    if "prompt" in record:
+        return record["prompt"]
+    if "messages" not in record:
+        raise ValueError("image prompts are text: records with 'prompt' or 'messages', not 'input_ids'")
+    out, placed = [], False
+    for m in record["messages"]:
+        if m["role"] == "user" and not placed:
+            m = {"role": "user", "content": [{"type": "image"}] * n + [{"type": "text", "text": m["content"]}]}
+            placed = True
+        out.append(m)
+    return out
 
 
 def _stops(model: torch.nn.Module, tokenizer: Any, eos_token_id, chat: bool) -> list[int]:
@@ -225,6 +243,7 @@ def run_bench(
     budgets: Sequence[int] | None = None,
     depths: Sequence[int] | None = None,
     profile: bool = False,
+    images: Sequence[str | Path] | None = None,
 ) -> dict:
     """Benchmark drafting methods and transformers baselines on one prompt set; optionally write a report.
 
@@ -268,6 +287,8 @@ def run_bench(
             tree tokens per target call in ``budgets`` and at each draft depth in ``depths``; results are keyed
             by the sized specs, and ``budget_matched`` maps each axis value and family to its spec (None when
             the family has no configuration of that size). ``report.write_results`` adds a table and a plot.
+        images: for a vision-language target, image files every prompt is about (before the text of its first
+            user turn); the target reads them, drafters see the text only. Our methods only (no baselines).
         profile: also profile the target forward after the runs (:func:`speculant.bench.profile.profile_target`:
             one-token step split into matmul / attention / rest for the lean and the model's own forward, a
             5-token verify forward, bare matmuls and the bandwidth floor of the weights), as ``profile``.
@@ -304,6 +325,8 @@ def run_bench(
         parsed.sort(key=lambda p: p[0] != REFERENCE)  # the reference first, the rest in the given order
     baseline_specs = split_specs(baselines)
     parsed_baselines = [(spec, *parse_baseline(spec)) for spec in baseline_specs]
+    if images and parsed_baselines:
+        raise ValueError("image prompts run our methods only: pass --baselines none")
     draft_users = [s for s, m in parsed if m.needs_draft and not method_drafts.get(s)] + [
         s for s, n, _ in parsed_baselines if BASELINES[n].needs_draft]
     source, records = _prompt_records(prompts, num_prompts)
@@ -318,7 +341,15 @@ def run_bench(
     session = models.session
     target_model, tokenizer, draft_model = session.target, session.tokenizer, session.draft
     target_desc, draft_desc = plan.target_name, plan.draft_name
-    ids_per_prompt = [prompt_ids(r, tokenizer) for r in records]
+    embeds: dict[tuple[int, ...], torch.Tensor] = {}
+    if images:
+        ids_per_prompt = []
+        for r in records:
+            ids, _, e = session.encode_images(_with_images(r, len(images)), list(images))
+            ids_per_prompt.append(ids)
+            embeds[tuple(ids)] = e
+    else:
+        ids_per_prompt = [prompt_ids(r, tokenizer) for r in records]
     if session.context.get("tokenizers_match") is False and any(
             BASELINES[n].needs_draft for _, n, _ in parsed_baselines):
         raise ValueError("hf-assisted needs a draft with the target's tokenizer (the tokenizers differ)")
@@ -332,6 +363,8 @@ def run_bench(
     pad = _pad_id(target_model, stops)
     k_default = _default_k(parsed)
     ours = {spec: _EngineMethod(models.for_draft(method_drafts.get(spec)), method, stops) for spec, method in parsed}
+    for method in ours.values():
+        method.embeds = embeds
     runs = [MethodRun(spec, run=method) for spec, method in ours.items()]
     n_ctx = max(len(ids) for ids in ids_per_prompt) + max_new_tokens + 64
     for spec, name, options in parsed_baselines:

@@ -124,6 +124,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="after the runs, profile the target forward: a one-token step split into matmul, attention "
                    "and the rest (lean and the model's own forward), a 5-token verify forward, the same matrix "
                    "products as bare matmuls, and the bandwidth floor of the weights (results.md, 'Profile')")
+    p.add_argument("--image", dest="images", action="append", metavar="PATH", default=None,
+                   help="an image file every prompt is about (repeatable), for a vision-language target: the target "
+                   "reads it, the drafters see the text only; our methods only (--baselines none)")
     p.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object on the last stdout line")
 
@@ -158,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         budgets=args.budgets,
         depths=args.depths,
         profile=args.profile,
+        images=args.images,
     )
     if args.json:
         keep = ("settings", "machine", "files", *(("profile",) if "profile" in results else ()))

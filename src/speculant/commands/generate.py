@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from . import common
@@ -87,6 +88,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--raw",
         action="store_true",
         help="treat PROMPT as plain text to continue, even when the tokenizer has a chat template",
+    )
+    p.add_argument(
+        "--image",
+        dest="images",
+        action="append",
+        metavar="PATH",
+        default=None,
+        help="an image file PROMPT is about (repeat for several; they come before the text in the user's turn), for "
+        "a vision-language target (LLaVA, Idefics3/SmolVLM, ...): the target reads it, the drafter sees the text "
+        "only",
     )
     common.add_model_arguments(p)
     p.add_argument(
@@ -187,6 +198,11 @@ def run(args: argparse.Namespace) -> int:
     # validate everything cheap before loading any model
     if args.raw and args.system is not None:
         raise ValueError("--system needs the chat template: drop --raw")
+    if args.images and args.raw:
+        raise ValueError("--image goes through the chat template: drop --raw")
+    for path in args.images or ():
+        if not Path(path).expanduser().is_file():
+            raise ValueError(f"--image: {path!r} is not a file")
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     check_positive_int("max_new_tokens", args.max_new_tokens)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
@@ -202,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     stream = None if args.json else _Writer(session.tokenizer, sys.stdout)
     gen = session.generate(prompt, raw=args.raw, system=args.system, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                           stream=stream)
+                           stream=stream, images=args.images)
     if args.json:
         text = session.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         print(json.dumps({"text": text, "token_ids": gen.token_ids, "stats": gen.stats.as_dict()}))

@@ -97,13 +97,26 @@ class Batch:
             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
             eos_token_id: int | list[int] | None = None, kv_policy: EvictionPolicy | None = None,
             kv_budget: int | None = None, kv_block: int = 128, logprobs: int | None = None,
-            speculation: str | None = None) -> int:
+            speculation: str | None = None, prompt_embeds: torch.Tensor | None = None) -> int:
         """Add a generation (the arguments of :func:`speculant.core.engine.generate`, checked: :meth:`check`) and
         prefill its prompt; returns its index (``StepEvent.sequence``). A drafter object serves one sequence at a
         time (it keeps per-generation state). ``speculation``: this sequence's own mode (``auto``, ``on``,
-        ``off``), over the batch's (None)."""
+        ``off``), over the batch's (None). ``prompt_embeds [1, len(input_ids), H]``: the prompt's embeddings to
+        prefill with (a vision-language prompt: :mod:`speculant.models.vlm`); its last token, the root, goes in as
+        an id, so it must be a text token."""
         ids = self.check(input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
                          kv_policy, kv_budget, kv_block, logprobs)
+        if prompt_embeds is not None:
+            width = self.target.get_input_embeddings().weight.shape[1]
+            if prompt_embeds.dim() == 2:
+                prompt_embeds = prompt_embeds.unsqueeze(0)
+            if tuple(prompt_embeds.shape) != (1, len(ids), width):
+                raise ValueError(f"prompt_embeds must be [1, {len(ids)}, {width}] (one row per prompt token), got "
+                                 f"{list(prompt_embeds.shape)}")
+            if kv_policy is not None:
+                raise ValueError("a KV policy prefills block by block from token ids: it does not take prompt "
+                                 "embeddings (an image prompt)")
+            prompt_embeds = prompt_embeds.to(device=self.target.device, dtype=self.target.dtype)
         if speculation is not None and speculation not in MODES:
             raise ValueError(f"speculation must be one of {', '.join(MODES)}, got {speculation!r}")
         if drafter is not None and any(s.drafter is drafter for s in self._sequences.values()):
@@ -122,7 +135,7 @@ class Batch:
                                 taps=capability(drafter, "target_taps"))
         index, self._next = self._next, self._next + 1
         seq = Sequence(index, self.target, forward, ids, drafter, max_new_tokens, params,
-                       resolve_eos(self.target, eos_token_id), kv, logprobs)
+                       resolve_eos(self.target, eos_token_id), kv, logprobs, prompt_embeds)
         seq.speculation = speculation
         with torch.inference_mode():
             seq.prefill()

@@ -43,6 +43,7 @@ def generate(
     kv_block: int = 128,
     forward: str = "auto",
     logprobs: int | None = None,
+    prompt_embeds: torch.Tensor | None = None,
 ) -> Generation:
     """The decoding loop behind :func:`speculant.generate` (see it for every argument), on resolved objects only.
 
@@ -53,11 +54,12 @@ def generate(
     capabilities (:func:`~speculant.core.drafting.capability`) and the policy's interface.
 
     ``stream(ids)`` (``stream(ids, logprobs)`` when ``logprobs`` is asked for) is called with each step's committed
-    tokens. Built on :func:`generate_steps`.
+    tokens. ``prompt_embeds [1, T, H]``: the prompt's embeddings to prefill with (a vision-language prompt, see
+    :meth:`speculant.core.batch.Batch.add`). Built on :func:`generate_steps`.
     """
     check_stream(stream)
     steps = generate_steps(target, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed,
-                           eos_token_id, kv_policy, kv_budget, kv_block, forward, logprobs)
+                           eos_token_id, kv_policy, kv_budget, kv_block, forward, logprobs, prompt_embeds)
     for event in steps:
         if stream is not None:
             if event.logprobs is None:
@@ -119,13 +121,14 @@ def generate_steps(
     kv_block: int = 128,
     forward: str = "auto",
     logprobs: int | None = None,
+    prompt_embeds: torch.Tensor | None = None,
 ) -> Steps:
     """:func:`generate` as an iterator of steps (:class:`Steps`): the arguments are checked and the prompt is
     prefilled at once, then each ``next()`` runs one decoding step and returns its
     :class:`~speculant.core.types.StepEvent`; :meth:`Steps.close` stops early (e.g. a client that went away)."""
     batch = Batch(target, forward)
     index = batch.add(input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, kv_policy,
-                      kv_budget, kv_block, logprobs)
+                      kv_budget, kv_block, logprobs, prompt_embeds=prompt_embeds)
     return Steps(batch, index)
 
 

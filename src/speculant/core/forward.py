@@ -121,10 +121,13 @@ class TargetForward:
         head = self.lean.logits if self.lean is not None else self.model.get_output_embeddings()
         return head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
-    def prefill(self, cache, input_ids: torch.Tensor, hidden_out: list | None = None) -> None:
-        """Feed ``input_ids [1, T]`` into ``cache`` without computing logits (the prompt before the root);
+    def prefill(self, cache, input_ids: torch.Tensor | None, hidden_out: list | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> None:
+        """Feed ``input_ids [1, T]`` (or their embeddings ``inputs_embeds [1, T, H]``, e.g. a vision-language
+        prompt's with its image features) into ``cache`` without computing logits (the prompt before the root);
         ``hidden_out`` as in :meth:`__call__`."""
-        self._hidden(cache, input_ids, None, None, None, None, hidden_out)
+        self._hidden(cache, None if inputs_embeds is not None else input_ids, inputs_embeds, None, None, None,
+                     hidden_out)
 
     def _hidden(self, cache, input_ids, inputs_embeds, positions, mask, capture, hidden_out) -> torch.Tensor:
         """The final-normed hidden states ``[1, T, H]``; appends the drafter's states to ``hidden_out``."""

@@ -41,12 +41,16 @@ _EMPTY = DraftTree.empty()
 class Sequence:
     """One generation: prompt ``ids`` (checked by the caller), its drafter (None: plain decoding) and settings.
     ``forward`` is its target forward (:class:`TargetForward`), ``kv`` its evicting cache (None: a full one);
-    ``logprobs``: the number of alternatives per token to report (None: no logprobs)."""
+    ``logprobs``: the number of alternatives per token to report (None: no logprobs); ``prompt_embeds``: the
+    prompt's input embeddings ``[1, len(ids), H]`` to prefill with instead of the ids' own (a vision-language
+    target's prompt, image features in place of its image tokens; the root, the last token, is fed as an id)."""
 
     def __init__(self, index: int, target: torch.nn.Module, forward: TargetForward, ids: list[int],
                  drafter: Drafter | None, max_new_tokens: int, params: SamplingParams, stops: set[int],
-                 kv: BudgetedKV | None = None, logprobs: int | None = None) -> None:
+                 kv: BudgetedKV | None = None, logprobs: int | None = None,
+                 prompt_embeds: torch.Tensor | None = None) -> None:
         self.index = index
+        self.prompt_embeds = prompt_embeds  # [1, len(ids), H] or None: the prompt's embeddings (image features)
         self.target, self.forward, self.drafter, self.kv = target, forward, drafter, kv
         self.device = target.device
         self.stops = stops
@@ -92,8 +96,10 @@ class Sequence:
         if self.kv is None:
             self._cache = SpecCache(num_layers(self.target), capacity=state.max_length + 64)
             if len(ids) > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
+                embeds = None if self.prompt_embeds is None else self.prompt_embeds[:, : len(ids) - 1]
                 self.forward.prefill(self._cache, torch.tensor([ids[:-1]], device=self.device),
-                                     hidden_out=self.hidden)
+                                     hidden_out=self.hidden, inputs_embeds=embeds)
+            self.prompt_embeds = None  # read once
         else:
             self._cache = self.kv.cache  # block-wise prefill: at most kv_budget + kv_block tokens per layer
             if len(ids) > 1:

@@ -15,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from ..core.quant import QUANTIZATIONS
 from .attached import is_attached, load_attached
 from .gguf import load_gguf_model
+from .vlm import is_vision_language, text_view
 from .sources import (ASSETS, PACKAGED, convert_gguf, gguf_backing, hub_cached_dir, install_files, is_hub_id,
                       packaged_gguf, packaged_installed)
 
@@ -142,7 +143,9 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None, qua
             codes where the kind holds them).
 
     Returns:
-        ``(model, tokenizer)``, the model in eval mode.
+        ``(model, tokenizer)``, the model in eval mode. A vision-language model (a config with a vision part) comes
+        back as its text part (:func:`speculant.models.vlm.text_view`; the whole model and its processor ride along
+        for image prompts: :func:`speculant.models.vlm.vision_parts`).
 
     Raises:
         ValueError: the directory does not exist or lacks config.json, weights or tokenizer files (one line,
@@ -162,6 +165,16 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None, qua
     if backing is not None:  # the GGUF's tensors, dequantized as transformers' float32 conversion would be
         config = AutoConfig.from_pretrained(str(d), local_files_only=True)
         model = load_gguf_model(backing, config, resolved if isinstance(resolved, torch.dtype) else torch.float32)
+    elif is_vision_language(AutoConfig.from_pretrained(str(d), local_files_only=True)):
+        # a vision-language model: its text part runs as the target, the whole model builds image prompts
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        vlm = AutoModelForImageTextToText.from_pretrained(str(d), local_files_only=True, **kwargs).eval()
+        processor = AutoProcessor.from_pretrained(str(d), local_files_only=True)
+        model = text_view(vlm)
+        model.__dict__["processor"] = processor
+        quantize_loaded(model, quantization, None)
+        return model, processor.tokenizer
     else:
         model = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(d), local_files_only=True)

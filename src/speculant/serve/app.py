@@ -158,6 +158,25 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         return {"id": settings.served_name, "object": "model", "created": created, "owned_by": "speculant",
                 "max_model_len": ctx, "context_length": ctx}
 
+    def image_prompt(req: GenerationRequest) -> tuple[list[int], Any]:
+        """``(ids, prompt embeddings)`` of a chat with image parts, for a vision-language target (400 otherwise)."""
+        from ..models.vlm import vision_parts
+
+        if vision_parts(worker.target) is None:
+            raise APIError(400, "this model reads text only: drop the image parts", param="messages",
+                           code="unsupported_value")
+        images = [p["data"] for m in req.messages if isinstance(m["content"], list) for p in m["content"]
+                  if p["type"] == "image"]
+        messages = [m if isinstance(m["content"], str) else
+                    {"role": m["role"], "content": [p if p["type"] == "text" else {"type": "image"}
+                                                    for p in m["content"]]} for m in req.messages]
+        try:
+            with worker.tokenizer_lock:
+                ids, _, embeds = worker.session.encode_images(messages, images)
+        except ValueError as exc:
+            raise APIError(400, " ".join(str(exc).split()), param="messages") from None
+        return ids, embeds
+
     def prompt_ids(req: GenerationRequest) -> list[int]:
         """Token ids of the request, with 400s for what the model cannot take (a text too long to fit is refused
         before it is tokenised). Blocking: called in a thread (tokenising a long prompt takes seconds)."""
@@ -264,11 +283,15 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
 
     async def complete(request: Request, req: GenerationRequest) -> Response:
         # off the event loop: /health, /metrics and every stream go on while a long prompt is tokenised
-        ids = await asyncio.to_thread(prompt_ids, req)
+        embeds = None
+        if req.kind == "chat" and any(not isinstance(m["content"], str) for m in req.messages):
+            ids, embeds = await asyncio.to_thread(image_prompt, req)
+        else:
+            ids = await asyncio.to_thread(prompt_ids, req)
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
         job = Job(ids=ids, max_tokens=max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
                   stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-                  sources=req.sources and req.stream, speculation=req.speculation)
+                  sources=req.sources and req.stream, speculation=req.speculation, prompt_embeds=embeds)
         try:
             worker.submit(job)
         except QueueFull as exc:

@@ -110,7 +110,8 @@ def check_prompt_chars(req: GenerationRequest, context: int | None, token_chars:
         return
     field = "messages" if req.kind == "chat" else "prompt"
     if req.kind == "chat":
-        chars = sum(len(m.get("content", "")) for m in req.messages or ())
+        chars = sum(len(c) if isinstance(c, str) else sum(len(p.get("text", "")) for p in c)  # image parts: 0
+                    for c in (m.get("content", "") for m in req.messages or ()))
     elif isinstance(req.prompt, str):
         chars = len(req.prompt)
     else:

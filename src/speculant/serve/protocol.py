@@ -90,7 +90,7 @@ class GenerationRequest:
 
     kind: str  # "chat" | "completion"
     model: str
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None  # contents: text, or text and image parts (protocol._content)
     prompt: str | list[int] | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -395,25 +395,57 @@ def _common(body: Mapping, kind: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------- requests
 
 
-def _content(i: int, content: Any) -> str:
-    """A message's text: a string, or an array of ``{"type": "text", "text": ...}`` parts (joined)."""
+def _content(i: int, content: Any) -> str | list[dict]:
+    """A message's content: a string, or an array of ``{"type": "text", "text": ...}`` parts (joined into one
+    string) and ``{"type": "image_url", "image_url": {"url": "data:image/...;base64,..."}}`` parts (then a list of
+    ``{"type": "text", "text"}`` / ``{"type": "image", "data": bytes}`` parts, in order). Only ``data:`` URLs: the
+    server never fetches a URL."""
     where = f"messages[{i}].content"
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        texts = []
+        parts: list[dict] = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else _kind(part)
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                parts.append({"type": "image", "data": _image(f"{where}[{j}]", part.get("image_url"))})
+            else:
+                shown = kind if kind is not None else _kind(part)
                 raise _bad(f"{where}[{j}]", f"'{where}[{j}]' must be a text part {{\"type\": \"text\", \"text\": "
-                                            f"...}}; this server reads text only (got {clip(repr(kind), 40)})",
-                           "unsupported_value")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise _bad(where, f"'{where}' must be a string or an array of text parts, got {_kind(content)}", "invalid_type")
+                                            f"...}} or an image part {{\"type\": \"image_url\", ...}} (got "
+                                            f"{clip(repr(shown), 40)})", "unsupported_value")
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)
+        return parts
+    raise _bad(where, f"'{where}' must be a string or an array of text and image parts, got {_kind(content)}",
+               "invalid_type")
 
 
-def _messages(body: Mapping) -> list[dict[str, str]]:
+def _image(where: str, value: Any) -> bytes:
+    """The bytes of an ``image_url`` part's ``data:`` URL (base64), or a 400 naming what is wrong."""
+    import base64
+    import binascii
+
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise _bad(f"{where}.image_url.url", f"'{where}.image_url.url' must be a string", "invalid_type")
+    head, sep, data = url.partition(",")
+    if not url.startswith("data:") or not sep:
+        raise _bad(f"{where}.image_url.url", f"'{where}.image_url.url' must be a data: URL (data:image/png;base64,"
+                                             f"...): this server never fetches a URL (got {clip(repr(url), 40)})",
+                   "unsupported_value")
+    if not head.endswith(";base64"):
+        raise _bad(f"{where}.image_url.url", f"'{where}.image_url.url' must be base64-encoded (data:...;base64,...)",
+                   "unsupported_value")
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad(f"{where}.image_url.url", f"'{where}.image_url.url' holds invalid base64 data") from None
+
+
+def _messages(body: Mapping) -> list[dict[str, Any]]:
     v = body.get("messages")
     if v is None:
         raise _bad("messages", "'messages' is required", "missing_required")

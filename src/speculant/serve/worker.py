@@ -84,6 +84,7 @@ class Job:
     logprobs: int | None = None  # alternatives per token; None: no logprobs (then no "logprobs" events)
     sources: bool = False  # a ("sources", {...}) event before each text event: which characters were drafts
     speculation: str | None = None  # this request's speculation mode (None: the server's --speculation)
+    prompt_embeds: Any = None  # [1, len(ids), H]: an image prompt's embeddings (a vision-language target)
     arrived: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
@@ -506,8 +507,11 @@ class Worker:
         options = {k: v for k, v in self.session.generate_options().items() if k != "forward"}
         s = job.sampling
         drafter = self.online.drafter() if self.online is not None else self.session.drafter()
-        index = batch.add(job.ids, drafter, job.max_tokens, s.temperature, s.top_k, s.top_p,
-                          s.seed, eos, logprobs=job.logprobs, speculation=job.speculation, **options)
+        if job.prompt_embeds is not None and drafter is not None:
+            drafter = self.session.text_only(drafter)  # the drafter reads the text of an image prompt only
+        index = batch.add(job.ids, drafter, job.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, eos,
+                          logprobs=job.logprobs, speculation=job.speculation, prompt_embeds=job.prompt_embeds,
+                          **options)
         a = _Active(self, job, index, start)
         a.drafter = drafter if self.online is not None else None
         return a

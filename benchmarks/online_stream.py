@@ -1,0 +1,167 @@
+"""Online speculative decoding on a stream of requests from a domain the drafter was not trained on (issue 30).
+
+Two sessions of the same target and shipped drafter decode the same stream of requests, request by request
+interleaved, greedy: one as shipped, one adapting its drafter online (:class:`speculant.train.online.OnlineAdapter`:
+an update every ``--online-every`` requests, run between requests and timed apart from them). Per request: τ (new
+tokens per target forward), tokens/s, latency; per window of ``--window`` requests: medians and τ's mean, for both.
+Every output of the adapting session is checked equal to the shipped one's (greedy: both equal plain decoding).
+
+The default stream: ``builtin:code-chat-train`` (Python code requests made from the standard library's training
+modules) for ``smollm2-135m-instruct``, whose shipped drafter was distilled on general English instructions only.
+
+    python benchmarks/online_stream.py [--requests 200] [--window 50] [--online-every 16]
+        [--target smollm2-135m-instruct] [--prompts builtin:code-chat-train] [--max-new-tokens 128]
+        [--out benchmarks/results/online-stream]
+
+Writes ``online_stream.json`` (settings, machine, per request, per window, the update history), ``README.md`` and
+``tau.png`` (τ over the stream, both sessions) into ``--out``. Run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import speculant
+from speculant.bench.speed import machine_info
+from speculant.data.prompts import builtin_prompts, prompt_ids
+from speculant.train.online import OnlineAdapter, OnlineConfig
+
+
+def _window(rows: list[dict], size: int) -> list[dict]:
+    out = []
+    for w in range(0, len(rows) - size + 1, size):
+        part = rows[w : w + size]
+        tokens, calls = sum(r["tokens"] for r in part), sum(r["target_calls"] for r in part)
+        out.append({"requests": [w, w + size], "tau": tokens / calls,
+                    "tok_s_median": statistics.median(r["tok_s"] for r in part),
+                    "latency_p90": sorted(r["latency_s"] for r in part)[int(0.9 * (len(part) - 1))],
+                    "latency_median": statistics.median(r["latency_s"] for r in part)})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--method", default=None, help="default: the target's packaged default")
+    ap.add_argument("--prompts", default="builtin:code-chat-train")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--window", type=int, default=50)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--online-every", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=OnlineConfig.steps)
+    ap.add_argument("--lr", type=float, default=OnlineConfig.lr)
+    ap.add_argument("--loss", default=OnlineConfig.loss)
+    ap.add_argument("--positions", default=OnlineConfig.positions)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results/online-stream")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    records = builtin_prompts(args.prompts.removeprefix("builtin:"))
+    random.Random(args.seed).shuffle(records)
+    records = records[: args.requests]
+    shipped = speculant.load(args.target, method=args.method, threads=args.threads)
+    adapting = speculant.load(args.target, method=args.method, threads=args.threads)
+    config = OnlineConfig(update_every=args.online_every, steps=args.steps, lr=args.lr, loss=args.loss,
+                          positions=args.positions, seed=args.seed)
+    adapter = OnlineAdapter(adapting, config)
+    prompts = [prompt_ids(r, shipped.tokenizer) for r in records]
+    warm = prompt_ids(builtin_prompts("mt-bench", 1)[0], shipped.tokenizer)
+    for s in (shipped, adapting):  # warm-up (not in the stream)
+        s.generate(warm, max_new_tokens=16)
+    rows: dict[str, list[dict]] = {"shipped": [], "online": []}
+    updates = []
+    for i, ids in enumerate(prompts):
+        outputs = {}
+        for name in ("shipped", "online") if i % 2 == 0 else ("online", "shipped"):  # interleaved, order alternating
+            start = time.perf_counter()
+            if name == "shipped":
+                g = shipped.generate(ids, max_new_tokens=args.max_new_tokens)
+            else:
+                drafter = adapter.drafter()
+                g = adapting.generate(ids, max_new_tokens=args.max_new_tokens, drafter=drafter)
+            latency = time.perf_counter() - start
+            outputs[name] = g.token_ids
+            st = g.stats
+            rows[name].append({"request": i, "tokens": st.new_tokens, "target_calls": st.target_calls,
+                               "tau": st.new_tokens / max(1, st.target_calls), "latency_s": latency,
+                               "tok_s": st.new_tokens / latency, "version": adapter.version if name == "online"
+                               else 0})
+            if name == "online":
+                adapter.observe(drafter)
+        if outputs["online"] != outputs["shipped"]:
+            raise SystemExit(f"request {i}: the adapting session's output differs from the shipped one's")
+        if adapter.due():  # between requests, outside their timings
+            updates.append(adapter.update())
+        print(f"[{i + 1}/{len(prompts)}] tau shipped {rows['shipped'][-1]['tau']:.2f} online "
+              f"{rows['online'][-1]['tau']:.2f} (drafter version {adapter.version})", flush=True)
+    windows = {name: _window(r, args.window) for name, r in rows.items()}
+    first, last = windows["online"][0]["tau"], windows["online"][-1]["tau"]
+    lat = {name: sorted(r["latency_s"] for r in rs) for name, rs in rows.items()}
+    p90 = {name: v[int(0.9 * (len(v) - 1))] for name, v in lat.items()}
+    result = {"settings": vars(args), "machine": machine_info(), "method": shipped.method.spec,
+              "windows": windows, "online_last_over_first_tau": last / first,
+              "shipped_last_over_first_tau": windows["shipped"][-1]["tau"] / windows["shipped"][0]["tau"],
+              "online_last_over_shipped_last_tau": last / windows["shipped"][-1]["tau"],
+              "latency_p90_s": p90, "latency_p90_online_over_shipped": p90["online"] / p90["shipped"],
+              "update_seconds_total": sum(u["seconds"] for u in updates), "updates": updates,
+              "requests": rows, "outputs_identical": True}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "online_stream.json").write_text(json.dumps(result, indent=1))
+    _plot(rows, windows, args.window, out / "tau.png")
+    lines = [f"# Online adaptation on a held-out stream ({args.prompts}, {len(prompts)} requests)", "",
+             f"Target {args.target}, method `{shipped.method.spec}` with its shipped drafter, greedy, "
+             f"{args.max_new_tokens} new tokens, {args.threads} threads; online: an update every "
+             f"{args.online_every} requests ({args.steps} steps, lr {args.lr}, {args.loss} at {args.positions} "
+             f"positions), run between requests. Every output identical between the two sessions.", "",
+             "| window | τ shipped | τ online | tok/s shipped (median) | tok/s online (median) | p90 latency shipped | "
+             "p90 latency online |", "|---|---|---|---|---|---|---|"]
+    for a, b in zip(windows["shipped"], windows["online"]):
+        lines.append(f"| {a['requests'][0]}-{a['requests'][1] - 1} | {a['tau']:.2f} | {b['tau']:.2f} | "
+                     f"{a['tok_s_median']:.1f} | {b['tok_s_median']:.1f} | {a['latency_p90']:.2f} s | "
+                     f"{b['latency_p90']:.2f} s |")
+    accepted = sum(u["accepted"] for u in updates)
+    lines += ["", f"τ of the last window over the first (online): **{last / first:.2f}x** (shipped: "
+              f"{result['shipped_last_over_first_tau']:.2f}x); last window online over shipped: "
+              f"{result['online_last_over_shipped_last_tau']:.2f}x.",
+              f"Latency p90 over the stream: online {p90['online']:.2f} s, shipped {p90['shipped']:.2f} s "
+              f"({p90['online'] / p90['shipped']:.2f}x).",
+              f"Updates: {len(updates)} ({accepted} accepted), {result['update_seconds_total']:.1f} s in all "
+              f"(between requests).", "", "![tau](tau.png)", ""]
+    (out / "README.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+def _plot(rows: dict, windows: dict, size: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name, colour in (("shipped", "tab:gray"), ("online", "tab:blue")):
+        taus = [r["tau"] for r in rows[name]]
+        k = 10
+        rolling = [sum(taus[max(0, i - k + 1) : i + 1]) / len(taus[max(0, i - k + 1) : i + 1]) for i in range(len(taus))]
+        ax.plot(range(len(taus)), rolling, color=colour, label=f"{name} (mean of the last {k})")
+        for w in windows[name]:
+            ax.hlines(w["tau"], w["requests"][0], w["requests"][1] - 1, colors=colour, linestyles="dashed")
+    ax.set_xlabel("request")
+    ax.set_ylabel("τ (tokens per target forward)")
+    ax.set_title(f"Online adaptation: τ over the stream (dashed: windows of {size})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""A drafter that sees the text of a vision-language prompt only (Gagrani et al. 2024).
+
+The target reads the image (its features fill the image placeholder tokens of the prompt); the drafter, any text
+drafter with the target's tokenizer (a draft model, prompt lookup, trees, the trained drafters), never does:
+:class:`TextOnlyDrafter` gives the inner drafter a view of the generation whose ids are the prompt with each run of
+image tokens removed (or replaced by a short fixed ``marker`` of text tokens), followed by everything generated.
+The draft tree it returns names next tokens only, so the target verifies it as usual, exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from .base import DecodeState, Drafter
+from ..core.types import DraftTree
+
+__all__ = ["TextOnlyDrafter", "text_ids"]
+
+
+def text_ids(ids: Sequence[int], image_ids: Iterable[int], marker: Sequence[int] = ()) -> list[int]:
+    """``ids`` with each run of image tokens replaced by ``marker`` (empty: removed)."""
+    image = set(image_ids)
+    out: list[int] = []
+    in_image = False
+    for t in ids:
+        if t in image:
+            if not in_image:
+                out.extend(marker)
+            in_image = True
+        else:
+            out.append(t)
+            in_image = False
+    return out
+
+
+class TextOnlyDrafter(Drafter):
+    """``inner`` drafting from the text of the prompt only (see the module). ``image_ids``: the image placeholder
+    token ids; ``marker``: token ids standing for an image in the drafter's view (default: none)."""
+
+    def __init__(self, inner: Drafter, image_ids: Iterable[int], marker: Sequence[int] = ()) -> None:
+        if getattr(inner, "uses_target_hidden", False):
+            raise ValueError("a feature drafter reads the target's hidden states, image positions included: it "
+                             "cannot draft for a vision-language target from the text alone")
+        self.inner, self.image_ids, self.marker = inner, frozenset(image_ids), list(marker)
+        if self.image_ids & set(self.marker):
+            raise ValueError("the image marker must be text tokens, not image tokens")
+        self._view: DecodeState | None = None
+        self._seen = 0  # ids of the real state already mirrored in the view
+
+    @property
+    def model(self) -> torch.nn.Module | None:  # type: ignore[override]
+        return getattr(self.inner, "model", None)
+
+    def params_per_forward(self) -> int | None:
+        own = getattr(self.inner, "params_per_forward", None)
+        return own() if callable(own) else own
+
+    def __getattr__(self, name: str):  # sizing keys and the like, read by callers of the inner drafter
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def _sync(self, state: DecodeState) -> DecodeState:
+        """The view, brought up to ``state`` (new ids appended; the per-step fields copied)."""
+        view = self._view
+        view.ids.extend(state.ids[self._seen :])  # generated tokens as they are (a sampled image id included)
+        self._seen = len(state.ids)
+        view.remaining, view.max_draft = state.remaining, state.max_draft
+        view.last_logits, view.last_accepted = state.last_logits, state.last_accepted
+        return view
+
+    def begin(self, state: DecodeState) -> None:
+        text = text_ids(state.ids, self.image_ids, self.marker)
+        removed = len(state.ids) - len(text)
+        # the same generator, parameters and statistics; its own ids and length
+        self._view = dataclasses.replace(state, ids=text, max_length=state.max_length - removed, target_hidden=[])
+        self._seen = len(state.ids)
+        self.inner.begin(self._view)
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        return self.inner.propose(self._sync(state))
+
+    def commit(self, state: DecodeState, accepted: list[int]) -> None:
+        self.inner.commit(self._sync(state), accepted)

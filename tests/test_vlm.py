@@ -1,0 +1,169 @@
+"""Vision-language targets with a text-only drafter: the target reads the image (its features fill the prompt's
+image tokens), the drafter sees the text only, and every method's output is the target's own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import speculant
+from speculant.core.engine import generate
+from speculant.drafters.registry import build_drafter
+from speculant.drafters.text_only import TextOnlyDrafter, text_ids
+from speculant.models.vlm import image_token_ids, prompt_embeds, text_view
+from speculant.testing import perturbed, save_tiny_llava, tiny_model, tiny_vlm
+
+from helpers import chisq_pvalue
+
+VOCAB, IMAGE = 96, 95
+TOKENS = {"llava": 16, "idefics3": 4}  # image tokens per 32x32 image
+
+
+def _inputs(kind: str, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = [1, 5, 6] + [IMAGE] * TOKENS[kind] + [7, 8, 9]
+    pixels = torch.randn(1, 3, 32, 32, generator=g)
+    return {"input_ids": torch.tensor([ids]), "pixel_values": pixels if kind == "llava" else pixels[None]}
+
+
+class _Spy(TextOnlyDrafter):
+    """Records every id list the inner drafter was shown."""
+
+    seen: list
+
+    def propose(self, state):
+        tree = super().propose(state)
+        self.seen.append(list(self._view.ids))
+        return tree
+
+
+METHODS = ["ar", "chain:k=3", "lookup", "specinfer:width=2:depth=3", "tree", "rsd-s", "hybrid", "mask-probe"]
+
+
+@pytest.mark.parametrize("kind", ["llava", "idefics3"])
+def test_every_method_decodes_the_targets_own_greedy_tokens(kind):
+    vlm = tiny_vlm(kind, vocab_size=VOCAB, image_token=IMAGE)
+    inputs = _inputs(kind)
+    ids = inputs["input_ids"][0].tolist()
+    want = vlm.generate(**inputs, max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()  # stops at EOS (1)
+    target, embeds = text_view(vlm), prompt_embeds(vlm, inputs)
+    assert embeds.shape == (1, len(ids), 32) and target.model is vlm.get_decoder()
+    draft = perturbed(tiny_model("llama", vocab_size=VOCAB, seed=0, init_std=0.2), 0.3, seed=4)
+    for spec in METHODS:
+        inner = None if spec == "ar" else build_drafter(spec, None if spec == "lookup" else draft)
+        drafter = None if inner is None else _Spy(inner, image_token_ids(vlm))
+        if drafter is not None:
+            drafter.seen = []
+        got = generate(target, ids, drafter, max_new_tokens=24, eos_token_id=[], prompt_embeds=embeds)
+        assert got.token_ids[: len(want)] == want and len(want) > 8, (kind, spec)
+        if drafter is not None:  # the drafter saw the text only: the prompt without its image tokens, then the output
+            text = text_ids(ids, [IMAGE])
+            assert drafter.seen and all(IMAGE not in s for s in drafter.seen)
+            assert all(s[: len(text)] == text and s[len(text):] == want[: len(s) - len(text)] for s in drafter.seen)
+
+
+def test_the_image_changes_the_answer_and_a_marker_can_stand_for_it():
+    vlm = tiny_vlm("llava", vocab_size=VOCAB, image_token=IMAGE)
+    a, b = _inputs("llava", seed=0), _inputs("llava", seed=1)
+    ids = a["input_ids"][0].tolist()
+    target = text_view(vlm)
+    out = [generate(target, ids, None, max_new_tokens=12, eos_token_id=[], prompt_embeds=prompt_embeds(vlm, x))
+           .token_ids for x in (a, b)]
+    assert out[0] != out[1]  # the image is read
+    assert text_ids([1, IMAGE, IMAGE, 4, IMAGE, 5], [IMAGE], marker=[9, 9]) == [1, 9, 9, 4, 9, 9, 5]
+    with pytest.raises(ValueError, match="marker"):
+        TextOnlyDrafter(build_drafter("lookup", None), [IMAGE], marker=[IMAGE])
+
+
+def test_sampling_with_an_image_keeps_the_targets_distribution():
+    vocab, image, n = 6, 5, 1200
+    vlm = tiny_vlm("llava", vocab_size=vocab, image_token=image, init_std=0.3)
+    inputs = _inputs("llava")
+    inputs["input_ids"] = torch.tensor([[1, 2] + [image] * 16 + [3, 4]])
+    ids = inputs["input_ids"][0].tolist()
+    target, embeds = text_view(vlm), prompt_embeds(vlm, inputs)
+    with torch.no_grad():  # the exact joint of two new tokens: the model's own forward with the image, then the
+        first = vlm(**inputs).logits[0, -1].softmax(-1)  # new token's embedding after the prompt's (a sampled image
+        joint = np.zeros((vocab, vocab))  # id is a plain token there: the model's forward would want features)
+        for t in range(vocab):
+            x = torch.cat([embeds, target.get_input_embeddings()(torch.tensor([[t]]))], 1)
+            joint[t] = (first[t] * target(inputs_embeds=x).logits[0, -1].softmax(-1)).numpy()
+    draft = perturbed(tiny_model("llama", vocab_size=vocab, seed=0, init_std=0.3), 0.5, seed=4)
+    counts = np.zeros((vocab, vocab))
+    drafted = 0
+    for i in range(n):
+        d = TextOnlyDrafter(build_drafter("chain:k=2", draft), [image])
+        g = generate(target, ids, d, max_new_tokens=2, temperature=1.0, seed=1000 + i, eos_token_id=[],
+                     prompt_embeds=embeds)
+        counts[tuple(g.token_ids)] += 1
+        drafted += g.stats.draft_tokens
+    assert drafted > 0
+    assert chisq_pvalue(counts, joint) > 1e-4
+
+
+def test_a_session_reads_images_from_a_saved_model(tmp_path):
+    from PIL import Image
+
+    path = save_tiny_llava(tmp_path / "vlm")
+    plain = speculant.load(str(path), method="ar")
+    draft = perturbed(tiny_model("llama", vocab_size=len(plain.tokenizer), seed=0, init_std=0.2), 0.3, seed=4)
+    spec = speculant.load(str(path), draft=draft, method="chain:k=3")
+    red, blue = Image.new("RGB", (40, 30), (200, 10, 50)), Image.new("RGB", (32, 32), (10, 10, 240))
+    image_file = tmp_path / "red.png"
+    red.save(image_file)
+    want = plain.generate("describe this", images=[red], max_new_tokens=16)
+    assert spec.generate("describe this", images=[str(image_file)], max_new_tokens=16).token_ids == want.token_ids
+    assert plain.generate("describe this", images=[blue], max_new_tokens=16).token_ids != want.token_ids
+    with pytest.raises(ValueError, match="does not exist"):
+        plain.generate("describe this", images=[str(tmp_path / "missing.png")])
+    with pytest.raises(ValueError, match="not an image"):
+        plain.generate("describe this", images=[b"not a picture"])
+    text_only = speculant.load(target=tiny_model("llama", vocab_size=VOCAB), method="ar")
+    with pytest.raises(ValueError, match="vision-language target"):
+        text_only.generate([3, 4, 5], images=[red])
+
+
+def test_a_decoder_with_mrope_positions_is_refused():
+    vlm = tiny_vlm("llava", vocab_size=VOCAB, image_token=IMAGE)
+    vlm.config.model_type = "qwen2_vl"
+    with pytest.raises(ValueError, match="M-RoPE"):
+        text_view(vlm)
+
+
+def test_the_command_line_reads_an_image(tmp_path, capsys):
+    import json
+
+    from PIL import Image
+
+    from helpers import cli_error_line
+    from speculant import cli
+
+    path = save_tiny_llava(tmp_path / "vlm")
+    image = tmp_path / "red.png"
+    Image.new("RGB", (40, 30), (200, 10, 50)).save(image)
+    assert cli.main(["generate", "describe this", "--target", str(path), "--method", "lookup", "--image", str(image),
+                     "--max-new-tokens", "8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    want = speculant.load(str(path), method="ar").generate("describe this", images=[str(image)], max_new_tokens=8)
+    assert got["token_ids"] == want.token_ids
+    capsys.readouterr()  # the in-process load's progress bar
+    cli_error_line(capsys, ["generate", "hi", "--target", str(path), "--image", str(tmp_path / "none.png")],
+                   "--image", "not a file")
+    cli_error_line(capsys, ["generate", "hi", "--target", str(path), "--image", str(image), "--raw"], "--raw")
+
+
+def test_the_bench_runs_image_prompts(tmp_path):
+    from PIL import Image
+
+    from speculant.bench.harness import run_bench
+
+    path = save_tiny_llava(tmp_path / "vlm")
+    image = tmp_path / "red.png"
+    Image.new("RGB", (40, 30), (200, 10, 50)).save(image)
+    prompts = ["describe this", {"messages": [{"role": "user", "content": "what colour is it?"}]}]
+    results = run_bench(prompts, methods="ar,lookup", baselines="", target=str(path), max_new_tokens=8,
+                        eos_token_id=[], images=[str(image)], progress=False, warmup=0)
+    assert results["methods"]["lookup"]["identical_to_ar"] == 1.0 and len(results["runs"]["lookup"]) == 2
+    with pytest.raises(ValueError, match="baselines none"):
+        run_bench(prompts, methods="ar", target=str(path), images=[str(image)], progress=False)
