@@ -28,6 +28,7 @@ import torch
 from speculant.bench.speed import machine_info
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
+from speculant.core.kernels import q4_amx
 from speculant.core.forward import TargetForward
 from speculant.models.loading import load_pretrained, quantize_loaded
 
@@ -43,6 +44,9 @@ def main() -> None:
     ap.add_argument("--forward", choices=["lean", "model"], default="lean")
     ap.add_argument("--quantizations", default="none", help="weight kinds, ',' separated (none, int8, int4, q4, q8; "
                     "KIND/values: requantized from the float values, ignoring a GGUF file's codes)")
+    ap.add_argument("--amx", choices=["on", "off", "both"], default="on",
+                    help="the q4/q8 kernel's AMX tiles for 10-16 rows (where the CPU has them); both: each variant "
+                    "twice, ':vnni' with the tiles off, interleaved")
     ap.add_argument("--out", default="benchmarks/results/forward_cost.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -56,7 +60,10 @@ def main() -> None:
                 quantize_loaded(model, kind.split("/")[0])
             else:
                 model = load_pretrained(args.target, dtype=dt, quantization=kind)[0]
-            models[name] = model
+            if args.amx in ("on", "both"):
+                models[name] = model
+            if args.amx in ("off", "both"):
+                models[f"{name}:vnni"] = model
     dtypes = list(models)
     gen = torch.Generator().manual_seed(0)
     vocab = models[dtypes[0]].config.vocab_size
@@ -72,6 +79,7 @@ def main() -> None:
         for rep in range(args.repeats + 2):  # the first two rounds are warm-up
             for t in counts:
                 for dt in models:
+                    q4_amx(not dt.endswith(":vnni"))
                     start = time.perf_counter()
                     forwards[dt](caches[dt], input_ids=new[:, :t])
                     elapsed = time.perf_counter() - start
@@ -80,7 +88,7 @@ def main() -> None:
                         times[dt][t].append(elapsed)
     result = {"settings": vars(args), "packed": {dt: bool(f.lean is not None and f.lean.packed)
                                                 for dt, f in forwards.items()},
-              "machine": machine_info(), "ms": {}, "ratio_to_one_token": {}}
+              "machine": machine_info(), "q4_amx": q4_amx(True), "ms": {}, "ratio_to_one_token": {}}
     for dt in dtypes:
         med = {t: 1000 * statistics.median(v) for t, v in times[dt].items()}
         result["ms"][dt] = med

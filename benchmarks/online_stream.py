@@ -10,7 +10,7 @@ The default stream: ``builtin:code-chat-train`` (Python code requests made from 
 modules) for ``smollm2-135m-instruct``, whose shipped drafter was distilled on general English instructions only.
 
     python benchmarks/online_stream.py [--requests 200] [--window 50] [--online-every 16]
-        [--target smollm2-135m-instruct] [--prompts builtin:code-chat-train] [--max-new-tokens 128]
+        [--target smollm2-135m-instruct] [--prompts builtin:code-chat-train] [--topic REGEX] [--max-new-tokens 128]
         [--out benchmarks/results/online-stream]
 
 Writes ``online_stream.json`` (settings, machine, per request, per window, the update history), ``README.md`` and
@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import time
 from pathlib import Path
@@ -51,6 +52,8 @@ def main() -> None:
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--method", default=None, help="default: the target's packaged default")
     ap.add_argument("--prompts", default="builtin:code-chat-train")
+    ap.add_argument("--topic", default=None, metavar="REGEX",
+                    help="keep the requests whose last user message matches REGEX (case-insensitive): one topic")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--window", type=int, default=50)
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -65,6 +68,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     records = builtin_prompts(args.prompts.removeprefix("builtin:"))
+    if args.topic:
+        topic = re.compile(args.topic, re.IGNORECASE)
+        records = [r for r in records if topic.search(r["messages"][-1]["content"] if "messages" in r else
+                                                      r["prompt"])]
     random.Random(args.seed).shuffle(records)
     records = records[: args.requests]
     shipped = speculant.load(args.target, method=args.method, threads=args.threads)
@@ -117,7 +124,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "online_stream.json").write_text(json.dumps(result, indent=1))
     _plot(rows, windows, args.window, out / "tau.png")
-    lines = [f"# Online adaptation on a held-out stream ({args.prompts}, {len(prompts)} requests)", "",
+    lines = [f"# Online adaptation on a held-out stream ({args.prompts}"
+             f"{f', topic /{args.topic}/' if args.topic else ''}, {len(prompts)} requests)", "",
              f"Target {args.target}, method `{shipped.method.spec}` with its shipped drafter, greedy, "
              f"{args.max_new_tokens} new tokens, {args.threads} threads; online: an update every "
              f"{args.online_every} requests ({args.steps} steps, lr {args.lr}, {args.loss} at {args.positions} "

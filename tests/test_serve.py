@@ -276,7 +276,7 @@ BAD_REQUESTS = [
      "messages[0].role"),
     ("image part", "/v1/chat/completions",
      {**_CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
-     "messages[0].content[0]"),
+     "messages[0].content[0].image_url.url"),  # not a data: URL (this server never fetches one)
     ("negative temperature", "/v1/chat/completions", {**_CHAT, "temperature": -1}, 400, "temperature"),
     ("temperature string", "/v1/chat/completions", {**_CHAT, "temperature": "hot"}, 400, "temperature"),
     ("top_p 0", "/v1/chat/completions", {**_CHAT, "top_p": 0}, 400, "top_p"),

@@ -40,6 +40,7 @@ def generate(
     kv_block: int = 128,
     forward: str = "auto",
     logprobs: int | None = None,
+    prompt_embeds: torch.Tensor | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` with ``target``, losslessly accelerated.
 
@@ -75,6 +76,12 @@ def generate(
             log-probability of it under its raw distribution (before temperature/top-k/top-p) and the K most
             likely alternatives of the same row, in ``Generation.logprobs``. They come from the verification
             forward's logits (no extra forward); the tokens are unchanged.
+        prompt_embeds: ``[1, T, H]`` input embeddings of the prompt's ``T`` tokens to prefill with instead of the
+            ids' own: a vision-language prompt, its image features in place of its image tokens
+            (:func:`speculant.models.vlm.prompt_embeds`, with ``target`` the model's
+            :func:`~speculant.models.vlm.text_view`; a drafter then should see the text only:
+            :class:`speculant.drafters.text_only.TextOnlyDrafter`). :meth:`speculant.Session.generate` with
+            ``images=`` does all of this.
 
     Returns:
         :class:`speculant.core.types.Generation` with ``token_ids`` (new tokens only), ``stats`` and
@@ -87,7 +94,7 @@ def generate(
     return engine.generate(target, ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                            stream=stream, kv_policy=kv_policy, kv_budget=kv_budget, kv_block=kv_block,
-                           forward=forward, logprobs=logprobs)
+                           forward=forward, logprobs=logprobs, prompt_embeds=prompt_embeds)
 
 
 def generate_steps(
