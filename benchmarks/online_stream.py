@@ -55,6 +55,8 @@ def main() -> None:
     ap.add_argument("--topic", default=None, metavar="REGEX",
                     help="keep the requests whose last user message matches REGEX (case-insensitive): one topic")
     ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024,
+                    help="skip requests whose prompt is longer (ShareGPT holds prompts of 30k tokens)")
     ap.add_argument("--window", type=int, default=50)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--online-every", type=int, default=16)
@@ -73,13 +75,14 @@ def main() -> None:
         records = [r for r in records if topic.search(r["messages"][-1]["content"] if "messages" in r else
                                                       r["prompt"])]
     random.Random(args.seed).shuffle(records)
-    records = records[: args.requests]
     shipped = speculant.load(args.target, method=args.method, threads=args.threads)
     adapting = speculant.load(args.target, method=args.method, threads=args.threads)
+    kept = [(r, ids) for r in records if len(ids := prompt_ids(r, shipped.tokenizer)) <= args.max_prompt_tokens]
+    skipped = len(records) - len(kept)
+    records, prompts = [r for r, _ in kept][: args.requests], [i for _, i in kept][: args.requests]
     config = OnlineConfig(update_every=args.online_every, steps=args.steps, lr=args.lr, loss=args.loss,
                           positions=args.positions, seed=args.seed)
     adapter = OnlineAdapter(adapting, config)
-    prompts = [prompt_ids(r, shipped.tokenizer) for r in records]
     warm = prompt_ids(builtin_prompts("mt-bench", 1)[0], shipped.tokenizer)
     for s in (shipped, adapting):  # warm-up (not in the stream)
         s.generate(warm, max_new_tokens=16)
@@ -119,7 +122,7 @@ def main() -> None:
               "online_last_over_shipped_last_tau": last / windows["shipped"][-1]["tau"],
               "latency_p90_s": p90, "latency_p90_online_over_shipped": p90["online"] / p90["shipped"],
               "update_seconds_total": sum(u["seconds"] for u in updates), "updates": updates,
-              "requests": rows, "outputs_identical": True}
+              "requests": rows, "outputs_identical": True, "skipped_long_prompts": skipped}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "online_stream.json").write_text(json.dumps(result, indent=1))

@@ -119,16 +119,28 @@ def test_a_session_reads_images_from_a_saved_model(tmp_path):
         plain.generate("describe this", images=[str(tmp_path / "missing.png")])
     with pytest.raises(ValueError, match="not an image"):
         plain.generate("describe this", images=[b"not a picture"])
+    with pytest.raises(ValueError, match="not token ids"):
+        plain.generate([3, 4, 5], images=[red])
     text_only = speculant.load(target=tiny_model("llama", vocab_size=VOCAB), method="ar")
     with pytest.raises(ValueError, match="vision-language target"):
         text_only.generate([3, 4, 5], images=[red])
 
 
-def test_a_decoder_with_mrope_positions_is_refused():
+@pytest.mark.parametrize("kind, reason", [("qwen2_vl", "M-RoPE"), ("gemma3", "both ways")])
+def test_decoders_the_engine_cannot_reproduce_are_refused(kind, reason):
     vlm = tiny_vlm("llava", vocab_size=VOCAB, image_token=IMAGE)
-    vlm.config.model_type = "qwen2_vl"
-    with pytest.raises(ValueError, match="M-RoPE"):
+    vlm.config.model_type = kind
+    with pytest.raises(ValueError, match=reason):
         text_view(vlm)
+
+
+def test_an_oversized_image_is_refused_before_it_is_decoded():
+    from PIL import Image
+
+    from speculant.models.vlm import load_image
+
+    with pytest.raises(ValueError, match="pixels"):
+        load_image(Image.new("1", (5000, 4000)))  # 20M pixels (1 bit each here)
 
 
 def test_the_command_line_reads_an_image(tmp_path, capsys):

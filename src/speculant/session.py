@@ -181,6 +181,9 @@ class SessionPlan:
                 quantize_loaded(model, kind, gguf_backing(name))
         if isinstance(self.target, str):
             target.to(self.device if self.device is not None else resolve_device(None))
+            vlm = target.__dict__.get("vlm")  # a vision-language target: its vision tower goes along
+            if vlm is not None:
+                vlm.to(target.device)
         if isinstance(self.draft, str):
             draft.to(target.device)
         session = Session(plan=self, target=target, tokenizer=tokenizer, draft=draft, context=context)
@@ -577,6 +580,9 @@ class Session:
             if not prompt:
                 raise ValueError("the prompt is empty: give some text")
             messages = user_messages(prompt, len(images), system)
+        elif not (isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt)):
+            raise ValueError("images need a text prompt or chat messages, not token ids (the processor places the "
+                             "image tokens)")
         else:
             if system is not None:
                 raise ValueError("system needs a text prompt (put a system message in the messages)")

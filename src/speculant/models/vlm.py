@@ -19,6 +19,7 @@ one-line reason. The drafter never sees image tokens: :class:`speculant.drafters
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -28,6 +29,10 @@ __all__ = ["check_vlm", "image_inputs", "image_token_ids", "is_vision_language",
 
 _MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
 """Model types whose language model takes multi-dimensional (M-RoPE) positions: not supported."""
+_BIDIRECTIONAL = ("gemma3", "paligemma")
+"""Model types whose image tokens attend to each other both ways at prefill (the engine's prefill is causal)."""
+MAX_IMAGE_PIXELS = 4096 * 4096
+"""Larger images are refused before they are decoded (a few-KB PNG can decode to hundreds of MB)."""
 
 
 def is_vision_language(model_or_config: Any) -> bool:
@@ -42,6 +47,9 @@ def check_vlm(vlm: torch.nn.Module) -> None:
     if kind in _MROPE:
         raise ValueError(f"vision-language model type {kind!r} is not supported: its language model takes "
                          "M-RoPE positions (3 per token), the engine feeds one position per token")
+    if kind in _BIDIRECTIONAL:
+        raise ValueError(f"vision-language model type {kind!r} is not supported: its image tokens attend to each "
+                         "other both ways at prefill, the engine's prefill is causal")
     if vlm.get_output_embeddings() is None or not hasattr(vlm, "get_decoder"):
         raise ValueError(f"vision-language model {type(vlm).__name__} has no LM head or decoder to run as a target")
     image_token_ids(vlm)
@@ -88,8 +96,11 @@ def prompt_embeds(vlm: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torc
     a processor's ``inputs`` (``input_ids [1, T]``, ``pixel_values`` and whatever else the model takes)."""
     decoder = vlm.get_decoder()
     taken: dict[str, torch.Tensor] = {}
+    caller = threading.get_ident()
 
     def hook(module, args, kwargs):
+        if threading.get_ident() != caller:  # the decoder is the target's too: another thread decoding with it
+            return None
         embeds = kwargs.get("inputs_embeds")
         if embeds is None:
             raise ValueError(f"{type(vlm).__name__} calls its language model without inputs_embeds")
@@ -122,18 +133,26 @@ def load_image(image: Any):
 
     from PIL import Image, UnidentifiedImageError
 
+    def checked(im):
+        if im.size[0] * im.size[1] > MAX_IMAGE_PIXELS:
+            raise ValueError(f"the image is {im.size[0]}x{im.size[1]} pixels: more than {MAX_IMAGE_PIXELS:,}")
+        return im.convert("RGB")
+
     if isinstance(image, Image.Image):
-        return image.convert("RGB")
+        return checked(image)
+    what = "the image data" if isinstance(image, (bytes, bytearray)) else f"image {str(image)!r}"
     try:
         if isinstance(image, (bytes, bytearray)):
-            return Image.open(io.BytesIO(image)).convert("RGB")
+            with Image.open(io.BytesIO(image)) as im:  # the header only, until checked() decodes
+                return checked(im)
         if isinstance(image, (str, Path)):
             with Image.open(Path(image).expanduser()) as im:
-                return im.convert("RGB")
+                return checked(im)
     except FileNotFoundError:
         raise ValueError(f"image file {str(image)!r} does not exist") from None
+    except Image.DecompressionBombError:
+        raise ValueError(f"{what} is too large to decode (a decompression bomb?)") from None
     except (UnidentifiedImageError, OSError) as e:
-        what = "the image data" if isinstance(image, (bytes, bytearray)) else f"image {str(image)!r}"
         raise ValueError(f"{what} is not an image PIL can read ({type(e).__name__})") from None
     raise ValueError(f"an image is a path, encoded bytes or a PIL image, got {type(image).__name__}")
 
@@ -149,6 +168,9 @@ def image_inputs(processor: Any, messages: list[dict], images: list) -> dict[str
     if wanted != len(images):
         raise ValueError(f"the messages hold {wanted} image part(s) for {len(images)} image(s)")
     pictures = [load_image(i) for i in images]
+    # every content as parts: real templates (LLaVA's, SmolVLM's) loop over parts and drop a plain string
+    messages = [m if not isinstance(m.get("content"), str) else
+                {**m, "content": [{"type": "text", "text": m["content"]}]} for m in messages]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     inputs = processor(text=text, images=pictures or None, return_tensors="pt")
     return dict(inputs)

@@ -165,6 +165,9 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         if vision_parts(worker.target) is None:
             raise APIError(400, "this model reads text only: drop the image parts", param="messages",
                            code="unsupported_value")
+        if worker.session.plan.kv_policy is not None:
+            raise APIError(400, "this server evicts its KV cache (--kv-policy), which prefills from token ids: it "
+                                "takes no image prompts", param="messages", code="unsupported_value")
         images = [p["data"] for m in req.messages if isinstance(m["content"], list) for p in m["content"]
                   if p["type"] == "image"]
         messages = [m if isinstance(m["content"], str) else
@@ -175,6 +178,9 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
                 ids, _, embeds = worker.session.encode_images(messages, images)
         except ValueError as exc:
             raise APIError(400, " ".join(str(exc).split()), param="messages") from None
+        except Exception as exc:  # noqa: BLE001: the template's or the processor's own errors (e.g. role order)
+            raise APIError(400, f"the processor rejected the messages: {' '.join(str(exc).split())}"[:500],
+                           param="messages") from None
         return ids, embeds
 
     def prompt_ids(req: GenerationRequest) -> list[int]:

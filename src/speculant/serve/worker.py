@@ -319,8 +319,6 @@ class Worker:
     def close(self) -> None:
         """Stop taking jobs; the running ones are cancelled at their next step, waiting ones are dropped. With
         ``--online`` the adapter stops (and saves its state)."""
-        if self.online is not None:
-            self.online.stop()
         with self._cond:
             self._closed = True
             for job in self._running:
@@ -331,6 +329,8 @@ class Worker:
             self._queue.clear()
             self.metrics.waiting.set(0)
             self._cond.notify_all()
+        if self.online is not None:  # after the jobs: its update in flight ends at its next step, then it saves
+            self.online.stop()
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; QueueFull when ``max_queue`` jobs wait already (beyond a full batch), ShuttingDown once

@@ -132,9 +132,10 @@ class OnlineAdapter:
 
     def due(self) -> bool:
         """Whether enough requests finished since the last update and enough refused positions are buffered."""
-        return (self._since_update >= self.config.update_every
-                and self.buffer.positions(rejected_only=True) >= self.config.min_positions
-                and bool(self.buffer.held()))
+        with self._lock:  # the worker adds (and evicts) under the lock
+            return (self._since_update >= self.config.update_every
+                    and self.buffer.positions(rejected_only=True) >= self.config.min_positions
+                    and bool(self.buffer.held()))
 
     def generate(self, prompt, **kwargs):
         """:meth:`speculant.session.Session.generate` with an observed drafter, then an update when one is due (in
@@ -173,7 +174,12 @@ class OnlineAdapter:
             optimizer.step()
             losses.append(float(loss.detach()))
         candidate.eval().requires_grad_(False)
-        before, after = self.agreement(serving, held), self.agreement(candidate, held)
+        self._free.wait()  # the check's forwards, like the steps, only while no request waits
+        if self._stop.is_set():  # stopping: a half-trained copy is neither checked nor kept
+            losses = []
+            before = after = float("nan")
+        else:
+            before, after = self.agreement(serving, held), self.agreement(candidate, held)
         accepted = bool(losses) and after >= before
         if accepted:
             self.session.draft = candidate  # new requests draft with it; running ones keep theirs
@@ -247,7 +253,7 @@ class OnlineAdapter:
     def set_busy(self, busy: bool) -> None:
         """A server tells whether requests are running or waiting: a background update takes steps only while
         not busy (decoding never waits for more than the step in flight)."""
-        if busy:
+        if busy and not self._stop.is_set():  # once stopping, an update in flight runs to its end unhindered
             self._free.clear()
         else:
             self._free.set()
@@ -259,11 +265,11 @@ class OnlineAdapter:
 
         def loop() -> None:
             while not self._stop.wait(poll_s):
-                if self.due():
-                    try:
+                try:
+                    if self.due():
                         self.update()
-                    except Exception:  # an update must never take the server down
-                        log.exception("online update failed; the drafter is unchanged")
+                except Exception:  # an update must never take the server down
+                    log.exception("online update failed; the drafter is unchanged")
 
         self._thread = threading.Thread(target=loop, name="speculant-online", daemon=True)
         self._thread.start()
@@ -306,8 +312,10 @@ class OnlineAdapter:
             state = json.loads((directory / _STATE_FILE).read_text())
             params = torch.load(directory / _PARAMS_FILE, weights_only=True)
             buffer = torch.load(directory / _BUFFER_FILE, weights_only=True)
-        except (OSError, ValueError, RuntimeError) as e:
-            raise ValueError(f"cannot read the online state in {directory}: {e}") from e
+        except Exception as e:  # noqa: BLE001: a missing, truncated or foreign file (pickle, JSON, torch errors)
+            raise ValueError(f"cannot read the online state in {directory}: {type(e).__name__}: {e}") from None
+        if not all(k in state for k in ("version", "history")) or "items" not in buffer:
+            raise ValueError(f"the online state in {directory} is incomplete (online.json or buffer.pt)")
         own = dict(self.session.draft.named_parameters())
         for name, value in params.items():
             if name not in own or own[name].shape != value.shape:
