@@ -131,7 +131,10 @@ def load_image(image: Any):
     import io
     from pathlib import Path
 
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise ValueError("images need Pillow: pip install 'speculant[vision]'") from None
 
     def checked(im):
         if im.size[0] * im.size[1] > MAX_IMAGE_PIXELS:
