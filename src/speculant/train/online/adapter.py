@@ -96,7 +96,8 @@ class OnlineAdapter:
             raise ValueError("online adaptation needs a method with a draft model (e.g. chain:k=4 with --draft)")
         if quantization_of(draft) != "none":
             raise ValueError(f"online adaptation trains the draft model, which is quantized "
-                             f"({quantization_of(draft)}): load it in float (--draft-quantization none)")
+                             f"({quantization_of(draft)}): load it in float (--quantization none; in Python "
+                             "speculant.load(..., draft_quantization='none'))")
         self.session, self.config = session, config or OnlineConfig()
         self.buffer = OnlineBuffer(self.config.max_bytes, self.config.holdout_every)
         self.version = 0
