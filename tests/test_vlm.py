@@ -63,6 +63,37 @@ def test_every_method_decodes_the_targets_own_greedy_tokens(kind):
             assert all(s[: len(text)] == text and s[len(text):] == want[: len(s) - len(text)] for s in drafter.seen)
 
 
+@pytest.mark.parametrize("kind", ["llava", "idefics3"])
+def test_a_feature_drafter_reads_the_text_positions_states_only(kind):
+    """EAGLE-style drafters read one target state per token they see: the text positions' states, in step with the
+    ids (the image positions' states are dropped with the image tokens); outputs stay the model's own."""
+    from speculant.drafters.feature import FeatureDrafter, FeatureTreeDrafter
+    from speculant.models.attached import build_attached
+
+    vlm = tiny_vlm(kind, vocab_size=VOCAB, image_token=IMAGE)
+    inputs = _inputs(kind)
+    ids = inputs["input_ids"][0].tolist()
+    target, embeds = text_view(vlm), prompt_embeds(vlm, inputs)
+    want = generate(target, ids, None, max_new_tokens=20, eos_token_id=[], prompt_embeds=embeds).token_ids
+    draft = build_attached(target, [0], features=True, taps=[0])
+
+    class _Count(FeatureDrafter):  # the states handed over match the ids the drafter sees
+        def propose(self, state):
+            self.rows += sum(int(b.shape[0]) for b in state.target_hidden)
+            assert self.rows == len(state.ids) - 1, (self.rows, len(state.ids))  # all but the root's
+            return super().propose(state)
+
+    counting = _Count(draft, k=3)
+    counting.rows = 0
+    for inner in (counting, FeatureTreeDrafter(draft)):
+        drafter = TextOnlyDrafter(inner, [IMAGE])
+        assert drafter.uses_target_hidden and list(drafter.target_taps) == [0]
+        got = generate(target, ids, drafter, max_new_tokens=20, eos_token_id=[], prompt_embeds=embeds)
+        assert got.token_ids == want and got.stats.draft_tokens > 0
+    with pytest.raises(ValueError, match="marker"):
+        TextOnlyDrafter(FeatureDrafter(draft, k=3), [IMAGE], marker=[9])
+
+
 def test_the_image_changes_the_answer_and_a_marker_can_stand_for_it():
     vlm = tiny_vlm("llava", vocab_size=VOCAB, image_token=IMAGE)
     a, b = _inputs("llava", seed=0), _inputs("llava", seed=1)

@@ -4,7 +4,8 @@ The target reads the image (its features fill the image placeholder tokens of th
 drafter with the target's tokenizer (a draft model, prompt lookup, trees, the trained drafters), never does:
 :class:`TextOnlyDrafter` gives the inner drafter a view of the generation whose ids are the prompt with each run of
 image tokens removed (or replaced by a short fixed ``marker`` of text tokens), followed by everything generated.
-The draft tree it returns names next tokens only, so the target verifies it as usual, exactly.
+The draft tree it returns names next tokens only, so the target verifies it as usual, exactly. A feature drafter
+(EAGLE-3) gets the target's states of the text positions only, in step with its ids.
 """
 
 from __future__ import annotations
@@ -41,14 +42,24 @@ class TextOnlyDrafter(Drafter):
     token ids; ``marker``: token ids standing for an image in the drafter's view (default: none)."""
 
     def __init__(self, inner: Drafter, image_ids: Iterable[int], marker: Sequence[int] = ()) -> None:
-        if getattr(inner, "uses_target_hidden", False):
-            raise ValueError("a feature drafter reads the target's hidden states, image positions included: it "
-                             "cannot draft for a vision-language target from the text alone")
         self.inner, self.image_ids, self.marker = inner, frozenset(image_ids), list(marker)
         if self.image_ids & set(self.marker):
             raise ValueError("the image marker must be text tokens, not image tokens")
+        if self.marker and self.uses_target_hidden:
+            raise ValueError("a feature drafter reads one target state per token: it takes no image marker")
         self._view: DecodeState | None = None
         self._seen = 0  # ids of the real state already mirrored in the view
+        self._image_rows: frozenset[int] = frozenset()  # prompt positions of image tokens
+        self._rows = 0  # target states (positions) handed over so far
+
+    # a feature drafter (EAGLE-3) reads the target's states: those of text positions only, like its ids
+    @property
+    def uses_target_hidden(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.inner, "uses_target_hidden", False))
+
+    @property
+    def target_taps(self):  # type: ignore[override]
+        return getattr(self.inner, "target_taps", ())
 
     @property
     def model(self) -> torch.nn.Module | None:  # type: ignore[override]
@@ -68,6 +79,11 @@ class TextOnlyDrafter(Drafter):
         view = self._view
         view.ids.extend(state.ids[self._seen :])  # generated tokens as they are (a sampled image id included)
         self._seen = len(state.ids)
+        for block in state.target_hidden:  # [n, F] states of consecutive positions: the image ones dropped
+            keep = [r for r in range(block.shape[0]) if self._rows + r not in self._image_rows]
+            view.target_hidden.append(block if len(keep) == block.shape[0] else block[keep])
+            self._rows += block.shape[0]
+        state.target_hidden.clear()
         view.remaining, view.max_draft = state.remaining, state.max_draft
         view.last_logits, view.last_accepted = state.last_logits, state.last_accepted
         return view
@@ -78,6 +94,8 @@ class TextOnlyDrafter(Drafter):
         # the same generator, parameters and statistics; its own ids and length
         self._view = dataclasses.replace(state, ids=text, max_length=state.max_length - removed, target_hidden=[])
         self._seen = len(state.ids)
+        self._image_rows = frozenset(i for i, t in enumerate(state.ids) if t in self.image_ids)
+        self._rows = 0
         self.inner.begin(self._view)
 
     def propose(self, state: DecodeState) -> DraftTree:
