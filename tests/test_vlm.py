@@ -210,3 +210,36 @@ def test_the_bench_runs_image_prompts(tmp_path):
     assert results["methods"]["lookup"]["identical_to_ar"] == 1.0 and len(results["runs"]["lookup"]) == 2
     with pytest.raises(ValueError, match="baselines none"):
         run_bench(prompts, methods="ar", target=str(path), images=[str(image)], progress=False)
+
+
+def test_taking_a_prompts_embeddings_leaves_other_threads_decoding_alone():
+    """The embeddings are taken by a hook on the decoder, which is the target's own: a forward another thread runs
+    through it meanwhile (a server decoding while a request's image is read) is untouched."""
+    import threading
+
+    vlm = tiny_vlm("llava", vocab_size=VOCAB, image_token=IMAGE)
+    target, inputs = text_view(vlm), _inputs("llava")
+    want = prompt_embeds(vlm, inputs)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        logits = target(input_ids=ids).logits
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def decode():
+        try:
+            while not done.is_set():
+                with torch.no_grad():
+                    assert torch.equal(target(input_ids=ids).logits, logits)
+        except BaseException as e:  # noqa: BLE001: reported below
+            errors.append(e)
+
+    worker = threading.Thread(target=decode)
+    worker.start()
+    try:
+        for _ in range(50):
+            assert torch.equal(prompt_embeds(vlm, inputs), want)
+    finally:
+        done.set()
+        worker.join()
+    assert not errors, errors[0]
