@@ -70,6 +70,9 @@ class OnlineConfig:
     """Context tokens a training forward reads before the positions it trains."""
     min_positions: int = 16
     """Refused positions the buffer must hold before an update."""
+    quiet_s: float = 0.25
+    """In a server, the idle time before each training forward: under steady load (no idle gap that long) updates
+    wait, so requests never queue behind training; a request that arrives meanwhile waits for one forward at most."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -82,6 +85,8 @@ class OnlineConfig:
                 raise ValueError(f"online {name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"online lr must be positive, got {self.lr}")
+        if not self.quiet_s >= 0:
+            raise ValueError(f"online quiet_s must be >= 0 seconds, got {self.quiet_s}")
 
 
 class OnlineAdapter:
@@ -107,6 +112,8 @@ class OnlineAdapter:
         self._lock = threading.Lock()  # one update at a time; the buffer's add vs an update's snapshot
         self._free = threading.Event()  # set while no request waits: a background update may take a step
         self._free.set()
+        self._free_since = time.monotonic()
+        self._server = False  # set_busy() was called: updates wait for quiet periods
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._gen = torch.Generator().manual_seed(self.config.seed)
@@ -164,23 +171,25 @@ class OnlineAdapter:
         losses = []
         usable = [o for o in train if _trained(o, cfg.positions).any()]
         for _ in range(cfg.steps if usable else 0):
-            self._free.wait()  # a server: only while no request waits
             if self._stop.is_set():
                 break
             pick = torch.randint(len(usable), (min(cfg.batch, len(usable)),), generator=self._gen).tolist()
             optimizer.zero_grad(set_to_none=True)
-            loss = sum(self._loss(candidate, usable[i]) for i in pick) / len(pick)
-            loss.backward()
+            total = 0.0
+            for i in pick:  # one forward and backward per observation: a server gets the CPU back between them
+                self._wait_quiet()
+                loss = self._loss(candidate, usable[i]) / len(pick)
+                loss.backward()
+                total += float(loss.detach())
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
-            losses.append(float(loss.detach()))
+            losses.append(total)
         candidate.eval().requires_grad_(False)
-        self._free.wait()  # the check's forwards, like the steps, only while no request waits
         if self._stop.is_set():  # stopping: a half-trained copy is neither checked nor kept
             losses = []
             before = after = float("nan")
         else:
-            before, after = self.agreement(serving, held), self.agreement(candidate, held)
+            before, after = self.agreement(serving, held, gate=True), self.agreement(candidate, held, gate=True)
         accepted = bool(losses) and after >= before
         if accepted:
             self.session.draft = candidate  # new requests draft with it; running ones keep theirs
@@ -227,24 +236,29 @@ class OnlineAdapter:
         start = max(0, end - self.config.window)
         inside = positions - 1 >= start
         positions, top_ids, top_p = positions[inside], top_ids[inside], top_p[inside]
-        logits = model(input_ids=o.ids[start:end].long()[None]).logits[0, positions - 1 - start]  # [P, V]
-        vocab = logits.shape[-1]
+        # the LM head on the trained rows only (most of a small drafter's cost is its head over the vocabulary)
+        logits = model(input_ids=o.ids[start:end].long()[None], logits_to_keep=positions - 1 - start).logits[0]
+        vocab = logits.shape[-1]  # logits [P, V]
         top_p = top_p * (top_ids < vocab)
         q = torch.zeros_like(logits, dtype=torch.float32).scatter_(1, top_ids.clamp_max(vocab - 1), top_p)  # [P, V]
         q = q / q.sum(-1, keepdim=True).clamp_min(1e-12)
         return distill_loss_probs(logits, q, self.config.loss)
 
     @torch.no_grad()
-    def agreement(self, model: torch.nn.Module, observations: list[Observation]) -> float:
+    def agreement(self, model: torch.nn.Module, observations: list[Observation], gate: bool = False) -> float:
         """Share of the drafted positions of ``observations`` where ``model``'s greedy token is the target's most
-        probable one (the acceptance of a greedy draft at those positions; nan without positions)."""
+        probable one (the acceptance of a greedy draft at those positions; nan without positions). ``gate``: each
+        forward waits for a quiet period (a server's update)."""
         hits = total = 0
         for o in observations:
+            if gate:
+                self._wait_quiet()
             end = int(o.positions.max())
             start = max(0, end - self.config.window)
             positions = o.positions[o.positions - 1 >= start]
             top = o.top_ids[o.positions - 1 >= start, 0].long()
-            logits = model(input_ids=o.ids[start:end].long()[None]).logits[0, positions - 1 - start]  # [P, V]
+            logits = model(input_ids=o.ids[start:end].long()[None],
+                           logits_to_keep=positions - 1 - start).logits[0]  # [P, V]
             hits += int((logits.argmax(-1) == top).sum())
             total += len(positions)
         return hits / total if total else float("nan")
@@ -252,12 +266,24 @@ class OnlineAdapter:
     # ------------------------------------------------------------------------------------------- a server's thread
 
     def set_busy(self, busy: bool) -> None:
-        """A server tells whether requests are running or waiting: a background update takes steps only while
-        not busy (decoding never waits for more than the step in flight)."""
+        """A server tells whether requests are running or waiting: a background update runs its forwards only after
+        ``quiet_s`` of idleness (decoding never waits for more than the forward in flight)."""
+        self._server = True
         if busy and not self._stop.is_set():  # once stopping, an update in flight runs to its end unhindered
             self._free.clear()
-        else:
+        elif not self._free.is_set():
+            self._free_since = time.monotonic()
             self._free.set()
+
+    def _wait_quiet(self) -> None:
+        """Return once no request has been running or waiting for ``quiet_s`` (at once outside a server, or when
+        stopping)."""
+        while self._server and not self._stop.is_set():
+            self._free.wait()
+            idle = time.monotonic() - self._free_since
+            if self._free.is_set() and idle >= self.config.quiet_s:
+                return
+            time.sleep(max(0.0, self.config.quiet_s - idle) + 0.001)
 
     def start(self, poll_s: float = 0.5) -> None:
         """Run updates in a background thread whenever one is due (:meth:`due`), until :meth:`stop`."""
