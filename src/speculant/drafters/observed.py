@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import DecodeState, Drafter
 from ..core.types import DraftTree
+from .base import DecodeState, Drafter
+from .wrapper import DrafterWrapper
 
 __all__ = ["Observation", "ObservedDrafter"]
 
@@ -46,42 +47,21 @@ class Observation:
         return int(self.positions.numel())
 
 
-class ObservedDrafter(Drafter):
+class ObservedDrafter(DrafterWrapper):
     """``inner`` (any drafter) with the target's verdicts on its drafts kept (see the module); ``top_k``: how many
     of the target's most probable tokens to keep per position. One generation per object, like every drafter."""
 
     def __init__(self, inner: Drafter, top_k: int = 32) -> None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
-        self.inner, self.top_k = inner, top_k
+        super().__init__(inner)
+        self.top_k = top_k
         self._state: DecodeState | None = None
         self._tree: DraftTree | None = None
         self._positions: list[int] = []
         self._rejected: list[bool] = []
         self._ids: list[torch.Tensor] = []  # [r, k] blocks
         self._p: list[torch.Tensor] = []
-
-    # the inner drafter's capabilities, as declared (the engine reads them through capability())
-    @property
-    def uses_target_hidden(self) -> bool:  # type: ignore[override]
-        return bool(getattr(self.inner, "uses_target_hidden", False))
-
-    @property
-    def target_taps(self):  # type: ignore[override]
-        return getattr(self.inner, "target_taps", ())
-
-    @property
-    def model(self) -> torch.nn.Module | None:  # type: ignore[override]
-        return getattr(self.inner, "model", None)
-
-    def params_per_forward(self) -> int | None:
-        own = getattr(self.inner, "params_per_forward", None)
-        return own() if callable(own) else own
-
-    def __getattr__(self, name: str):  # anything else a caller reads of the inner drafter (sizing keys, ...)
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     # the protocol
     def begin(self, state: DecodeState) -> None:

@@ -13,10 +13,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 
-import torch
-
-from .base import DecodeState, Drafter
 from ..core.types import DraftTree
+from .base import DecodeState, Drafter
+from .wrapper import DrafterWrapper
 
 __all__ = ["TextOnlyDrafter", "text_ids"]
 
@@ -37,12 +36,14 @@ def text_ids(ids: Sequence[int], image_ids: Iterable[int], marker: Sequence[int]
     return out
 
 
-class TextOnlyDrafter(Drafter):
+class TextOnlyDrafter(DrafterWrapper):
     """``inner`` drafting from the text of the prompt only (see the module). ``image_ids``: the image placeholder
-    token ids; ``marker``: token ids standing for an image in the drafter's view (default: none)."""
+    token ids; ``marker``: token ids standing for an image in the drafter's view (default: none). A feature drafter
+    (EAGLE-3) reads the target's states of the text positions only, like its ids."""
 
     def __init__(self, inner: Drafter, image_ids: Iterable[int], marker: Sequence[int] = ()) -> None:
-        self.inner, self.image_ids, self.marker = inner, frozenset(image_ids), list(marker)
+        super().__init__(inner)
+        self.image_ids, self.marker = frozenset(image_ids), list(marker)
         if self.image_ids & set(self.marker):
             raise ValueError("the image marker must be text tokens, not image tokens")
         if self.marker and self.uses_target_hidden:
@@ -50,29 +51,8 @@ class TextOnlyDrafter(Drafter):
         self._view: DecodeState | None = None
         self._seen = 0  # ids of the real state already mirrored in the view
         self._image_rows: frozenset[int] = frozenset()  # prompt positions of image tokens
+        self._image_end = 0  # one past the last of them: states from there on are all kept
         self._rows = 0  # target states (positions) handed over so far
-
-    # a feature drafter (EAGLE-3) reads the target's states: those of text positions only, like its ids
-    @property
-    def uses_target_hidden(self) -> bool:  # type: ignore[override]
-        return bool(getattr(self.inner, "uses_target_hidden", False))
-
-    @property
-    def target_taps(self):  # type: ignore[override]
-        return getattr(self.inner, "target_taps", ())
-
-    @property
-    def model(self) -> torch.nn.Module | None:  # type: ignore[override]
-        return getattr(self.inner, "model", None)
-
-    def params_per_forward(self) -> int | None:
-        own = getattr(self.inner, "params_per_forward", None)
-        return own() if callable(own) else own
-
-    def __getattr__(self, name: str):  # sizing keys and the like, read by callers of the inner drafter
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
 
     def _sync(self, state: DecodeState) -> DecodeState:
         """The view, brought up to ``state`` (new ids appended; the per-step fields copied)."""
@@ -80,9 +60,12 @@ class TextOnlyDrafter(Drafter):
         view.ids.extend(state.ids[self._seen :])  # generated tokens as they are (a sampled image id included)
         self._seen = len(state.ids)
         for block in state.target_hidden:  # [n, F] states of consecutive positions: the image ones dropped
-            keep = [r for r in range(block.shape[0]) if self._rows + r not in self._image_rows]
-            view.target_hidden.append(block if len(keep) == block.shape[0] else block[keep])
-            self._rows += block.shape[0]
+            n = block.shape[0]
+            if self._rows < self._image_end:  # (after the prompt's last image token every state is kept)
+                keep = [r for r in range(n) if self._rows + r not in self._image_rows]
+                block = block if len(keep) == n else block[keep]
+            view.target_hidden.append(block)
+            self._rows += n
         state.target_hidden.clear()
         view.remaining, view.max_draft = state.remaining, state.max_draft
         view.last_logits, view.last_accepted = state.last_logits, state.last_accepted
@@ -95,6 +78,7 @@ class TextOnlyDrafter(Drafter):
         self._view = dataclasses.replace(state, ids=text, max_length=state.max_length - removed, target_hidden=[])
         self._seen = len(state.ids)
         self._image_rows = frozenset(i for i, t in enumerate(state.ids) if t in self.image_ids)
+        self._image_end = max(self._image_rows, default=-1) + 1
         self._rows = 0
         self.inner.begin(self._view)
 

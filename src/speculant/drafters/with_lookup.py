@@ -19,27 +19,22 @@ from __future__ import annotations
 
 from ..core.checks import check_positive_int
 from ..core.types import DraftTree
-from .base import DecodeState, Drafter, capability
+from .base import DecodeState, Drafter
 from .lookup import lookup_continuation, merge_chain
+from .wrapper import DrafterWrapper
 
 __all__ = ["WithLookup"]
 
 
-class WithLookup(Drafter):
+class WithLookup(DrafterWrapper):
     """``inner``'s draft tree plus the prompt-lookup chain (``ngram``, ``k`` as in
-    :class:`~.lookup.PromptLookupDrafter`)."""
+    :class:`~.lookup.PromptLookupDrafter`). Lookup adds no model and reads no states: the capabilities are the inner
+    drafter's."""
 
     def __init__(self, inner: Drafter, ngram: int = 3, k: int = 8) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.ngram = check_positive_int("ngram", ngram)
         self.k = check_positive_int("k", k)
-        # the inner drafter's declared capabilities are this drafter's (lookup adds no model and reads no states)
-        self.model = capability(inner, "model")
-        self.uses_target_hidden = capability(inner, "uses_target_hidden")
-        self.target_taps = capability(inner, "target_taps")
-
-    def begin(self, state: DecodeState) -> None:
-        self.inner.begin(state)
 
     def propose(self, state: DecodeState) -> DraftTree:
         tree = self.inner.propose(state)
@@ -50,11 +45,3 @@ class WithLookup(Drafter):
             return tree  # unchanged: a sampled chain keeps its q and speculative sampling
         tokens, parents = merge_chain(tree.tokens, tree.parents, chain)
         return DraftTree(tokens=tokens, parents=parents)  # no draft_probs: verified as a deterministic draft
-
-    def commit(self, state: DecodeState, accepted: list[int]) -> None:
-        self.inner.commit(state, accepted)
-
-    def params_per_forward(self) -> int | None:
-        """What one draft forward of the inner drafter reads (lookup reads none), for MBSU; None where the inner
-        drafter declares none (the bench then counts the model this drafter holds)."""
-        return capability(self.inner, "params_per_forward")

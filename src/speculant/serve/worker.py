@@ -115,7 +115,7 @@ class _Active:
         self.stops = StopMatcher(job.stop)
         self.steps = {"calls": 0, "tokens": 0, "draft": 0, "accepted": 0, "per_pos": []}
         self.first: float | None = None
-        self.drafter = None  # its drafter, when the worker observes it (--online)
+        self.drafter = None  # its observed drafter (--online): what the adapter learns from
         self.generated: list[int] = []
         self.returned = 0  # characters of text handed to the client
         self.entries: list[dict] = []  # logprob entries of generated (job.logprobs set)
@@ -506,14 +506,15 @@ class Worker:
         eos = [] if job.ignore_eos else self.stop_ids(job.chat)
         options = {k: v for k, v in self.session.generate_options().items() if k != "forward"}
         s = job.sampling
-        drafter = self.online.drafter() if self.online is not None else self.session.drafter()
+        observed = self.online.drafter() if self.online is not None else None  # what the adapter learns from
+        drafter = observed if observed is not None else self.session.drafter()
         if job.prompt_embeds is not None and drafter is not None:
             drafter = self.session.text_only(drafter)  # the drafter reads the text of an image prompt only
         index = batch.add(job.ids, drafter, job.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, eos,
                           logprobs=job.logprobs, speculation=job.speculation, prompt_embeds=job.prompt_embeds,
                           **options)
         a = _Active(self, job, index, start)
-        a.drafter = drafter if self.online is not None else None
+        a.drafter = observed
         return a
 
 def _stats(method: str, steps: dict, decode_s: float) -> dict[str, Any]:
