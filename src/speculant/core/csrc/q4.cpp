@@ -260,6 +260,17 @@ inline __m256i dot256(const __m256i* c, const int8_t* ar) {
 }
 #endif
 
+#if defined(Q4_AVX512)
+// One block's float step for one row (16 columns), given its exact integer dots: the operations of the scheme at
+// the top of the file, in its order. Every AVX-512 path (VNNI, maddubs, AMX tiles) calls this one function, which is
+// what makes them the same bits.
+inline __m512 accumulate512(__m512 acc, __m512 sw, __m512 mw, __m512i dot, float dx, float sx) {
+    const __m512 t = _mm512_mul_ps(sw, _mm512_set1_ps(dx));
+    acc = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(dot), acc);
+    return _mm512_fmadd_ps(mw, _mm512_set1_ps(sx), acc);
+}
+#endif
+
 // The code of column j, input i (< 32) of a packed block (see the top of the file).
 template <int BITS>
 inline int code_at(const uint8_t* w, int j, int i) {
@@ -282,12 +293,9 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
         codes512<BITS>(w, c);
         const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + CODES)));
         const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + CODES + 32)));
-        for (int r = 0; r < MT; ++r) {
-            const __m512i dot = dot512<BITS>(c, a + r * K + g * QK);
-            const __m512 t = _mm512_mul_ps(sw, _mm512_set1_ps(dx[r * (K / QK) + g]));
-            acc[r] = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(dot), acc[r]);
-            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * (K / QK) + g]), acc[r]);
-        }
+        for (int r = 0; r < MT; ++r)
+            acc[r] = accumulate512(acc[r], sw, mw, dot512<BITS>(c, a + r * K + g * QK), dx[r * (K / QK) + g],
+                                   sx[r * (K / QK) + g]);
     }
     for (int r = 0; r < MT; ++r) _mm512_storeu_ps(out + NC * r, acc[r]);
 #elif defined(Q4_AVX2)
@@ -420,12 +428,9 @@ void tile_amx(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, con
         const uint8_t* wb = w + g * B;
         const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wb + CODES)));
         const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(wb + CODES + 32)));
-        for (int r = 0; r < MT; ++r) {
-            const __m512i dot = _mm512_load_si512((const void*)(d + NC * r));
-            const __m512 t = _mm512_mul_ps(sw, _mm512_set1_ps(dx[r * (K / QK) + g]));
-            acc[r] = _mm512_fmadd_ps(t, _mm512_cvtepi32_ps(dot), acc[r]);
-            acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[r * (K / QK) + g]), acc[r]);
-        }
+        for (int r = 0; r < MT; ++r)
+            acc[r] = accumulate512(acc[r], sw, mw, _mm512_load_si512((const void*)(d + NC * r)), dx[r * (K / QK) + g],
+                                   sx[r * (K / QK) + g]);
     };
     // block g's codes for a tile, the blocks ahead prepared and prefetched
     const auto codes_of = [&](int64_t g) -> const uint8_t* {
