@@ -35,6 +35,12 @@ from speculant.data.prompts import builtin_prompts, prompt_ids
 from speculant.train.online import OnlineAdapter, OnlineConfig
 
 
+def _p90(values) -> float:
+    """The 90th percentile (nearest rank below)."""
+    v = sorted(values)
+    return v[int(0.9 * (len(v) - 1))]
+
+
 def _window(rows: list[dict], size: int) -> list[dict]:
     out = []
     for w in range(0, len(rows) - size + 1, size):
@@ -42,7 +48,7 @@ def _window(rows: list[dict], size: int) -> list[dict]:
         tokens, calls = sum(r["tokens"] for r in part), sum(r["target_calls"] for r in part)
         out.append({"requests": [w, w + size], "tau": tokens / calls,
                     "tok_s_median": statistics.median(r["tok_s"] for r in part),
-                    "latency_p90": sorted(r["latency_s"] for r in part)[int(0.9 * (len(part) - 1))],
+                    "latency_p90": _p90(r["latency_s"] for r in part),
                     "latency_median": statistics.median(r["latency_s"] for r in part)})
     return out
 
@@ -114,8 +120,7 @@ def main() -> None:
               f"{rows['online'][-1]['tau']:.2f} (drafter version {adapter.version})", flush=True)
     windows = {name: _window(r, args.window) for name, r in rows.items()}
     first, last = windows["online"][0]["tau"], windows["online"][-1]["tau"]
-    lat = {name: sorted(r["latency_s"] for r in rs) for name, rs in rows.items()}
-    p90 = {name: v[int(0.9 * (len(v) - 1))] for name, v in lat.items()}
+    p90 = {name: _p90(r["latency_s"] for r in rs) for name, rs in rows.items()}
     result = {"settings": vars(args), "machine": machine_info(), "method": shipped.method.spec,
               "windows": windows, "online_last_over_first_tau": last / first,
               "shipped_last_over_first_tau": windows["shipped"][-1]["tau"] / windows["shipped"][0]["tau"],

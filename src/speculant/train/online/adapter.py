@@ -228,17 +228,24 @@ class OnlineAdapter:
             raise ValueError("the draft model has no parameters of its own to adapt")
         return candidate, params
 
+    def _logits(self, model: torch.nn.Module, o: Observation, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits [P, V], selected [P'] bool)``: ``model``'s logits at the positions of ``o`` picked by ``keep``
+        ``[P']`` whose predicting row is inside the context window (``selected`` of those picked); one forward over
+        the window, the LM head on those rows only (most of a small drafter's cost is its head over the vocabulary)."""
+        positions = o.positions[keep]
+        end = int(positions.max())
+        start = max(0, end - self.config.window)
+        selected = positions - 1 >= start
+        logits = model(input_ids=o.ids[start:end].long()[None],
+                       logits_to_keep=positions[selected] - 1 - start).logits[0]
+        return logits, selected
+
     def _loss(self, model: torch.nn.Module, o: Observation) -> torch.Tensor:
         """The distillation loss of ``model`` on ``o``'s trained positions (within the context window)."""
         keep = _trained(o, self.config.positions)
-        positions, top_ids, top_p = o.positions[keep], o.top_ids[keep].long(), o.top_p[keep].float()
-        end = int(positions.max())
-        start = max(0, end - self.config.window)
-        inside = positions - 1 >= start
-        positions, top_ids, top_p = positions[inside], top_ids[inside], top_p[inside]
-        # the LM head on the trained rows only (most of a small drafter's cost is its head over the vocabulary)
-        logits = model(input_ids=o.ids[start:end].long()[None], logits_to_keep=positions - 1 - start).logits[0]
-        vocab = logits.shape[-1]  # logits [P, V]
+        logits, selected = self._logits(model, o, keep)  # [P, V]
+        top_ids, top_p = o.top_ids[keep][selected].long(), o.top_p[keep][selected].float()
+        vocab = logits.shape[-1]
         top_p = top_p * (top_ids < vocab)
         q = torch.zeros_like(logits, dtype=torch.float32).scatter_(1, top_ids.clamp_max(vocab - 1), top_p)  # [P, V]
         q = q / q.sum(-1, keepdim=True).clamp_min(1e-12)
@@ -253,14 +260,9 @@ class OnlineAdapter:
         for o in observations:
             if gate:
                 self._wait_quiet()
-            end = int(o.positions.max())
-            start = max(0, end - self.config.window)
-            positions = o.positions[o.positions - 1 >= start]
-            top = o.top_ids[o.positions - 1 >= start, 0].long()
-            logits = model(input_ids=o.ids[start:end].long()[None],
-                           logits_to_keep=positions - 1 - start).logits[0]  # [P, V]
-            hits += int((logits.argmax(-1) == top).sum())
-            total += len(positions)
+            logits, selected = self._logits(model, o, torch.ones_like(o.rejected))  # [P, V]
+            hits += int((logits.argmax(-1) == o.top_ids[selected, 0].long()).sum())
+            total += int(selected.sum())
         return hits / total if total else float("nan")
 
     # ------------------------------------------------------------------------------------------- a server's thread
@@ -348,11 +350,9 @@ class OnlineAdapter:
             if name not in own or own[name].shape != value.shape:
                 raise ValueError(f"the online state in {directory} is for another draft model "
                                  f"(parameter {name!r} {tuple(value.shape)} does not fit)")
-        model = self.session.draft
-        with torch.no_grad():
+        with torch.no_grad():  # in place: a packed lean forward sees the version counters move and rebuilds
             for name, value in params.items():
                 own[name].copy_(value)
-        model.__dict__.pop("_speculant_lean", None)  # a packed lean forward holds copies: rebuild it
         self.buffer.load_state_dict(buffer)
         self.version, self.history = int(state["version"]), list(state["history"])
         self._since_update = int(state.get("since_update", 0))
