@@ -122,3 +122,18 @@ def test_generate_batch_takes_the_mode():
     assert all(r.stats.draft_tokens == 0 for r in out)
     with pytest.raises(ValueError, match="speculation must be one of"):
         generate_batch(target, [[3, 4]], speculation="maybe")
+
+
+def test_shared_draft_forwards_make_drafting_cheaper_per_sequence():
+    """Four sequences of one draft model whose draft level costs half a target forward: drafting alone (each
+    sequence's levels its own forwards) pays for fewer levels than drafting in shared forwards (one forward per
+    level for all four), where all four draft to the same depth; sequences of different draft models do not share."""
+    flat = Speculation("auto", _cost({1: 1.0, 32: 1.0}))
+    same = [_Profile(0.8, 4, 1.0, 0.5, model=1) for _ in range(4)]
+    alone, shared = flat.depths(same), flat.depths(same, shared=True)
+    assert sum(shared) > sum(alone) and len(set(shared)) == 1 and shared[0] >= 2
+    mixed = [_Profile(0.8, 4, 1.0, 0.5, model=m) for m in range(4)]
+    assert flat.depths(mixed, shared=True) == flat.depths(mixed)
+    # a sequence fixed at depth 4 (probing) already pays for four shared levels: the others draft as deep for free
+    probe = _Profile(0.8, 4, 1.0, 0.5, model=1)
+    assert flat.depths(same[:3], extra_rows=5, extra_tokens=probe.expected(4), fixed=[probe], shared=True) == [4] * 3

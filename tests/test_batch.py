@@ -252,3 +252,72 @@ def test_every_method_and_feature_drafters_batch_as_they_run_alone():
     got = generate_batch(target, prompts, [m() for m in makers], max_new_tokens=18, eos_token_id=[])
     assert [g.token_ids for g in got] == alone
     assert sum(g.stats.draft_tokens for g in got) > 0
+
+
+def test_the_sequences_draft_forwards_run_together():
+    """Four chain drafters over one q4 draft model in a batch: each draft level of all the sequences runs as one
+    forward of the draft model (the batch counts fewer draft forwards than the sequences asked for), every output is
+    each prompt's own and each sequence drafted what it drafts alone (q4 rows are row independent); the same batch
+    with shared drafting off runs every draft forward alone."""
+    target, draft = _pair("llama", "q4")
+    prompts = _prompts(4, seed=5)
+    alone = [generate(target, p, drafter=_drafter("chain:k=3", draft), max_new_tokens=20, eos_token_id=[])
+             for p in prompts]
+    for shared in (True, False):
+        batch = Batch(target)
+        batch.batch_drafts = shared
+        indices = [batch.add(p, _drafter("chain:k=3", draft), 20, eos_token_id=[]) for p in prompts]
+        while len(batch):
+            batch.step()
+        got = [batch.result(i) for i in indices]
+        assert [g.token_ids for g in got] == [a.token_ids for a in alone]
+        assert [g.stats.accepted_hist for g in got] == [a.stats.accepted_hist for a in alone]
+        assert [g.stats.draft_calls for g in got] == [a.stats.draft_calls for a in alone]
+        if shared:
+            assert batch.draft_segments <= sum(g.stats.draft_calls for g in got)  # a lone drafter drafts alone
+            assert batch.draft_segments >= 3 * batch.draft_forwards  # about four sequences per forward
+        else:
+            assert batch.draft_forwards == batch.draft_segments == 0
+
+
+def test_shared_draft_forwards_wait_for_every_planner_and_pass_errors_on():
+    """ForwardBatcher: forwards requested by several planning coroutines run together once every one waits or is
+    done (a plan that needs no forward or fails first holds nobody up), each caller gets its own rows (the bits of a
+    forward alone), and an error raised by a plan or by a shared forward reaches the caller after every plan
+    ended."""
+    from speculant.core.draft_batch import plan_together
+
+    model = quantize_model(tiny_model("qwen2", hidden=64, heads=4, kv_heads=2, vocab_size=128), "q4")
+    lean = LeanForward(model)
+    ids = torch.randint(2, 128, (3, 12), generator=torch.Generator().manual_seed(7))
+    want = [lean.hidden(ids[i : i + 1, : 4 + i], SpecCache(2, capacity=16)) for i in range(3)]
+
+    def planner(i: int, levels: int):
+        def plan():
+            cache, out = SpecCache(2, capacity=32), []
+            out.append(lean.hidden(ids[i : i + 1, : 4 + i], cache))
+            for j in range(1, levels):
+                out.append(lean.hidden(ids[i : i + 1, 4 + i + j - 1 : 4 + i + j], cache))
+            return out
+        return plan
+
+    results, batcher = plan_together([planner(0, 3), planner(1, 1), lambda: "no forward", planner(2, 2)])
+    assert results[2] == "no forward"
+    for i, r in zip((0, 1, 3), (results[0], results[1], results[3])):
+        assert torch.equal(r[0], want[(0, 1, None, 2)[i]])
+    assert batcher.segments == 3 + 1 + 2 and batcher.forwards == 3  # first level together, then the deeper ones
+
+    def failing():
+        raise RuntimeError("this drafter broke")
+
+    with pytest.raises(RuntimeError, match="this drafter broke"):
+        plan_together([planner(0, 2), failing, planner(1, 2)])
+    bad = Segment(SpecCache(2, capacity=8), torch.tensor([[500]]))  # an id outside the vocabulary: the forward fails
+
+    def bad_plan():
+        return lean.hidden(bad.input_ids, bad.cache)
+
+    with pytest.raises(IndexError):
+        plan_together([planner(0, 2), bad_plan])
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()  # the caller's modes, restored
+    assert lean.hidden(ids[:1, :4], SpecCache(2, capacity=8)).shape == (1, 4, 64)  # no batcher left behind

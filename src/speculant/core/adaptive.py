@@ -11,14 +11,19 @@ they add. :class:`Speculation` decides per step, in one of three modes:
 * ``off``: no drafts (plain decoding for every sequence);
 * ``auto``: maximise expected goodput, tokens committed per second of the step:
 
-  ``G(k) = sum_i E_i(k_i) / (sum_i k_i c_i + F(sum_i (1 + w_i k_i)))``,
+  ``G(k) = sum_i E_i(k_i) / (D(k) + F(sum_i (1 + w_i k_i)))``,
 
   where sequence i drafts ``k_i`` levels (at most its drafter's own depth), ``E_i(k) = 1 + a_i + ... + a_i^k``
   is its expected number of committed tokens (bonus included) with ``a_i`` its measured per-level acceptance (a
   prior of 0.6 worth two levels until measured), ``c_i`` its measured seconds per draft level, ``w_i`` its draft
   tokens per level (a chain: 1, a tree: its width), and ``F(rows)`` the target forward's measured seconds for that
-  many rows (:class:`ForwardCost`). The depths are raised one level at a time where the gain is largest, as long as
-  the goodput grows (``E`` is concave in ``k`` and the time linear, so the greedy climb finds the best).
+  many rows (:class:`ForwardCost`). ``D(k)``, the drafting time, is ``sum_i k_i c_i`` when each sequence drafts
+  alone; when the batch runs its sequences' draft forwards together (:mod:`.draft_batch`) the sequences of one
+  draft model share each level's forward, so their time is that of the deepest, ``max_i k_i c_i`` per draft model
+  (and a sequence drafting no deeper than another of its model drafts for free). The depths are raised one level
+  at a time where the gain is largest, as long as the goodput grows (``E`` is concave in ``k``; with a shared draft
+  forward the time is not linear in one ``k_i``, so the climb also tries raising every sequence of a model to the
+  next level together).
 
 Exactness is untouched: the verifier does not care how deep a drafter drafted (a depth of 0 is plain decoding).
 Greedy output is the same at any depth; a sampled request's draws depend on the depths, so a request with a seed
@@ -31,6 +36,8 @@ import time
 from collections.abc import Sequence as Seq
 
 import torch
+
+from .drafting import capability
 
 __all__ = ["MODES", "ForwardCost", "Speculation"]
 
@@ -99,9 +106,10 @@ class Speculation:
         self.mode = mode
         self.cost = cost if cost is not None else ForwardCost()
 
-    def plan(self, all_sequences: list) -> None:
+    def plan(self, all_sequences: list, shared_drafts: bool = False) -> None:
         """Set each sequence's ``state.max_draft`` for the next step (:class:`~speculant.core.sequence.Sequence`:
-        its statistics, drafter depth and width)."""
+        its statistics, drafter depth and width). ``shared_drafts``: the sequences of one draft model draft in
+        shared forwards (:mod:`.draft_batch`)."""
         own = {id(s): s.speculation or self.mode for s in all_sequences}  # a sequence's own mode wins
         for s in all_sequences:
             if own[id(s)] != "auto":
@@ -117,35 +125,54 @@ class Speculation:
         others = [s for s in all_sequences if own[id(s)] != "auto"]  # "on" / "off" ones in the same forward
         fixed += [_Profile.of(s, given=0 if own[id(s)] == "off" else None) for s in others]
         depths = self.depths([_Profile.of(s) for s in rest], extra_rows=sum(1 + p.width * p.depth for p in fixed),
-                             extra_tokens=sum(p.expected(p.depth) for p in fixed))
+                             extra_tokens=sum(p.expected(p.depth) for p in fixed), fixed=fixed,
+                             shared=shared_drafts)
         for s, k in zip(rest, depths):
             s.state.max_draft = k
 
-    def depths(self, profiles: list[_Profile], extra_rows: float = 0, extra_tokens: float = 0) -> list[int]:
+    def depths(self, profiles: list[_Profile], extra_rows: float = 0, extra_tokens: float = 0,
+               fixed: Seq[_Profile] = (), shared: bool = False) -> list[int]:
         """The goodput-maximising draft depths of ``profiles`` (``extra_rows``, ``extra_tokens``: the rows and
-        expected tokens of other sequences in the same forward, whose depth is fixed)."""
+        expected tokens of other sequences in the same forward, whose depth is fixed; ``fixed``: their profiles,
+        for their drafting time; ``shared``: draft forwards shared per draft model, see the module doc)."""
         k = [0] * len(profiles)
+
+        def drafting(depths: list[int]) -> float:
+            pairs = [(p, p.depth) for p in fixed] + list(zip(profiles, depths))
+            if not shared:
+                return sum(p.draft_s * d for p, d in pairs)
+            longest: dict[object, float] = {}
+            for p, d in pairs:
+                longest[p.model] = max(longest.get(p.model, 0.0), p.draft_s * d)
+            return sum(longest.values())
 
         def goodput(depths: list[int]) -> float:
             tokens = extra_tokens + sum(p.expected(d) for p, d in zip(profiles, depths))
             rows = extra_rows + sum(1 + p.width * d for p, d in zip(profiles, depths))
-            seconds = sum(p.draft_s * d for p, d in zip(profiles, depths)) + self.cost(max(1, round(rows)))
+            seconds = drafting(depths) + self.cost(max(1, round(rows)))
             return tokens / seconds if seconds > 0 else float("inf")
+
+        def moves(depths: list[int]):
+            for i, p in enumerate(profiles):  # one sequence a level deeper
+                if depths[i] < p.depth:
+                    yield [d + (j == i) for j, d in enumerate(depths)]
+            if shared:  # every sequence of a draft model below the next level raised to it (one shared forward)
+                for model in {p.model for p in profiles}:
+                    group = [i for i, p in enumerate(profiles) if p.model == model and depths[i] < p.depth]
+                    if len(group) > 1:
+                        level = min(depths[i] for i in group) + 1
+                        yield [max(d, level) if i in group else d for i, d in enumerate(depths)]
 
         best = goodput(k)
         while True:
             choice, value = None, best
-            for i, p in enumerate(profiles):
-                if k[i] < p.depth:
-                    k[i] += 1
-                    g = goodput(k)
-                    k[i] -= 1
-                    if g > value * (1 + 1e-9):
-                        choice, value = i, g
+            for candidate in moves(k):
+                g = goodput(candidate)
+                if g > value * (1 + 1e-9):
+                    choice, value = candidate, g
             if choice is None:
                 return k
-            k[choice] += 1
-            best = value
+            k, best = choice, value
 
 
 _REPROBE = 8  # steps after which a capped drafter proposes uncapped again (fresh acceptance and cost figures)
@@ -171,10 +198,11 @@ def _probe(seq) -> bool:
 class _Profile:
     """What :meth:`Speculation.depths` knows of one sequence."""
 
-    __slots__ = ("acceptance", "depth", "width", "draft_s")
+    __slots__ = ("acceptance", "depth", "width", "draft_s", "model")
 
-    def __init__(self, acceptance: float, depth: int, width: float, draft_s: float) -> None:
+    def __init__(self, acceptance: float, depth: int, width: float, draft_s: float, model: object = None) -> None:
         self.acceptance, self.depth, self.width, self.draft_s = acceptance, depth, width, draft_s
+        self.model = model  # what its draft forwards run on (those of one model can share a forward), or None
 
     @classmethod
     def of(cls, seq, given: int | None = None) -> _Profile:
@@ -187,7 +215,8 @@ class _Profile:
         if given is not None:
             depth = given
         per_level = seq.draft_s_per_level or 0.0
-        return cls(min(a, 0.999), depth, seq.rows_per_level, per_level)
+        model = capability(seq.drafter, "model")
+        return cls(min(a, 0.999), depth, seq.rows_per_level, per_level, None if model is None else id(model))
 
     def expected(self, k: int) -> float:
         """Expected tokens committed by a step drafting ``k`` levels (bonus included)."""

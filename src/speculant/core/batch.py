@@ -36,6 +36,7 @@ from .checks import (
     vocab_size,
     warn_once,
 )
+from .draft_batch import plan_together
 from .drafting import Drafter, capability, sync
 from .eviction import BudgetedKV, EvictionPolicy
 from .forward import FORWARDS, TargetForward, batched_logits
@@ -64,6 +65,9 @@ class Batch:
         self._next = 0
         self.steps = 0  # batched steps run
         self.rows = 0  # verification rows of the last step (sum over sequences of 1 + draft tokens)
+        self.batch_drafts = True  # several sequences' draft forwards as one (core.draft_batch)
+        self.draft_forwards = 0  # batched draft forwards run, and the sequences' forwards they served
+        self.draft_segments = 0
 
     def __len__(self) -> int:
         """Active (unfinished) sequences."""
@@ -148,9 +152,16 @@ class Batch:
         seqs = list(self._sequences.values())
         if not seqs:
             return []
-        self.speculation.plan(seqs)
+        self.speculation.plan(seqs, shared_drafts=self.batch_drafts)
+        modeled = sum(1 for s in seqs if s.drafter is not None and s.state.draft_limit > 0
+                      and capability(s.drafter, "model") is not None)
         with torch.inference_mode():
-            segments = [s.plan() for s in seqs]
+            if self.batch_drafts and modeled > 1:  # their draft forwards run together (core.draft_batch)
+                segments, batcher = plan_together([s.plan for s in seqs])
+                self.draft_forwards += batcher.forwards
+                self.draft_segments += batcher.segments
+            else:
+                segments = [s.plan() for s in seqs]
             self.rows = sum(seg.input_ids.shape[1] if seg.input_ids is not None else seg.inputs_embeds.shape[1]
                             for seg in segments)
             start = time.perf_counter()

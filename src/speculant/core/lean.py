@@ -44,7 +44,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import attention, kernels
+from . import attention, draft_batch, kernels
 from .ops import fused_linear, rms_norm
 from .packed import PackedMatrix, linear, pack_enabled, packable
 from .quant import ATTR, QuantMatrix, quantization_of
@@ -419,6 +419,9 @@ class LeanForward:
                 the keys name the layers to tap (values are overwritten).
         """
         segment = Segment(cache, input_ids, inputs_embeds, positions, mask, capture)
+        batcher = draft_batch.active()
+        if batcher is not None and taps is None:  # a batch's sequences drafting together: one forward for all
+            return batcher.hidden(self, segment)
         return self.hidden_batch([segment], taps)[0]
 
     @torch.no_grad()
