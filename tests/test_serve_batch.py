@@ -74,6 +74,9 @@ def test_concurrent_requests_share_steps_and_get_their_own_answers(servers):
     assert steps < 0.7 * calls  # most steps served several requests with one forward
     rows = after["speculant:step_rows_sum"] - before["speculant:step_rows_sum"]
     assert rows / steps > 4  # a step carried more than one request's root and chain
+    shared = after["speculant:shared_draft_forwards_total"] - before["speculant:shared_draft_forwards_total"]
+    served = after["speculant:shared_draft_requests_total"] - before["speculant:shared_draft_requests_total"]
+    assert shared > 0 and served > 1.5 * shared  # requests drafted in shared forwards
     assert after["vllm:num_requests_running"] == 0
 
 

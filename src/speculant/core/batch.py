@@ -66,8 +66,10 @@ class Batch:
         self.steps = 0  # batched steps run
         self.rows = 0  # verification rows of the last step (sum over sequences of 1 + draft tokens)
         self.batch_drafts = True  # several sequences' draft forwards as one (core.draft_batch)
-        self.draft_forwards = 0  # batched draft forwards run, and the sequences' forwards they served
+        self.draft_forwards = 0  # shared draft forwards run, and the sequences' forwards they served
         self.draft_segments = 0
+        self.step_draft_forwards = 0  # the same, of the last step
+        self.step_draft_segments = 0
 
     def __len__(self) -> int:
         """Active (unfinished) sequences."""
@@ -156,8 +158,10 @@ class Batch:
         modeled = sum(1 for s in seqs if s.drafter is not None and s.state.draft_limit > 0
                       and capability(s.drafter, "model") is not None)
         with torch.inference_mode():
+            self.step_draft_forwards = self.step_draft_segments = 0
             if self.batch_drafts and modeled > 1:  # their draft forwards run together (core.draft_batch)
                 segments, batcher = plan_together([s.plan for s in seqs])
+                self.step_draft_forwards, self.step_draft_segments = batcher.forwards, batcher.segments
                 self.draft_forwards += batcher.forwards
                 self.draft_segments += batcher.segments
             else:

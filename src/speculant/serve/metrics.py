@@ -21,6 +21,8 @@ speculant's: ``speculant:target_calls`` (target forwards while decoding: τ = ge
 ``speculant:batch_size`` (gauge: requests in the last batched step), ``speculant:batch_steps`` (counter: batched
 steps, one target forward each; per-request ``target_calls`` count each request's share),
 ``speculant:step_rows`` (histogram: rows of each batched step's target forward, every request's root and draft),
+``speculant:shared_draft_forwards`` and ``speculant:shared_draft_requests`` (counters: draft forwards run for
+several requests at once, and the requests' forwards they served: their ratio is how many requests shared one),
 ``speculant:requests_cancelled`` (clients that went away, or stop strings never reached: cancelled while queued
 or decoding) and ``speculant:cancelled_generation_tokens`` (tokens generated for cancelled requests before the
 generation stopped), ``speculant:requests_failed`` (requests answered 500).
@@ -95,6 +97,10 @@ class ServerMetrics:
         self.online_buffer = Gauge("speculant:online_buffer_bytes", "Bytes held by the online buffer", m,
                                    registry=reg).labels(model_name)
         self.rows = histogram("speculant:step_rows", "Rows (tokens) of a batched step's target forward", _ROWS)
+        self.shared_drafts = counter("speculant:shared_draft_forwards",
+                                     "Draft forwards run for several requests at once").labels(model_name)
+        self.shared_draft_requests = counter("speculant:shared_draft_requests",
+                                             "Requests' draft forwards served by shared ones").labels(model_name)
         for reason in ("stop", "length"):  # present from the start, so a scrape before any request sees 0
             self._success.labels(model_name, reason)
         self.running.set(0)

@@ -436,6 +436,8 @@ class Worker:
                 batch = None  # a fresh batch: the failed one's caches may be half-written
                 continue
             self.metrics.rows.observe(batch.rows)
+            self.metrics.shared_drafts.inc(batch.step_draft_forwards)
+            self.metrics.shared_draft_requests.inc(batch.step_draft_segments)
             for event in events:
                 a = active[event.sequence]
                 try:
