@@ -170,3 +170,31 @@ def test_bad_settings_are_value_errors():
         OnlineConfig(positions="some")
     with pytest.raises(ValueError, match="draft model"):
         OnlineAdapter(speculant.load(target=target, method="lookup"))
+
+
+def test_an_update_taken_a_step_at_a_time_is_the_whole_update():
+    """work() takes one forward (and backward) of the round per call, the serving drafter unchanged until the round
+    ends; the round it completes trains and checks exactly what update() does in one call."""
+    config = OnlineConfig(update_every=100, steps=3, batch=2, lr=3e-3, holdout_every=3, min_positions=1)
+    adapters = []
+    for _ in range(2):
+        target, draft = _pair(scale=0.6)
+        adapter = OnlineAdapter(_session(target, draft), config)
+        _run(adapter, _prompts(9, seed=4))
+        adapter._since_update = config.update_every  # due now
+        adapters.append(adapter)
+    whole, stepped = adapters
+    entry = whole.update()
+    serving = stepped.session.draft
+    assert stepped.pending()
+    calls = 0
+    while (done := stepped.work()) is None:
+        calls += 1
+        assert stepped.session.draft is serving and stepped.pending()
+    assert not stepped.pending() and stepped.work() is None
+    held = len(stepped.buffer.held())
+    assert calls == 3 * 2 + 2 * held  # a step per training forward, then per checked request, twice; then the end
+    same = ("accepted", "steps", "loss_first", "loss_last", "agreement_before", "agreement_after")
+    assert {k: done[k] for k in same} == {k: entry[k] for k in same}
+    for a, b in zip(whole.session.draft.parameters(), stepped.session.draft.parameters()):
+        assert torch.equal(a, b)

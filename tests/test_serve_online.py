@@ -65,3 +65,51 @@ def test_an_online_server_adapts_exactly_and_resumes_its_state(chat_models, tmp_
         assert _complete(url, PROMPTS[0]) == want[PROMPTS[0]]
     finally:
         stop_server(again)
+
+
+def test_every_torch_op_of_an_online_server_runs_on_its_decoding_thread(chat_models, monkeypatch):
+    """Loading, the online adapter's update steps and calls handed to the worker (image encoding) all run on the
+    decoding thread, and the adapter starts no thread of its own: torch ops from a second thread slow the decoding
+    thread's (the adapter's module doc). The adapter's steps run between requests and the answers stay exact."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from helpers import until_loaded
+    from speculant.serve import ServeSettings, check_settings, create_app
+    from speculant.serve.worker import Worker
+    from speculant.train.online import OnlineAdapter
+
+    seen: dict[str, set] = {"load": set(), "work": set(), "call": set()}
+    real_load, real_work = Worker.load, OnlineAdapter.work
+
+    def load(self):
+        seen["load"].add(threading.current_thread().name)
+        return real_load(self)
+
+    def work(self):
+        seen["work"].add(threading.current_thread().name)
+        return real_work(self)
+
+    monkeypatch.setattr(Worker, "load", load)
+    monkeypatch.setattr(OnlineAdapter, "work", work)
+    settings = check_settings(ServeSettings(target=chat_models[0], draft=chat_models[1], method="chain:k=3",
+                                            model_name=MODEL, max_batch=1, speculation="on", online=True,
+                                            online_every=3))
+    app = create_app(settings)
+    with TestClient(app, base_url="http://127.0.0.1") as c:
+        until_loaded(c)
+        body = {"model": MODEL, "max_tokens": 24, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        first = [c.post("/v1/completions", json={**body, "prompt": p}).json() for p in PROMPTS]
+        deadline = time.time() + 60
+        while time.time() < deadline and not app.state.worker.online.history:
+            time.sleep(0.2)  # the worker takes the update's steps while idle
+        assert app.state.worker.online.history, "no online update ran"
+        again = [c.post("/v1/completions", json={**body, "prompt": p}).json() for p in PROMPTS]
+        assert [r["choices"][0]["token_ids"] for r in again] == [r["choices"][0]["token_ids"] for r in first]
+        worker = app.state.worker
+        assert worker.call(lambda: seen["call"].add(threading.current_thread().name) or 7).result(30) == 7
+        with pytest.raises(ZeroDivisionError):
+            worker.call(lambda: 1 / 0).result(30)
+        assert "speculant-online" not in {t.name for t in threading.enumerate()}
+    assert seen == {"load": {"speculant-worker"}, "work": {"speculant-worker"}, "call": {"speculant-worker"}}

@@ -72,9 +72,11 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if load == "startup":
-            await asyncio.to_thread(worker.load)
-            worker.start(load=False, on_ready=on_ready)
+        if load == "startup":  # loaded on the worker's own thread, the one that decodes (see Worker.start)
+            worker.start(load=True, on_ready=on_ready)
+            await asyncio.to_thread(worker.load_ended.wait)
+            if worker.load_error is not None:
+                raise RuntimeError(f"loading the model failed: {worker.load_error}")
         else:
             worker.start(load=True, on_ready=on_ready, on_fatal=on_fatal)
         yield
@@ -291,7 +293,7 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         # off the event loop: /health, /metrics and every stream go on while a long prompt is tokenised
         embeds = None
         if req.kind == "chat" and any(not isinstance(m["content"], str) for m in req.messages):
-            ids, embeds = await asyncio.to_thread(image_prompt, req)
+            ids, embeds = await asyncio.wrap_future(worker.call(image_prompt, req))  # the vision tower: torch
         else:
             ids = await asyncio.to_thread(prompt_ids, req)
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)

@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +236,7 @@ class Worker:
         self.metrics = metrics
         self.ready = threading.Event()
         self.load_error: str | None = None
+        self.load_ended = threading.Event()  # set once loading succeeded or failed
         self.tokenizer_lock = threading.Lock()
         self.session = None  # a speculant.session.Session once loaded
         self.speculation = None  # its speculant.core.adaptive.Speculation (the forward costs it measured)
@@ -243,6 +245,7 @@ class Worker:
         self.context_length: int | None = None
         self.token_chars = 1  # the most characters one token stands for (limits.longest_token_chars)
         self._queue: collections.deque[Job] = collections.deque()
+        self._calls: collections.deque[tuple[Callable, tuple, Future]] = collections.deque()  # run by call()
         self._cond = threading.Condition()
         self._running: list[Job] = []  # the jobs in the batch
         self._closed = False
@@ -274,7 +277,7 @@ class Worker:
             self.metrics.online_version.set(self.online.version)
             self.metrics.online_buffer.set(self.online.buffer.nbytes)
             self.online.on_update = lambda entry: self.metrics.online_update(entry["accepted"], entry["version"])
-            self.online.start()
+            # no thread of its own: this thread takes its steps while idle (_admit; the adapter's module doc says why)
         log.info("loaded %s (method %s, up to %d requests per batch, speculation %s)", self.settings.served_name,
                  session.method.spec, self.settings.max_batch, self.settings.speculation)
 
@@ -294,7 +297,12 @@ class Worker:
               on_fatal: Callable[[str], None] | None = None) -> None:
         """Start the decoding thread; with ``load`` it loads the model first (``ready`` is set after, then
         ``on_ready()`` is called), and a failure to load is logged, kept in ``load_error`` and passed to
-        ``on_fatal``."""
+        ``on_fatal``.
+
+        Every torch op of the server runs on this one thread: loading, the forward-cost calibration, decoding, the
+        online adapter's steps and image encoding (:meth:`call`). On a machine with few cores, torch ops issued from
+        a second thread (its own OpenMP team) slow each later parallel op of this one for as long as that thread
+        lives (measured on 2 cores: a q4 forward 24 -> 108 ms beside an idle thread that had run one)."""
 
         def main() -> None:
             if load:
@@ -308,6 +316,8 @@ class Worker:
                     else:
                         log.error("loading the model failed: %s", self.load_error, exc_info=True)
                     return
+                finally:
+                    self.load_ended.set()
             self.ready.set()
             if on_ready is not None:
                 on_ready()
@@ -328,9 +338,37 @@ class Worker:
                 job.emit("error", "the server is shutting down")
             self._queue.clear()
             self.metrics.waiting.set(0)
+            for _, _, future in self._calls:
+                future.cancel()
+            self._calls.clear()
             self._cond.notify_all()
         if self.online is not None:  # after the jobs: its update in flight ends at its next step, then it saves
             self.online.stop()
+
+    def call(self, fn: Callable, *args: Any) -> Future:
+        """Run ``fn(*args)`` on the decoding thread, between two steps (e.g. a vision encoder: every torch op of the
+        server runs on that thread, see :meth:`start`); its future (cancelled if the server closes first)."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                future.cancel()
+                return future
+            self._calls.append((fn, args, future))
+            self._cond.notify()
+        return future
+
+    def _run_calls(self) -> None:
+        """Run the calls waiting (:meth:`call`)."""
+        while True:
+            with self._cond:
+                if not self._calls:
+                    return
+                fn, args, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001: the caller gets it
+                    future.set_exception(exc)
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; QueueFull when ``max_queue`` jobs wait already (beyond a full batch), ShuttingDown once
@@ -379,22 +417,43 @@ class Worker:
 
     def _admit(self, running: int) -> list[Job] | None:
         """The queued jobs that join the batch at this step boundary (up to ``max_batch`` running); waits while
-        nothing runs or waits; None once closed."""
-        with self._cond:
-            if self.online is not None and not self._queue and not running:
-                self.online.set_busy(False)  # idle: an online update may take its steps
-            while not self._queue and not running and not self._closed:
-                self._cond.wait()
-            if self.online is not None:
-                self.online.set_busy(True)
-            if self._closed:
-                return None
-            joining = []
-            while self._queue and running + len(joining) < self.settings.max_batch:
-                joining.append(self._queue.popleft())
-            self._running.extend(joining)
-            self.metrics.waiting.set(len(self._queue))
-            return joining
+        nothing runs or waits, meanwhile taking the online adapter's steps once idle for its ``quiet_s``; None once
+        closed."""
+        idle_since = time.monotonic()
+        while True:
+            self._run_calls()
+            with self._cond:
+                while not self._queue and not running and not self._closed and not self._calls:
+                    if self.online is None or not self.online.pending():
+                        self._cond.wait()
+                        idle_since = time.monotonic()
+                        continue
+                    left = self.online.config.quiet_s - (time.monotonic() - idle_since)
+                    if left <= 0:
+                        break  # one online step, outside the lock
+                    self._cond.wait(left)
+                else:
+                    if self._closed:
+                        return None
+                    if self._calls and not self._queue and not running:
+                        continue  # run them first (top of the loop)
+                    joining = []
+                    while self._queue and running + len(joining) < self.settings.max_batch:
+                        joining.append(self._queue.popleft())
+                    self._running.extend(joining)
+                    self.metrics.waiting.set(len(self._queue))
+                    return joining
+            self._online_step()
+
+    def _online_step(self) -> None:
+        """One step of the online adapter's update (a request arriving meanwhile waits for it); a failing update is
+        dropped with the drafter unchanged, and the server goes on."""
+        try:
+            self.online.work()
+        except Exception:  # noqa: BLE001: an update must never take the server down
+            self.online.abandon()
+            log.exception("online update failed; the drafter is unchanged")
+        self.metrics.online_buffer.set(self.online.buffer.nbytes)
 
     def _leave(self, job: Job, last: tuple[str, Any] | None) -> None:
         """``job`` left the batch: free its place before its client hears the end (its next request finds room)."""

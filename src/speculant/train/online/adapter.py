@@ -15,9 +15,14 @@ its token embedding and LM head (for an attached drafter: the target's, shared) 
 with the target are never copied nor changed.
 
 Where it runs: :meth:`OnlineAdapter.generate` (Python, sequential: the update runs between requests) or a server
-(``speculant serve --online``: a background thread trains while no request is waiting, pausing between steps
-when one arrives; :meth:`OnlineAdapter.set_busy`). ``state_dir`` persists the drafter's trained parameters, the
-buffer and the history (:meth:`save` on shutdown, loaded on start).
+(``speculant serve --online``): the server's decoding thread itself takes the update one step at a time
+(:meth:`OnlineAdapter.work`: one training forward and backward, or one checking forward) whenever no request has
+run or waited for ``quiet_s``, so a request that arrives waits for one step at most. Not a thread of its own: on a
+machine with few cores, torch ops issued from a second thread (its own OpenMP team) slow every later parallel op of
+the decoding thread for as long as that thread lives (measured on 2 cores: an elementwise op 30 -> 208 ms, a q4
+forward 24 -> 108 ms, with the other thread idle). :meth:`start` still runs updates on a background thread for
+Python programs that want one. ``state_dir`` persists the drafter's trained parameters, the buffer and the
+history (:meth:`save` on shutdown, loaded on start).
 """
 
 from __future__ import annotations
@@ -71,8 +76,8 @@ class OnlineConfig:
     min_positions: int = 16
     """Refused positions the buffer must hold before an update."""
     quiet_s: float = 0.25
-    """In a server, the idle time before each training forward: under steady load (no idle gap that long) updates
-    wait, so requests never queue behind training; a request that arrives meanwhile waits for one forward at most."""
+    """In a server, the idle time before training steps: under steady load (no idle gap that long) updates wait, so
+    requests never queue behind training; a request that arrives meanwhile waits for one step at most."""
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -117,6 +122,7 @@ class OnlineAdapter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._gen = torch.Generator().manual_seed(self.config.seed)
+        self._current = None  # the round under way (a generator: work() takes its next step)
         self.on_update = None  # called with each round's history entry (a server's metrics)
         if self.state_dir is not None and (self.state_dir / _STATE_FILE).exists():
             self.load(self.state_dir)
@@ -160,6 +166,33 @@ class OnlineAdapter:
     def update(self) -> dict[str, Any]:
         """One round: train a copy of the draft model, check it on held-back requests, swap it in if its agreement
         did not drop (else roll it back). Returns the round's :attr:`history` entry."""
+        return _run(self._round())
+
+    def pending(self) -> bool:
+        """Whether :meth:`work` has something to do: a round under way, or one due."""
+        return self._current is not None or self.due()
+
+    def work(self) -> dict[str, Any] | None:
+        """One step of the current round (one training forward and backward, or one checking forward), starting a
+        round if one is due; the round's :attr:`history` entry when this step ended it, else None. A server's
+        decoding thread calls it while idle (see the module doc)."""
+        if self._current is None:
+            if not self.due():
+                return None
+            self._current = self._round()
+        try:
+            next(self._current)
+        except StopIteration as done:
+            self._current = None
+            return done.value
+        return None
+
+    def abandon(self) -> None:
+        """Drop the round under way (its half-trained copy); the serving drafter is unchanged."""
+        self._current = None
+
+    def _round(self):
+        """:meth:`update` as a generator: yields after each forward (and backward), returns the history entry."""
         with self._lock:
             train, held = self.buffer.train(), self.buffer.held()
             self._since_update = 0
@@ -177,10 +210,11 @@ class OnlineAdapter:
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for i in pick:  # one forward and backward per observation: a server gets the CPU back between them
-                self._wait_quiet()
-                loss = self._loss(candidate, usable[i]) / len(pick)
-                loss.backward()
+                with torch.enable_grad():
+                    loss = self._loss(candidate, usable[i]) / len(pick)
+                    loss.backward()
                 total += float(loss.detach())
+                yield
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             losses.append(total)
@@ -189,7 +223,8 @@ class OnlineAdapter:
             losses = []
             before = after = float("nan")
         else:
-            before, after = self.agreement(serving, held, gate=True), self.agreement(candidate, held, gate=True)
+            before = yield from self._agreement(serving, held)
+            after = yield from self._agreement(candidate, held)
         accepted = bool(losses) and after >= before
         if accepted:
             self.session.draft = candidate  # new requests draft with it; running ones keep theirs
@@ -251,25 +286,27 @@ class OnlineAdapter:
         q = q / q.sum(-1, keepdim=True).clamp_min(1e-12)
         return distill_loss_probs(logits, q, self.config.loss)
 
-    @torch.no_grad()
-    def agreement(self, model: torch.nn.Module, observations: list[Observation], gate: bool = False) -> float:
+    def agreement(self, model: torch.nn.Module, observations: list[Observation]) -> float:
         """Share of the drafted positions of ``observations`` where ``model``'s greedy token is the target's most
-        probable one (the acceptance of a greedy draft at those positions; nan without positions). ``gate``: each
-        forward waits for a quiet period (a server's update)."""
+        probable one (the acceptance of a greedy draft at those positions; nan without positions)."""
+        return _run(self._agreement(model, observations))
+
+    def _agreement(self, model: torch.nn.Module, observations: list[Observation]):
+        """:meth:`agreement` as a generator: yields after each forward, returns the share."""
         hits = total = 0
         for o in observations:
-            if gate:
-                self._wait_quiet()
-            logits, selected = self._logits(model, o, torch.ones_like(o.rejected))  # [P, V]
+            with torch.no_grad():
+                logits, selected = self._logits(model, o, torch.ones_like(o.rejected))  # [P, V]
             hits += int((logits.argmax(-1) == o.top_ids[selected, 0].long()).sum())
             total += int(selected.sum())
+            yield
         return hits / total if total else float("nan")
 
-    # ------------------------------------------------------------------------------------------- a server's thread
+    # ------------------------------------------------------------------------------------------- a background thread
 
     def set_busy(self, busy: bool) -> None:
-        """A server tells whether requests are running or waiting: a background update runs its forwards only after
-        ``quiet_s`` of idleness (decoding never waits for more than the forward in flight)."""
+        """For :meth:`start`'s thread: whether requests are running or waiting (its steps run only after
+        ``quiet_s`` of idleness)."""
         self._server = True
         if busy and not self._stop.is_set():  # once stopping, an update in flight runs to its end unhindered
             self._free.clear()
@@ -278,8 +315,8 @@ class OnlineAdapter:
             self._free.set()
 
     def _wait_quiet(self) -> None:
-        """Return once no request has been running or waiting for ``quiet_s`` (at once outside a server, or when
-        stopping)."""
+        """Return once no request has been running or waiting for ``quiet_s`` (at once without :meth:`set_busy`,
+        or when stopping)."""
         while self._server and not self._stop.is_set():
             self._free.wait()
             idle = time.monotonic() - self._free_since
@@ -288,16 +325,20 @@ class OnlineAdapter:
             time.sleep(max(0.0, self.config.quiet_s - idle) + 0.001)
 
     def start(self, poll_s: float = 0.5) -> None:
-        """Run updates in a background thread whenever one is due (:meth:`due`), until :meth:`stop`."""
+        """Run updates in a background thread whenever one is due (:meth:`due`), a step at a time after a quiet
+        period (:meth:`set_busy`), until :meth:`stop`. On a machine with few cores prefer calling :meth:`work` from
+        the decoding thread (the module doc says why; ``speculant serve --online`` does)."""
         if self._thread is not None:
             return
 
         def loop() -> None:
             while not self._stop.wait(poll_s):
                 try:
-                    if self.due():
-                        self.update()
-                except Exception:  # an update must never take the server down
+                    while self.pending() and not self._stop.is_set():
+                        self._wait_quiet()
+                        self.work()
+                except Exception:  # an update must never take the program down
+                    self.abandon()
                     log.exception("online update failed; the drafter is unchanged")
 
         self._thread = threading.Thread(target=loop, name="speculant-online", daemon=True)
@@ -363,3 +404,12 @@ class OnlineAdapter:
 def _trained(o: Observation, positions: str) -> torch.Tensor:
     """``[P]`` bool: the positions of ``o`` a step trains on."""
     return o.rejected if positions == "rejected" else torch.ones_like(o.rejected)
+
+
+def _run(steps):
+    """Drive a step generator to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
