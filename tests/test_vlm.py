@@ -12,15 +12,19 @@ from speculant.core.engine import generate
 from speculant.drafters.registry import build_drafter
 from speculant.drafters.text_only import TextOnlyDrafter, text_ids
 from speculant.models.vlm import image_token_ids, prompt_embeds, text_view
-from speculant.testing import perturbed, save_tiny_llava, tiny_model, tiny_vlm
+from speculant.core.types import PromptEmbeds
+from speculant.testing import perturbed, qwen2_vl_inputs, save_tiny_llava, tiny_model, tiny_vlm
 
 from helpers import chisq_pvalue
 
 VOCAB, IMAGE = 96, 95
-TOKENS = {"llava": 16, "idefics3": 4}  # image tokens per 32x32 image
+TOKENS = {"llava": 16, "idefics3": 4, "qwen2_vl": 4}  # image tokens per 32x32 image
+KINDS = ["llava", "idefics3", "qwen2_vl"]
 
 
 def _inputs(kind: str, seed: int = 0) -> dict:
+    if kind == "qwen2_vl":  # the vision start and end tokens around the image's tokens, M-RoPE's grid and types
+        return qwen2_vl_inputs([1, 5, 6], [7, 8, 9], IMAGE, seed=seed)
     g = torch.Generator().manual_seed(seed)
     ids = [1, 5, 6] + [IMAGE] * TOKENS[kind] + [7, 8, 9]
     pixels = torch.randn(1, 3, 32, 32, generator=g)
@@ -41,14 +45,16 @@ class _Spy(TextOnlyDrafter):
 METHODS = ["ar", "chain:k=3", "lookup", "specinfer:width=2:depth=3", "tree", "rsd-s", "hybrid", "mask-probe"]
 
 
-@pytest.mark.parametrize("kind", ["llava", "idefics3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_method_decodes_the_targets_own_greedy_tokens(kind):
     vlm = tiny_vlm(kind, vocab_size=VOCAB, image_token=IMAGE)
     inputs = _inputs(kind)
     ids = inputs["input_ids"][0].tolist()
     want = vlm.generate(**inputs, max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()  # stops at EOS (1)
     target, embeds = text_view(vlm), prompt_embeds(vlm, inputs)
-    assert embeds.shape == (1, len(ids), 32) and target.model is vlm.get_decoder()
+    rows = embeds.embeds if isinstance(embeds, PromptEmbeds) else embeds
+    assert rows.shape == (1, len(ids), 32) and target.model is vlm.get_decoder()
+    assert isinstance(embeds, PromptEmbeds) == (kind == "qwen2_vl")
     draft = perturbed(tiny_model("llama", vocab_size=VOCAB, seed=0, init_std=0.2), 0.3, seed=4)
     for spec in METHODS:
         inner = None if spec == "ar" else build_drafter(spec, None if spec == "lookup" else draft)
@@ -63,7 +69,7 @@ def test_every_method_decodes_the_targets_own_greedy_tokens(kind):
             assert all(s[: len(text)] == text and s[len(text):] == want[: len(s) - len(text)] for s in drafter.seen)
 
 
-@pytest.mark.parametrize("kind", ["llava", "idefics3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_feature_drafter_reads_the_text_positions_states_only(kind):
     """EAGLE-style drafters read one target state per token they see: the text positions' states, in step with the
     ids (the image positions' states are dropped with the image tokens); outputs stay the model's own."""
@@ -157,7 +163,7 @@ def test_a_session_reads_images_from_a_saved_model(tmp_path):
         text_only.generate([3, 4, 5], images=[red])
 
 
-@pytest.mark.parametrize("kind, reason", [("qwen2_vl", "M-RoPE"), ("gemma3", "both ways")])
+@pytest.mark.parametrize("kind, reason", [("qwen3_vl", "reads more"), ("gemma3", "both ways")])
 def test_decoders_the_engine_cannot_reproduce_are_refused(kind, reason):
     vlm = tiny_vlm("llava", vocab_size=VOCAB, image_token=IMAGE)
     vlm.config.model_type = kind
@@ -243,3 +249,46 @@ def test_taking_a_prompts_embeddings_leaves_other_threads_decoding_alone():
         done.set()
         worker.join()
     assert not errors, errors[0]
+
+
+@pytest.mark.parametrize("kind", ["none", "q4"])
+def test_m_rope_prompts_decode_at_their_offset_alone_and_in_a_batch(kind):
+    """Qwen2-VL: the image's 4 tokens take the positions of their 2x2 grid, so the text after the prompt sits at
+    its index minus 2 (the offset); the engine prefills the prompt at the model's own M-RoPE positions and decodes
+    at index + offset: greedy output is the model's own (its generate), alone and in a batch with a second image
+    prompt and a text-only one, with the lean forward after the prompt (also in q4 weights, against plain decoding
+    in the same weights)."""
+    from speculant.core.batch import Batch
+    from speculant.core.forward import TargetForward
+    from speculant.core.quant import quantize_model
+
+    vlm = tiny_vlm("qwen2_vl", vocab_size=VOCAB, image_token=IMAGE)
+    a, b = _inputs("qwen2_vl", seed=0), _inputs("qwen2_vl", seed=1)
+    ids = a["input_ids"][0].tolist()
+    want = vlm.generate(**a, max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+    target = text_view(vlm)
+    ea, eb = prompt_embeds(vlm, a), prompt_embeds(vlm, b)
+    assert ea.offset == -2 and ea.positions.shape == (3, 1, len(ids))
+    if kind == "none":
+        assert TargetForward(target).kind == "lean"
+        assert generate(target, ids, None, max_new_tokens=16, eos_token_id=[], prompt_embeds=ea).token_ids[
+            : len(want)] == want and len(want) > 8
+    else:
+        quantize_model(target, kind)
+    alone = [generate(target, ids, None, max_new_tokens=16, eos_token_id=[], prompt_embeds=e).token_ids
+             for e in (ea, eb)]
+    assert alone[0] != alone[1]  # each reads its image
+    draft = perturbed(tiny_model("qwen2", vocab_size=VOCAB, seed=0, init_std=0.2), 0.3, seed=4)
+    if kind != "none":
+        quantize_model(draft, kind)
+    text = [1, 5, 6, 7]
+    plain_text = generate(target, text, None, max_new_tokens=16, eos_token_id=[]).token_ids
+    batch = Batch(target)
+    jobs = [(ids, ea, TextOnlyDrafter(build_drafter("chain:k=3", draft), [IMAGE])), (text, None, None),
+            (ids, eb, TextOnlyDrafter(build_drafter("tree", draft), [IMAGE]))]
+    indices = [batch.add(p, d, 16, eos_token_id=[], prompt_embeds=e) for p, e, d in jobs]
+    while len(batch):
+        batch.step()
+    got = [batch.result(i) for i in indices]
+    assert [g.token_ids for g in got] == [alone[0], plain_text, alone[1]]
+    assert got[0].stats.draft_tokens > 0 and got[2].stats.draft_tokens > 0

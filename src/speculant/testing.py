@@ -26,7 +26,8 @@ from transformers import (
 )
 
 __all__ = ["ARCHITECTURES", "tiny_config", "tiny_model", "perturbed", "stdlib_texts", "tiny_tokenizer",
-           "save_model_pair", "VLM_ARCHITECTURES", "VLM_CHAT_TEMPLATE", "save_tiny_llava", "tiny_vlm"]
+           "save_model_pair", "VLM_ARCHITECTURES", "VLM_CHAT_TEMPLATE", "qwen2_vl_inputs", "save_tiny_llava",
+           "tiny_vlm"]
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gpt2", "gpt_neox", "phi")
 BOS, EOS = "<s>", "</s>"  # ids 0 and 1, the bos/eos ids of tiny_config
@@ -131,7 +132,7 @@ def save_model_pair(
     return paths[0], paths[1]
 
 
-VLM_ARCHITECTURES = ("llava", "idefics3")
+VLM_ARCHITECTURES = ("llava", "idefics3", "qwen2_vl")
 """The vision-language families :func:`tiny_vlm` builds."""
 
 
@@ -139,7 +140,9 @@ def tiny_vlm(kind: str = "llava", vocab_size: int = 96, image_token: int = 95, s
              init_std: float = 0.2, hidden: int = 32, image_size: int = 32, patch: int = 8) -> torch.nn.Module:
     """A randomly initialised vision-language model in eval mode: a tiny vision tower and projector in front of
     a 2-layer Llama (``kind``: ``llava``, a CLIP tower with 16 image tokens per 32x32 image; ``idefics3``, a
-    SigLIP-like tower with pixel shuffle, 4 image tokens)."""
+    SigLIP-like tower with pixel shuffle, 4 image tokens), or ``qwen2_vl``: Qwen2-VL's tower (2x2 patch merging,
+    4 image tokens per 32x32 image, :func:`qwen2_vl_inputs`) in front of a 2-layer Qwen2 with M-RoPE (the
+    vision start/end tokens are ``image_token - 2`` and ``image_token - 1``)."""
     from transformers import (CLIPVisionConfig, Idefics3Config, Idefics3ForConditionalGeneration, LlavaConfig,
                               LlavaForConditionalGeneration)
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
@@ -154,6 +157,21 @@ def tiny_vlm(kind: str = "llava", vocab_size: int = 96, image_token: int = 95, s
                           image_token_index=image_token, vision_feature_select_strategy="default",
                           vision_feature_layer=-1)
         model = LlavaForConditionalGeneration(cfg)
+    elif kind == "qwen2_vl":
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+        text = tiny_config("qwen2", vocab_size=vocab_size, hidden=hidden).to_dict()
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
+                                   "mrope_section": _mrope_section(hidden // 4)}
+        text["initializer_range"] = init_std
+        for key in ("model_type", "architectures", "transformers_version"):
+            text.pop(key, None)
+        cfg = Qwen2VLConfig(text_config=text, vision_config=dict(
+            depth=1, embed_dim=hidden, hidden_size=hidden, num_heads=4, mlp_ratio=2, patch_size=patch,
+            spatial_merge_size=2, temporal_patch_size=2, in_channels=3), image_token_id=image_token,
+            video_token_id=image_token - 3, vision_start_token_id=image_token - 2,
+            vision_end_token_id=image_token - 1)
+        model = Qwen2VLForConditionalGeneration(cfg)
     elif kind == "idefics3":
         cfg = Idefics3Config(vision_config=Idefics3VisionConfig(**vision).to_dict(), text_config=text.to_dict(),
                              image_token_id=image_token, scale_factor=2)
@@ -166,6 +184,30 @@ def tiny_vlm(kind: str = "llava", vocab_size: int = 96, image_token: int = 95, s
                 p.normal_(0, init_std)
     model.generation_config.pad_token_id = model.generation_config.eos_token_id = 1
     return model.eval()
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """An M-RoPE split of ``head_dim // 2`` rotary frequencies into time, height and width (Qwen2-VL's 16/24/24 of
+    64, scaled)."""
+    half = head_dim // 2
+    time = max(1, half // 4)
+    height = (half - time) // 2
+    return [time, height, half - time - height]
+
+
+def qwen2_vl_inputs(ids_before: list[int], ids_after: list[int], image_token: int = 95, seed: int = 0,
+                    image_size: int = 32, patch: int = 8) -> dict[str, torch.Tensor]:
+    """The processor's outputs for a :func:`tiny_vlm` ``qwen2_vl`` prompt: ``ids_before``, the vision start token,
+    one image's tokens (its ``image_size / patch`` squared patches merged 2x2), the vision end token, ``ids_after``;
+    random pixels in Qwen2-VL's flattened patch layout, the grid and the token types M-RoPE needs."""
+    g = torch.Generator().manual_seed(seed)
+    side = image_size // patch
+    tokens = side * side // 4
+    ids = [*ids_before, image_token - 2, *[image_token] * tokens, image_token - 1, *ids_after]
+    pixels = torch.randn(side * side, 3 * 2 * patch * patch, generator=g)  # [patches, C * temporal * P * P]
+    return {"input_ids": torch.tensor([ids]), "pixel_values": pixels,
+            "image_grid_thw": torch.tensor([[1, side, side]]),
+            "mm_token_type_ids": torch.tensor([[int(i == image_token) for i in ids]])}
 
 
 VLM_CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"

@@ -41,7 +41,7 @@ from .drafting import Drafter, capability, sync
 from .eviction import BudgetedKV, EvictionPolicy
 from .forward import FORWARDS, TargetForward, batched_logits
 from .sequence import Sequence
-from .types import Generation, SamplingParams, StepEvent
+from .types import Generation, PromptEmbeds, SamplingParams, StepEvent
 
 __all__ = ["Batch"]
 
@@ -103,15 +103,21 @@ class Batch:
             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
             eos_token_id: int | list[int] | None = None, kv_policy: EvictionPolicy | None = None,
             kv_budget: int | None = None, kv_block: int = 128, logprobs: int | None = None,
-            speculation: str | None = None, prompt_embeds: torch.Tensor | None = None) -> int:
+            speculation: str | None = None, prompt_embeds: torch.Tensor | PromptEmbeds | None = None) -> int:
         """Add a generation (the arguments of :func:`speculant.core.engine.generate`, checked: :meth:`check`) and
         prefill its prompt; returns its index (``StepEvent.sequence``). A drafter object serves one sequence at a
         time (it keeps per-generation state). ``speculation``: this sequence's own mode (``auto``, ``on``,
         ``off``), over the batch's (None). ``prompt_embeds [1, len(input_ids), H]``: the prompt's embeddings to
-        prefill with (a vision-language prompt: :mod:`speculant.models.vlm`); its last token, the root, goes in as
-        an id, so it must be a text token."""
+        prefill with (a vision-language prompt: :mod:`speculant.models.vlm`), or a :class:`PromptEmbeds` with their
+        positions too (M-RoPE); its last token, the root, goes in as an id, so it must be a text token."""
         ids = self.check(input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
                          kv_policy, kv_budget, kv_block, logprobs)
+        positions = None
+        if isinstance(prompt_embeds, PromptEmbeds):
+            positions, prompt_embeds = prompt_embeds.positions, prompt_embeds.embeds
+            if positions.dim() != 3 or tuple(positions.shape[1:]) != (1, len(ids)):
+                raise ValueError(f"prompt positions must be [3, 1, {len(ids)}] (M-RoPE: 3 per prompt token), got "
+                                 f"{list(positions.shape)}")
         if prompt_embeds is not None:
             width = self.target.get_input_embeddings().weight.shape[1]
             if prompt_embeds.dim() == 2:
@@ -141,7 +147,8 @@ class Batch:
                                 taps=capability(drafter, "target_taps"))
         index, self._next = self._next, self._next + 1
         seq = Sequence(index, self.target, forward, ids, drafter, max_new_tokens, params,
-                       resolve_eos(self.target, eos_token_id), kv, logprobs, prompt_embeds)
+                       resolve_eos(self.target, eos_token_id), kv, logprobs, prompt_embeds,
+                       None if positions is None else PromptEmbeds(prompt_embeds, positions.to(self.target.device)))
         seq.speculation = speculation
         with torch.inference_mode():
             seq.prefill()

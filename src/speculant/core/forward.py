@@ -122,17 +122,18 @@ class TargetForward:
         return head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
     def prefill(self, cache, input_ids: torch.Tensor | None, hidden_out: list | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> None:
+                inputs_embeds: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> None:
         """Feed ``input_ids [1, T]`` (or their embeddings ``inputs_embeds [1, T, H]``, e.g. a vision-language
         prompt's with its image features) into ``cache`` without computing logits (the prompt before the root);
-        ``hidden_out`` as in :meth:`__call__`."""
-        self._hidden(cache, None if inputs_embeds is not None else input_ids, inputs_embeds, None, None, None,
+        ``hidden_out`` as in :meth:`__call__`; ``positions``: ``[1, T]``, or M-RoPE's ``[3, 1, T]`` (Qwen2-VL's
+        image prompts, through the model's own forward: the lean forward takes one position per token)."""
+        self._hidden(cache, None if inputs_embeds is not None else input_ids, inputs_embeds, positions, None, None,
                      hidden_out)
 
     def _hidden(self, cache, input_ids, inputs_embeds, positions, mask, capture, hidden_out) -> torch.Tensor:
         """The final-normed hidden states ``[1, T, H]``; appends the drafter's states to ``hidden_out``."""
         taps = {i: None for i in self.taps} if hidden_out is not None and self.taps else None
-        if self.lean is not None:
+        if self.lean is not None and (positions is None or positions.dim() == 2):
             hidden = self.lean.hidden(input_ids, cache, positions, mask, inputs_embeds=inputs_embeds,
                                       capture=capture, taps=taps)
         else:

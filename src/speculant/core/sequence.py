@@ -30,7 +30,7 @@ from .forward import Segment, TargetForward
 from .logprobs import emission_rows, token_logprobs
 from .sampling import make_generator
 from .tree import TreeAttention
-from .types import DraftTree, Generation, GenerationStats, SamplingParams, StepEvent, TokenLogprob
+from .types import DraftTree, Generation, GenerationStats, PromptEmbeds, SamplingParams, StepEvent, TokenLogprob
 from .verification import verify
 
 __all__ = ["Sequence"]
@@ -43,14 +43,18 @@ class Sequence:
     ``forward`` is its target forward (:class:`TargetForward`), ``kv`` its evicting cache (None: a full one);
     ``logprobs``: the number of alternatives per token to report (None: no logprobs); ``prompt_embeds``: the
     prompt's input embeddings ``[1, len(ids), H]`` to prefill with instead of the ids' own (a vision-language
-    target's prompt, image features in place of its image tokens; the root, the last token, is fed as an id)."""
+    target's prompt, image features in place of its image tokens; the root, the last token, is fed as an id);
+    ``mrope``: the prompt's M-RoPE positions (a :class:`PromptEmbeds`; None: the token index), which the prompt is
+    prefilled at, every later token at its index plus :attr:`PromptEmbeds.offset`."""
 
     def __init__(self, index: int, target: torch.nn.Module, forward: TargetForward, ids: list[int],
                  drafter: Drafter | None, max_new_tokens: int, params: SamplingParams, stops: set[int],
                  kv: BudgetedKV | None = None, logprobs: int | None = None,
-                 prompt_embeds: torch.Tensor | None = None) -> None:
+                 prompt_embeds: torch.Tensor | None = None, mrope: PromptEmbeds | None = None) -> None:
         self.index = index
         self.prompt_embeds = prompt_embeds  # [1, len(ids), H] or None: the prompt's embeddings (image features)
+        self.mrope = mrope
+        self.position_offset = 0 if mrope is None else mrope.offset  # added to every position after the prompt
         self.target, self.forward, self.drafter, self.kv = target, forward, drafter, kv
         self.device = target.device
         self.stops = stops
@@ -97,9 +101,10 @@ class Sequence:
             self._cache = SpecCache(num_layers(self.target), capacity=state.max_length + 64)
             if len(ids) > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
                 embeds = None if self.prompt_embeds is None else self.prompt_embeds[:, : len(ids) - 1]
+                positions = None if self.mrope is None else self.mrope.positions[:, :, : len(ids) - 1]  # [3, 1, T-1]
                 self.forward.prefill(self._cache, torch.tensor([ids[:-1]], device=self.device),
-                                     hidden_out=self.hidden, inputs_embeds=embeds)
-            self.prompt_embeds = None  # read once
+                                     hidden_out=self.hidden, inputs_embeds=embeds, positions=positions)
+            self.prompt_embeds = self.mrope = None  # read once
         else:
             self._cache = self.kv.cache  # block-wise prefill: at most kv_budget + kv_block tokens per layer
             if len(ids) > 1:
@@ -143,10 +148,12 @@ class Sequence:
         else:
             mask, positions = self._tree_attn.build(tree, cache_len)  # [1, 1, Q, L + Q], [1, Q]
         capture = None
-        if self.kv is not None:  # evicted caches: positions are the original ones, not the cache length
+        shift = self.position_offset + (self.kv.next_position - cache_len if self.kv is not None else 0)
+        if shift:  # evicted caches: the original positions, not the cache length; after an M-RoPE prompt: its offset
             if positions is None:
                 positions = torch.arange(cache_len, cache_len + len(tree) + 1, device=device).unsqueeze(0)  # [1, Q]
-            positions = positions + (self.kv.next_position - cache_len)
+            positions = positions + shift
+        if self.kv is not None:
             capture = self.kv.capture(self.target)
         self._step = (tree, cache_len, capture)
         return Segment(self._cache, None if embeds is not None else inputs, embeds, positions, mask, capture)

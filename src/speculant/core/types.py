@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["FINISH_REASONS", "MIN_TEMPERATURE", "SamplingParams", "Probes", "DraftTree", "Verdict", "GenerationStats",
-           "TokenLogprob", "Generation", "StepEvent"]
+           "TokenLogprob", "Generation", "StepEvent", "PromptEmbeds"]
 
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -65,6 +65,24 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding is deterministic argmax."""
         return self.temperature == 0.0
+
+
+@dataclass
+class PromptEmbeds:
+    """A prompt's input embeddings with the positions the model gives them, for targets whose positions are not
+    the token index: Qwen2-VL's M-RoPE gives each token 3 positions (time, height, width), an image's tokens those
+    of its grid (:func:`speculant.models.vlm.prompt_embeds`). The tokens after the prompt are text: their 3
+    positions are equal, the last prompt token's plus one onwards, which is ordinary RoPE at ``index +``
+    :attr:`offset`."""
+
+    embeds: torch.Tensor  # [1, T, H]
+    positions: torch.Tensor  # [3, 1, T] M-RoPE positions (time, height, width)
+
+    @property
+    def offset(self) -> int:
+        """What the positions after the prompt add to the token index (the last prompt token's position minus its
+        index; 0 when no image shortened the positions)."""
+        return int(self.positions[0, 0, -1]) - (self.positions.shape[-1] - 1)
 
 
 @dataclass

@@ -13,8 +13,14 @@ speculant runs such a target as two pieces that share its weights:
   merges embeddings before its decoder (LLaVA, Idefics3 / SmolVLM, ...). The engine prefills the prompt with them
   (:meth:`speculant.core.batch.Batch.add`'s ``prompt_embeds``); decoding after the prompt is text only.
 
-Architectures whose decoder needs positions other than the token index (Qwen2-VL's M-RoPE) are refused with a
-one-line reason. The drafter never sees image tokens: :class:`speculant.drafters.text_only.TextOnlyDrafter`.
+Qwen2-VL and Qwen2.5-VL give each token three positions (M-RoPE: time, height, width), an image's tokens those of
+its grid: :func:`prompt_embeds` then also takes the positions the model computed for the prompt
+(:class:`~speculant.core.types.PromptEmbeds`), the engine prefills the prompt at them (the model's own forward), and
+every later token, text, has three equal positions, the last prompt token's plus one onwards, which is ordinary
+RoPE at the token index plus a fixed offset: decoding after the prompt runs like any Qwen2's (the lean forward,
+trees, the batch). Other architectures whose decoder needs more than the merged embeddings (Qwen3-VL's deepstack
+features, GLM-4V) or attends both ways among image tokens (Gemma 3, PaliGemma) are refused with a one-line reason.
+The drafter never sees image tokens: :class:`speculant.drafters.text_only.TextOnlyDrafter`.
 """
 
 from __future__ import annotations
@@ -24,11 +30,17 @@ from typing import Any
 
 import torch
 
+from ..core.types import PromptEmbeds
+
 __all__ = ["check_vlm", "image_inputs", "image_token_ids", "is_vision_language", "load_image", "prompt_embeds",
            "text_view", "user_messages", "vision_parts"]
 
-_MROPE = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "glm4v")
-"""Model types whose language model takes multi-dimensional (M-RoPE) positions: not supported."""
+_MROPE = ("qwen2_vl", "qwen2_5_vl")
+"""Model types whose language model takes M-RoPE positions and reads nothing but the merged embeddings: supported,
+their text part run as a Qwen2 (:func:`text_view`)."""
+_UNSUPPORTED_MROPE = ("qwen3_vl", "qwen3_vl_moe", "glm4v", "glm4v_moe")
+"""M-RoPE model types whose language model reads more than the merged embeddings (visual features injected into
+its layers, Qwen3-VL's deepstack) or differs from Qwen2's: not supported."""
 _BIDIRECTIONAL = ("gemma3", "paligemma")
 """Model types whose image tokens attend to each other both ways at prefill (the engine's prefill is causal)."""
 MAX_IMAGE_PIXELS = 4096 * 4096
@@ -44,9 +56,9 @@ def is_vision_language(model_or_config: Any) -> bool:
 def check_vlm(vlm: torch.nn.Module) -> None:
     """A one-line ValueError when ``vlm`` cannot run as a target here."""
     kind = getattr(vlm.config, "model_type", "?")
-    if kind in _MROPE:
-        raise ValueError(f"vision-language model type {kind!r} is not supported: its language model takes "
-                         "M-RoPE positions (3 per token), the engine feeds one position per token")
+    if kind in _UNSUPPORTED_MROPE:
+        raise ValueError(f"vision-language model type {kind!r} is not supported: its language model reads more "
+                         "than the prompt's embeddings and M-RoPE positions (supported: Qwen2-VL, Qwen2.5-VL)")
     if kind in _BIDIRECTIONAL:
         raise ValueError(f"vision-language model type {kind!r} is not supported: its image tokens attend to each "
                          "other both ways at prefill, the engine's prefill is causal")
@@ -72,6 +84,11 @@ def text_view(vlm: torch.nn.Module) -> torch.nn.Module:
 
     check_vlm(vlm)
     config = vlm.config.text_config
+    if vlm.config.model_type in _MROPE:  # a Qwen2 but for M-RoPE, which after the prompt is ordinary RoPE
+        from transformers import Qwen2Config
+
+        skip = ("model_type", "architectures", "transformers_version", "base_config_key")
+        config = Qwen2Config(**{k: v for k, v in config.to_dict().items() if k not in skip})
     with torch.device("meta"):
         view = AutoModelForCausalLM.from_config(config)
     decoder = vlm.get_decoder()
@@ -91,9 +108,11 @@ class _Stop(Exception):
 
 
 @torch.inference_mode()
-def prompt_embeds(vlm: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def prompt_embeds(vlm: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor | PromptEmbeds:
     """The prompt's input embeddings ``[1, T, H]`` as ``vlm``'s forward builds them for its language model, from
-    a processor's ``inputs`` (``input_ids [1, T]``, ``pixel_values`` and whatever else the model takes)."""
+    a processor's ``inputs`` (``input_ids [1, T]``, ``pixel_values`` and whatever else the model takes); for an
+    M-RoPE model (Qwen2-VL) a :class:`~speculant.core.types.PromptEmbeds` with the positions ``[3, 1, T]`` the
+    model gave them."""
     decoder = vlm.get_decoder()
     taken: dict[str, torch.Tensor] = {}
     caller = threading.get_ident()
@@ -104,7 +123,7 @@ def prompt_embeds(vlm: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torc
         embeds = kwargs.get("inputs_embeds")
         if embeds is None:
             raise ValueError(f"{type(vlm).__name__} calls its language model without inputs_embeds")
-        taken["embeds"] = embeds
+        taken["embeds"], taken["positions"] = embeds, kwargs.get("position_ids")
         raise _Stop
 
     handle = decoder.register_forward_pre_hook(hook, with_kwargs=True)
@@ -116,7 +135,13 @@ def prompt_embeds(vlm: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torc
         handle.remove()
     if "embeds" not in taken:
         raise ValueError(f"{type(vlm).__name__}'s forward never called its language model")
-    return taken["embeds"]
+    if vlm.config.model_type not in _MROPE:
+        return taken["embeds"]
+    positions = taken["positions"]
+    if positions is None or positions.dim() != 3:
+        raise ValueError(f"{type(vlm).__name__} gave its language model no M-RoPE positions (its processor's "
+                         "mm_token_type_ids and image_grid_thw are needed)")
+    return PromptEmbeds(taken["embeds"], positions[-3:])  # [3, 1, T] (a 4th leading row: text positions, dropped)
 
 
 def vision_parts(target: torch.nn.Module) -> tuple[torch.nn.Module, Any] | None:

@@ -1,0 +1,22 @@
+"""Every concurrent greedy response equals the same request served alone (float32 SmolLM2, one server)."""
+import json, sys, threading, httpx
+from speculant.data.prompts import load_prompts
+url = sys.argv[1]; n = int(sys.argv[2]); out = sys.argv[3]
+rows = load_prompts("builtin:mt-bench", n)
+def ask(r):
+    body = {"model": "smollm2-135m-instruct", "messages": [r["messages"][0]] if "messages" in r else [{"role": "user", "content": r["prompt"]}],
+            "max_tokens": 96, "temperature": 0, "return_token_ids": True}
+    resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+    resp.raise_for_status()
+    c = resp.json()["choices"][0]
+    return c.get("token_ids") or c["message"]["content"]
+alone = [ask(r) for r in rows]
+together = [None] * n
+def worker(i0):
+    for i in range(i0, n, 4):
+        together[i] = ask(rows[i])
+ts = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+[t.start() for t in ts]; [t.join() for t in ts]
+same = sum(a == b for a, b in zip(alone, together))
+json.dump({"requests": n, "identical": same, "differ": [i for i, (a, b) in enumerate(zip(alone, together)) if a != b]}, open(out, "w"), indent=1)
+print(f"{same}/{n} identical")
