@@ -1,4 +1,12 @@
-"""Every concurrent greedy response equals the same request served alone (float32 SmolLM2, one server)."""
+"""Whether every concurrent greedy response equals the same request served alone (one running server).
+
+Sends N MT-Bench first turns (96 tokens, greedy) to a running ``speculant serve`` one at a time, then the same N
+from four clients at once (the server batches them), and compares the answers (token ids where the server returns
+them, else the text). Writes ``{"requests", "identical", "differ"}`` to OUT.
+
+    speculant serve --target smollm2-135m-instruct --max-batch 4 --port 8051 &
+    python benchmarks/serve_identical.py http://127.0.0.1:8051 24 identical.json
+"""
 import json, sys, threading, httpx
 from speculant.data.prompts import load_prompts
 url = sys.argv[1]; n = int(sys.argv[2]); out = sys.argv[3]
