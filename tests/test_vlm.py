@@ -113,19 +113,28 @@ def test_the_image_changes_the_answer_and_a_marker_can_stand_for_it():
         TextOnlyDrafter(build_drafter("lookup", None), [IMAGE], marker=[IMAGE])
 
 
-def test_sampling_with_an_image_keeps_the_targets_distribution():
+@pytest.mark.parametrize("kind", KINDS)
+def test_sampling_with_an_image_keeps_the_targets_distribution(kind):
     vocab, image, n = 6, 5, 1200
-    vlm = tiny_vlm("llava", vocab_size=vocab, image_token=image, init_std=0.3)
-    inputs = _inputs("llava")
-    inputs["input_ids"] = torch.tensor([[1, 2] + [image] * 16 + [3, 4]])
+    vlm = tiny_vlm(kind, vocab_size=vocab, image_token=image, init_std=0.3)
+    if kind == "qwen2_vl":  # vision start/end 3 and 4 around the image's 4 tokens
+        inputs = qwen2_vl_inputs([1, 2], [1, 2], image)
+    else:
+        inputs = _inputs(kind)
+        inputs["input_ids"] = torch.tensor([[1, 2] + [image] * TOKENS[kind] + [3, 4]])
     ids = inputs["input_ids"][0].tolist()
     target, embeds = text_view(vlm), prompt_embeds(vlm, inputs)
+    rows = embeds.embeds if isinstance(embeds, PromptEmbeds) else embeds
     with torch.no_grad():  # the exact joint of two new tokens: the model's own forward with the image, then the
         first = vlm(**inputs).logits[0, -1].softmax(-1)  # new token's embedding after the prompt's (a sampled image
         joint = np.zeros((vocab, vocab))  # id is a plain token there: the model's forward would want features)
         for t in range(vocab):
-            x = torch.cat([embeds, target.get_input_embeddings()(torch.tensor([[t]]))], 1)
-            joint[t] = (first[t] * target(inputs_embeds=x).logits[0, -1].softmax(-1)).numpy()
+            x = torch.cat([rows, target.get_input_embeddings()(torch.tensor([[t]]))], 1)
+            positions = None
+            if isinstance(embeds, PromptEmbeds):  # M-RoPE: the prompt's positions, then the next one (text)
+                positions = torch.cat([embeds.positions, embeds.positions[:, :, -1:] + 1], -1)
+            hidden = target.model(inputs_embeds=x, position_ids=positions).last_hidden_state
+            joint[t] = (first[t] * target.lm_head(hidden[0, -1]).softmax(-1)).numpy()
     draft = perturbed(tiny_model("llama", vocab_size=vocab, seed=0, init_std=0.3), 0.5, seed=4)
     counts = np.zeros((vocab, vocab))
     drafted = 0
