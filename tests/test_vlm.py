@@ -18,12 +18,13 @@ from speculant.testing import perturbed, qwen2_vl_inputs, save_tiny_llava, tiny_
 from helpers import chisq_pvalue
 
 VOCAB, IMAGE = 96, 95
-TOKENS = {"llava": 16, "idefics3": 4, "qwen2_vl": 4}  # image tokens per 32x32 image
-KINDS = ["llava", "idefics3", "qwen2_vl"]
+TOKENS = {"llava": 16, "idefics3": 4, "qwen2_vl": 4, "qwen2_5_vl": 4}  # image tokens per 32x32 image
+KINDS = ["llava", "idefics3", "qwen2_vl", "qwen2_5_vl"]
+MROPE = ("qwen2_vl", "qwen2_5_vl")
 
 
 def _inputs(kind: str, seed: int = 0) -> dict:
-    if kind == "qwen2_vl":  # the vision start and end tokens around the image's tokens, M-RoPE's grid and types
+    if kind in MROPE:  # the vision start and end tokens around the image's tokens, M-RoPE's grid and types
         return qwen2_vl_inputs([1, 5, 6], [7, 8, 9], IMAGE, seed=seed)
     g = torch.Generator().manual_seed(seed)
     ids = [1, 5, 6] + [IMAGE] * TOKENS[kind] + [7, 8, 9]
@@ -54,7 +55,7 @@ def test_every_method_decodes_the_targets_own_greedy_tokens(kind):
     target, embeds = text_view(vlm), prompt_embeds(vlm, inputs)
     rows = embeds.embeds if isinstance(embeds, PromptEmbeds) else embeds
     assert rows.shape == (1, len(ids), 32) and target.model is vlm.get_decoder()
-    assert isinstance(embeds, PromptEmbeds) == (kind == "qwen2_vl")
+    assert isinstance(embeds, PromptEmbeds) == (kind in MROPE)
     draft = perturbed(tiny_model("llama", vocab_size=VOCAB, seed=0, init_std=0.2), 0.3, seed=4)
     for spec in METHODS:
         inner = None if spec == "ar" else build_drafter(spec, None if spec == "lookup" else draft)
@@ -65,7 +66,8 @@ def test_every_method_decodes_the_targets_own_greedy_tokens(kind):
         assert got.token_ids[: len(want)] == want and len(want) > 8, (kind, spec)
         if drafter is not None:  # the drafter saw the text only: the prompt without its image tokens, then the output
             text = text_ids(ids, [IMAGE])
-            assert drafter.seen and all(IMAGE not in s for s in drafter.seen)
+            assert drafter.seen and all(IMAGE not in s[: len(text)] for s in drafter.seen)  # (a tiny model may
+            # write the image token's id itself: then it is a generated token, text like any other)
             assert all(s[: len(text)] == text and s[len(text):] == want[: len(s) - len(text)] for s in drafter.seen)
 
 
@@ -117,7 +119,7 @@ def test_the_image_changes_the_answer_and_a_marker_can_stand_for_it():
 def test_sampling_with_an_image_keeps_the_targets_distribution(kind):
     vocab, image, n = 6, 5, 1200
     vlm = tiny_vlm(kind, vocab_size=vocab, image_token=image, init_std=0.3)
-    if kind == "qwen2_vl":  # vision start/end 3 and 4 around the image's 4 tokens
+    if kind in MROPE:  # vision start/end 3 and 4 around the image's 4 tokens
         inputs = qwen2_vl_inputs([1, 2], [1, 2], image)
     else:
         inputs = _inputs(kind)

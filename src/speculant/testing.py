@@ -132,7 +132,7 @@ def save_model_pair(
     return paths[0], paths[1]
 
 
-VLM_ARCHITECTURES = ("llava", "idefics3", "qwen2_vl")
+VLM_ARCHITECTURES = ("llava", "idefics3", "qwen2_vl", "qwen2_5_vl")
 """The vision-language families :func:`tiny_vlm` builds."""
 
 
@@ -142,7 +142,8 @@ def tiny_vlm(kind: str = "llava", vocab_size: int = 96, image_token: int = 95, s
     a 2-layer Llama (``kind``: ``llava``, a CLIP tower with 16 image tokens per 32x32 image; ``idefics3``, a
     SigLIP-like tower with pixel shuffle, 4 image tokens), or ``qwen2_vl``: Qwen2-VL's tower (2x2 patch merging,
     4 image tokens per 32x32 image, :func:`qwen2_vl_inputs`) in front of a 2-layer Qwen2 with M-RoPE (the
-    vision start/end tokens are ``image_token - 2`` and ``image_token - 1``)."""
+    vision start/end tokens are ``image_token - 2`` and ``image_token - 1``), or ``qwen2_5_vl``: the same with
+    Qwen2.5-VL's windowed tower."""
     from transformers import (CLIPVisionConfig, Idefics3Config, Idefics3ForConditionalGeneration, LlavaConfig,
                               LlavaForConditionalGeneration)
     from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
@@ -157,8 +158,9 @@ def tiny_vlm(kind: str = "llava", vocab_size: int = 96, image_token: int = 95, s
                           image_token_index=image_token, vision_feature_select_strategy="default",
                           vision_feature_layer=-1)
         model = LlavaForConditionalGeneration(cfg)
-    elif kind == "qwen2_vl":
-        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    elif kind in ("qwen2_vl", "qwen2_5_vl"):
+        from transformers import (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                                  Qwen2VLForConditionalGeneration)
 
         text = tiny_config("qwen2", vocab_size=vocab_size, hidden=hidden).to_dict()
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0,
@@ -166,12 +168,19 @@ def tiny_vlm(kind: str = "llava", vocab_size: int = 96, image_token: int = 95, s
         text["initializer_range"] = init_std
         for key in ("model_type", "architectures", "transformers_version"):
             text.pop(key, None)
-        cfg = Qwen2VLConfig(text_config=text, vision_config=dict(
-            depth=1, embed_dim=hidden, hidden_size=hidden, num_heads=4, mlp_ratio=2, patch_size=patch,
-            spatial_merge_size=2, temporal_patch_size=2, in_channels=3), image_token_id=image_token,
-            video_token_id=image_token - 3, vision_start_token_id=image_token - 2,
-            vision_end_token_id=image_token - 1)
-        model = Qwen2VLForConditionalGeneration(cfg)
+        tokens = dict(image_token_id=image_token, video_token_id=image_token - 3,
+                      vision_start_token_id=image_token - 2, vision_end_token_id=image_token - 1)
+        tower = dict(depth=1, num_heads=4, patch_size=patch, spatial_merge_size=2, temporal_patch_size=2,
+                     in_channels=3)
+        if kind == "qwen2_vl":
+            cfg = Qwen2VLConfig(text_config=text, vision_config=dict(**tower, embed_dim=hidden, hidden_size=hidden,
+                                                                      mlp_ratio=2), **tokens)
+            model = Qwen2VLForConditionalGeneration(cfg)
+        else:
+            cfg = Qwen2_5_VLConfig(text_config=text, vision_config=dict(
+                **tower, hidden_size=hidden, out_hidden_size=hidden, intermediate_size=2 * hidden,
+                window_size=2 * patch, fullatt_block_indexes=[0]), **tokens)
+            model = Qwen2_5_VLForConditionalGeneration(cfg)
     elif kind == "idefics3":
         cfg = Idefics3Config(vision_config=Idefics3VisionConfig(**vision).to_dict(), text_config=text.to_dict(),
                              image_token_id=image_token, scale_factor=2)

@@ -88,7 +88,10 @@ def text_view(vlm: torch.nn.Module) -> torch.nn.Module:
         from transformers import Qwen2Config
 
         skip = ("model_type", "architectures", "transformers_version", "base_config_key")
-        config = Qwen2Config(**{k: v for k, v in config.to_dict().items() if k not in skip})
+        fields = {k: v for k, v in config.to_dict().items() if k not in skip}
+        if isinstance(fields.get("rope_parameters"), dict):  # the M-RoPE split means nothing to ordinary RoPE
+            fields["rope_parameters"] = {k: v for k, v in fields["rope_parameters"].items() if k != "mrope_section"}
+        config = Qwen2Config(**fields)
     with torch.device("meta"):
         view = AutoModelForCausalLM.from_config(config)
     decoder = vlm.get_decoder()
