@@ -134,6 +134,12 @@ def test_shared_draft_forwards_make_drafting_cheaper_per_sequence():
     assert sum(shared) > sum(alone) and len(set(shared)) == 1 and shared[0] >= 2
     mixed = [_Profile(0.8, 4, 1.0, 0.5, model=m) for m in range(4)]
     assert flat.depths(mixed, shared=True) == flat.depths(mixed)
+    modelless = [_Profile(0.8, 4, 1.0, 0.5, model=None) for _ in range(4)]  # lookup: no draft model to share
+    assert flat.depths(modelless, shared=True) == flat.depths(modelless)
+    # a shared level costs the model's slowest per-level figure: a cheap sequence gets no deeper levels for free
+    slow, cheap = _Profile(0.9, 4, 1.0, 0.4, model=1), _Profile(0.5, 4, 1.0, 0.01, model=1)
+    k = flat.depths([slow, cheap], shared=True)
+    assert k[1] <= max(k[0], 1)
     # a sequence fixed at depth 4 (probing) already pays for four shared levels: the others draft as deep for free
     probe = _Profile(0.8, 4, 1.0, 0.5, model=1)
     assert flat.depths(same[:3], extra_rows=5, extra_tokens=probe.expected(4), fixed=[probe], shared=True) == [4] * 3

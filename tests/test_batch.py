@@ -320,4 +320,14 @@ def test_shared_draft_forwards_wait_for_every_planner_and_pass_errors_on():
     with pytest.raises(IndexError):
         plan_together([planner(0, 2), bad_plan])
     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()  # the caller's modes, restored
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # not an error of a plan: it ends them all at once, suspended ones too
+        plan_together([planner(0, 3), interrupted, planner(1, 2)])
+    import gc
+
+    gc.collect()
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
     assert lean.hidden(ids[:1, :4], SpecCache(2, capacity=8)).shape == (1, 4, 64)  # no batcher left behind

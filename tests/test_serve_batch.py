@@ -204,3 +204,37 @@ def test_the_checked_settings_keep_a_packaged_targets_quantization(models, monke
     assert settings.quantization == "q4"
     monkeypatch.setattr(loading, "default_quantization_for", lambda target: None)
     assert check_settings(settings).quantization == "q4"  # resolving the checked settings again keeps it
+
+
+def test_a_replica_that_loads_at_startup_loads_on_its_decoding_thread_and_is_ready(models, monkeypatch):
+    """``load="startup"`` (a Ray Serve replica): the app's startup waits for the model, loaded on the worker's own
+    thread (the one that decodes: torch ops from another thread would slow it), and is ready when it returns; a
+    model that fails to load fails the startup with its reason."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from speculant.serve import ServeSettings, check_settings, create_app
+    from speculant.serve.worker import Worker
+
+    threads, real = [], Worker.load
+
+    def load(self):
+        threads.append(threading.current_thread().name)
+        return real(self)
+
+    monkeypatch.setattr(Worker, "load", load)
+    settings = check_settings(ServeSettings(target=models["target"], method="ar", model_name=MODEL))
+    with TestClient(create_app(settings, load="startup"), base_url="http://127.0.0.1") as c:
+        assert c.get("/health").status_code == 200  # no waiting: startup returned with the model loaded
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4}
+        assert c.post("/v1/completions", json=body).status_code == 200
+    assert threads == ["speculant-worker"]
+
+    def broken(self):
+        raise ValueError("no such weights")
+
+    monkeypatch.setattr(Worker, "load", broken)
+    with pytest.raises(RuntimeError, match="no such weights"):
+        with TestClient(create_app(settings, load="startup"), base_url="http://127.0.0.1"):
+            pass

@@ -19,8 +19,9 @@ they add. :class:`Speculation` decides per step, in one of three modes:
   tokens per level (a chain: 1, a tree: its width), and ``F(rows)`` the target forward's measured seconds for that
   many rows (:class:`ForwardCost`). ``D(k)``, the drafting time, is ``sum_i k_i c_i`` when each sequence drafts
   alone; when the batch runs its sequences' draft forwards together (:mod:`.draft_batch`) the sequences of one
-  draft model share each level's forward, so their time is that of the deepest, ``max_i k_i c_i`` per draft model
-  (and a sequence drafting no deeper than another of its model drafts for free). The depths are raised one level
+  draft model share each level's forward, so their time is its deepest level times its slowest per-level figure,
+  ``max_i k_i * max_i c_i`` per draft model (a sequence drafting no deeper than another of its model drafts for
+  free; drafters without a model, lookup, share nothing). The depths are raised one level
   at a time where the gain is largest, as long as the goodput grows (``E`` is concave in ``k``; with a shared draft
   forward the time is not linear in one ``k_i``, so the climb also tries raising every sequence of a model to the
   next level together).
@@ -141,10 +142,14 @@ class Speculation:
             pairs = [(p, p.depth) for p in fixed] + list(zip(profiles, depths))
             if not shared:
                 return sum(p.draft_s * d for p, d in pairs)
-            longest: dict[object, float] = {}
+            alone = sum(p.draft_s * d for p, d in pairs if p.model is None)  # no draft model: nothing to share
+            levels: dict[object, int] = {}  # per draft model: its deepest level and its slowest level's seconds
+            per_level: dict[object, float] = {}
             for p, d in pairs:
-                longest[p.model] = max(longest.get(p.model, 0.0), p.draft_s * d)
-            return sum(longest.values())
+                if p.model is not None:
+                    levels[p.model] = max(levels.get(p.model, 0), d)
+                    per_level[p.model] = max(per_level.get(p.model, 0.0), p.draft_s)
+            return alone + sum(levels[m] * per_level[m] for m in levels)
 
         def goodput(depths: list[int]) -> float:
             tokens = extra_tokens + sum(p.expected(d) for p, d in zip(profiles, depths))
@@ -157,7 +162,7 @@ class Speculation:
                 if depths[i] < p.depth:
                     yield [d + (j == i) for j, d in enumerate(depths)]
             if shared:  # every sequence of a draft model below the next level raised to it (one shared forward)
-                for model in {p.model for p in profiles}:
+                for model in {p.model for p in profiles} - {None}:
                     group = [i for i, p in enumerate(profiles) if p.model == model and depths[i] < p.depth]
                     if len(group) > 1:
                         level = min(depths[i] for i in group) + 1

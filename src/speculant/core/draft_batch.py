@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from greenlet import getcurrent, greenlet
+from greenlet import GreenletExit, getcurrent, greenlet
 
 if TYPE_CHECKING:  # the lean forward asks this module whether to suspend (it imports us, not the other way)
     from .lean import LeanForward, Segment
@@ -120,12 +120,17 @@ def plan_together(plans: Sequence[Callable[[], object]]) -> tuple[list, ForwardB
     # its block while another enters and leaves one), so a block may restore another's mode: inference mode around
     # them all, whose exit here restores the caller's modes whatever they did
     with torch.inference_mode():
-        for i, planner in enumerate(planners):
-            resume(planner, i)
-        while waiting:
-            batch, waiting[:] = list(waiting), []
-            for planner, rows, exc in batcher.run(batch):
-                resume(planner, index[id(planner)], rows, exc)
+        try:
+            for i, planner in enumerate(planners):
+                resume(planner, i)
+            while waiting:
+                batch, waiting[:] = list(waiting), []
+                for planner, rows, exc in batcher.run(batch):
+                    resume(planner, index[id(planner)], rows, exc)
+        finally:  # an interrupt (KeyboardInterrupt, SystemExit): end the suspended plans here, inside the mode
+            for planner in planners:
+                if planner and not planner.dead:
+                    planner.throw(GreenletExit)
     if error is not None:
         raise error
     return results, batcher

@@ -315,10 +315,10 @@ class Worker:
                         on_fatal(self.load_error)
                     else:
                         log.error("loading the model failed: %s", self.load_error, exc_info=True)
-                    return
-                finally:
                     self.load_ended.set()
+                    return
             self.ready.set()
+            self.load_ended.set()  # after ready: a startup that waited for it finds the model ready
             if on_ready is not None:
                 on_ready()
             self._loop()
@@ -339,7 +339,7 @@ class Worker:
             self._queue.clear()
             self.metrics.waiting.set(0)
             for _, _, future in self._calls:
-                future.cancel()
+                future.set_exception(ShuttingDown("the server is shutting down"))
             self._calls.clear()
             self._cond.notify_all()
         if self.online is not None:  # after the jobs: its update in flight ends at its next step, then it saves
@@ -347,23 +347,26 @@ class Worker:
 
     def call(self, fn: Callable, *args: Any) -> Future:
         """Run ``fn(*args)`` on the decoding thread, between two steps (e.g. a vision encoder: every torch op of the
-        server runs on that thread, see :meth:`start`); its future (cancelled if the server closes first)."""
+        server runs on that thread, see :meth:`start`); its future (:class:`ShuttingDown` if the server closes
+        first)."""
         future: Future = Future()
         with self._cond:
             if self._closed:
-                future.cancel()
+                future.set_exception(ShuttingDown("the server is shutting down"))
                 return future
             self._calls.append((fn, args, future))
             self._cond.notify()
         return future
 
-    def _run_calls(self) -> None:
-        """Run the calls waiting (:meth:`call`)."""
+    def _run_calls(self) -> bool:
+        """Run the calls waiting (:meth:`call`); whether there were any."""
+        ran = False
         while True:
             with self._cond:
                 if not self._calls:
-                    return
+                    return ran
                 fn, args, future = self._calls.popleft()
+            ran = True
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(*args))
@@ -421,7 +424,8 @@ class Worker:
         closed."""
         idle_since = time.monotonic()
         while True:
-            self._run_calls()
+            if self._run_calls():
+                idle_since = time.monotonic()  # a call's work was not idleness
             with self._cond:
                 while not self._queue and not running and not self._closed and not self._calls:
                     if self.online is None or not self.online.pending():

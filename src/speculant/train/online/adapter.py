@@ -188,8 +188,11 @@ class OnlineAdapter:
         return None
 
     def abandon(self) -> None:
-        """Drop the round under way (its half-trained copy); the serving drafter is unchanged."""
+        """Drop the round under way (its half-trained copy); the serving drafter is unchanged, and the next round
+        waits for ``update_every`` more requests (a round that fails is not retried at once)."""
         self._current = None
+        with self._lock:
+            self._since_update = 0
 
     def _round(self):
         """:meth:`update` as a generator: yields after each forward (and backward), returns the history entry."""
@@ -227,8 +230,9 @@ class OnlineAdapter:
             after = yield from self._agreement(candidate, held)
         accepted = bool(losses) and after >= before
         if accepted:
-            self.session.draft = candidate  # new requests draft with it; running ones keep theirs
-            self.version += 1
+            with self._lock:  # save() reads the drafter and its version together
+                self.session.draft = candidate  # new requests draft with it; running ones keep theirs
+                self.version += 1
         entry = {"version": self.version, "accepted": accepted, "steps": len(losses),
                  "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
                  "agreement_before": before, "agreement_after": after, "train_requests": len(train),
