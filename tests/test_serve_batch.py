@@ -43,10 +43,10 @@ def servers(models, tmp_path_factory):
 _metrics = model_metrics
 
 
-def _complete(url: str, prompt: str, n: int = 120, **extra) -> dict:
+def _complete(url: str, prompt: str, n: int = 120, client: httpx.Client | None = None, **extra) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True, **extra}
-    r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    r = (client or httpx).post(url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -56,7 +56,14 @@ def test_concurrent_requests_share_steps_and_get_their_own_answers(servers):
     want = {p: _complete(url1, p) for p in PROMPTS}  # one at a time
     before = _metrics(url)
     got: dict[str, dict] = {}
-    threads = [threading.Thread(target=lambda p=p: got.__setitem__(p, _complete(url, p))) for p in PROMPTS]
+    start = threading.Barrier(len(PROMPTS))
+
+    def ask(p: str) -> None:  # clients made first, then every request sent at once: they arrive together even on a
+        with httpx.Client() as client:  # loaded machine (making a client takes tens of ms there)
+            start.wait()
+            got[p] = _complete(url, p, client=client)
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
     for t in threads:
         t.start()
     for t in threads:
