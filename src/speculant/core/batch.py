@@ -148,7 +148,7 @@ class Batch:
         index, self._next = self._next, self._next + 1
         seq = Sequence(index, self.target, forward, ids, drafter, max_new_tokens, params,
                        resolve_eos(self.target, eos_token_id), kv, logprobs, prompt_embeds,
-                       None if positions is None else PromptEmbeds(prompt_embeds, positions.to(self.target.device)))
+                       None if positions is None else positions.to(self.target.device))
         seq.speculation = speculation
         with torch.inference_mode():
             seq.prefill()

@@ -3,8 +3,8 @@
 In a :class:`~speculant.core.batch.Batch` step every sequence drafts before the one verification forward. Each
 drafter runs its own draft model forwards (a chain: the catch-up, then one per level), so with ``n`` sequences
 drafting ``k`` levels a step costs ``n * k`` draft forwards, each reading every draft weight, although a
-memory-bound forward over ``n`` rows costs about what one row costs (the 1.5B's q4 0.5B draft: 10.9 ms for one
-row, 15.8 ms for four sequences' rows, 43.9 ms for four forwards of one).
+memory-bound forward over ``n`` rows costs about what one row costs (the 1.5B's q4 0.5B draft: 11.9 ms for one
+row, 17.1 ms for four sequences' rows, 48.0 ms for four forwards of one; ``benchmarks/batch_drafts.py``).
 
 :func:`plan_together` plans the sequences as coroutines (greenlets) on the calling thread under a
 :class:`ForwardBatcher`: a lean forward (:meth:`LeanForward.hidden <speculant.core.lean.LeanForward.hidden>`) called

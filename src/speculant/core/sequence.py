@@ -44,17 +44,17 @@ class Sequence:
     ``logprobs``: the number of alternatives per token to report (None: no logprobs); ``prompt_embeds``: the
     prompt's input embeddings ``[1, len(ids), H]`` to prefill with instead of the ids' own (a vision-language
     target's prompt, image features in place of its image tokens; the root, the last token, is fed as an id);
-    ``mrope``: the prompt's M-RoPE positions (a :class:`PromptEmbeds`; None: the token index), which the prompt is
-    prefilled at, every later token at its index plus :attr:`PromptEmbeds.offset`."""
+    ``prompt_positions``: the prompt's M-RoPE positions ``[3, 1, len(ids)]`` (None: the token index), which the
+    prompt is prefilled at, every later token at its index plus their offset (:meth:`PromptEmbeds.offset_of`)."""
 
     def __init__(self, index: int, target: torch.nn.Module, forward: TargetForward, ids: list[int],
                  drafter: Drafter | None, max_new_tokens: int, params: SamplingParams, stops: set[int],
                  kv: BudgetedKV | None = None, logprobs: int | None = None,
-                 prompt_embeds: torch.Tensor | None = None, mrope: PromptEmbeds | None = None) -> None:
+                 prompt_embeds: torch.Tensor | None = None, prompt_positions: torch.Tensor | None = None) -> None:
         self.index = index
         self.prompt_embeds = prompt_embeds  # [1, len(ids), H] or None: the prompt's embeddings (image features)
-        self.mrope = mrope
-        self.position_offset = 0 if mrope is None else mrope.offset  # added to every position after the prompt
+        self.prompt_positions = prompt_positions  # [3, 1, len(ids)] or None: its M-RoPE positions
+        self.position_offset = 0 if prompt_positions is None else PromptEmbeds.offset_of(prompt_positions)
         self.target, self.forward, self.drafter, self.kv = target, forward, drafter, kv
         self.device = target.device
         self.stops = stops
@@ -101,10 +101,10 @@ class Sequence:
             self._cache = SpecCache(num_layers(self.target), capacity=state.max_length + 64)
             if len(ids) > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
                 embeds = None if self.prompt_embeds is None else self.prompt_embeds[:, : len(ids) - 1]
-                positions = None if self.mrope is None else self.mrope.positions[:, :, : len(ids) - 1]  # [3, 1, T-1]
+                positions = None if self.prompt_positions is None else self.prompt_positions[:, :, : len(ids) - 1]
                 self.forward.prefill(self._cache, torch.tensor([ids[:-1]], device=self.device),
                                      hidden_out=self.hidden, inputs_embeds=embeds, positions=positions)
-            self.prompt_embeds = self.mrope = None  # read once
+            self.prompt_embeds = self.prompt_positions = None  # read once
         else:
             self._cache = self.kv.cache  # block-wise prefill: at most kv_budget + kv_block tokens per layer
             if len(ids) > 1:

@@ -80,9 +80,14 @@ class PromptEmbeds:
 
     @property
     def offset(self) -> int:
-        """What the positions after the prompt add to the token index (the last prompt token's position minus its
-        index; 0 when no image shortened the positions)."""
-        return int(self.positions[0, 0, -1]) - (self.positions.shape[-1] - 1)
+        """What the positions after the prompt add to the token index (:meth:`offset_of` its positions)."""
+        return self.offset_of(self.positions)
+
+    @staticmethod
+    def offset_of(positions: torch.Tensor) -> int:
+        """The offset of a prompt's M-RoPE ``positions [3, 1, T]``: its last token's position minus its index (0
+        when no image shortened the positions)."""
+        return int(positions[0, 0, -1]) - (positions.shape[-1] - 1)
 
 
 @dataclass

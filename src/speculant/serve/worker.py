@@ -427,27 +427,26 @@ class Worker:
             if self._run_calls():
                 idle_since = time.monotonic()  # a call's work was not idleness
             with self._cond:
-                while not self._queue and not running and not self._closed and not self._calls:
-                    if self.online is None or not self.online.pending():
-                        self._cond.wait()
-                        idle_since = time.monotonic()
-                        continue
-                    left = self.online.config.quiet_s - (time.monotonic() - idle_since)
-                    if left <= 0:
-                        break  # one online step, outside the lock
-                    self._cond.wait(left)
-                else:
-                    if self._closed:
-                        return None
-                    if self._calls and not self._queue and not running:
-                        continue  # run them first (top of the loop)
+                if self._closed:
+                    return None
+                if self._queue or running:
                     joining = []
                     while self._queue and running + len(joining) < self.settings.max_batch:
                         joining.append(self._queue.popleft())
                     self._running.extend(joining)
                     self.metrics.waiting.set(len(self._queue))
                     return joining
-            self._online_step()
+                if self._calls:
+                    continue  # run them first (top of the loop)
+                if self.online is None or not self.online.pending():
+                    self._cond.wait()
+                    idle_since = time.monotonic()
+                    continue
+                left = self.online.config.quiet_s - (time.monotonic() - idle_since)
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+            self._online_step()  # idle long enough: one step, outside the lock
 
     def _online_step(self) -> None:
         """One step of the online adapter's update (a request arriving meanwhile waits for it); a failing update is
