@@ -532,6 +532,7 @@ def test_bench_serve(server, tmp_path, capsys):
     results = json.loads((tmp_path / "modes" / "results.json").read_text())
     assert [(lv["speculation"], lv["concurrency"]) for lv in results["levels"]] == [
         ("on", 1), ("on", 2), ("off", 1), ("off", 2)]
+    assert [lv["run_order"] for lv in results["levels"]] == [0, 2, 1, 3]  # run level by level, the modes in turn
     on, off = results["levels"][0]["spec"], results["levels"][2]["spec"]
     assert on["draft_tokens"] > 0 and off["draft_tokens"] == 0 and off["tau"] == 1.0
     assert "| on | 1 |" in (tmp_path / "modes" / "results.md").read_text()

@@ -17,7 +17,7 @@ import speculant
 from speculant.core.lean import LeanForward
 from speculant.core.quant import QuantMatrix, quantize_model
 from speculant.drafters.registry import build_drafter
-from speculant.drafters.vocab_trim import CALIBRATION_FILE, TrimmedHead
+from speculant.drafters.vocab_trim import CALIBRATION_FILE, TrimmedHead, trimmed_head
 from speculant.testing import perturbed, tiny_model
 from speculant.train.calibrate import token_ranking, write_calibration
 
@@ -98,6 +98,28 @@ def test_a_quantized_head_is_trimmed_to_its_own_quantized_rows(kind):
     hidden = torch.randn(3, 64)
     full = LeanForward(model).logits(hidden)  # [3, V] through the quantized head
     assert torch.equal(head.logits(hidden), full[:, keep])
+
+
+def test_drafters_over_one_model_share_its_trimmed_head():
+    """A server makes a drafter per request: the kept rows are built once per head, setting and weights, and again
+    when the weights change (an update in place) or the kept set does."""
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    draft = perturbed(target, scale=0.08, seed=7)
+    keep = [3, 9, 40, 41, 70]
+    runs = []
+    for _ in range(2):
+        drafter = speculant.DraftModelDrafter(draft, k=2, vocab_trim=keep)
+        speculant.generate(target, prompts(seed=3)[0], drafter=drafter, max_new_tokens=4, eos_token_id=[])
+        runs.append(drafter._head)
+    assert runs[0] is runs[1] and runs[0].size == len(keep)
+    assert trimmed_head(draft, keep[:3], VOCAB) is not runs[0]
+    assert trimmed_head(draft, 0, VOCAB) is None  # 0: the full head
+    with torch.no_grad():
+        draft.get_output_embeddings().weight.mul_(2.0)  # its version moves: the cached rows are stale
+    fresh = trimmed_head(draft, keep, VOCAB)
+    assert fresh is not runs[0]
+    hidden = torch.randn(2, draft.config.hidden_size)
+    assert torch.allclose(fresh.logits(hidden), draft.get_output_embeddings()(hidden)[:, keep], atol=1e-5)
 
 
 def test_calibration_ranking_and_default_size(tmp_path):

@@ -39,8 +39,9 @@ __all__ = ["LoadSettings", "RequestResult", "check_url", "percentile", "run_load
 class LoadSettings:
     """One ``bench serve`` run: ``requests`` per level at each of ``concurrency``; ``warmup`` untimed requests
     first; ``temperature`` 0 is greedy; ``ignore_eos`` asks for exactly ``max_tokens`` tokens (vLLM's extension,
-    which ``speculant serve`` takes too); ``speculation``: run every level once per mode, each request asking for
-    it (``speculant_speculation``: ``auto``, ``on``, ``off``), to compare them on one ``speculant serve``."""
+    which ``speculant serve`` takes too); ``speculation``: run every level once per mode (the modes in turn at each
+    level), each request asking for it (``speculant_speculation``: ``auto``, ``on``, ``off``), to compare them on one
+    ``speculant serve``."""
 
     url: str
     concurrency: tuple[int, ...] = (1, 2, 4)
@@ -52,7 +53,7 @@ class LoadSettings:
     timeout_s: float = 600.0
     api_key: str | None = None
     model: str | None = None
-    speculation: tuple[str, ...] = ()  # each mode's levels in turn (speculant_speculation); (): the server's own
+    speculation: tuple[str, ...] = ()  # every level run once per mode, in turn (speculant_speculation); (): the server's own
 
 
 @dataclass
@@ -286,8 +287,9 @@ async def run_load(settings: LoadSettings, prompts: Sequence[Mapping], progress=
                 progress(f"warm-up: {settings.warmup} request(s)")
             await _level(client, base, prompts, model, settings, headers, 1, settings.warmup)
         levels = []
-        for mode in settings.speculation or (None,):
-            for c in settings.concurrency:
+        modes = settings.speculation or (None,)
+        for c in settings.concurrency:  # the modes interleaved level by level (a drifting machine hurts none alone)
+            for mode in modes:
                 if progress:
                     progress(f"concurrency {c}{'' if mode is None else f', speculation {mode}'}: "
                              f"{settings.requests} requests")
@@ -295,6 +297,7 @@ async def run_load(settings: LoadSettings, prompts: Sequence[Mapping], progress=
                 results, wall = await _level(client, base, prompts, model, settings, headers, c, settings.requests,
                                              mode)
                 after = await scrape_metrics(client, base, model)
-                levels.append(_summary(c, results, wall, _spec_delta(before, after), mode))
+                levels.append(_summary(c, results, wall, _spec_delta(before, after), mode) | {"run_order": len(levels)})
+    levels.sort(key=lambda lv: modes.index(lv["speculation"]))  # reported mode by mode (a stable sort)
     return {"model": model, "levels": levels}
 

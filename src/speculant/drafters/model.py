@@ -36,7 +36,7 @@ from ..core.lean import LeanForward
 from ..core.sampling import sample, warp
 from ..core.types import DraftTree
 from .base import DecodeState, Drafter
-from .vocab_trim import TrimmedHead, resolve_keep_ids
+from .vocab_trim import TrimmedHead, trimmed_head
 
 __all__ = ["DraftModelBase", "DraftModelDrafter"]
 
@@ -87,7 +87,6 @@ class DraftModelBase(Drafter):
         self.tokenizers_match = tokenizers_match
         self.vocab_trim = vocab_trim
         self._head: TrimmedHead | None = None
-        self._head_for: tuple | None = None  # (vocab, weight version) the head was built for
         self._cache: SpecCache | None = None
         self._n_cached = 0  # committed tokens whose keys/values are in the draft cache
         self._vocab = 0
@@ -113,17 +112,11 @@ class DraftModelBase(Drafter):
         if self.model.training:
             self.model.eval()
         self._cache = SpecCache(num_layers(self.model), capacity=state.max_length + self._extra_slots() + 64)
-        lm_head = self.model.get_output_embeddings()
         trim = self.vocab_trim
         if isinstance(trim, int) and not isinstance(trim, bool) and trim >= self._vocab:
             warn_once(log, f"vocab_trim (trim) = {trim} is not below the vocabulary size ({self._vocab} tokens): it "
                            "has no effect, the full LM head is used")
-        sampling = not state.params.greedy
-        key = (self._vocab, lm_head.weight.data_ptr(), lm_head.weight._version, sampling)
-        if self._head_for != key:
-            keep = resolve_keep_ids(self.model, self.vocab_trim, self._vocab, sampling=sampling)
-            self._head = None if keep is None else TrimmedHead(lm_head, keep)
-            self._head_for = key
+        self._head = trimmed_head(self.model, self.vocab_trim, self._vocab, sampling=not state.params.greedy)
         self._n_cached = 0
         self._tree = None
         self._fed = 0
