@@ -28,6 +28,13 @@ class _Dear(ForwardCost):
         return 10.0 ** rows
 
 
+class _Flat(_Dear):
+    """A second a forward, whatever its rows and whatever is measured: drafting pays."""
+
+    def __call__(self, rows: int) -> float:
+        return 1.0
+
+
 def _cost(points: dict[int, float]) -> ForwardCost:
     cost = ForwardCost()
     for rows, seconds in points.items():
@@ -142,4 +149,52 @@ def test_shared_draft_forwards_make_drafting_cheaper_per_sequence():
     assert k[1] <= max(k[0], 1)
     # a sequence fixed at depth 4 (probing) already pays for four shared levels: the others draft as deep for free
     probe = _Profile(0.8, 4, 1.0, 0.5, model=1)
-    assert flat.depths(same[:3], extra_rows=5, extra_tokens=probe.expected(4), fixed=[probe], shared=True) == [4] * 3
+    assert flat.depths(same[:3], fixed=[probe], shared=True) == [4] * 3
+
+
+def _decode(batch: Batch, prompt: list[int], drafter, tokens: int = 24):
+    index = batch.add(prompt, drafter, tokens, eos_token_id=[])
+    while len(batch):
+        batch.step()
+    return batch.result(index)
+
+
+def test_a_new_sequence_starts_drafting_only_where_it_pays_for_the_drafts_prefill():
+    """A drafter's first proposal feeds the whole context to the draft model: under auto a sequence starts drafting
+    only when its draft model's earlier sequences measured enough gain to pay that prefill over the tokens it may
+    still commit. The first sequence of a model always starts (nothing measured); outputs never change."""
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    draft = perturbed(tiny_model("llama", seed=0, vocab_size=VOCAB), 0.05, seed=2)
+    prompt = [3, 4, 5, 6, 7]
+    want = generate(target, prompt, max_new_tokens=24, eos_token_id=[]).token_ids
+
+    dear = Batch(target, speculation=Speculation("auto", _Dear()))  # a draft row never pays
+    first = _decode(dear, prompt, build_drafter("chain:k=3", draft))
+    second = _decode(dear, prompt, build_drafter("chain:k=3", draft))
+    assert first.token_ids == second.token_ids == want
+    assert first.stats.draft_tokens > 0  # measured: its first proposal (and the re-probes)
+    assert second.stats.draft_tokens == 0  # never started: plain decoding from its first step
+
+    flat = Speculation("auto", _Flat())
+    batch = Batch(target, speculation=flat)
+    _decode(batch, prompt, build_drafter("chain:k=3", draft))
+    pool = next(iter(flat._pools.values()))
+    assert pool.reached > 0 and pool.level_s is not None and pool.start_s_per_token is not None
+    again = _decode(batch, prompt, build_drafter("chain:k=3", draft))
+    assert again.token_ids == want and again.stats.depth_reached[0] >= again.stats.target_calls - 1
+    # a prefill dearer than what drafting can save over 24 tokens (at most ~0.7 s each): plain decoding throughout
+    pool.start_s_per_token = 10.0
+    late = _decode(batch, prompt, build_drafter("chain:k=3", draft))
+    assert late.token_ids == want and late.stats.draft_tokens == 0
+    # ... which more tokens to commit pay for (the same prefill, 400 tokens to go), and fewer do not
+    assert flat._starts(_waiting(target, draft, prompt, 400), [], [], False)
+    assert not flat._starts(_waiting(target, draft, prompt, 2), [], [], False)
+
+
+def _waiting(target, draft, prompt, tokens: int):
+    """A sequence added to a throwaway batch, prefilled, that has not drafted yet."""
+    batch = Batch(target, speculation="off")
+    index = batch.add(prompt, build_drafter("chain:k=3", draft), tokens, eos_token_id=[])
+    seq = batch._sequences[index]
+    assert seq.draft_start is None
+    return seq

@@ -53,7 +53,7 @@ class LoadSettings:
     timeout_s: float = 600.0
     api_key: str | None = None
     model: str | None = None
-    speculation: tuple[str, ...] = ()  # every level run once per mode, in turn (speculant_speculation); (): the server's own
+    speculation: tuple[str, ...] = ()  # each level once per mode, in turn (speculant_speculation); (): the server's own
 
 
 @dataclass

@@ -26,6 +26,14 @@ they add. :class:`Speculation` decides per step, in one of three modes:
   forward the time is not linear in one ``k_i``, so the climb also tries raising every sequence of a model to the
   next level together).
 
+A sequence whose drafter has not drafted yet starts only when that pays: its first proposal feeds its whole context
+to the draft model (the draft's prefill, paid inside a step the batch waits for), so it starts when the seconds
+drafting is expected to save over the tokens it may still commit exceed that prefill's expected seconds, both from
+what the earlier sequences of its draft model measured (acceptance, depth, width, seconds per level and per
+context token; see ``Speculation._starts``). The first sequence of a draft model always starts. Under load with a
+drafter that predicts the traffic poorly, a new request then decodes plainly from its first step instead of paying
+the draft's prefill for little or nothing.
+
 Exactness is untouched: the verifier does not care how deep a drafter drafted (a depth of 0 is plain decoding).
 Greedy output is the same at any depth; a sampled request's draws depend on the depths, so a request with a seed
 keeps its method's own depth in every mode but ``off`` (its seed then reproduces its output under any load).
@@ -34,6 +42,7 @@ keeps its method's own depth in every mode but ``off`` (its seed then reproduces
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence as Seq
 
 import torch
@@ -106,56 +115,45 @@ class Speculation:
             raise ValueError(f"speculation must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode = mode
         self.cost = cost if cost is not None else ForwardCost()
+        self._pools: dict[object, _Pool] = {}  # per draft model (or drafter kind): what its sequences measured
+        self._counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> what _observe pooled
 
     def plan(self, all_sequences: list, shared_drafts: bool = False) -> None:
         """Set each sequence's ``state.max_draft`` for the next step (:class:`~speculant.core.sequence.Sequence`:
         its statistics, drafter depth and width). ``shared_drafts``: the sequences of one draft model draft in
         shared forwards (:mod:`.draft_batch`)."""
         own = {id(s): s.speculation or self.mode for s in all_sequences}  # a sequence's own mode wins
+        self._observe([s for s in all_sequences if s.drafter is not None])
         for s in all_sequences:
             if own[id(s)] != "auto":
                 s.state.max_draft = None if own[id(s)] == "on" else 0
         sequences = [s for s in all_sequences if own[id(s)] == "auto"]
         if not sequences:
             return
-        free = [s for s in sequences if s.drafter is not None and (_pinned(s) or _probe(s))]
+        waiting = [s for s in sequences if s.drafter is not None and s.draft_start is None and not _pinned(s)]
+        free = [s for s in sequences if s.drafter is not None and s not in waiting and (_pinned(s) or _probe(s))]
         for s in free:  # as deep as its drafter likes (see _pinned and _probe)
             s.state.max_draft = None
-        rest = [s for s in sequences if s not in free]
+        rest = [s for s in sequences if s not in free and s not in waiting]
         fixed = [_Profile.of(s) for s in free]  # drafting at their own depth in the same forward
-        others = [s for s in all_sequences if own[id(s)] != "auto"]  # "on" / "off" ones in the same forward
-        fixed += [_Profile.of(s, given=0 if own[id(s)] == "off" else None) for s in others]
-        depths = self.depths([_Profile.of(s) for s in rest], extra_rows=sum(1 + p.width * p.depth for p in fixed),
-                             extra_tokens=sum(p.expected(p.depth) for p in fixed), fixed=fixed,
-                             shared=shared_drafts)
+        fixed += [_Profile.of(s, given=0 if own[id(s)] == "off" else None)  # "on" / "off" ones in the same forward
+                  for s in all_sequences if own[id(s)] != "auto"]
+        fixed += [_Profile.of(s, given=0) for s in waiting]  # not drafting unless started below
+        profiles = [_Profile.of(s) for s in rest]
+        depths = self.depths(profiles, fixed=fixed, shared=shared_drafts)
         for s, k in zip(rest, depths):
             s.state.max_draft = k
+        for s in waiting:
+            s.state.max_draft = None if self._starts(s, list(zip(profiles, depths)), fixed, shared_drafts) else 0
 
-    def depths(self, profiles: list[_Profile], extra_rows: float = 0, extra_tokens: float = 0,
-               fixed: Seq[_Profile] = (), shared: bool = False) -> list[int]:
-        """The goodput-maximising draft depths of ``profiles`` (``extra_rows``, ``extra_tokens``: the rows and
-        expected tokens of other sequences in the same forward, whose depth is fixed; ``fixed``: their profiles,
-        for their drafting time; ``shared``: draft forwards shared per draft model, see the module doc)."""
+    def depths(self, profiles: list[_Profile], fixed: Seq[_Profile] = (), shared: bool = False) -> list[int]:
+        """The goodput-maximising draft depths of ``profiles``; ``fixed``: the profiles of other sequences in the same
+        forward, each at its ``depth``; ``shared``: draft forwards shared per draft model, see the module doc."""
         k = [0] * len(profiles)
-
-        def drafting(depths: list[int]) -> float:
-            pairs = [(p, p.depth) for p in fixed] + list(zip(profiles, depths))
-            if not shared:
-                return sum(p.draft_s * d for p, d in pairs)
-            alone = sum(p.draft_s * d for p, d in pairs if p.model is None)  # no draft model: nothing to share
-            levels: dict[object, int] = {}  # per draft model: its deepest level and its slowest level's seconds
-            per_level: dict[object, float] = {}
-            for p, d in pairs:
-                if p.model is not None:
-                    levels[p.model] = max(levels.get(p.model, 0), d)
-                    per_level[p.model] = max(per_level.get(p.model, 0.0), p.draft_s)
-            return alone + sum(levels[m] * per_level[m] for m in levels)
+        given = [(p, p.depth) for p in fixed]
 
         def goodput(depths: list[int]) -> float:
-            tokens = extra_tokens + sum(p.expected(d) for p, d in zip(profiles, depths))
-            rows = extra_rows + sum(1 + p.width * d for p, d in zip(profiles, depths))
-            seconds = drafting(depths) + self.cost(max(1, round(rows)))
-            return tokens / seconds if seconds > 0 else float("inf")
+            return self.goodput(given + list(zip(profiles, depths)), shared)
 
         def moves(depths: list[int]):
             for i, p in enumerate(profiles):  # one sequence a level deeper
@@ -178,6 +176,107 @@ class Speculation:
             if choice is None:
                 return k
             k, best = choice, value
+
+    def goodput(self, pairs: Seq[tuple[_Profile, int]], shared: bool = False) -> float:
+        """Expected tokens per second of one step in which each ``(profile, depth)`` sequence drafts that deep."""
+        tokens = sum(p.expected(d) for p, d in pairs)
+        rows = sum(1 + p.width * d for p, d in pairs)
+        seconds = _drafting(pairs, shared) + self.cost(max(1, round(rows)))
+        return tokens / seconds if seconds > 0 else float("inf")
+
+    def _starts(self, seq, planned: list, fixed: list[_Profile], shared: bool) -> bool:
+        """Whether ``seq``, whose drafter has not drafted yet, starts drafting now. Its first proposal feeds its whole
+        context to the draft model (the draft's prefill, paid inside a step the whole batch waits for), which pays
+        only if drafting saves more over the tokens the sequence may still commit: ``R * (t0 - n0 / G1)`` seconds,
+        where ``t0`` and ``n0`` are the step's seconds and tokens with ``seq`` not drafting and ``G1`` the goodput
+        with it drafting at the depth best for it. Its acceptance, depth, width and costs are those its draft
+        model's earlier sequences measured (finished ones too); the first sequence of a model always starts
+        (nothing is measured yet)."""
+        pool = self._pools.get(_model_key(seq))
+        if pool is None or pool.level_s is None or pool.start_s_per_token is None:
+            return True
+        me = pool.profile(seq)
+        others = [(p, p.depth) for p in fixed if p.seq is not seq] + planned
+        tokens0 = sum(p.expected(d) for p, d in others) + 1
+        base = self.goodput(others + [(me, 0)], shared)
+        seconds0 = tokens0 / base if base > 0 else 0.0
+        best = max((self.goodput(others + [(me, d)], shared) for d in range(1, me.depth + 1)), default=base)
+        if best <= base:
+            return False
+        saved = seq.state.remaining * (seconds0 - tokens0 / best)
+        return saved > pool.start_s_per_token * len(seq.state.ids)
+
+    def _observe(self, drafting: list) -> None:
+        """Pool what each drafting sequence measured since the last step into its draft model's figures."""
+        for s in drafting:
+            pool = self._pools.setdefault(_model_key(s), _Pool())
+            reached, accepted = sum(s.stats.depth_reached), sum(s.stats.depth_accepted)
+            seen = self._counted.get(s)
+            r0, a0, started = seen if seen is not None else (0, 0, False)
+            pool.reached += reached - r0
+            pool.accepted += accepted - a0
+            if pool.reached > _POOL_MEMORY:  # recent sequences weigh most
+                pool.reached, pool.accepted = pool.reached / 2, pool.accepted / 2
+            if s.natural_depth:
+                pool.depth, pool.width = s.natural_depth, s.rows_per_level
+            if s.draft_s_per_level is not None:
+                pool.level_s = _mean(pool.level_s, s.draft_s_per_level)
+                if not started and s.draft_start is not None:  # its first proposal less its levels: the prefill
+                    seconds, fed, depth = s.draft_start
+                    per_token = max(0.0, seconds - depth * s.draft_s_per_level) / max(1, fed)
+                    pool.start_s_per_token = _mean(pool.start_s_per_token, per_token)
+                    started = True
+            self._counted[s] = (reached, accepted, started)
+
+
+_REPROBE = 8  # steps after which a capped drafter proposes uncapped again (fresh acceptance and cost figures)
+_POOL_MEMORY = 4096  # draft levels reached after which a draft model's pooled acceptance halves its history
+
+
+def _model_key(seq) -> object:
+    """What a sequence's drafter's figures are pooled under: its draft model, or its kind when it has none."""
+    model = capability(seq.drafter, "model")
+    return type(seq.drafter) if model is None else id(model)
+
+
+def _mean(old: float | None, new: float) -> float:
+    return new if old is None else 0.7 * old + 0.3 * new
+
+
+def _drafting(pairs: Seq[tuple[_Profile, int]], shared: bool) -> float:
+    """Seconds of drafting when each ``(profile, depth)`` drafts that deep (see the module doc)."""
+    if not shared:
+        return sum(p.draft_s * d for p, d in pairs)
+    alone = sum(p.draft_s * d for p, d in pairs if p.model is None)  # no draft model: nothing to share
+    levels: dict[object, int] = {}  # per draft model: its deepest level and its slowest level's seconds
+    per_level: dict[object, float] = {}
+    for p, d in pairs:
+        if p.model is not None:
+            levels[p.model] = max(levels.get(p.model, 0), d)
+            per_level[p.model] = max(per_level.get(p.model, 0.0), p.draft_s)
+    return alone + sum(levels[m] * per_level[m] for m in levels)
+
+
+class _Pool:
+    """What the sequences of one draft model measured: the acceptance pooled over their draft levels (recent ones
+    weigh most), their depth and width, seconds per draft level, and seconds per context token of a first proposal
+    (the draft's prefill)."""
+
+    __slots__ = ("reached", "accepted", "depth", "width", "level_s", "start_s_per_token")
+
+    def __init__(self) -> None:
+        self.reached = self.accepted = 0.0
+        self.depth, self.width = 1, 1.0
+        self.level_s: float | None = None
+        self.start_s_per_token: float | None = None
+
+    def profile(self, seq) -> _Profile:
+        """A profile for ``seq`` before it drafted, from these figures."""
+        a = (self.accepted + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (self.reached + _PRIOR_WEIGHT)
+        depth = min(self.depth, max(0, seq.state.remaining - 1))
+        model = capability(seq.drafter, "model")
+        return _Profile(min(a, 0.999), depth, self.width, self.level_s or 0.0, None if model is None else id(model),
+                        seq)
 
 
 _REPROBE = 8  # steps after which a capped drafter proposes uncapped again (fresh acceptance and cost figures)
@@ -203,11 +302,13 @@ def _probe(seq) -> bool:
 class _Profile:
     """What :meth:`Speculation.depths` knows of one sequence."""
 
-    __slots__ = ("acceptance", "depth", "width", "draft_s", "model")
+    __slots__ = ("acceptance", "depth", "width", "draft_s", "model", "seq")
 
-    def __init__(self, acceptance: float, depth: int, width: float, draft_s: float, model: object = None) -> None:
+    def __init__(self, acceptance: float, depth: int, width: float, draft_s: float, model: object = None,
+                 seq: object = None) -> None:
         self.acceptance, self.depth, self.width, self.draft_s = acceptance, depth, width, draft_s
         self.model = model  # what its draft forwards run on (those of one model can share a forward), or None
+        self.seq = seq  # the sequence it describes (None: a made-up profile)
 
     @classmethod
     def of(cls, seq, given: int | None = None) -> _Profile:
@@ -221,7 +322,7 @@ class _Profile:
             depth = given
         per_level = seq.draft_s_per_level or 0.0
         model = capability(seq.drafter, "model")
-        return cls(min(a, 0.999), depth, seq.rows_per_level, per_level, None if model is None else id(model))
+        return cls(min(a, 0.999), depth, seq.rows_per_level, per_level, None if model is None else id(model), seq)
 
     def expected(self, k: int) -> float:
         """Expected tokens committed by a step drafting ``k`` levels (bonus included)."""

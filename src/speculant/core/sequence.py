@@ -77,6 +77,8 @@ class Sequence:
         self.probed_at: int | None = None  # target calls when it last proposed uncapped
         self.draft_s_per_level: float | None = None  # measured drafting seconds per level (moving average)
         self._proposals = 0
+        # the first proposal's (seconds, context tokens fed, depth drafted): it fills the draft cache; None: not yet
+        self.draft_start: tuple[float, int, int] | None = None
         self.speculation: str | None = None  # this sequence's own mode (auto, on, off), over its batch's
         self.rows_per_level = 1.0  # draft tokens per level of its last uncapped tree (a chain: 1)
 
@@ -124,9 +126,13 @@ class Sequence:
         tree = _EMPTY
         if self.drafter is not None and state.draft_limit > 0:
             start = time.perf_counter()
+            fed = len(state.ids)
             tree = self.drafter.propose(state)
-            if tree.max_depth and self._proposals:  # seconds per draft level (the first proposal also prefills)
-                per = (time.perf_counter() - start) / tree.max_depth
+            seconds = time.perf_counter() - start
+            if not self._proposals:  # the first proposal also feeds the whole context to the drafter
+                self.draft_start = (seconds, fed, tree.max_depth)
+            elif tree.max_depth:  # seconds per draft level
+                per = seconds / tree.max_depth
                 self.draft_s_per_level = per if self.draft_s_per_level is None else (
                     0.7 * self.draft_s_per_level + 0.3 * per)
             self._proposals += 1
