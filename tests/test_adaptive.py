@@ -162,31 +162,36 @@ def _decode(batch: Batch, prompt: list[int], drafter, tokens: int = 24):
 def test_a_new_sequence_starts_drafting_only_where_it_pays_for_the_drafts_prefill():
     """A drafter's first proposal feeds the whole context to the draft model: under auto a sequence starts drafting
     only when its draft model's earlier sequences measured enough gain to pay that prefill over the tokens it may
-    still commit. The first sequence of a model always starts (nothing measured); outputs never change."""
+    still commit. The first sequence of a model always starts (nothing measured), and one after every eight turned
+    down (fresh figures); outputs never change."""
     target = tiny_model("llama", seed=0, vocab_size=VOCAB)
     draft = perturbed(tiny_model("llama", seed=0, vocab_size=VOCAB), 0.05, seed=2)
     prompt = [3, 4, 5, 6, 7]
     want = generate(target, prompt, max_new_tokens=24, eos_token_id=[]).token_ids
 
     dear = Batch(target, speculation=Speculation("auto", _Dear()))  # a draft row never pays
-    first = _decode(dear, prompt, build_drafter("chain:k=3", draft))
-    second = _decode(dear, prompt, build_drafter("chain:k=3", draft))
-    assert first.token_ids == second.token_ids == want
-    assert first.stats.draft_tokens > 0  # measured: its first proposal (and the re-probes)
-    assert second.stats.draft_tokens == 0  # never started: plain decoding from its first step
+    runs = [_decode(dear, prompt, build_drafter("chain:k=3", draft)) for _ in range(11)]
+    assert all(r.token_ids == want for r in runs)
+    drafted = [r.stats.draft_tokens > 0 for r in runs]
+    # the first measures (its first proposal and the re-probes); the next seven decode plainly throughout; the
+    # eighth turned down starts at its next step (fresh figures), and the count starts again
+    assert drafted == [True] + [False] * 7 + [True, False, False]
 
     flat = Speculation("auto", _Flat())
     batch = Batch(target, speculation=flat)
     _decode(batch, prompt, build_drafter("chain:k=3", draft))
     pool = next(iter(flat._pools.values()))
     assert pool.reached > 0 and pool.level_s is not None and pool.start_s_per_token is not None
+    assert pool.length == 24  # its last step counted too (observed as it finished)
     again = _decode(batch, prompt, build_drafter("chain:k=3", draft))
     assert again.token_ids == want and again.stats.depth_reached[0] >= again.stats.target_calls - 1
     # a prefill dearer than what drafting can save over 24 tokens (at most ~0.7 s each): plain decoding throughout
     pool.start_s_per_token = 10.0
     late = _decode(batch, prompt, build_drafter("chain:k=3", draft))
     assert late.token_ids == want and late.stats.draft_tokens == 0
-    # ... which more tokens to commit pay for (the same prefill, 400 tokens to go), and fewer do not
+    # the horizon: at most what the model's sequences committed (24 here), however many tokens a request allows
+    assert not flat._starts(_waiting(target, draft, prompt, 400), [], [], False)
+    pool.length = 1000.0  # long answers: 400 tokens to go pay for the same prefill, 2 do not
     assert flat._starts(_waiting(target, draft, prompt, 400), [], [], False)
     assert not flat._starts(_waiting(target, draft, prompt, 2), [], [], False)
 

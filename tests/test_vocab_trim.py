@@ -112,6 +112,7 @@ def test_drafters_over_one_model_share_its_trimmed_head():
         speculant.generate(target, prompts(seed=3)[0], drafter=drafter, max_new_tokens=4, eos_token_id=[])
         runs.append(drafter._head)
     assert runs[0] is runs[1] and runs[0].size == len(keep)
+    assert trimmed_head(draft, torch.tensor(keep), VOCAB) is runs[0]  # the same ids in another container
     assert trimmed_head(draft, keep[:3], VOCAB) is not runs[0]
     assert trimmed_head(draft, 0, VOCAB) is None  # 0: the full head
     with torch.no_grad():

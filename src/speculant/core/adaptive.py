@@ -30,7 +30,8 @@ A sequence whose drafter has not drafted yet starts only when that pays: its fir
 to the draft model (the draft's prefill, paid inside a step the batch waits for), so it starts when the seconds
 drafting is expected to save over the tokens it may still commit exceed that prefill's expected seconds, both from
 what the earlier sequences of its draft model measured (acceptance, depth, width, seconds per level and per
-context token; see ``Speculation._starts``). The first sequence of a draft model always starts. Under load with a
+context token, answer length; see ``Speculation._starts``). The first sequence of a draft model always starts, and
+every eighth one turned down too (fresh figures). Under load with a
 drafter that predicts the traffic poorly, a new request then decodes plainly from its first step instead of paying
 the draft's prefill for little or nothing.
 
@@ -116,14 +117,15 @@ class Speculation:
         self.mode = mode
         self.cost = cost if cost is not None else ForwardCost()
         self._pools: dict[object, _Pool] = {}  # per draft model (or drafter kind): what its sequences measured
-        self._counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> what _observe pooled
+        self._counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # sequence -> what observe pooled
+        self._refused: weakref.WeakSet = weakref.WeakSet()  # sequences _starts turned down at least once
 
     def plan(self, all_sequences: list, shared_drafts: bool = False) -> None:
         """Set each sequence's ``state.max_draft`` for the next step (:class:`~speculant.core.sequence.Sequence`:
         its statistics, drafter depth and width). ``shared_drafts``: the sequences of one draft model draft in
         shared forwards (:mod:`.draft_batch`)."""
         own = {id(s): s.speculation or self.mode for s in all_sequences}  # a sequence's own mode wins
-        self._observe([s for s in all_sequences if s.drafter is not None])
+        self.observe(all_sequences)
         for s in all_sequences:
             if own[id(s)] != "auto":
                 s.state.max_draft = None if own[id(s)] == "on" else 0
@@ -187,50 +189,70 @@ class Speculation:
     def _starts(self, seq, planned: list, fixed: list[_Profile], shared: bool) -> bool:
         """Whether ``seq``, whose drafter has not drafted yet, starts drafting now. Its first proposal feeds its whole
         context to the draft model (the draft's prefill, paid inside a step the whole batch waits for), which pays
-        only if drafting saves more over the tokens the sequence may still commit: ``R * (t0 - n0 / G1)`` seconds,
-        where ``t0`` and ``n0`` are the step's seconds and tokens with ``seq`` not drafting and ``G1`` the goodput
-        with it drafting at the depth best for it. Its acceptance, depth, width and costs are those its draft
-        model's earlier sequences measured (finished ones too); the first sequence of a model always starts
-        (nothing is measured yet)."""
+        only if drafting saves more. Drafting at the depth ``d`` best for it, it commits ``E(d)`` tokens a step and
+        lives ``R / E(d)`` steps (``R``: the tokens it may still commit, at most what its model's finished sequences
+        produced on average), in which the batch commits ``n1`` tokens a step at goodput ``G1`` instead of ``G0``:
+        it saves ``R / E(d) * n1 * (1 / G0 - 1 / G1)`` seconds. Its acceptance, depth, width and costs are those its
+        draft model's earlier sequences measured (finished ones too). The first sequence of a model always starts
+        (nothing is measured yet), and every ``_EXPLORE``-th sequence turned down starts at its next step (the
+        figures of a model whose sequences all decode plainly would never change)."""
         pool = self._pools.get(_model_key(seq))
         if pool is None or pool.level_s is None or pool.start_s_per_token is None:
             return True
+        if pool.refused >= _EXPLORE:
+            pool.refused = 0
+            return True
         me = pool.profile(seq)
         others = [(p, p.depth) for p in fixed if p.seq is not seq] + planned
-        tokens0 = sum(p.expected(d) for p, d in others) + 1
-        base = self.goodput(others + [(me, 0)], shared)
-        seconds0 = tokens0 / base if base > 0 else 0.0
-        best = max((self.goodput(others + [(me, d)], shared) for d in range(1, me.depth + 1)), default=base)
-        if best <= base:
-            return False
-        saved = seq.state.remaining * (seconds0 - tokens0 / best)
-        return saved > pool.start_s_per_token * len(seq.state.ids)
+        g0 = self.goodput(others + [(me, 0)], shared)
+        g1, depth = max(((self.goodput(others + [(me, d)], shared), d) for d in range(1, me.depth + 1)),
+                        default=(g0, 0))
+        if depth and g1 > g0:
+            remaining = seq.state.remaining
+            if pool.length is not None:
+                remaining = min(remaining, max(1.0, pool.length - len(seq.new)))
+            e1 = me.expected(depth)
+            n1 = sum(p.expected(d) for p, d in others) + e1
+            if remaining / e1 * n1 * (1 / g0 - 1 / g1) > pool.start_s_per_token * len(seq.state.ids):
+                return True
+        if seq not in self._refused:
+            self._refused.add(seq)
+            pool.refused += 1
+        return False
 
-    def _observe(self, drafting: list) -> None:
-        """Pool what each drafting sequence measured since the last step into its draft model's figures."""
-        for s in drafting:
+    def observe(self, sequences: list) -> None:
+        """Pool what each sequence with a drafter measured since it was last observed into its draft model's figures.
+        :meth:`plan` observes the batch each step; the batch observes a sequence once more as it finishes, so that
+        its last step and its length count."""
+        for s in sequences:
+            if s.drafter is None:
+                continue
             pool = self._pools.setdefault(_model_key(s), _Pool())
             reached, accepted = sum(s.stats.depth_reached), sum(s.stats.depth_accepted)
-            seen = self._counted.get(s)
-            r0, a0, started = seen if seen is not None else (0, 0, False)
+            r0, a0, level0, started, finished = self._counted.get(s, (0, 0, None, False, False))
             pool.reached += reached - r0
             pool.accepted += accepted - a0
             if pool.reached > _POOL_MEMORY:  # recent sequences weigh most
                 pool.reached, pool.accepted = pool.reached / 2, pool.accepted / 2
             if s.natural_depth:
                 pool.depth, pool.width = s.natural_depth, s.rows_per_level
-            if s.draft_s_per_level is not None:
-                pool.level_s = _mean(pool.level_s, s.draft_s_per_level)
-                if not started and s.draft_start is not None:  # its first proposal less its levels: the prefill
-                    seconds, fed, depth = s.draft_start
-                    per_token = max(0.0, seconds - depth * s.draft_s_per_level) / max(1, fed)
-                    pool.start_s_per_token = _mean(pool.start_s_per_token, per_token)
-                    started = True
-            self._counted[s] = (reached, accepted, started)
+            level = s.draft_s_per_level
+            if level is not None and level != level0:  # a new measurement
+                pool.level_s = _mean(pool.level_s, level)
+            if level is not None and not started and s.draft_start is not None:
+                # its first proposal less its levels: the prefill (an estimate: with draft forwards shared by the
+                # batch, the first proposal's seconds also hold the others' drafting while it waited for them)
+                seconds, fed, depth = s.draft_start
+                pool.start_s_per_token = _mean(pool.start_s_per_token, max(0.0, seconds - depth * level) / max(1, fed))
+                started = True
+            if s.done and not finished:
+                pool.length = _mean(pool.length, len(s.new))
+                finished = True
+            self._counted[s] = (reached, accepted, level, started, finished)
 
 
-_REPROBE = 8  # steps after which a capped drafter proposes uncapped again (fresh acceptance and cost figures)
 _POOL_MEMORY = 4096  # draft levels reached after which a draft model's pooled acceptance halves its history
+_EXPLORE = 8  # sequences of a draft model turned down, after which the next one starts (fresh figures)
 
 
 def _model_key(seq) -> object:
@@ -250,8 +272,8 @@ def _drafting(pairs: Seq[tuple[_Profile, int]], shared: bool) -> float:
     alone = sum(p.draft_s * d for p, d in pairs if p.model is None)  # no draft model: nothing to share
     levels: dict[object, int] = {}  # per draft model: its deepest level and its slowest level's seconds
     per_level: dict[object, float] = {}
-    for p, d in pairs:
-        if p.model is not None:
+    for p, d in pairs:  # every sequence of a model sets its level cost, drafting or not (figures measured in
+        if p.model is not None:  # other batches: the dearest counts)
             levels[p.model] = max(levels.get(p.model, 0), d)
             per_level[p.model] = max(per_level.get(p.model, 0.0), p.draft_s)
     return alone + sum(levels[m] * per_level[m] for m in levels)
@@ -259,16 +281,18 @@ def _drafting(pairs: Seq[tuple[_Profile, int]], shared: bool) -> float:
 
 class _Pool:
     """What the sequences of one draft model measured: the acceptance pooled over their draft levels (recent ones
-    weigh most), their depth and width, seconds per draft level, and seconds per context token of a first proposal
-    (the draft's prefill)."""
+    weigh most), their depth and width, seconds per draft level, seconds per context token of a first proposal
+    (the draft's prefill), and how many tokens a finished sequence committed."""
 
-    __slots__ = ("reached", "accepted", "depth", "width", "level_s", "start_s_per_token")
+    __slots__ = ("reached", "accepted", "depth", "width", "level_s", "start_s_per_token", "length", "refused")
 
     def __init__(self) -> None:
         self.reached = self.accepted = 0.0
         self.depth, self.width = 1, 1.0
         self.level_s: float | None = None
         self.start_s_per_token: float | None = None
+        self.length: float | None = None  # new tokens of a finished sequence (moving average)
+        self.refused = 0  # sequences turned down since one last started
 
     def profile(self, seq) -> _Profile:
         """A profile for ``seq`` before it drafted, from these figures."""

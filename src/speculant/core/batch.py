@@ -182,9 +182,10 @@ class Batch:
             self.speculation.cost.observe(self.rows, elapsed)
             events = [s.absorb(out[0], elapsed) for s, out in zip(seqs, logits)]
         self.steps += 1
-        for seq in seqs:
-            if seq.done:
-                self._finished[seq.index] = self._sequences.pop(seq.index)
+        done = [seq for seq in seqs if seq.done]
+        self.speculation.observe(done)  # their last step and their lengths count too
+        for seq in done:
+            self._finished[seq.index] = self._sequences.pop(seq.index)
         return events
 
     def cancel(self, index: int) -> Generation:

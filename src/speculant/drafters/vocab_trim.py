@@ -15,6 +15,7 @@ otherwise.
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -126,8 +127,9 @@ class TrimmedHead:
         return full.index_copy_(-1, self.keep.to(probs.device), probs)
 
 
-_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> {key: TrimmedHead | None}, newest last
-_HEADS_PER_MODULE = 4
+_HEADS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # lm_head -> {key: (TrimmedHead | None, quantized)}
+_HEADS_PER_MODULE = 4  # settings kept per head, the least recently used dropped first
+_HEADS_LOCK = threading.Lock()
 
 
 def _model_dir(model: torch.nn.Module) -> str | None:
@@ -150,20 +152,22 @@ def trimmed_head(model: torch.nn.Module, vocab_trim: int | Sequence[int] | None,
                  sampling: bool = False) -> TrimmedHead | None:
     """The :class:`TrimmedHead` of ``model``'s LM head for ``vocab_trim`` (see :func:`resolve_keep_ids`; None: the
     full head), built once per head, setting and weights and shared by every drafter over that model: a server makes
-    a fresh drafter per request, and building the kept rows of a quantized 151,936-row head (unpacking its codes)
-    took 0.3 s, a delay in every request's first token and a stall of the whole batch it joins."""
+    a fresh drafter per request, and building the kept rows of a quantized head unpacks its codes, which for a
+    151,936-row head delayed every request's first token and stalled the whole batch it joined."""
     lm_head = model.get_output_embeddings()
-    weight, quantized = lm_head.weight, getattr(lm_head, ATTR, None)
-    setting = tuple(int(i) for i in vocab_trim) if isinstance(vocab_trim, Sequence) else vocab_trim
-    key = (setting, vocab, sampling, weight.data_ptr(), weight._version, id(quantized),
-           None if isinstance(setting, tuple) else _calibration_stamp(model))
-    heads = _HEADS.setdefault(lm_head, {})
-    if key in heads:
-        entry = heads.pop(key)  # re-inserted below: the newest last
-    else:
-        keep = resolve_keep_ids(model, vocab_trim, vocab, sampling=sampling)
-        entry = (None if keep is None else TrimmedHead(lm_head, keep), quantized)  # quantized kept alive: its id
-        while len(heads) >= _HEADS_PER_MODULE:                                    # stays unique while cached
-            heads.pop(next(iter(heads)))
-    heads[key] = entry
+    weight, quantized, bias = lm_head.weight, getattr(lm_head, ATTR, None), getattr(lm_head, "bias", None)
+    setting = vocab_trim if vocab_trim is None or isinstance(vocab_trim, int) else tuple(int(i) for i in vocab_trim)
+    from_file = not isinstance(setting, tuple)  # kept ids read from the model's calibration (see resolve_keep_ids)
+    key = (setting, vocab, sampling if setting is None else None, weight.data_ptr(), weight._version, weight.dtype,
+           str(weight.device), None if bias is None else bias._version, id(quantized),
+           (_model_dir(model), _calibration_stamp(model)) if from_file else None)
+    with _HEADS_LOCK:  # drafters may begin on several threads (user code)
+        heads = _HEADS.setdefault(lm_head, {})
+        entry = heads.pop(key, None)  # re-inserted below: the most recently used last
+        if entry is None:
+            keep = resolve_keep_ids(model, vocab_trim, vocab, sampling=sampling)
+            entry = (None if keep is None else TrimmedHead(lm_head, keep), quantized)  # quantized kept alive: its id
+            while len(heads) >= _HEADS_PER_MODULE:                                    # stays unique while cached
+                heads.pop(next(iter(heads)))
+        heads[key] = entry
     return entry[0]
