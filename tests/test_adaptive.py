@@ -98,9 +98,12 @@ def test_adaptive_and_no_speculation_decode_the_same_tokens(mode):
     drafted = [r.stats.draft_tokens for r in results]
     if mode == "off":
         assert drafted == [0, 0, 0]
-    else:  # only the measuring drafts: the first two steps' and a re-probe every 8 steps
+    else:  # only the measuring drafts: the first two steps' and a probe every 8 steps
         assert sum(drafted) < sum(g.stats.draft_tokens for g in runs) / 2 and max(drafted) > 0
         assert results[0].stats.target_calls > 10  # mostly plain decoding
+        # chain:k=4: two uncapped proposals (4 tokens each), then probes one level past its plan of none (1 token)
+        probes = (results[0].stats.target_calls - 3) // 8
+        assert probes >= 1 and drafted[0] == 2 * 4 + probes
 
 
 def test_a_seeded_sampled_request_keeps_its_depth_and_its_draws():

@@ -133,8 +133,8 @@ class Speculation:
         if not sequences:
             return
         waiting = [s for s in sequences if s.drafter is not None and s.draft_start is None and not _pinned(s)]
-        free = [s for s in sequences if s.drafter is not None and s not in waiting and (_pinned(s) or _probe(s))]
-        for s in free:  # as deep as its drafter likes (see _pinned and _probe)
+        free = [s for s in sequences if s.drafter is not None and s not in waiting and (_pinned(s) or _unmeasured(s))]
+        for s in free:  # as deep as its drafter likes (see _pinned and _unmeasured)
             s.state.max_draft = None
         rest = [s for s in sequences if s not in free and s not in waiting]
         fixed = [_Profile.of(s) for s in free]  # drafting at their own depth in the same forward
@@ -143,7 +143,10 @@ class Speculation:
         fixed += [_Profile.of(s, given=0) for s in waiting]  # not drafting unless started below
         profiles = [_Profile.of(s) for s in rest]
         depths = self.depths(profiles, fixed=fixed, shared=shared_drafts)
-        for s, k in zip(rest, depths):
+        for s, p, k in zip(rest, profiles, depths):
+            if s.drafter is not None and _due(s):  # one level deeper than planned: fresh figures, at a level's cost
+                k = min(p.depth, k + 1)
+                s.probed_at = s.stats.target_calls
             s.state.max_draft = k
         for s in waiting:
             s.state.max_draft = None if self._starts(s, list(zip(profiles, depths)), fixed, shared_drafts) else 0
@@ -303,7 +306,7 @@ class _Pool:
                         seq)
 
 
-_REPROBE = 8  # steps after which a capped drafter proposes uncapped again (fresh acceptance and cost figures)
+_REPROBE = 8  # steps after which a sequence drafts one level past its plan (fresh acceptance and cost figures)
 
 
 def _pinned(seq) -> bool:
@@ -314,13 +317,17 @@ def _pinned(seq) -> bool:
     return not params.greedy and params.seed is not None
 
 
-def _probe(seq) -> bool:
+def _unmeasured(seq) -> bool:
     """Whether ``seq``'s drafter should draft uncapped this step, to measure its depth, width, acceptance and cost:
-    until its cost per level was measured (its first proposal also fills its cache, so it is not counted), and again
-    every ``_REPROBE`` steps (acceptance and costs drift; a sequence capped to no drafts measures nothing)."""
-    if seq.probed_at is None or (seq.draft_s_per_level is None and seq.natural_depth):
-        return True
-    return seq.stats.target_calls - seq.probed_at >= _REPROBE
+    until its cost per level was measured (its first proposal also fills its cache, so it is not counted)."""
+    return seq.probed_at is None or (seq.draft_s_per_level is None and bool(seq.natural_depth))
+
+
+def _due(seq) -> bool:
+    """Whether ``seq`` is due for a probe: ``_REPROBE`` steps since it last drafted past its plan (acceptance and
+    costs drift, and a sequence capped to no drafts measures nothing). It then drafts one level deeper than
+    planned, not uncapped (under load a full-depth probe of every sequence cost more than what it measured)."""
+    return seq.probed_at is not None and seq.stats.target_calls - seq.probed_at >= _REPROBE
 
 
 class _Profile:

@@ -74,7 +74,7 @@ class Sequence:
         self._step: tuple[DraftTree, int, object] | None = None  # plan()'s tree, cache length and capture
         self._start = 0.0
         self.natural_depth = 0  # the deepest draft the drafter proposed uncapped (0: not seen yet)
-        self.probed_at: int | None = None  # target calls when it last proposed uncapped
+        self.probed_at: int | None = None  # target calls when it last probed (core.adaptive)
         self.draft_s_per_level: float | None = None  # measured drafting seconds per level (moving average)
         self._proposals = 0
         # the first proposal's (seconds, context tokens fed, depth drafted): it fills the draft cache; None: not yet
