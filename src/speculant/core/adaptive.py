@@ -258,10 +258,21 @@ _POOL_MEMORY = 4096  # draft levels reached after which a draft model's pooled a
 _EXPLORE = 8  # sequences of a draft model turned down, after which the next one starts (fresh figures)
 
 
+def _model_id(seq) -> int | None:
+    """The id of what a sequence's draft forwards run on (those of one model can share a forward), or None."""
+    model = capability(seq.drafter, "model")
+    return None if model is None else id(model)
+
+
 def _model_key(seq) -> object:
     """What a sequence's drafter's figures are pooled under: its draft model, or its kind when it has none."""
-    model = capability(seq.drafter, "model")
-    return type(seq.drafter) if model is None else id(model)
+    model = _model_id(seq)
+    return type(seq.drafter) if model is None else model
+
+
+def _acceptance(accepted: float, reached: float) -> float:
+    """Per-level acceptance from draft levels accepted of those reached, with the prior worth _PRIOR_WEIGHT levels."""
+    return min((accepted + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (reached + _PRIOR_WEIGHT), 0.999)
 
 
 def _mean(old: float | None, new: float) -> float:
@@ -299,11 +310,9 @@ class _Pool:
 
     def profile(self, seq) -> _Profile:
         """A profile for ``seq`` before it drafted, from these figures."""
-        a = (self.accepted + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (self.reached + _PRIOR_WEIGHT)
         depth = min(self.depth, max(0, seq.state.remaining - 1))
-        model = capability(seq.drafter, "model")
-        return _Profile(min(a, 0.999), depth, self.width, self.level_s or 0.0, None if model is None else id(model),
-                        seq)
+        return _Profile(_acceptance(self.accepted, self.reached), depth, self.width, self.level_s or 0.0,
+                        _model_id(seq), seq)
 
 
 _REPROBE = 8  # steps after which a sequence drafts one level past its plan (fresh acceptance and cost figures)
@@ -344,16 +353,13 @@ class _Profile:
     @classmethod
     def of(cls, seq, given: int | None = None) -> _Profile:
         stats = seq.stats
-        reached, accepted = sum(stats.depth_reached), sum(stats.depth_accepted)
-        a = (accepted + _PRIOR_ACCEPTANCE * _PRIOR_WEIGHT) / (reached + _PRIOR_WEIGHT)
+        a = _acceptance(sum(stats.depth_accepted), sum(stats.depth_reached))
         depth = min(seq.natural_depth, max(0, seq.state.remaining - 1)) if seq.drafter is not None else 0
         if _pinned(seq) or seq.probed_at is None:  # drafting uncapped this step: as deep as it did before, at least 1
             depth = max(1, depth) if seq.drafter is not None else 0
         if given is not None:
             depth = given
-        per_level = seq.draft_s_per_level or 0.0
-        model = capability(seq.drafter, "model")
-        return cls(min(a, 0.999), depth, seq.rows_per_level, per_level, None if model is None else id(model), seq)
+        return cls(a, depth, seq.rows_per_level, seq.draft_s_per_level or 0.0, _model_id(seq), seq)
 
     def expected(self, k: int) -> float:
         """Expected tokens committed by a step drafting ``k`` levels (bonus included)."""

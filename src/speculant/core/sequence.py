@@ -76,7 +76,6 @@ class Sequence:
         self.natural_depth = 0  # the deepest draft the drafter proposed uncapped (0: not seen yet)
         self.probed_at: int | None = None  # target calls when it last probed (core.adaptive)
         self.draft_s_per_level: float | None = None  # measured drafting seconds per level (moving average)
-        self._proposals = 0
         # the first proposal's (seconds, context tokens fed, depth drafted): it fills the draft cache; None: not yet
         self.draft_start: tuple[float, int, int] | None = None
         self.speculation: str | None = None  # this sequence's own mode (auto, on, off), over its batch's
@@ -129,13 +128,12 @@ class Sequence:
             fed = len(state.ids)
             tree = self.drafter.propose(state)
             seconds = time.perf_counter() - start
-            if not self._proposals:  # the first proposal also feeds the whole context to the drafter
+            if self.draft_start is None:  # the first proposal also feeds the whole context to the drafter
                 self.draft_start = (seconds, fed, tree.max_depth)
             elif tree.max_depth:  # seconds per draft level
                 per = seconds / tree.max_depth
                 self.draft_s_per_level = per if self.draft_s_per_level is None else (
                     0.7 * self.draft_s_per_level + 0.3 * per)
-            self._proposals += 1
         if state.max_draft is None and self.drafter is not None:  # its own depth and width (adaptive speculation)
             self.probed_at = self.stats.target_calls
             if tree.max_depth:

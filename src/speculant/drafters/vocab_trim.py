@@ -136,9 +136,9 @@ def _model_dir(model: torch.nn.Module) -> str | None:
     return getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
 
 
-def _calibration_stamp(model: torch.nn.Module) -> tuple[int, int] | None:
-    """The modification time and size of ``model``'s calibration file, or None: a rewritten file is read again."""
-    model_dir = _model_dir(model)
+def _calibration_stamp(model_dir: str | None) -> tuple[int, int] | None:
+    """The modification time and size of the calibration file in ``model_dir``, or None: a rewritten file is read
+    again."""
     if not model_dir:
         return None
     try:
@@ -158,9 +158,10 @@ def trimmed_head(model: torch.nn.Module, vocab_trim: int | Sequence[int] | None,
     weight, quantized, bias = lm_head.weight, getattr(lm_head, ATTR, None), getattr(lm_head, "bias", None)
     setting = vocab_trim if vocab_trim is None or isinstance(vocab_trim, int) else tuple(int(i) for i in vocab_trim)
     from_file = not isinstance(setting, tuple)  # kept ids read from the model's calibration (see resolve_keep_ids)
+    model_dir = _model_dir(model) if from_file else None
     key = (setting, vocab, sampling if setting is None else None, weight.data_ptr(), weight._version, weight.dtype,
            str(weight.device), None if bias is None else bias._version, id(quantized),
-           (_model_dir(model), _calibration_stamp(model)) if from_file else None)
+           (model_dir, _calibration_stamp(model_dir)) if from_file else None)
     with _HEADS_LOCK:  # drafters may begin on several threads (user code)
         heads = _HEADS.setdefault(lm_head, {})
         entry = heads.pop(key, None)  # re-inserted below: the most recently used last
