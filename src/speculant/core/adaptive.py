@@ -31,9 +31,10 @@ to the draft model (the draft's prefill, paid inside a step the batch waits for)
 drafting is expected to save over the tokens it may still commit exceed that prefill's expected seconds, both from
 what the earlier sequences of its draft model measured (acceptance, depth, width, seconds per level and per
 context token, answer length; see ``Speculation._starts``). The first sequence of a draft model always starts, and
-every eighth one turned down too (fresh figures). Under load with a
-drafter that predicts the traffic poorly, a new request then decodes plainly from its first step instead of paying
-the draft's prefill for little or nothing.
+one after eight turned down too (fresh figures; the wait doubles after each such start, up to 64, until the rule
+itself starts one again). Under load with a drafter that predicts the traffic poorly, a new request then decodes
+plainly from its first step instead of paying the draft's prefill for little or nothing. Drafting, and starting to,
+must promise 3% more goodput than none: the model leaves out per-step work that grows with drafting.
 
 Exactness is untouched: the verifier does not care how deep a drafter drafted (a depth of 0 is plain decoding).
 Greedy output is the same at any depth; a sampled request's draws depend on the depths, so a request with a seed
@@ -171,7 +172,7 @@ class Speculation:
                         level = min(depths[i] for i in group) + 1
                         yield [max(d, level) if i in group else d for i, d in enumerate(depths)]
 
-        best = goodput(k)
+        best = base = goodput(k)
         while True:
             choice, value = None, best
             for candidate in moves(k):
@@ -179,8 +180,9 @@ class Speculation:
                 if g > value * (1 + 1e-9):
                     choice, value = candidate, g
             if choice is None:
-                return k
+                break
             k, best = choice, value
+        return k if best >= base * _MARGIN else [0] * len(k)  # a predicted gain within the model's error: none
 
     def goodput(self, pairs: Seq[tuple[_Profile, int]], shared: bool = False) -> float:
         """Expected tokens per second of one step in which each ``(profile, depth)`` sequence drafts that deep."""
@@ -197,26 +199,28 @@ class Speculation:
         produced on average), in which the batch commits ``n1`` tokens a step at goodput ``G1`` instead of ``G0``:
         it saves ``R / E(d) * n1 * (1 / G0 - 1 / G1)`` seconds. Its acceptance, depth, width and costs are those its
         draft model's earlier sequences measured (finished ones too). The first sequence of a model always starts
-        (nothing is measured yet), and every ``_EXPLORE``-th sequence turned down starts at its next step (the
-        figures of a model whose sequences all decode plainly would never change)."""
+        (nothing is measured yet), and after ``explore_after`` sequences turned down (8, doubling after each such
+        start up to 64, back to 8 when the rule starts one) the next starts at its next step (the figures of a model
+        whose sequences all decode plainly would never change)."""
         pool = self._pools.get(_model_key(seq))
         if pool is None or pool.level_s is None or pool.start_s_per_token is None:
             return True
-        if pool.refused >= _EXPLORE:
-            pool.refused = 0
+        if pool.refused >= pool.explore_after:  # explore, then wait twice as long for the next exploration
+            pool.refused, pool.explore_after = 0, min(2 * pool.explore_after, _EXPLORE_MAX)
             return True
         me = pool.profile(seq)
         others = [(p, p.depth) for p in fixed if p.seq is not seq] + planned
         g0 = self.goodput(others + [(me, 0)], shared)
         g1, depth = max(((self.goodput(others + [(me, d)], shared), d) for d in range(1, me.depth + 1)),
                         default=(g0, 0))
-        if depth and g1 > g0:
+        if depth and g1 > g0 * _MARGIN:
             remaining = seq.state.remaining
             if pool.length is not None:
                 remaining = min(remaining, max(1.0, pool.length - len(seq.new)))
             e1 = me.expected(depth)
             n1 = sum(p.expected(d) for p, d in others) + e1
             if remaining / e1 * n1 * (1 / g0 - 1 / g1) > pool.start_s_per_token * len(seq.state.ids):
+                pool.explore_after = _EXPLORE  # drafting pays again: the next refusals explore at the first rate
                 return True
         if seq not in self._refused:
             self._refused.add(seq)
@@ -244,7 +248,8 @@ class Speculation:
                 pool.level_s = _mean(pool.level_s, level)
             if level is not None and not started and s.draft_start is not None:
                 # its first proposal less its levels: the prefill (an estimate: with draft forwards shared by the
-                # batch, the first proposal's seconds also hold the others' drafting while it waited for them)
+                # batch, first proposals of one step share its time by the tokens they fed, see Batch, and the
+                # time also holds the others' drafting while they waited for each other)
                 seconds, fed, depth = s.draft_start
                 pool.start_s_per_token = _mean(pool.start_s_per_token, max(0.0, seconds - depth * level) / max(1, fed))
                 started = True
@@ -255,7 +260,12 @@ class Speculation:
 
 
 _POOL_MEMORY = 4096  # draft levels reached after which a draft model's pooled acceptance halves its history
-_EXPLORE = 8  # sequences of a draft model turned down, after which the next one starts (fresh figures)
+_EXPLORE = 8  # sequences of a draft model turned down, after which the next one starts (fresh figures) ...
+_EXPLORE_MAX = 64  # ... doubling after each such start, up to this, until the rule itself starts one again
+_MARGIN = 1.03  # drafting must promise at least this much more goodput than none: the cost model's figures (one
+# forward's seconds by its rows, a level's seconds) leave out per-step work that grows with drafting (catch-up
+# forwards, building and verifying trees, cache bookkeeping): on the 1.5B pair at four sequences, where the model
+# saw small gains, drafting at the method's depth lost 4% and auto 1.5% (benchmarks/results/continuous_batch.json)
 
 
 def _model_id(seq) -> int | None:
@@ -298,7 +308,8 @@ class _Pool:
     weigh most), their depth and width, seconds per draft level, seconds per context token of a first proposal
     (the draft's prefill), and how many tokens a finished sequence committed."""
 
-    __slots__ = ("reached", "accepted", "depth", "width", "level_s", "start_s_per_token", "length", "refused")
+    __slots__ = ("reached", "accepted", "depth", "width", "level_s", "start_s_per_token", "length", "refused",
+                 "explore_after")
 
     def __init__(self) -> None:
         self.reached = self.accepted = 0.0
@@ -307,6 +318,7 @@ class _Pool:
         self.start_s_per_token: float | None = None
         self.length: float | None = None  # new tokens of a finished sequence (moving average)
         self.refused = 0  # sequences turned down since one last started
+        self.explore_after = _EXPLORE  # refusals after which the next sequence starts anyway
 
     def profile(self, seq) -> _Profile:
         """A profile for ``seq`` before it drafted, from these figures."""

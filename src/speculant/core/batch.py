@@ -167,10 +167,12 @@ class Batch:
         with torch.inference_mode():
             self.step_draft_forwards = self.step_draft_segments = 0
             if self.batch_drafts and modeled > 1:  # their draft forwards run together (core.draft_batch)
+                fresh = [s for s in seqs if s.draft_start is None]
                 segments, batcher = plan_together([s.plan for s in seqs])
                 self.step_draft_forwards, self.step_draft_segments = batcher.forwards, batcher.segments
                 self.draft_forwards += batcher.forwards
                 self.draft_segments += batcher.segments
+                _share_first_proposals([s for s in fresh if s.draft_start is not None])
             else:
                 segments = [s.plan() for s in seqs]
             self.rows = sum(seg.input_ids.shape[1] if seg.input_ids is not None else seg.inputs_embeds.shape[1]
@@ -209,6 +211,19 @@ class Batch:
     def release(self, index: int) -> None:
         """Forget finished sequence ``index`` (its cache and result)."""
         self._finished.pop(index, None)
+
+
+def _share_first_proposals(started: list[Sequence]) -> None:
+    """Sequences whose first proposals (each feeding its whole context to the draft model) ran in the same shared
+    draft forwards each timed the whole planning, everybody's prefills included: give each a share of that time by
+    the tokens it fed. (With the whole time each, the draft's prefill read several times dearer per token than its
+    forward alone is, and under load the start rule turned down sequences whose drafting paid.)"""
+    if len(started) < 2:
+        return
+    fed = sum(s.draft_start[1] for s in started)
+    for s in started:
+        seconds, own, depth = s.draft_start
+        s.draft_start = (seconds * own / max(1, fed), own, depth)
 
 
 _RESOLVE = "use speculant.generate, which resolves names and models, or pass the resolved object"
