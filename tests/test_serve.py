@@ -548,6 +548,34 @@ def test_bench_serve_refuses_other_hosts(capsys):
         assert err.count("\n") == 1 and err.startswith("speculant: error: --url"), err
 
 
+def test_bench_serve_waits_for_a_server_loading_its_model():
+    """A load started while the server still loads its model would fail every request: the client polls GET /health
+    while it answers 503 (saying so once), goes on at 200 (or at any other answer: a server without the route), and
+    gives up with a one-line error after its --wait."""
+    import asyncio
+
+    from speculant.bench.serve_load import wait_ready
+
+    answers = [503, 503, 200]
+    seen, told = [], []
+
+    def handler(request):
+        seen.append(request.url.path)
+        return httpx.Response(answers.pop(0) if answers else 200)
+
+    async def run(timeout_s):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await wait_ready(client, "http://127.0.0.1:1", timeout_s, told.append, poll_s=0.01)
+
+    asyncio.run(run(5.0))
+    assert seen == ["/health"] * 3 and len(told) == 1 and "load its model" in told[0]
+    answers[:] = [404]  # no /health route: go on
+    asyncio.run(run(5.0))
+    answers[:] = [503] * 1000
+    with pytest.raises(ValueError, match="still answers GET /health with 503 after 0 s"):
+        asyncio.run(run(0.0))
+
+
 def test_bench_without_serve_is_unchanged():
     assert cli._bench_serve_argv(["bench", "--methods", "ar"]) is None
     assert cli._bench_serve_argv(["-v", "bench", "serve", "--url", "u"]) == ["-v", "--url", "u"]

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["LoadSettings", "RequestResult", "check_url", "percentile", "run_load", "scrape_metrics"]
+__all__ = ["LoadSettings", "RequestResult", "check_url", "percentile", "run_load", "scrape_metrics", "wait_ready"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class LoadSettings:
     ignore_eos: bool = False
     warmup: int = 1
     timeout_s: float = 600.0
+    ready_timeout_s: float = 900.0  # how long to wait for a server still loading its model (GET /health 503)
     api_key: str | None = None
     model: str | None = None
     speculation: tuple[str, ...] = ()  # each level once per mode, in turn (speculant_speculation); (): the server's own
@@ -259,6 +260,26 @@ def _summary(concurrency: int, results: list[RequestResult], wall: float, spec: 
     }
 
 
+async def wait_ready(client, base: str, timeout_s: float, progress=None, poll_s: float = 2.0) -> None:
+    """Return once ``GET /health`` answers 200 (or anything but 503: a server without the route); while it answers
+    503 (``speculant serve`` loading its model) poll every ``poll_s`` seconds, saying so once through
+    ``progress``; a one-line ValueError after ``timeout_s`` seconds. A load started before the model is ready would
+    fail every request."""
+    deadline = time.monotonic() + timeout_s
+    told = False
+    while True:
+        r = await client.get(base + "/health")
+        if r.status_code != 503:
+            return
+        if time.monotonic() >= deadline:
+            raise ValueError(f"{base} still answers GET /health with 503 after {timeout_s:.0f} s (loading or shutting "
+                             "down); try again once it answers 200")
+        if progress and not told:
+            progress(f"waiting for {base} to load its model (GET /health answers 503)")
+            told = True
+        await asyncio.sleep(poll_s)
+
+
 async def _models(client, base: str, headers: dict) -> list[str]:
     r = await client.get(base + "/v1/models", headers=headers)
     if r.status_code != 200:
@@ -276,6 +297,7 @@ async def run_load(settings: LoadSettings, prompts: Sequence[Mapping], progress=
     limits = httpx.Limits(max_connections=max(settings.concurrency) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s, connect=10.0), limits=limits) as client:
         try:
+            await wait_ready(client, base, settings.ready_timeout_s, progress)
             models = await _models(client, base, headers)
         except httpx.HTTPError as exc:
             raise ValueError(f"cannot reach {base}: {exc}") from None

@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="untimed requests before the first level; default: %(default)s")
     p.add_argument("--timeout", dest="timeout_s", type=float, metavar="S", default=d["timeout_s"],
                    help="seconds a request may take; default: %(default)s")
+    p.add_argument("--wait", dest="ready_timeout_s", type=float, metavar="S", default=d["ready_timeout_s"],
+                   help="seconds to wait for a server still loading its model (GET /health 503) before the first "
+                        "request; default: %(default)s")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
                    help=f"the server's --api-key, if it has one; default: ${API_KEY_ENV} if set")
     p.add_argument("--model", metavar="NAME", default=None,
@@ -117,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--temperature must be in [0, 2], got {args.temperature}")
     if args.timeout_s <= 0:
         raise ValueError(f"--timeout must be > 0, got {args.timeout_s}")
+    if args.ready_timeout_s < 0:
+        raise ValueError(f"--wait must be >= 0, got {args.ready_timeout_s}")
     check_out_dir(args.out)
     prompts = load_prompts(args.prompts)
     names = {f.name for f in dataclasses.fields(LoadSettings)}
