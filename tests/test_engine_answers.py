@@ -130,6 +130,7 @@ def test_sharegpt_reader_keeps_every_complete_conversation_before_the_cut(tmp_pa
     turns = sharegpt_first_turns(path)
     assert len(turns) == EVAL_SIZE + 40  # chunk _1, a model-first chat and the cut duplicate are not first turns
     assert all(t["messages"][0]["role"] == "user" for t in turns)
+    assert all(t["answer"] == "ok" for t in turns)  # the model's reply, for teacher-forced drafter data
     held = [t for t in turns if t["split"] == "eval"]
     assert len(held) == EVAL_SIZE
     # the split is a function of the ids only: the same conversations in another order split the same way
@@ -196,3 +197,119 @@ def test_batches_grouped_by_length_are_random_windows_of_similar_lengths():
         starts.add(where[0])
     assert len(starts) > 20  # and spread over the data
     assert len(set(_picks(rng, None, 100, 8).tolist())) == 8  # the default: a uniform draw without replacement
+
+
+def test_forced_answers_hold_the_target_topk_and_states_of_the_given_answers(target, tmp_path):
+    """Teacher forcing: each given answer is read in one target forward; the shards hold those answers, the target's
+    top-k at each answer token and its states over prompt + answer[:-1], exactly as a forward computes them; an
+    interrupted run resumes with the same shards."""
+    from speculant.train.drafter.forced_answers import FORCED, forced_answers
+
+    prompts = _prompts(7)
+    g = torch.Generator().manual_seed(4)
+    answers = [torch.randint(6, VOCAB, (1 + (5 * i) % 9,), generator=g).tolist() + [STOP] for i in range(7)]
+    taps = [0]
+    out, feats = tmp_path / "answers", tmp_path / "features"
+    forced_answers(target, prompts, answers, out, shard_size=3, topk=5, features=feats, taps=taps, progress=False)
+    shards = load_shards(out)
+    assert sorted(i for s in shards for i in s.prompt_index) == list(range(7))
+    states = load_features(feats, len(shards))
+    for n, shard in enumerate(shards):
+        assert set(shard.temperature.tolist()) == {FORCED}
+        assert states[n].shape == (int(sequence_lengths(shard).sum()), 2 * target.config.hidden_size)
+        row = 0
+        for i in range(len(shard)):
+            prompt, answer, where = shard.sample(i)
+            assert answer.tolist() == answers[shard.prompt_index[i]]
+            seq = torch.from_numpy(np.concatenate([prompt, answer[:-1]]).astype(np.int64))[None]  # [1, T]
+            cache = SpecCache(target.config.num_hidden_layers, capacity=seq.shape[1] + 8)
+            hidden: list[torch.Tensor] = []
+            logits = TargetForward(target, taps=taps)(cache, seq, hidden_out=hidden)[0]  # [T, V]
+            top = logits[len(prompt) - 1:].float().log_softmax(-1).topk(5, dim=-1)  # at each answer token
+            assert np.array_equal(shard.topk_ids[where], top.indices.numpy())
+            np.testing.assert_allclose(shard.topk_logprobs[where].astype(np.float32), top.values.numpy(), atol=2e-3)
+            got = to_tensor(states[n][row:row + seq.shape[1]])
+            torch.testing.assert_close(got, hidden[0][0].to(torch.bfloat16).float(), atol=0.02, rtol=0.02)
+            row += seq.shape[1]
+    first = {p.name: AnswerShard.load(p) for p in shard_paths(out)}
+    (out / "shard-00001.npz").unlink()  # interrupted
+    forced_answers(target, prompts, answers, out, shard_size=3, topk=5, features=feats, taps=taps, progress=False)
+    again = {p.name: AnswerShard.load(p) for p in shard_paths(out)}
+    assert again.keys() == first.keys()
+    assert all(np.array_equal(getattr(again[k], f), getattr(v, f)) for k, v in first.items()
+               for f in AnswerShard.__dataclass_fields__)
+    assert [r["shards"] for r in json.loads((out / "RUNS.json").read_text())] == [3, 1]
+    with pytest.raises(ValueError, match="at least one token"):
+        forced_answers(target, prompts[:1], [[]], tmp_path / "x", progress=False)
+
+
+def test_the_pipeline_reads_the_prompts_own_answers_when_asked(tmp_path):
+    """--answers dataset: the rows' own answers (as ShareGPT's replies), tokenised with the chat's stop token and cut
+    at max_new_tokens, read by the target; rows without an answer are left out; none at all is a clear error."""
+    from helpers import chat_model_pair
+
+    from speculant.models.chat import stop_ids
+    from speculant.models.loading import load_pretrained
+    from speculant.train.drafter.pipeline import DraftRunConfig, dataset_answer, run_answers, run_features
+
+    target_dir = chat_model_pair(tmp_path / "m", layers=2)[0]
+    prompts = tmp_path / "p.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"def f{i}(x):"}], "answer": "ok" if i % 2 else f"return x + {i} " * 4}
+            for i in range(5)] + [{"messages": [{"role": "user", "content": "no answer here"}]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = DraftRunConfig(target=target_dir, out=str(tmp_path / "run"), prompts=str(prompts), max_new_tokens=6,
+                         gen_batch=2, engine="speculant", quantization="q4", kind="feature", taps=[1],
+                         answers="dataset")
+    folder = run_answers(cfg, progress=False)
+    shards = load_shards(folder)
+    assert sorted(i for s in shards for i in s.prompt_index) == list(range(5))  # the row without an answer: out
+    model, tokenizer = load_pretrained(target_dir)
+    stop = stop_ids(tokenizer, model)[0]
+    cut = 0
+    for shard in shards:
+        for i in range(len(shard)):
+            want = dataset_answer(tokenizer, rows[shard.prompt_index[i]], 6, stop)
+            assert shard.sample(i)[1].tolist() == want and 0 < len(want) <= 6
+            cut += want[-1] != stop
+    assert 0 < cut < 5  # long answers cut at max_new_tokens (no stop token), short ones end with it
+    assert json.loads((folder / "DONE").read_text())["engine"] == "forced"
+    features = run_features(cfg, progress=False)  # written while reading: nothing left to extract
+    assert json.loads((features / "DONE").read_text())["written_while_answering"] is True
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text(json.dumps(rows[-1]) + "\n")
+    with pytest.raises(ValueError, match="none of the prompts carries an answer"):
+        run_answers(DraftRunConfig(target=target_dir, out=str(tmp_path / "run2"), prompts=str(bare),
+                                   answers="dataset", engine="speculant", quantization="q4"), progress=False)
+    with pytest.raises(ValueError, match="answers must be one of"):
+        run_answers(DraftRunConfig(target=target_dir, out=str(tmp_path / "run3"), prompts=str(bare),
+                                   answers="mine"), progress=False)
+
+
+def test_extra_runs_train_but_never_see_the_requests_the_run_holds_out(tmp_path):
+    """--extra-data: the answers of other runs (a teacher-forced one here) join training only; the run's own
+    held-out answers validate, and the same requests in the other run stay out of training."""
+    from helpers import chat_model_pair
+
+    from speculant.train.drafter.pipeline import DraftRunConfig, _prompt_key, _split_samples, run_answers
+
+    target_dir = chat_model_pair(tmp_path / "m", layers=2)[0]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}],
+                                           "answer": f"return {i}"}) + "\n" for i in range(8)))
+    common = dict(target=target_dir, prompts=str(prompts), max_new_tokens=5, gen_batch=3, engine="speculant",
+                  quantization="q4", kind="feature", taps=[1], validation_fraction=0.3)
+    own = DraftRunConfig(out=str(tmp_path / "own"), **common)
+    forced = DraftRunConfig(out=str(tmp_path / "forced"), answers="dataset", **common)
+    for cfg in (own, forced):
+        run_answers(cfg, progress=False)
+    train, validation = _split_samples(own, tmp_path / "own")
+    assert len(train) + len(validation) == 8 and 0 < len(validation) < 8
+    own.extra_data = str(tmp_path / "forced")
+    more, same = _split_samples(own, tmp_path / "own")
+    assert [s.row for s in same] == [s.row for s in validation]  # validation: the run's own answers only
+    held = {_prompt_key(s) for s in validation}
+    assert len(more) == len(train) + 8 - len(validation)  # every forced answer but the held-out requests'
+    assert not any(_prompt_key(s) in held for s in more)
+    own.extra_data = str(tmp_path / "nothing")
+    with pytest.raises(ValueError, match="no answer shards"):
+        _split_samples(own, tmp_path / "own")

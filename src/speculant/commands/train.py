@@ -108,6 +108,9 @@ _DRAFT_DOCS = {
     "engine": "who answers: speculant (the batched engine over the target's deployed weights; the top-k and, "
               "for feature drafters, the target's states come out of the decoding forwards), transformers, or "
               "auto (speculant when the target loads quantized)",
+    "answers": "target: the target writes its answers (Direct Alignment); dataset: it reads the prompts' own "
+               "answers (builtin:sharegpt's replies) in one forward each, its top-k and states from that forward: "
+               "several times the data rate on a CPU, on text the target did not write",
     "quantization": "the target's weights when speculant answers (none, int8, int4, q4, q4m, q8); default: the "
                     "packaged target's own (q4m for the 1.5B Qwen)",
     "topk": "target log-probabilities kept per answer token (the teacher)",
@@ -131,6 +134,10 @@ _DRAFT_DOCS = {
     "validation_fraction": "answers held out for validation",
     "seed": "data order and sampling seed",
     "threads": "torch CPU threads; default: left to torch",
+    "extra_data": "more run directories, comma-separated (same target; for feature kinds with states of the same "
+                  "--taps), whose answers also train the drafter: training only, the run's own held-out answers "
+                  "validate, and requests it holds out are left out of them (e.g. a --answers dataset run beside one "
+                  "with the target's own answers); default: none",
     "group_by_length": "each batch a random run of answers of similar length (a batch costs its longest: less "
                        "padding) instead of a uniform draw",
 }
@@ -177,6 +184,7 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     from ..models.loading import resolve_model
     from ..models.loading import check_quantization
     from ..train.drafter.pipeline import (
+        ANSWERS,
         ENGINES,
         FEATURE_KINDS,
         KINDS,
@@ -200,6 +208,8 @@ def _run_train_draft(args: argparse.Namespace) -> int:
         raise ValueError(f"--kind: unknown drafter kind {args.kind!r}; known: {', '.join(KINDS)}")
     if args.engine not in ENGINES:
         raise ValueError(f"--engine: unknown engine {args.engine!r}; known: {', '.join(ENGINES)}")
+    if args.answers not in ANSWERS:
+        raise ValueError(f"--answers: {args.answers!r} is not one of {', '.join(ANSWERS)}")
     check_quantization(args.quantization)
     _check_layers(resolve_model(args.target), args.layers, args.taps)  # a clear error before any work
     _check_draft_prompts(args)  # before the run directory is made: a refused run leaves nothing behind

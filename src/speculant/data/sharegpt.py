@@ -8,7 +8,9 @@ that does not parse: every complete conversation before the cut is kept.
 
 Each conversation of the "split" file is one chunk ``<base>_<n>`` of a longer chat; only chunks ``_0`` whose first
 message is the user's ("human") are used, and their first message becomes a chat record
-``{"id", "category": "sharegpt", "messages": [{"role": "user", "content"}]}``. Exact duplicates (the same text)
+``{"id", "category": "sharegpt", "messages": [{"role": "user", "content"}]}``, with the chat model's reply as
+``"answer"`` where the second message is one (``speculant train draft --answers dataset`` has the target read those
+replies instead of writing its own: :mod:`speculant.train.drafter.forced_answers`). Exact duplicates (the same text)
 keep their first occurrence. The records are split deterministically into an **evaluation** set of
 :data:`EVAL_SIZE` conversations (those whose base id has the smallest SHA-256) and the **training** rest, so the
 split does not depend on the order of the file, and a drafter trained on ``builtin:sharegpt`` has never seen a
@@ -87,8 +89,11 @@ def sharegpt_first_turns(path: str | Path | None = None) -> list[dict]:
         if not isinstance(text, str) or not text.strip() or text in seen:
             continue
         seen.add(text)
-        rows.append({"id": f"sharegpt-{cid[:-2]}", "category": "sharegpt",
-                     "messages": [{"role": "user", "content": text}]})
+        row = {"id": f"sharegpt-{cid[:-2]}", "category": "sharegpt", "messages": [{"role": "user", "content": text}]}
+        reply = turns[1] if len(turns) > 1 and isinstance(turns[1], dict) else {}
+        if reply.get("from") == "gpt" and isinstance(reply.get("value"), str) and reply["value"].strip():
+            row["answer"] = reply["value"]  # the chat model's reply (teacher-forced drafter data: --answers dataset)
+        rows.append(row)
     ranked = sorted(range(len(rows)), key=lambda j: hashlib.sha256(rows[j]["id"].encode()).hexdigest())
     held = set(ranked[:EVAL_SIZE])
     for j, row in enumerate(rows):

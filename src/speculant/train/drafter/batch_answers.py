@@ -41,7 +41,7 @@ from ...core.drafting import DecodeState, Drafter
 from ...core.tree import DraftTree
 from .answers import make_shard, plan_shards
 
-__all__ = ["StateRecorder", "engine_answers"]
+__all__ = ["StateRecorder", "engine_answers", "write_pair"]
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +124,8 @@ def engine_answers(target: torch.nn.Module, prompts: list[list[int]], out: str |
             tokens += len(gen.token_ids)
             left[n] -= 1
             if left[n] == 0:
-                _write(out, features, n, plan[n], done.pop(n),
-                       prompts, temperatures[n % len(temperatures)], file_rows)
+                write_pair(out, features, n, plan[n], done.pop(n),
+                           prompts, temperatures[n % len(temperatures)], file_rows)
                 bar.update(1)
                 seconds = time.perf_counter() - start
                 bar.set_postfix(tok_s=f"{tokens / seconds:.1f}")
@@ -136,9 +136,10 @@ def engine_answers(target: torch.nn.Module, prompts: list[list[int]], out: str |
     return out
 
 
-def _write(out: Path, features: Path | None, n: int, rows: list[int], results: dict[int, tuple],
-           prompts: list[list[int]], temperature: float, file_rows: list[int]) -> None:
-    """Shard ``n`` (its samples in plan order): the features first, then the answers (the completion mark)."""
+def write_pair(out: Path, features: Path | None, n: int, rows: list[int], results: dict[int, tuple],
+               prompts: list[list[int]], temperature: float, file_rows: list[int]) -> None:
+    """Shard ``n`` (its samples ``rows`` in plan order; ``results[i] = (answer ids, (top ids, top logprobs),
+    states or None)``): the features first, then the answers (the completion mark)."""
     if features is not None:
         tmp = features / f"shard-{n:05d}.tmp.npy"
         np.save(tmp, np.concatenate([results[i][2] for i in rows]))

@@ -95,22 +95,30 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
         prompts += (f" and {n_self:,} requests the target wrote itself (Magpie: its chat template up to a user's "
                     f"message, sampled at temperature 1, at most {cfg['self_prompt_tokens']} tokens; "
                     "speculant.train.drafter.self_prompts)")
+    if cfg.get("answers", "target") == "dataset":
+        data = (f"{n_answers:,} of the prompts' own answers ({n_tokens:,} answer tokens, the dataset's replies to "
+                f"{prompts}, chat template applied, cut at {cfg['max_new_tokens']} tokens) read by the target in one "
+                f"forward each (teacher forcing), its top-{cfg['topk']} log-probabilities kept at every answer token")
+    else:
+        data = (f"{n_answers:,} answers of the target ({n_tokens:,} answer tokens) to {prompts}, chat template "
+                f"applied, up to {cfg['max_new_tokens']} new tokens, temperatures {temps} cycled per batch, the "
+                f"target's top-{cfg['topk']} log-probabilities kept at every answer token")
     text = f"""# {name or export.name}
 
 A drafter for `{meta['target']}`, made by `speculant train draft` the Direct Alignment way (Goel et al. 2024):
 {len(meta['layers_from_target'])} transformer layers initialised from the target's layers {meta['layers_from_target']}
 and its final norm, sharing the target's token embedding and LM head (not stored here: they are the target's own
-tensors when loaded, see `speculant.models.attached`), fine-tuned on the target's own answers with the `{meta['loss']}`
+tensors when loaded, see `speculant.models.attached`), fine-tuned on {"text the target read" if cfg.get("answers", "target") == "dataset" else "the target's own answers"} with the `{meta['loss']}`
 loss.
 {_kind_paragraph(meta, cfg)}
 | | |
 |---|---|
 | architecture | {config['model_type']}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {config['num_attention_heads']} heads ({config['num_key_value_heads']} KV), MLP {config['intermediate_size']} |
 | own parameters | {own:,} ({size_mb:.1f} MB: matrices int8 with a float32 scale per row, norms bfloat16; the validation below is of the trained weights before that rounding); embedding and LM head shared with the target |
-| distillation data | {n_answers:,} answers of the target ({n_tokens:,} answer tokens) to {prompts}, chat template applied, up to {cfg['max_new_tokens']} new tokens, temperatures {temps} cycled per batch, the target's top-{cfg['topk']} log-probabilities kept at every answer token |
+| distillation data | {data} |
 | objective | `{meta['loss']}` between the target's top-{cfg['topk']} and the drafter over the {cfg['keep']:,} most frequent answer tokens (the VocabTrim set it drafts from) |
 | steps | {meta['steps']} × {cfg['batch_size']} answers (each with its prompt's last 96 tokens), AdamW, peak lr {cfg['lr']}, {cfg['warmup']} warm-up steps, cosine to 0.1× |
-| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done.get('seconds', done.get('seconds_this_session', 0)) / 60:.1f} min generating the answers" if done else ""}{f", {self_seconds / 60:.1f} min writing the self prompts" if self_seconds is not None else ""} ({machine}) |
+| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done.get('seconds', done.get('seconds_this_session', 0)) / 60:.1f} min {'reading' if cfg.get('answers', 'target') == 'dataset' else 'generating'} the answers" if done else ""}{f", {self_seconds / 60:.1f} min writing the self prompts" if self_seconds is not None else ""} ({machine}) |
 
 ## Validation (held-out {cfg['validation_fraction']:.0%} of the answers)
 Greedy agreement: the drafter's top token is the target's. α = Σ min(p, q) over the kept set: the probability that

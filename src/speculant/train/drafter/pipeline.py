@@ -5,7 +5,9 @@ Goel et al. 2024, "Direct Alignment of Draft Model for Speculative Decoding with
 1. **prompts**: instruction prompts (:mod:`speculant.data.instructions`, or the user's ``--prompts FILE.jsonl``), written to
    ``RUN/prompts.jsonl``;
 2. **answers**: the target answers them through its chat template at several temperatures, and its top-k
-   distribution at every answer token is kept (:mod:`.answers`, ``RUN/answers/``);
+   distribution at every answer token is kept (:mod:`.answers`, ``RUN/answers/``); or (``answers="dataset"``) the
+   target reads the prompts' own answers (ShareGPT's replies) in one forward each, for its top-k and states
+   (:mod:`.forced_answers`);
 3. **fine-tune**: a small drafter, initialised from a few of the target's own layers and sharing its embedding and
    LM head (frozen), learns the target's answers with a distillation loss (FKL, TVD or TVD++,
    :mod:`..losses`) over the VocabTrim kept set it will draft from (:mod:`.draft_train`). ``kind="feature"``
@@ -31,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["DraftRunConfig", "FEATURE_KINDS", "KINDS", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
+__all__ = ["ANSWERS", "DraftRunConfig", "FEATURE_KINDS", "KINDS", "dataset_answer", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
            "run_training"]
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ class DraftRunConfig:
     answer_batches: int | None = None  # answer only the first N batches (the batch order is shuffled)
     gen_dtype: str = "bfloat16"  # the dtype the target answers in through transformers (speed only)
     engine: str = "auto"  # who answers: transformers, speculant (batched engine, deployed weights) or auto
+    answers: str = "target"  # target: the target writes its answers; dataset: it reads the prompts' own (forced)
     quantization: str | None = None  # the target's weights when speculant answers (None: its packaged default)
     topk: int = 32
     kind: str = "token"  # token-level drafter, feature (EAGLE) or eagle3 drafter reading the target's states
@@ -73,6 +76,7 @@ class DraftRunConfig:
     seed: int = 0
     threads: int | None = None
     group_by_length: bool = False  # batches of samples of similar length (less padding) instead of uniform draws
+    extra_data: str | None = None  # more run directories (comma-separated) whose answers (and states) also train
 
 
 def tokenize_prompts(tokenizer, rows: list[dict], max_tokens: int) -> tuple[list[list[int]], list[int]]:
@@ -169,6 +173,8 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     from .answers import generate_answers, shard_paths
 
     resolve_kind(cfg)
+    if cfg.answers not in ANSWERS:
+        raise ValueError(f"answers must be one of {', '.join(ANSWERS)}, got {cfg.answers!r}")
     run = Path(cfg.out)
     run.mkdir(parents=True, exist_ok=True)
     saved = run / "run_config.json"
@@ -198,6 +204,23 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     model, tokenizer, engine = _answer_model(cfg)
     prompts, kept = tokenize_prompts(tokenizer, rows[a:b], cfg.max_prompt_tokens)
     start = time.perf_counter()
+    if cfg.answers == "dataset":
+        from .features import features_dir
+        from .forced_answers import forced_answers
+
+        stops = stop_ids(tokenizer, model)
+        given = [(p, dataset_answer(tokenizer, rows[a + i], cfg.max_new_tokens, stops[0]), a + i)
+                 for p, i in zip(prompts, kept)]
+        given = [g for g in given if g[1]]
+        if not given:
+            raise ValueError("--answers dataset: none of the prompts carries an answer (builtin:sharegpt's rows do: "
+                             "the chat model's reply)")
+        features = features_dir(run, cfg.taps) if cfg.kind in FEATURE_KINDS else None
+        forced_answers(model, [g[0] for g in given], [g[1] for g in given], folder, shard_size=cfg.gen_batch,
+                       topk=cfg.topk, seed=cfg.seed, max_batches=cfg.answer_batches, first_shard=part["first_shard"],
+                       prompt_rows=[g[2] for g in given], features=features, taps=cfg.taps, progress=progress)
+        engine = "forced"
+        return _finish_answers(folder, parts, part, start, cfg, b, engine)
     common = dict(stop_ids=stop_ids(tokenizer, model), max_new_tokens=cfg.max_new_tokens,
                   temperatures=tuple(cfg.temperatures), topk=cfg.topk, seed=cfg.seed, max_batches=cfg.answer_batches,
                   first_shard=part["first_shard"], prompt_rows=[a + i for i in kept], progress=progress)
@@ -210,6 +233,23 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
                        taps=cfg.taps, **common)
     else:
         generate_answers(model, prompts, folder, batch_size=cfg.gen_batch, **common)
+    return _finish_answers(folder, parts, part, start, cfg, b, engine)
+
+
+def dataset_answer(tokenizer, row: dict, max_tokens: int, stop: int) -> list[int]:
+    """A prompt row's own ``answer`` as target tokens: the text's tokens then the chat's stop token, cut to
+    ``max_tokens`` (a cut answer has no stop token, as a generation cut there); ``[]`` when the row has none."""
+    text = row.get("answer")
+    if not isinstance(text, str) or not text.strip():
+        return []
+    return (tokenizer.encode(text, add_special_tokens=False) + [stop])[:max_tokens]
+
+
+def _finish_answers(folder: Path, parts: list[dict], part: dict, start: float, cfg: DraftRunConfig, rows: int,
+                    engine: str) -> Path:
+    """Close the answering part: its seconds in ``PARTS.json`` and the run's totals in ``DONE``."""
+    from .answers import shard_paths
+
     part["seconds"] = time.perf_counter() - start + part.pop("earlier_seconds", 0.0)
     part["batches"] = cfg.answer_batches
     (folder / "PARTS.json").write_text(json.dumps(parts, indent=1))
@@ -218,7 +258,7 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     for path in shard_paths(folder):
         with np.load(path) as z:
             tokens += int(z["answer_offsets"][-1])
-    (folder / "DONE").write_text(json.dumps({"rows": b, "seconds": seconds, "answer_tokens": tokens,
+    (folder / "DONE").write_text(json.dumps({"rows": rows, "seconds": seconds, "answer_tokens": tokens,
                                              "answer_tokens_per_s": round(tokens / max(seconds, 1e-9), 2),
                                              "engine": engine}))
     return folder
@@ -248,6 +288,9 @@ def resolve_kind(cfg: DraftRunConfig) -> DraftRunConfig:
         cfg.regression = 0.0
     return cfg
 ENGINES = ("auto", "speculant", "transformers")
+ANSWERS = ("target", "dataset")
+"""Who writes the answers a drafter learns from: the target (Direct Alignment), or the prompt rows' own answers
+(ShareGPT's replies) read by the target in one forward each (:mod:`.forced_answers`)."""
 
 
 def _answer_model(cfg: DraftRunConfig):
@@ -289,21 +332,38 @@ def run_features(cfg: DraftRunConfig, progress: bool = True) -> Path:
     return folder
 
 
-def _split_samples(cfg: DraftRunConfig, run: Path):
+def _samples(cfg: DraftRunConfig, run: Path) -> list:
+    """The training samples of the answers (and, for feature kinds, the states) in ``run``."""
     from .answers import AnswerShard, shard_paths
     from .draft_train import collect_samples
 
     paths = shard_paths(run / "answers")  # shards finish out of order: pair each with its own features
+    if not paths:
+        raise ValueError(f"{run} has no answer shards")
     shards = [AnswerShard.load(p) for p in paths]
     if cfg.kind in FEATURE_KINDS:
         from .feature_train import collect_feature_samples
         from .features import features_dir, load_features
 
         feats = load_features(features_dir(run, cfg.taps), paths)
-        samples = collect_feature_samples(shards, feats, context=_CONTEXT)
-    else:
-        samples = collect_samples(shards, context=_CONTEXT)
-    return split_validation(samples, cfg.validation_fraction, cfg.seed)
+        return collect_feature_samples(shards, feats, context=_CONTEXT)
+    return collect_samples(shards, context=_CONTEXT)
+
+
+def _split_samples(cfg: DraftRunConfig, run: Path):
+    """``(train, validation)``: the run's own samples split by prompt row (:func:`split_validation`), then the
+    samples of ``cfg.extra_data``'s runs added to training only, less those whose prompt a validation sample has
+    (the same request read or answered in another run). The validation stays the run's own answers."""
+    train, validation = split_validation(_samples(cfg, run), cfg.validation_fraction, cfg.seed)
+    held = {_prompt_key(s) for s in validation}
+    for extra in (e.strip() for e in (cfg.extra_data or "").split(",") if e.strip()):
+        train += [s for s in _samples(cfg, Path(extra)) if _prompt_key(s) not in held]
+    return train, validation
+
+
+def _prompt_key(sample) -> tuple:
+    """What identifies a sample's prompt across runs: its length and its last tokens (the chat template applied)."""
+    return sample.start, sample.context.tobytes()
 
 
 def split_validation(samples: list, fraction: float, seed: int) -> tuple[list, list]:
