@@ -61,7 +61,7 @@ qwen-forced-data: $(QWEN_STAMP)
 # The 1.5B target's EAGLE-3 drafter, trained on that data (resumable; QWEN_EAGLE3_STEPS optimizer steps of 8
 # answers, 3 training-time-test depths, one layer initialised from the target's last): the answers already in
 # $(QWEN_DATA) (run qwen-draft-data first; training reads the shards present when it starts), plus those of the
-# runs in QWEN_EXTRA (comma-separated, e.g. QWEN_EXTRA=$(QWEN_FORCED): training only, the run's own answers validate).
+# runs in QWEN_EXTRA (comma-separated, e.g. QWEN_EXTRA=runs/qwen2.5-coder-1.5b-forced: training only, the run's own answers validate).
 QWEN_EAGLE3_STEPS ?= 2000
 QWEN_EXTRA ?=
 qwen-eagle3: $(QWEN_STAMP)

@@ -6,6 +6,7 @@ up to the cut, the evaluation split held out."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -290,7 +291,13 @@ def test_extra_runs_train_but_never_see_the_requests_the_run_holds_out(tmp_path)
     held-out answers validate, and the same requests in the other run stay out of training."""
     from helpers import chat_model_pair
 
-    from speculant.train.drafter.pipeline import DraftRunConfig, _prompt_key, _split_samples, run_answers
+    from speculant.train.drafter.pipeline import (
+        DraftRunConfig,
+        _prompt_key,
+        _split_samples,
+        check_extra_data,
+        run_answers,
+    )
 
     target_dir = chat_model_pair(tmp_path / "m", layers=2)[0]
     prompts = tmp_path / "p.jsonl"
@@ -307,9 +314,42 @@ def test_extra_runs_train_but_never_see_the_requests_the_run_holds_out(tmp_path)
     own.extra_data = str(tmp_path / "forced")
     more, same = _split_samples(own, tmp_path / "own")
     assert [s.row for s in same] == [s.row for s in validation]  # validation: the run's own answers only
-    held = {_prompt_key(s) for s in validation}
     assert len(more) == len(train) + 8 - len(validation)  # every forced answer but the held-out requests'
-    assert not any(_prompt_key(s) in held for s in more)
+    # both runs read the same prompts file: the held-out rows are in neither run's training samples
+    assert not {s.row for s in more} & {s.row for s in validation}
+    assert {_prompt_key(s) for s in more} == {_prompt_key(s) for s in train}
     own.extra_data = str(tmp_path / "nothing")
-    with pytest.raises(ValueError, match="no answer shards"):
+    with pytest.raises(ValueError, match="not a drafter run directory"):
         _split_samples(own, tmp_path / "own")
+    other = DraftRunConfig(out=str(tmp_path / "taps0"), **{**common, "taps": [0]})
+    run_answers(other, progress=False)
+    own.extra_data = other.out  # states of other layers: refused before any work
+    with pytest.raises(ValueError, match="was made with taps"):
+        check_extra_data(own)
+
+
+def test_train_draft_on_answers_read_by_the_target_end_to_end(tmp_path, capsys):
+    """The CLI: --answers dataset without answers to read is one line and exit 2, leaving no run directory; with
+    them a feature drafter trains and its model card says its data was read, not written, by the target."""
+    from helpers import chat_model_pair
+
+    from speculant import cli
+
+    target_dir = chat_model_pair(tmp_path / "m", layers=2)[0]
+    bare, answered = tmp_path / "bare.jsonl", tmp_path / "answered.jsonl"
+    bare.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}]}) + "\n" for i in range(4)))
+    answered.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}],
+                                            "answer": f"return x * {i}"}) + "\n" for i in range(8)))
+    base = ["train", "draft", "--target", target_dir, "--answers", "dataset", "--kind", "feature", "--taps", "1",
+            "--engine", "speculant", "--quantization", "q4", "--max-new-tokens", "6", "--gen-batch", "3",
+            "--steps", "2", "--batch-size", "2", "--warmup", "1", "--keep", "64", "--layers", "1",
+            "--validation-fraction", "0.3"]
+    capsys.readouterr()  # the model pair's own progress
+    assert cli.main(base + ["--out", str(tmp_path / "r0"), "--prompts", str(bare)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "none of the --prompts rows carries an \"answer\"" in err
+    assert not (tmp_path / "r0").exists()
+    assert cli.main(base + ["--out", str(tmp_path / "r1"), "--prompts", str(answered)]) == 0, capsys.readouterr().err
+    export = Path(capsys.readouterr().out.strip())
+    card = (export / "MODEL_CARD.md").read_text()
+    assert "read by the target in one forward each (teacher forcing)" in card and "temperatures" not in card

@@ -44,7 +44,7 @@ class LoadSettings:
     ``speculant serve``."""
 
     url: str
-    concurrency: tuple[int, ...] = (1, 2, 4)
+    concurrency: tuple[int, ...] = (1, 2, 4, 8)
     requests: int = 32
     max_tokens: int = 128
     temperature: float = 0.0

@@ -1,4 +1,4 @@
-"""``speculant bench serve --url URL [--concurrency 1,2,4] [--requests N] ...``: load-test a running server.
+"""``speculant bench serve --url URL [--concurrency 1,2,4,8] [--requests N] ...``: load-test a running server.
 
 Reached through :data:`speculant.cli.BENCH_SERVE` (``speculant bench serve ...``). Output conventions: progress
 lines on stderr; stdout carries the results table and the files written, or with ``--json`` one JSON object on its
@@ -42,7 +42,7 @@ def epilog() -> str:
     return (
         "example (two terminals):\n"
         "  speculant serve --target smollm2-135m-instruct\n"
-        "  speculant bench serve --url http://127.0.0.1:8000 --concurrency 1,2,4 --requests 64 --max-tokens 64\n\n"
+        "  speculant bench serve --url http://127.0.0.1:8000 --concurrency 1,2,4,8 --requests 64 --max-tokens 64\n\n"
         "prompts (--prompts): builtin:mt-bench (chats, to /v1/chat/completions), builtin:code and\n"
         "  builtin:grounded (text, to /v1/completions), or a JSONL file of {\"messages\": [...]} or\n"
         "  {\"prompt\": TEXT} records; requests cycle through them"

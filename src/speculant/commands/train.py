@@ -160,15 +160,24 @@ def _check_draft_prompts(args: argparse.Namespace) -> None:
     built-in ones (0 only with ``--self-prompts``); a one-line ValueError naming the option otherwise."""
     from ..data.prompts import load_prompts
 
+    dataset = getattr(args, "answers", "target") == "dataset"
     if args.prompts is not None:
+        answered = False
         for source in args.prompts.split(","):
             if not source.startswith("builtin:") and not Path(source).is_file():
                 raise ValueError(f"--prompts: file {source!r} does not exist")
             try:
-                load_prompts(source)
+                rows = load_prompts(source)
             except ValueError as exc:
                 raise ValueError(f"--prompts: {exc}") from None
+            answered = answered or any(isinstance(r.get("answer"), str) and r["answer"].strip() for r in rows)
+        if dataset and not answered:
+            raise ValueError("--answers dataset: none of the --prompts rows carries an \"answer\" (builtin:sharegpt's "
+                             "do: the chat model's reply)")
         return
+    if dataset:
+        raise ValueError("--answers dataset reads the prompts' own answers: give --prompts whose rows carry one "
+                         "(e.g. builtin:sharegpt)")
     if args.num_prompts < 0:
         raise ValueError(f"--num-prompts must be >= 0, got {args.num_prompts}")
     if args.num_prompts == 0 and args.self_prompts == 0:
@@ -189,6 +198,7 @@ def _run_train_draft(args: argparse.Namespace) -> int:
         FEATURE_KINDS,
         KINDS,
         DraftRunConfig,
+        check_extra_data,
         resolve_kind,
         run_answers,
         run_features,
@@ -216,6 +226,7 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     if args.data_only and args.train_only:
         raise ValueError("--data-only and --train-only exclude each other")
     cfg = resolve_kind(dataclass_from_args(DraftRunConfig, args))
+    check_extra_data(cfg)  # before any work: the other runs must fit this one
     if args.train_only:
         if not (Path(cfg.out) / "answers").is_dir():
             raise ValueError(f"--train-only: {cfg.out} has no answers yet (run without --train-only first)")

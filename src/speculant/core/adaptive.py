@@ -153,8 +153,9 @@ class Speculation:
             s.state.max_draft = None if self._starts(s, list(zip(profiles, depths)), fixed, shared_drafts) else 0
 
     def depths(self, profiles: list[_Profile], fixed: Seq[_Profile] = (), shared: bool = False) -> list[int]:
-        """The goodput-maximising draft depths of ``profiles``; ``fixed``: the profiles of other sequences in the same
-        forward, each at its ``depth``; ``shared``: draft forwards shared per draft model, see the module doc."""
+        """The goodput-maximising draft depths of ``profiles`` (all 0 unless they promise ``_MARGIN`` times the goodput
+        of none); ``fixed``: the profiles of other sequences in the same forward, each at its ``depth``; ``shared``:
+        draft forwards shared per draft model, see the module doc."""
         k = [0] * len(profiles)
         given = [(p, p.depth) for p in fixed]
 
@@ -205,9 +206,19 @@ class Speculation:
         pool = self._pools.get(_model_key(seq))
         if pool is None or pool.level_s is None or pool.start_s_per_token is None:
             return True
+        if self._pays(seq, pool, planned, fixed, shared):  # drafting pays again: explorations at the first rate
+            pool.refused, pool.explore_after = 0, _EXPLORE
+            return True
         if pool.refused >= pool.explore_after:  # explore, then wait twice as long for the next exploration
             pool.refused, pool.explore_after = 0, min(2 * pool.explore_after, _EXPLORE_MAX)
             return True
+        if seq not in self._refused:
+            self._refused.add(seq)
+            pool.refused += 1
+        return False
+
+    def _pays(self, seq, pool: _Pool, planned: list, fixed: list[_Profile], shared: bool) -> bool:
+        """The start rule of :meth:`_starts`: whether drafting saves ``seq`` more than its draft's prefill costs."""
         me = pool.profile(seq)
         others = [(p, p.depth) for p in fixed if p.seq is not seq] + planned
         g0 = self.goodput(others + [(me, 0)], shared)
@@ -219,12 +230,7 @@ class Speculation:
                 remaining = min(remaining, max(1.0, pool.length - len(seq.new)))
             e1 = me.expected(depth)
             n1 = sum(p.expected(d) for p, d in others) + e1
-            if remaining / e1 * n1 * (1 / g0 - 1 / g1) > pool.start_s_per_token * len(seq.state.ids):
-                pool.explore_after = _EXPLORE  # drafting pays again: the next refusals explore at the first rate
-                return True
-        if seq not in self._refused:
-            self._refused.add(seq)
-            pool.refused += 1
+            return remaining / e1 * n1 * (1 / g0 - 1 / g1) > pool.start_s_per_token * len(seq.state.ids)
         return False
 
     def observe(self, sequences: list) -> None:
@@ -247,10 +253,10 @@ class Speculation:
             if level is not None and level != level0:  # a new measurement
                 pool.level_s = _mean(pool.level_s, level)
             if level is not None and not started and s.draft_start is not None:
-                # its first proposal less its levels: the prefill (an estimate: with draft forwards shared by the
-                # batch, first proposals of one step share its time by the tokens they fed, see Batch, and the
-                # time also holds the others' drafting while they waited for each other)
-                seconds, fed, depth = s.draft_start
+                # its first proposal less its levels: the prefill, per token fed by every first proposal that shared
+                # its draft forwards (each timed the whole step: see Batch; an estimate, the time also holds the
+                # others' drafting while they waited for each other)
+                seconds, _, depth, fed = s.draft_start
                 pool.start_s_per_token = _mean(pool.start_s_per_token, max(0.0, seconds - depth * level) / max(1, fed))
                 started = True
             if s.done and not finished:

@@ -214,16 +214,22 @@ class Batch:
 
 
 def _share_first_proposals(started: list[Sequence]) -> None:
-    """Sequences whose first proposals (each feeding its whole context to the draft model) ran in the same shared
-    draft forwards each timed the whole planning, everybody's prefills included: give each a share of that time by
-    the tokens it fed. (With the whole time each, the draft's prefill read several times dearer per token than its
-    forward alone is, and under load the start rule turned down sequences whose drafting paid.)"""
-    if len(started) < 2:
-        return
-    fed = sum(s.draft_start[1] for s in started)
+    """Sequences of one draft model whose first proposals (each feeding its whole context to the draft model) ran in
+    the same shared draft forwards each timed the whole planning, everybody's prefills included: each records the
+    tokens all of them fed, which its time is then divided by (:meth:`~.adaptive.Speculation.observe`). (Divided by
+    its own tokens, the draft's prefill read several times dearer per token than its forward alone is, and under
+    load the start rule turned down sequences whose drafting paid.) Drafters without a model (lookup) share no
+    forward and keep their own figures."""
+    groups: dict[int, list[Sequence]] = {}
     for s in started:
-        seconds, own, depth = s.draft_start
-        s.draft_start = (seconds * own / max(1, fed), own, depth)
+        model = capability(s.drafter, "model")
+        if model is not None:
+            groups.setdefault(id(model), []).append(s)
+    for group in groups.values():
+        fed = sum(s.draft_start[1] for s in group)
+        for s in group:
+            seconds, own, depth, _ = s.draft_start
+            s.draft_start = (seconds, own, depth, fed)
 
 
 _RESOLVE = "use speculant.generate, which resolves names and models, or pass the resolved object"

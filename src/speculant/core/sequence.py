@@ -76,8 +76,9 @@ class Sequence:
         self.natural_depth = 0  # the deepest draft the drafter proposed uncapped (0: not seen yet)
         self.probed_at: int | None = None  # target calls when it last probed (core.adaptive)
         self.draft_s_per_level: float | None = None  # measured drafting seconds per level (moving average)
-        # the first proposal's (seconds, context tokens fed, depth drafted): it fills the draft cache; None: not yet
-        self.draft_start: tuple[float, int, int] | None = None
+        # the first proposal's (seconds, context tokens fed, depth drafted, tokens fed by every first proposal that
+        # shared its draft forwards, its own when alone: core.batch): it fills the draft cache; None: not yet
+        self.draft_start: tuple[float, int, int, int] | None = None
         self.speculation: str | None = None  # this sequence's own mode (auto, on, off), over its batch's
         self.rows_per_level = 1.0  # draft tokens per level of its last uncapped tree (a chain: 1)
 
@@ -129,7 +130,7 @@ class Sequence:
             tree = self.drafter.propose(state)
             seconds = time.perf_counter() - start
             if self.draft_start is None:  # the first proposal also feeds the whole context to the drafter
-                self.draft_start = (seconds, fed, tree.max_depth)
+                self.draft_start = (seconds, fed, tree.max_depth, fed)  # the last: tokens fed in its step (Batch)
             elif tree.max_depth:  # seconds per draft level
                 per = seconds / tree.max_depth
                 self.draft_s_per_level = per if self.draft_s_per_level is None else (

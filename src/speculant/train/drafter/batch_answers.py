@@ -41,7 +41,7 @@ from ...core.drafting import DecodeState, Drafter
 from ...core.tree import DraftTree
 from .answers import make_shard, plan_shards
 
-__all__ = ["StateRecorder", "engine_answers", "write_pair"]
+__all__ = ["RunProgress", "StateRecorder", "engine_answers", "plan_run", "write_pair"]
 
 log = logging.getLogger(__name__)
 
@@ -78,30 +78,15 @@ def engine_answers(target: torch.nn.Module, prompts: list[list[int]], out: str |
     (arguments as :func:`.answers.generate_answers`; ``shard_size`` prompts per shard, up to ``batch`` decoding at
     once), resuming after the shards already there. ``features``: also write each shard's target states there
     (the outputs of ``taps``, then the final-normed state). Returns ``out``."""
-    from tqdm.auto import tqdm
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if features is not None:
-        features = Path(features)
-        features.mkdir(parents=True, exist_ok=True)
-    file_rows = list(range(len(prompts))) if prompt_rows is None else list(prompt_rows)
-    shards = list(enumerate(plan_shards(prompts, shard_size, seed, first_shard, max_batches), start=first_shard))
-    todo = [(n, rows) for n, rows in shards if not (out / f"shard-{n:05d}.npz").exists()]
+    out, features, file_rows, todo, progress_ = plan_run(out, features, prompts, shard_size, seed, first_shard,
+                                                         max_batches, prompt_rows, "target answers", progress,
+                                                         batch=batch)
     queue = deque((n, i) for n, rows in todo for i in rows)
     plan = dict(todo)  # shard -> its prompts, in plan order
     left = {n: len(rows) for n, rows in todo}
     done: dict[int, dict[int, tuple]] = {n: {} for n, _ in todo}
     engine = Batch(target, speculation="off")
     live: dict[int, tuple[int, int, StateRecorder | None]] = {}
-    bar = tqdm(total=len(shards), initial=len(shards) - len(todo), desc="target answers", unit="shard",
-               disable=not progress)
-    tokens, start = 0, time.perf_counter()
-    runs_file = out / "RUNS.json"
-    runs = json.loads(runs_file.read_text()) if runs_file.exists() else []
-    record = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "batch": batch, "shards": 0, "answer_tokens": 0,
-              "seconds": 0.0}
-    runs.append(record)
     while queue or live:
         while queue and len(live) < batch:
             n, i = queue.popleft()
@@ -121,19 +106,60 @@ def engine_answers(target: torch.nn.Module, prompts: list[list[int]], out: str |
             if recorder is not None:  # bf16 bits: numpy has no bf16
                 states = recorder.states().to(torch.bfloat16).view(torch.int16).cpu().numpy()  # [P + A - 1, F]
             done[n][i] = (list(gen.token_ids), (top, values), states)
-            tokens += len(gen.token_ids)
+            progress_.tokens += len(gen.token_ids)
             left[n] -= 1
             if left[n] == 0:
                 write_pair(out, features, n, plan[n], done.pop(n),
                            prompts, temperatures[n % len(temperatures)], file_rows)
-                bar.update(1)
-                seconds = time.perf_counter() - start
-                bar.set_postfix(tok_s=f"{tokens / seconds:.1f}")
-                record.update(shards=record["shards"] + 1, answer_tokens=tokens, seconds=round(seconds, 1),
-                              answer_tokens_per_s=round(tokens / seconds, 2))
-                runs_file.write_text(json.dumps(runs, indent=1))  # the progress of every run, for reports
-    bar.close()
+                progress_.shard_written()
+    progress_.close()
     return out
+
+
+class RunProgress:
+    """One answering run's progress: a bar over the shards and the run's record in ``OUT/RUNS.json`` (shards
+    written, answer tokens finished, seconds, tokens/s; the progress of every run, for reports), rewritten after each
+    shard. Add finished answers' tokens to :attr:`tokens`."""
+
+    def __init__(self, out: Path, total: int, done: int, desc: str, progress: bool, **fields) -> None:
+        from tqdm.auto import tqdm
+
+        self._file = out / "RUNS.json"
+        self._runs = json.loads(self._file.read_text()) if self._file.exists() else []
+        self.record = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **fields, "shards": 0, "answer_tokens": 0,
+                       "seconds": 0.0}
+        self._runs.append(self.record)
+        self._bar = tqdm(total=total, initial=done, desc=desc, unit="shard", disable=not progress)
+        self.tokens, self._start = 0, time.perf_counter()
+
+    def shard_written(self) -> None:
+        self._bar.update(1)
+        seconds = time.perf_counter() - self._start
+        self._bar.set_postfix(tok_s=f"{self.tokens / seconds:.1f}")
+        self.record.update(shards=self.record["shards"] + 1, answer_tokens=self.tokens, seconds=round(seconds, 1),
+                           answer_tokens_per_s=round(self.tokens / seconds, 2))
+        self._file.write_text(json.dumps(self._runs, indent=1))
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def plan_run(out, features, prompts: list[list[int]], shard_size: int, seed: int, first_shard: int,
+             max_batches: int | None, prompt_rows: list[int] | None, desc: str, progress: bool, **fields):
+    """The common start of an answering run: ``(out, features, file_rows, todo, progress)``: the output folders made
+    (``features`` None stays None), each prompt's row of the prompts file, the shards still to write
+    ``[(n, prompt indices)]`` (:func:`.answers.plan_shards`; those already in ``out`` skipped) and the run's
+    :class:`RunProgress` (``fields`` go into its record)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if features is not None:
+        features = Path(features)
+        features.mkdir(parents=True, exist_ok=True)
+    file_rows = list(range(len(prompts))) if prompt_rows is None else list(prompt_rows)
+    shards = list(enumerate(plan_shards(prompts, shard_size, seed, first_shard, max_batches), start=first_shard))
+    todo = [(n, rows) for n, rows in shards if not (out / f"shard-{n:05d}.npz").exists()]
+    return out, features, file_rows, todo, RunProgress(out, len(shards), len(shards) - len(todo), desc, progress,
+                                                        **fields)
 
 
 def write_pair(out: Path, features: Path | None, n: int, rows: list[int], results: dict[int, tuple],

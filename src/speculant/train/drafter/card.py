@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from .answers import shard_paths
+from .forced_answers import FORCED
 from ..card import _vocab_trim_section
 
 __all__ = ["write_drafter_card"]
@@ -61,6 +64,22 @@ def ablation_section(run: str | Path) -> str:
             "| kind | loss | steps | greedy agreement | α (T=1) |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
 
+def _extra_summary(extra_data: str | None) -> str:
+    """``N answers (M tokens) of RUN, ...`` for the runs of ``--extra-data`` (empty without any)."""
+    parts = []
+    for run in (Path(e.strip()) for e in (extra_data or "").split(",") if e.strip()):
+        n = tokens = 0
+        forced = False
+        for path in shard_paths(run / "answers"):
+            with np.load(path) as z:
+                n += len(z["temperature"])
+                tokens += int(z["answer_offsets"][-1])
+                forced = forced or bool((z["temperature"] == FORCED).any())
+        kind = "read by the target (teacher forcing)" if forced else "of the target"
+        parts.append(f"{n:,} answers {kind} ({tokens:,} answer tokens) of `{run}`")
+    return ", ".join(parts)
+
+
 def write_drafter_card(run: str | Path, export: str | Path, command: str, name: str | None = None,
                        extra: str = "") -> Path:
     """Write ``export/MODEL_CARD.md`` for the attached drafter in ``export`` made by run ``run``; ``command``
@@ -74,13 +93,14 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     answers = run / "answers"
     done = json.loads((answers / "DONE").read_text()) if (answers / "DONE").exists() else None
     shards = shard_paths(answers)
-    import numpy as np
 
     n_answers = n_tokens = 0
+    forced = False  # the prompts' own answers read by the target (--answers dataset), from the shards themselves
     for path in shards:
         with np.load(path) as z:
             n_answers += len(z["temperature"])
             n_tokens += int(z["answer_offsets"][-1])
+            forced = forced or bool((z["temperature"] == FORCED).any())
     own = sum(int(np.prod(s)) for k, s in _shapes(export / "model.safetensors") if not k.endswith(".int8_scale"))
     size_mb = (export / "model.safetensors").stat().st_size / 2**20
     temps = "/".join(str(t) for t in cfg["temperatures"])
@@ -95,7 +115,7 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
         prompts += (f" and {n_self:,} requests the target wrote itself (Magpie: its chat template up to a user's "
                     f"message, sampled at temperature 1, at most {cfg['self_prompt_tokens']} tokens; "
                     "speculant.train.drafter.self_prompts)")
-    if cfg.get("answers", "target") == "dataset":
+    if forced:
         data = (f"{n_answers:,} of the prompts' own answers ({n_tokens:,} answer tokens, the dataset's replies to "
                 f"{prompts}, chat template applied, cut at {cfg['max_new_tokens']} tokens) read by the target in one "
                 f"forward each (teacher forcing), its top-{cfg['topk']} log-probabilities kept at every answer token")
@@ -103,12 +123,15 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
         data = (f"{n_answers:,} answers of the target ({n_tokens:,} answer tokens) to {prompts}, chat template "
                 f"applied, up to {cfg['max_new_tokens']} new tokens, temperatures {temps} cycled per batch, the "
                 f"target's top-{cfg['topk']} log-probabilities kept at every answer token")
+    extra = _extra_summary(cfg.get("extra_data"))
+    if extra:
+        data += f"; for training also {extra} (--extra-data; held-out requests left out of them)"
     text = f"""# {name or export.name}
 
 A drafter for `{meta['target']}`, made by `speculant train draft` the Direct Alignment way (Goel et al. 2024):
 {len(meta['layers_from_target'])} transformer layers initialised from the target's layers {meta['layers_from_target']}
 and its final norm, sharing the target's token embedding and LM head (not stored here: they are the target's own
-tensors when loaded, see `speculant.models.attached`), fine-tuned on {"text the target read" if cfg.get("answers", "target") == "dataset" else "the target's own answers"} with the `{meta['loss']}`
+tensors when loaded, see `speculant.models.attached`), fine-tuned on {"text the target read" if forced else "the target's own answers"}{" and more runs' answers" if extra else ""} with the `{meta['loss']}`
 loss.
 {_kind_paragraph(meta, cfg)}
 | | |
@@ -118,7 +141,7 @@ loss.
 | distillation data | {data} |
 | objective | `{meta['loss']}` between the target's top-{cfg['topk']} and the drafter over the {cfg['keep']:,} most frequent answer tokens (the VocabTrim set it drafts from) |
 | steps | {meta['steps']} × {cfg['batch_size']} answers (each with its prompt's last 96 tokens), AdamW, peak lr {cfg['lr']}, {cfg['warmup']} warm-up steps, cosine to 0.1× |
-| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done.get('seconds', done.get('seconds_this_session', 0)) / 60:.1f} min {'reading' if cfg.get('answers', 'target') == 'dataset' else 'generating'} the answers" if done else ""}{f", {self_seconds / 60:.1f} min writing the self prompts" if self_seconds is not None else ""} ({machine}) |
+| training time | {meta['train_seconds'] / 60:.1f} min fine-tuning{f", {done.get('seconds', done.get('seconds_this_session', 0)) / 60:.1f} min {'reading' if forced else 'generating'} the answers" if done else ""}{f", {self_seconds / 60:.1f} min writing the self prompts" if self_seconds is not None else ""} ({machine}) |
 
 ## Validation (held-out {cfg['validation_fraction']:.0%} of the answers)
 Greedy agreement: the drafter's top token is the target's. α = Σ min(p, q) over the kept set: the probability that

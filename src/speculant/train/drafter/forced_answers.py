@@ -20,15 +20,12 @@ Shards as :func:`.batch_answers.engine_answers` writes them (:class:`.answers.An
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .answers import plan_shards
-from .batch_answers import write_pair
+from .batch_answers import plan_run, write_pair
 
 __all__ = ["FORCED", "forced_answers"]
 
@@ -49,9 +46,10 @@ def read_answer(forward, prompt: list[int], answer: list[int], topk: int, with_s
     seq = torch.tensor([prompt + answer[:-1]], device=model.device)  # [1, T]
     cache = SpecCache(num_layers(model), capacity=seq.shape[1] + 8)
     states: list[torch.Tensor] | None = [] if with_states else None
-    logits = forward(cache, seq, logits_to_keep=len(answer), hidden_out=states)[0]  # [A, V]
-    top = logits.float().log_softmax(-1).topk(topk, dim=-1)
-    pair = (top.indices.to(torch.int32).cpu().numpy(), top.values.to(torch.float16).cpu().numpy())
+    logits = forward(cache, seq, logits_to_keep=len(answer), hidden_out=states)[0].float()  # [A, V]
+    top = logits.topk(min(topk, logits.shape[-1]), dim=-1)  # the log-softmax's top-k, without a second [A, V]
+    values = top.values - logits.logsumexp(-1, keepdim=True)  # [A, k]
+    pair = (top.indices.to(torch.int32).cpu().numpy(), values.to(torch.float16).cpu().numpy())
     bits = None
     if states is not None:  # bf16 bits: numpy has no bf16
         bits = states[0][0].to(torch.bfloat16).view(torch.int16).cpu().numpy()
@@ -67,43 +65,23 @@ def forced_answers(target: torch.nn.Module, prompts: list[list[int]], answers: l
     sample (see the module doc); ``features``: also the target's states there (the outputs of ``taps``, then the
     final-normed state). Arguments otherwise as :func:`.batch_answers.engine_answers`; resumes after the shards
     already in ``out``. Returns ``out``."""
-    from tqdm.auto import tqdm
-
     from ...core.forward import TargetForward
 
     if len(answers) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")
     if any(len(a) == 0 for a in answers):
         raise ValueError("every answer needs at least one token")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    if features is not None:
-        features = Path(features)
-        features.mkdir(parents=True, exist_ok=True)
-    file_rows = list(range(len(prompts))) if prompt_rows is None else list(prompt_rows)
-    shards = list(enumerate(plan_shards(prompts, shard_size, seed, first_shard, max_batches), start=first_shard))
-    todo = [(n, rows) for n, rows in shards if not (out / f"shard-{n:05d}.npz").exists()]
+    out, features, file_rows, todo, progress_ = plan_run(out, features, prompts, shard_size, seed, first_shard,
+                                                         max_batches, prompt_rows, "answers read by the target",
+                                                         progress, forced=True)
     forward = TargetForward(target, taps=list(taps or []))
-    runs_file = out / "RUNS.json"
-    runs = json.loads(runs_file.read_text()) if runs_file.exists() else []
-    record = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "forced": True, "shards": 0, "answer_tokens": 0,
-              "seconds": 0.0}
-    runs.append(record)
-    bar = tqdm(total=len(shards), initial=len(shards) - len(todo), desc="answers read by the target", unit="shard",
-               disable=not progress)
-    tokens, start = 0, time.perf_counter()
     for n, rows in todo:
         results = {}
         for i in rows:
             top, states = read_answer(forward, prompts[i], answers[i], topk, features is not None)
             results[i] = (answers[i], top, states)
-            tokens += len(answers[i])
+            progress_.tokens += len(answers[i])
         write_pair(out, features, n, rows, results, prompts, FORCED, file_rows)
-        bar.update(1)
-        seconds = time.perf_counter() - start
-        bar.set_postfix(tok_s=f"{tokens / seconds:.1f}")
-        record.update(shards=record["shards"] + 1, answer_tokens=tokens, seconds=round(seconds, 1),
-                      answer_tokens_per_s=round(tokens / seconds, 2))
-        runs_file.write_text(json.dumps(runs, indent=1))
-    bar.close()
+        progress_.shard_written()
+    progress_.close()
     return out

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["ANSWERS", "DraftRunConfig", "FEATURE_KINDS", "KINDS", "dataset_answer", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
+__all__ = ["ANSWERS", "DraftRunConfig", "FEATURE_KINDS", "KINDS", "check_extra_data", "dataset_answer", "extra_runs", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
            "run_training"]
 
 log = logging.getLogger(__name__)
@@ -350,14 +350,34 @@ def _samples(cfg: DraftRunConfig, run: Path) -> list:
     return collect_samples(shards, context=_CONTEXT)
 
 
+def extra_runs(cfg: DraftRunConfig) -> list[Path]:
+    """The run directories of ``cfg.extra_data``."""
+    return [Path(e.strip()) for e in (cfg.extra_data or "").split(",") if e.strip()]
+
+
+def check_extra_data(cfg: DraftRunConfig) -> None:
+    """A one-line ValueError unless every run of ``cfg.extra_data`` can train this drafter: a run directory (its
+    ``run_config.json``) of the same target and top-k, with states of the same taps for feature kinds."""
+    for extra in extra_runs(cfg):
+        saved = extra / "run_config.json"
+        if not saved.is_file():
+            raise ValueError(f"--extra-data: {extra} is not a drafter run directory (no run_config.json)")
+        other = json.loads(saved.read_text())
+        for key in ("target", "topk") + (("taps",) if cfg.kind in FEATURE_KINDS else ()):
+            if other.get(key) != getattr(cfg, key):
+                raise ValueError(f"--extra-data: {extra} was made with {key} {other.get(key)!r}, this run with "
+                                 f"{getattr(cfg, key)!r}")
+
+
 def _split_samples(cfg: DraftRunConfig, run: Path):
     """``(train, validation)``: the run's own samples split by prompt row (:func:`split_validation`), then the
     samples of ``cfg.extra_data``'s runs added to training only, less those whose prompt a validation sample has
     (the same request read or answered in another run). The validation stays the run's own answers."""
+    check_extra_data(cfg)
     train, validation = split_validation(_samples(cfg, run), cfg.validation_fraction, cfg.seed)
     held = {_prompt_key(s) for s in validation}
-    for extra in (e.strip() for e in (cfg.extra_data or "").split(",") if e.strip()):
-        train += [s for s in _samples(cfg, Path(extra)) if _prompt_key(s) not in held]
+    for extra in extra_runs(cfg):
+        train += [s for s in _samples(cfg, extra) if _prompt_key(s) not in held]
     return train, validation
 
 
@@ -454,7 +474,7 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
         "train_seconds": round(seconds, 1), "validation": history[-1], "machine": _machine(cfg)})
     answers = np.concatenate([s.answer for s in train])
     seen = int((np.bincount(answers.astype(np.int64)) > 0).sum())
-    write_calibration_tokens(tmp, answers, "the target's answers (distillation data)",
+    write_calibration_tokens(tmp, answers, "the training answers (distillation data)",
                              default_size=min(cfg.keep, _GREEDY_KEEP, seen), default_size_sampling=min(cfg.keep, seen))
     if export.exists():
         import shutil
