@@ -190,10 +190,11 @@ def test_a_new_sequence_starts_drafting_only_where_it_pays_for_the_drafts_prefil
     pool = next(iter(flat._pools.values()))
     assert pool.reached > 0 and pool.level_s is not None and pool.start_s_per_token is not None
     assert pool.length == 24  # its last step counted too (observed as it finished)
-    pool.explore_after, pool.refused = 32, 20  # as after two explorations and twenty refusals
+    pool.explore_after, pool.refused = 32, 40  # as after two explorations, an exploration due
     again = _decode(batch, prompt, build_drafter("chain:k=3", draft))
     assert again.token_ids == want and again.stats.depth_reached[0] >= again.stats.target_calls - 1
-    # started by the rule, not as an exploration: drafting pays again, explorations at the first rate, counted anew
+    # started by the rule (tried first), not as an exploration: drafting pays again, explorations at the first
+    # rate, counted anew (as an exploration the wait would have doubled to 64)
     assert pool.explore_after == 8 and pool.refused == 0
     # a prefill dearer than what drafting can save over 24 tokens (at most ~0.7 s each): plain decoding throughout
     pool.start_s_per_token = 10.0
@@ -215,7 +216,7 @@ def _waiting(target, draft, prompt, tokens: int):
     return seq
 
 
-def test_first_proposals_in_one_shared_step_share_its_time_by_the_tokens_they_fed():
+def test_first_proposals_in_one_shared_step_divide_its_time_by_all_the_tokens_they_fed():
     """Two sequences starting to draft in the same shared draft forwards each timed the whole planning (both
     prefills): each records the tokens both fed, so the pooled prefill cost per token is the step's time over all
     of them."""
@@ -232,9 +233,11 @@ def test_first_proposals_in_one_shared_step_share_its_time_by_the_tokens_they_fe
     # each timed the whole step: its time is divided by the tokens both fed (by its own, the short prompt's prefill
     # would read ~13x dearer per token)
     assert [fed for _, _, _, fed in starts] == [len(short) + len(long)] * 2
-    # a sequence drafting alone keeps its own count, and so does a drafter without a model beside another's
-    alone = Batch(target, speculation="on")
-    alone.add(short, build_drafter("chain:k=2", draft), 8, eos_token_id=[])
-    alone.add(long, build_drafter("lookup"), 8, eos_token_id=[])
-    alone.step()
-    assert [s.draft_start[3] for s in alone._sequences.values()] == [len(short), len(long)]
+    # a drafter without a model (lookup) shares no forward: in the same shared step it keeps its own count
+    mixed = Batch(target, speculation="on")
+    middle = list(range(3, 20))
+    for prompt, spec in ((short, "chain:k=2"), (long, "chain:k=2"), (middle, "lookup")):
+        mixed.add(prompt, build_drafter(spec, None if spec == "lookup" else draft), 8, eos_token_id=[])
+    mixed.step()
+    assert mixed.step_draft_forwards > 0
+    assert [s.draft_start[3] for s in mixed._sequences.values()] == [len(short) + len(long)] * 2 + [len(middle)]

@@ -318,13 +318,21 @@ def test_extra_runs_train_but_never_see_the_requests_the_run_holds_out(tmp_path)
     # both runs read the same prompts file: the held-out rows are in neither run's training samples
     assert not {s.row for s in more} & {s.row for s in validation}
     assert {_prompt_key(s) for s in more} == {_prompt_key(s) for s in train}
+    from speculant.train.drafter.card import _extra_summary
+
+    assert _extra_summary(own.extra_data) == (f"8 answers of `{tmp_path / 'forced'}` (read by the target, teacher "
+                                             f"forcing; {_tokens(tmp_path / 'forced')} "
+                                             "answer tokens)")
     own.extra_data = str(tmp_path / "nothing")
     with pytest.raises(ValueError, match="not a drafter run directory"):
         _split_samples(own, tmp_path / "own")
     other = DraftRunConfig(out=str(tmp_path / "taps0"), **{**common, "taps": [0]})
     run_answers(other, progress=False)
     own.extra_data = other.out  # states of other layers: refused before any work
-    with pytest.raises(ValueError, match="was made with taps"):
+    with pytest.raises(ValueError, match=r"lacks the target's states of taps \[1\]"):
+        check_extra_data(own)
+    own.extra_data = own.out
+    with pytest.raises(ValueError, match="is this run itself"):
         check_extra_data(own)
 
 
@@ -352,4 +360,9 @@ def test_train_draft_on_answers_read_by_the_target_end_to_end(tmp_path, capsys):
     assert cli.main(base + ["--out", str(tmp_path / "r1"), "--prompts", str(answered)]) == 0, capsys.readouterr().err
     export = Path(capsys.readouterr().out.strip())
     card = (export / "MODEL_CARD.md").read_text()
-    assert "read by the target in one forward each (teacher forcing)" in card and "temperatures" not in card
+    assert "read by the target in one forward each (teacher forcing)" in card and "cycled per batch" not in card
+
+
+def _tokens(run) -> int:
+    """Answer tokens in a run's shards."""
+    return sum(int(s.answer_offsets[-1]) for s in load_shards(run / "answers"))

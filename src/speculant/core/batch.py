@@ -219,7 +219,8 @@ def _share_first_proposals(started: list[Sequence]) -> None:
     tokens all of them fed, which its time is then divided by (:meth:`~.adaptive.Speculation.observe`). (Divided by
     its own tokens, the draft's prefill read several times dearer per token than its forward alone is, and under
     load the start rule turned down sequences whose drafting paid.) Drafters without a model (lookup) share no
-    forward and keep their own figures."""
+    forward and keep their own figures. With several draft models in one step a proposal's time also holds the
+    other models' forwards (an overestimate; one model per server is the usual case)."""
     groups: dict[int, list[Sequence]] = {}
     for s in started:
         model = capability(s.drafter, "model")

@@ -26,9 +26,13 @@ from transformers import DynamicCache
 
 from ...core.cache import cache_kwarg
 
-__all__ = ["AnswerShard", "generate_answers", "load_shards", "make_shard", "plan_shards", "sample_batch", "shard_paths"]
+__all__ = ["FORCED", "AnswerShard", "generate_answers", "load_shards", "make_shard", "plan_shards", "sample_batch", "shard_paths"]
 
 log = logging.getLogger(__name__)
+
+FORCED = -1.0
+"""The ``temperature`` of a teacher-forced sample: the dataset wrote its answer, the target read it
+(:mod:`.forced_answers`)."""
 
 
 @dataclass

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .answers import shard_paths
-from .forced_answers import FORCED
+from .answers import FORCED, shard_paths
 from ..card import _vocab_trim_section
 
 __all__ = ["write_drafter_card"]
@@ -75,8 +74,8 @@ def _extra_summary(extra_data: str | None) -> str:
                 n += len(z["temperature"])
                 tokens += int(z["answer_offsets"][-1])
                 forced = forced or bool((z["temperature"] == FORCED).any())
-        kind = "read by the target (teacher forcing)" if forced else "of the target"
-        parts.append(f"{n:,} answers {kind} ({tokens:,} answer tokens) of `{run}`")
+        kind = "read by the target, teacher forcing" if forced else "of the target"
+        parts.append(f"{n:,} answers of `{run}` ({kind}; {tokens:,} answer tokens)")
     return ", ".join(parts)
 
 
@@ -123,15 +122,15 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
         data = (f"{n_answers:,} answers of the target ({n_tokens:,} answer tokens) to {prompts}, chat template "
                 f"applied, up to {cfg['max_new_tokens']} new tokens, temperatures {temps} cycled per batch, the "
                 f"target's top-{cfg['topk']} log-probabilities kept at every answer token")
-    extra = _extra_summary(cfg.get("extra_data"))
-    if extra:
-        data += f"; for training also {extra} (--extra-data; held-out requests left out of them)"
+    more = _extra_summary(cfg.get("extra_data"))
+    if more:
+        data += f"; for training also {more} (--extra-data; held-out requests left out of them)"
     text = f"""# {name or export.name}
 
 A drafter for `{meta['target']}`, made by `speculant train draft` the Direct Alignment way (Goel et al. 2024):
 {len(meta['layers_from_target'])} transformer layers initialised from the target's layers {meta['layers_from_target']}
 and its final norm, sharing the target's token embedding and LM head (not stored here: they are the target's own
-tensors when loaded, see `speculant.models.attached`), fine-tuned on {"text the target read" if forced else "the target's own answers"}{" and more runs' answers" if extra else ""} with the `{meta['loss']}`
+tensors when loaded, see `speculant.models.attached`), fine-tuned on {"text the target read" if forced else "the target's own answers"}{" and more runs' answers" if more else ""} with the `{meta['loss']}`
 loss.
 {_kind_paragraph(meta, cfg)}
 | | |

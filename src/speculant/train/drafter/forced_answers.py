@@ -25,12 +25,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .answers import FORCED
 from .batch_answers import plan_run, write_pair
 
-__all__ = ["FORCED", "forced_answers"]
-
-FORCED = -1.0
-"""The ``temperature`` of a teacher-forced sample (the dataset wrote its answer, not the target)."""
+__all__ = ["FORCED", "forced_answers", "read_answer"]
 
 
 @torch.inference_mode()
@@ -47,8 +45,8 @@ def read_answer(forward, prompt: list[int], answer: list[int], topk: int, with_s
     cache = SpecCache(num_layers(model), capacity=seq.shape[1] + 8)
     states: list[torch.Tensor] | None = [] if with_states else None
     logits = forward(cache, seq, logits_to_keep=len(answer), hidden_out=states)[0].float()  # [A, V]
-    top = logits.topk(min(topk, logits.shape[-1]), dim=-1)  # the log-softmax's top-k, without a second [A, V]
-    values = top.values - logits.logsumexp(-1, keepdim=True)  # [A, k]
+    top = logits.topk(min(topk, logits.shape[-1]), dim=-1)  # the log-softmax's top-k: the logits' less their
+    values = top.values - logits.logsumexp(-1, keepdim=True)  # log-sum-exp, [A, k]
     pair = (top.indices.to(torch.int32).cpu().numpy(), values.to(torch.float16).cpu().numpy())
     bits = None
     if states is not None:  # bf16 bits: numpy has no bf16

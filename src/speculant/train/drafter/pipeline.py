@@ -356,17 +356,33 @@ def extra_runs(cfg: DraftRunConfig) -> list[Path]:
 
 
 def check_extra_data(cfg: DraftRunConfig) -> None:
-    """A one-line ValueError unless every run of ``cfg.extra_data`` can train this drafter: a run directory (its
-    ``run_config.json``) of the same target and top-k, with states of the same taps for feature kinds."""
+    """A one-line ValueError unless every run of ``cfg.extra_data`` can train this drafter: another run directory
+    (its ``run_config.json``) of the same target and top-k, with answer shards and, for feature kinds, the states of
+    this run's taps for every one of them."""
+    from .answers import shard_paths
+    from .features import features_dir
+
     for extra in extra_runs(cfg):
         saved = extra / "run_config.json"
         if not saved.is_file():
             raise ValueError(f"--extra-data: {extra} is not a drafter run directory (no run_config.json)")
+        if extra.resolve() == Path(cfg.out).resolve():
+            raise ValueError(f"--extra-data: {extra} is this run itself")
         other = json.loads(saved.read_text())
-        for key in ("target", "topk") + (("taps",) if cfg.kind in FEATURE_KINDS else ()):
+        for key in ("target", "topk"):
             if other.get(key) != getattr(cfg, key):
                 raise ValueError(f"--extra-data: {extra} was made with {key} {other.get(key)!r}, this run with "
                                  f"{getattr(cfg, key)!r}")
+        shards = shard_paths(extra / "answers")
+        if not shards:
+            raise ValueError(f"--extra-data: {extra} has no answer shards yet")
+        if cfg.kind in FEATURE_KINDS:
+            states = features_dir(extra, cfg.taps)
+            missing = [p.name for p in shards if not (states / (p.stem + ".npy")).exists()]
+            if missing:
+                raise ValueError(f"--extra-data: {extra} lacks the target's states of taps {cfg.taps} for "
+                                 f"{len(missing)} of its {len(shards)} answer shards ({states} ; run its data "
+                                 "stage with these --taps)")
 
 
 def _split_samples(cfg: DraftRunConfig, run: Path):
