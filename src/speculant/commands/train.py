@@ -159,6 +159,7 @@ def _check_draft_prompts(args: argparse.Namespace) -> None:
     """``train draft`` must have prompts to answer: ``--prompts`` sources (files, built-in sets) with at least one, or ``--num-prompts``
     built-in ones (0 only with ``--self-prompts``); a one-line ValueError naming the option otherwise."""
     from ..data.prompts import load_prompts
+    from ..train.drafter.pipeline import has_answer
 
     dataset = getattr(args, "answers", "target") == "dataset"
     if args.prompts is not None:
@@ -170,7 +171,7 @@ def _check_draft_prompts(args: argparse.Namespace) -> None:
                 rows = load_prompts(source)
             except ValueError as exc:
                 raise ValueError(f"--prompts: {exc}") from None
-            answered = answered or any(isinstance(r.get("answer"), str) and r["answer"].strip() for r in rows)
+            answered = answered or any(has_answer(r) for r in rows)
         if dataset and not answered:
             raise ValueError("--answers dataset: none of the --prompts rows carries an \"answer\" (builtin:sharegpt's "
                              "do: the chat model's reply)")

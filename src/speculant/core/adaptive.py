@@ -274,7 +274,7 @@ _MARGIN = 1.03  # drafting must promise at least this much more goodput than non
 # saw small gains, drafting at the method's depth lost 4% and auto 1.5% (benchmarks/results/continuous_batch.json)
 
 
-def _model_id(seq) -> int | None:
+def draft_model_id(seq) -> int | None:
     """The id of what a sequence's draft forwards run on (those of one model can share a forward), or None."""
     model = capability(seq.drafter, "model")
     return None if model is None else id(model)
@@ -282,7 +282,7 @@ def _model_id(seq) -> int | None:
 
 def _model_key(seq) -> object:
     """What a sequence's drafter's figures are pooled under: its draft model, or its kind when it has none."""
-    model = _model_id(seq)
+    model = draft_model_id(seq)
     return type(seq.drafter) if model is None else model
 
 
@@ -330,7 +330,7 @@ class _Pool:
         """A profile for ``seq`` before it drafted, from these figures."""
         depth = min(self.depth, max(0, seq.state.remaining - 1))
         return _Profile(_acceptance(self.accepted, self.reached), depth, self.width, self.level_s or 0.0,
-                        _model_id(seq), seq)
+                        draft_model_id(seq), seq)
 
 
 _REPROBE = 8  # steps after which a sequence drafts one level past its plan (fresh acceptance and cost figures)
@@ -377,7 +377,7 @@ class _Profile:
             depth = max(1, depth) if seq.drafter is not None else 0
         if given is not None:
             depth = given
-        return cls(a, depth, seq.rows_per_level, seq.draft_s_per_level or 0.0, _model_id(seq), seq)
+        return cls(a, depth, seq.rows_per_level, seq.draft_s_per_level or 0.0, draft_model_id(seq), seq)
 
     def expected(self, k: int) -> float:
         """Expected tokens committed by a step drafting ``k`` levels (bonus included)."""

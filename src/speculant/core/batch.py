@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .adaptive import MODES, Speculation
+from .adaptive import MODES, Speculation, draft_model_id
 from .checks import (
     as_id_list,
     check_fits_context,
@@ -163,7 +163,7 @@ class Batch:
             return []
         self.speculation.plan(seqs, shared_drafts=self.batch_drafts)
         modeled = sum(1 for s in seqs if s.drafter is not None and s.state.draft_limit > 0
-                      and capability(s.drafter, "model") is not None)
+                      and draft_model_id(s) is not None)
         with torch.inference_mode():
             self.step_draft_forwards = self.step_draft_segments = 0
             if self.batch_drafts and modeled > 1:  # their draft forwards run together (core.draft_batch)
@@ -223,9 +223,9 @@ def _share_first_proposals(started: list[Sequence]) -> None:
     other models' forwards (an overestimate; one model per server is the usual case)."""
     groups: dict[int, list[Sequence]] = {}
     for s in started:
-        model = capability(s.drafter, "model")
+        model = draft_model_id(s)
         if model is not None:
-            groups.setdefault(id(model), []).append(s)
+            groups.setdefault(model, []).append(s)
     for group in groups.values():
         fed = sum(s.draft_start[1] for s in group)
         for s in group:

@@ -26,7 +26,8 @@ from transformers import DynamicCache
 
 from ...core.cache import cache_kwarg
 
-__all__ = ["FORCED", "AnswerShard", "generate_answers", "load_shards", "make_shard", "plan_shards", "sample_batch", "shard_paths"]
+__all__ = ["FORCED", "AnswerShard", "generate_answers", "load_shards", "make_shard", "plan_shards", "sample_batch",
+           "run_list", "shard_paths", "shard_totals"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,24 @@ class AnswerShard:
 def shard_paths(folder: str | Path) -> list[Path]:
     """The complete shards in ``folder``, in shard order."""
     return sorted(p for p in Path(folder).glob("shard-*.npz") if ".tmp" not in p.name)
+
+
+def run_list(text: str | None) -> list[Path]:
+    """The run directories of a comma-separated list (``--extra-data``); none for None or an empty text."""
+    return [Path(e.strip()) for e in (text or "").split(",") if e.strip()]
+
+
+def shard_totals(folder: str | Path) -> tuple[int, int, bool]:
+    """``(answers, answer tokens, forced)`` over the complete shards in ``folder``; ``forced``: some were read by the
+    target rather than written (temperature :data:`FORCED`)."""
+    answers = tokens = 0
+    forced = False
+    for path in shard_paths(folder):
+        with np.load(path) as z:
+            answers += len(z["temperature"])
+            tokens += int(z["answer_offsets"][-1])
+            forced = forced or bool((z["temperature"] == FORCED).any())
+    return answers, tokens, forced
 
 
 def load_shards(folder: str | Path) -> list[AnswerShard]:

@@ -40,6 +40,7 @@ from ...core.batch import Batch
 from ...core.drafting import DecodeState, Drafter
 from ...core.tree import DraftTree
 from .answers import make_shard, plan_shards
+from .features import to_bits
 
 __all__ = ["RunProgress", "StateRecorder", "engine_answers", "plan_run", "write_pair"]
 
@@ -103,8 +104,8 @@ def engine_answers(target: torch.nn.Module, prompts: list[list[int]], out: str |
             top = np.asarray([[t for t, _ in lp.top] for lp in gen.logprobs], np.int32)  # [a, k]
             values = np.asarray([[v for _, v in lp.top] for lp in gen.logprobs], np.float16)  # [a, k]
             states = None
-            if recorder is not None:  # bf16 bits: numpy has no bf16
-                states = recorder.states().to(torch.bfloat16).view(torch.int16).cpu().numpy()  # [P + A - 1, F]
+            if recorder is not None:
+                states = to_bits(recorder.states())  # [P + A - 1, F]
             done[n][i] = (list(gen.token_ids), (top, values), states)
             progress_.tokens += len(gen.token_ids)
             left[n] -= 1

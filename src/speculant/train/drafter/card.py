@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .answers import FORCED, shard_paths
+from .answers import run_list, shard_totals
 from ..card import _vocab_trim_section
 
 __all__ = ["write_drafter_card"]
@@ -66,14 +66,8 @@ def ablation_section(run: str | Path) -> str:
 def _extra_summary(extra_data: str | None) -> str:
     """``N answers (M tokens) of RUN, ...`` for the runs of ``--extra-data`` (empty without any)."""
     parts = []
-    for run in (Path(e.strip()) for e in (extra_data or "").split(",") if e.strip()):
-        n = tokens = 0
-        forced = False
-        for path in shard_paths(run / "answers"):
-            with np.load(path) as z:
-                n += len(z["temperature"])
-                tokens += int(z["answer_offsets"][-1])
-                forced = forced or bool((z["temperature"] == FORCED).any())
+    for run in run_list(extra_data):
+        n, tokens, forced = shard_totals(run / "answers")
         kind = "read by the target, teacher forcing" if forced else "of the target"
         parts.append(f"{n:,} answers of `{run}` ({kind}; {tokens:,} answer tokens)")
     return ", ".join(parts)
@@ -91,15 +85,8 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     history = json.loads((export.parent / "history.json").read_text())
     answers = run / "answers"
     done = json.loads((answers / "DONE").read_text()) if (answers / "DONE").exists() else None
-    shards = shard_paths(answers)
-
-    n_answers = n_tokens = 0
-    forced = False  # the prompts' own answers read by the target (--answers dataset), from the shards themselves
-    for path in shards:
-        with np.load(path) as z:
-            n_answers += len(z["temperature"])
-            n_tokens += int(z["answer_offsets"][-1])
-            forced = forced or bool((z["temperature"] == FORCED).any())
+    # forced: the prompts' own answers read by the target (--answers dataset), told by the shards themselves
+    n_answers, n_tokens, forced = shard_totals(answers)
     own = sum(int(np.prod(s)) for k, s in _shapes(export / "model.safetensors") if not k.endswith(".int8_scale"))
     size_mb = (export / "model.safetensors").stat().st_size / 2**20
     temps = "/".join(str(t) for t in cfg["temperatures"])

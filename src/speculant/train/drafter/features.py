@@ -20,7 +20,7 @@ import torch
 
 from .answers import AnswerShard, shard_paths
 
-__all__ = ["extract_features", "features_dir", "load_features", "sequence_lengths", "to_tensor"]
+__all__ = ["extract_features", "features_dir", "load_features", "sequence_lengths", "to_bits", "to_tensor"]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def _shard_features(target, shard: AnswerShard, taps: list[int]) -> np.ndarray:
         cache = SpecCache(num_layers(target), capacity=len(seq) + 8)
         states: list[torch.Tensor] = []
         forward.prefill(cache, ids, hidden_out=states)  # [1, T, F]
-        rows.append(states[0][0].to(torch.bfloat16).view(torch.int16).cpu().numpy())  # bf16 bits: numpy has no bf16
+        rows.append(to_bits(states[0][0]))
     width = target.config.hidden_size * (len(taps) + 1)
     return np.concatenate(rows) if rows else np.zeros((0, width), dtype=np.int16)
 
@@ -92,6 +92,11 @@ def load_features(folder: str | Path, shards: int | list[str | Path]) -> list[np
             raise ValueError(f"missing target features {path}: run the feature stage first")
         out.append(np.load(path, mmap_mode="r"))
     return out
+
+
+def to_bits(states: torch.Tensor) -> np.ndarray:
+    """States ``[..., F]`` as the int16 bits of their bfloat16 values (numpy has no bfloat16), as stored."""
+    return states.to(torch.bfloat16).view(torch.int16).cpu().numpy()
 
 
 def to_tensor(rows: np.ndarray) -> torch.Tensor:

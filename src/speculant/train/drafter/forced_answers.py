@@ -27,6 +27,7 @@ import torch
 
 from .answers import FORCED
 from .batch_answers import plan_run, write_pair
+from .features import to_bits
 
 __all__ = ["FORCED", "forced_answers", "read_answer"]
 
@@ -48,10 +49,7 @@ def read_answer(forward, prompt: list[int], answer: list[int], topk: int, with_s
     top = logits.topk(min(topk, logits.shape[-1]), dim=-1)  # the log-softmax's top-k: the logits' less their
     values = top.values - logits.logsumexp(-1, keepdim=True)  # log-sum-exp, [A, k]
     pair = (top.indices.to(torch.int32).cpu().numpy(), values.to(torch.float16).cpu().numpy())
-    bits = None
-    if states is not None:  # bf16 bits: numpy has no bf16
-        bits = states[0][0].to(torch.bfloat16).view(torch.int16).cpu().numpy()
-    return pair, bits
+    return pair, None if states is None else to_bits(states[0][0])
 
 
 def forced_answers(target: torch.nn.Module, prompts: list[list[int]], answers: list[list[int]], out: str | Path, *,

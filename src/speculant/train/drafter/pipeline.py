@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["ANSWERS", "DraftRunConfig", "FEATURE_KINDS", "KINDS", "check_extra_data", "dataset_answer", "extra_runs", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
+__all__ = ["ANSWERS", "DraftRunConfig", "FEATURE_KINDS", "KINDS", "check_extra_data", "dataset_answer", "has_answer", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
            "run_training"]
 
 log = logging.getLogger(__name__)
@@ -219,8 +219,7 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
         forced_answers(model, [g[0] for g in given], [g[1] for g in given], folder, shard_size=cfg.gen_batch,
                        topk=cfg.topk, seed=cfg.seed, max_batches=cfg.answer_batches, first_shard=part["first_shard"],
                        prompt_rows=[g[2] for g in given], features=features, taps=cfg.taps, progress=progress)
-        engine = "forced"
-        return _finish_answers(folder, parts, part, start, cfg, b, engine)
+        return _finish_answers(folder, parts, part, start, cfg, b, "forced")
     common = dict(stop_ids=stop_ids(tokenizer, model), max_new_tokens=cfg.max_new_tokens,
                   temperatures=tuple(cfg.temperatures), topk=cfg.topk, seed=cfg.seed, max_batches=cfg.answer_batches,
                   first_shard=part["first_shard"], prompt_rows=[a + i for i in kept], progress=progress)
@@ -236,28 +235,30 @@ def run_answers(cfg: DraftRunConfig, progress: bool = True) -> Path:
     return _finish_answers(folder, parts, part, start, cfg, b, engine)
 
 
+def has_answer(row: dict) -> bool:
+    """Whether a prompt row carries its own answer (``"answer"``: a text that is not blank; ShareGPT's replies)."""
+    text = row.get("answer")
+    return isinstance(text, str) and bool(text.strip())
+
+
 def dataset_answer(tokenizer, row: dict, max_tokens: int, stop: int) -> list[int]:
     """A prompt row's own ``answer`` as target tokens: the text's tokens then the chat's stop token, cut to
     ``max_tokens`` (a cut answer has no stop token, as a generation cut there); ``[]`` when the row has none."""
-    text = row.get("answer")
-    if not isinstance(text, str) or not text.strip():
+    if not has_answer(row):
         return []
-    return (tokenizer.encode(text, add_special_tokens=False) + [stop])[:max_tokens]
+    return (tokenizer.encode(row["answer"], add_special_tokens=False) + [stop])[:max_tokens]
 
 
 def _finish_answers(folder: Path, parts: list[dict], part: dict, start: float, cfg: DraftRunConfig, rows: int,
                     engine: str) -> Path:
     """Close the answering part: its seconds in ``PARTS.json`` and the run's totals in ``DONE``."""
-    from .answers import shard_paths
+    from .answers import shard_totals
 
     part["seconds"] = time.perf_counter() - start + part.pop("earlier_seconds", 0.0)
     part["batches"] = cfg.answer_batches
     (folder / "PARTS.json").write_text(json.dumps(parts, indent=1))
     seconds = sum(p["seconds"] for p in parts)
-    tokens = 0
-    for path in shard_paths(folder):
-        with np.load(path) as z:
-            tokens += int(z["answer_offsets"][-1])
+    tokens = shard_totals(folder)[1]
     (folder / "DONE").write_text(json.dumps({"rows": rows, "seconds": seconds, "answer_tokens": tokens,
                                              "answer_tokens_per_s": round(tokens / max(seconds, 1e-9), 2),
                                              "engine": engine}))
@@ -350,19 +351,14 @@ def _samples(cfg: DraftRunConfig, run: Path) -> list:
     return collect_samples(shards, context=_CONTEXT)
 
 
-def extra_runs(cfg: DraftRunConfig) -> list[Path]:
-    """The run directories of ``cfg.extra_data``."""
-    return [Path(e.strip()) for e in (cfg.extra_data or "").split(",") if e.strip()]
-
-
 def check_extra_data(cfg: DraftRunConfig) -> None:
     """A one-line ValueError unless every run of ``cfg.extra_data`` can train this drafter: another run directory
     (its ``run_config.json``) of the same target and top-k, with answer shards and, for feature kinds, the states of
     this run's taps for every one of them."""
-    from .answers import shard_paths
+    from .answers import run_list, shard_paths
     from .features import features_dir
 
-    for extra in extra_runs(cfg):
+    for extra in run_list(cfg.extra_data):
         saved = extra / "run_config.json"
         if not saved.is_file():
             raise ValueError(f"--extra-data: {extra} is not a drafter run directory (no run_config.json)")
@@ -389,10 +385,12 @@ def _split_samples(cfg: DraftRunConfig, run: Path):
     """``(train, validation)``: the run's own samples split by prompt row (:func:`split_validation`), then the
     samples of ``cfg.extra_data``'s runs added to training only, less those whose prompt a validation sample has
     (the same request read or answered in another run). The validation stays the run's own answers."""
+    from .answers import run_list
+
     check_extra_data(cfg)
     train, validation = split_validation(_samples(cfg, run), cfg.validation_fraction, cfg.seed)
     held = {_prompt_key(s) for s in validation}
-    for extra in extra_runs(cfg):
+    for extra in run_list(cfg.extra_data):
         train += [s for s in _samples(cfg, extra) if _prompt_key(s) not in held]
     return train, validation
 
