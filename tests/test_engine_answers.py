@@ -361,6 +361,24 @@ def test_train_draft_on_answers_read_by_the_target_end_to_end(tmp_path, capsys):
     export = Path(capsys.readouterr().out.strip())
     card = (export / "MODEL_CARD.md").read_text()
     assert "read by the target in one forward each (teacher forcing)" in card and "cycled per batch" not in card
+    # --init: a later run continues that drafter (untrained here: --loss none exports the initialisation as it is)
+    from safetensors.torch import load_file
+
+    again = base + ["--out", str(tmp_path / "r2"), "--prompts", str(answered), "--loss", "none", "--init", str(export)]
+    assert cli.main(again) == 0, capsys.readouterr().err
+    continued = Path(capsys.readouterr().out.strip())
+    first, second = load_file(str(export / "model.safetensors")), load_file(str(continued / "model.safetensors"))
+    assert first.keys() == second.keys()
+    for k in first:  # the int8 rows round-trip: the same drafter, not the target's layer again
+        assert torch.allclose(first[k].float(), second[k].float(), atol=1e-6, rtol=1e-3), k
+    assert f"continued from the drafter in `{export}`" in (continued / "MODEL_CARD.md").read_text()
+    for wrong, message in ((["--kind", "eagle3"], "is a drafter with kind 'feature'"),
+                           (["--taps", "0"], "is a drafter with taps [1]")):
+        assert cli.main(again[:-2] + ["--init", str(export), "--out", str(tmp_path / "r3")] + wrong) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert cli.main(base + ["--out", str(tmp_path / "r4"), "--prompts", str(answered), "--init", str(tmp_path)]) == 2
+    assert "is not an exported drafter" in capsys.readouterr().err
 
 
 def _tokens(run) -> int:

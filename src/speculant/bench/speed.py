@@ -17,6 +17,7 @@ import os
 import platform
 import statistics
 import sys
+from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -48,7 +49,23 @@ class MethodRun:
                 "depth_accepted": list(gen.stats.depth_accepted)}
 
 
+_ISA_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+"""CPU features that decide which kernels run (q4 dot products, bf16, AMX tiles): recorded with every result."""
+
+
+def cpu_info() -> dict:
+    """The CPU's model name and which of :data:`_ISA_FLAGS` it has (Linux: /proc/cpuinfo; elsewhere empty)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return {"cpu": name, "cpu_flags": [f for f in _ISA_FLAGS if f in flags]}
+
+
 def machine_info() -> dict:
+    """Where a result was measured: platform, CPU (model and kernel-relevant features), threads and versions."""
     import transformers
 
     from .. import __version__
@@ -57,6 +74,7 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        **cpu_info(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": sys.version.split()[0],

@@ -138,6 +138,9 @@ _DRAFT_DOCS = {
                   "--taps), whose answers also train the drafter: training only, the run's own held-out answers "
                   "validate, and requests it holds out are left out of them (e.g. a --answers dataset run beside one "
                   "with the target's own answers); default: none",
+    "init": "an exported drafter (RUN/<kind>-<loss>/draft, e.g. the one speculant ships for the target) to start "
+            "from instead of the target's layers: same --kind, --taps and number of --layers; training continues it "
+            "on this run's data (a fresh optimizer and schedule); default: none",
     "group_by_length": "each batch a random run of answers of similar length (a batch costs its longest: less "
                        "padding) instead of a uniform draw",
 }
@@ -200,6 +203,7 @@ def _run_train_draft(args: argparse.Namespace) -> int:
         KINDS,
         DraftRunConfig,
         check_extra_data,
+        check_init,
         resolve_kind,
         run_answers,
         run_features,
@@ -228,6 +232,7 @@ def _run_train_draft(args: argparse.Namespace) -> int:
         raise ValueError("--data-only and --train-only exclude each other")
     cfg = resolve_kind(dataclass_from_args(DraftRunConfig, args))
     check_extra_data(cfg)  # before any work: the other runs must fit this one
+    check_init(cfg)  # and the drafter to continue must be one this run trains
     if args.train_only:
         if not (Path(cfg.out) / "answers").is_dir():
             raise ValueError(f"--train-only: {cfg.out} has no answers yet (run without --train-only first)")

@@ -27,6 +27,7 @@ logged warning and callers use their torch reference instead (never an error).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -39,8 +40,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q8_BLOCK_BYTES", "attend", "cache_dir",
-           "library", "q4_amx", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "rope_attend"]
+__all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q8_BLOCK_BYTES", "attend", "build_of", "cache_dir",
+           "library", "q4_amx", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "rope_attend", "using"]
 
 log = logging.getLogger(__name__)
 
@@ -87,14 +88,14 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(isa: str) -> Path:
-    """Compile the ``csrc/`` sources (:data:`_SOURCES`) into one library for ``isa`` (``native``, or
-    ``avx2``/``generic`` for tests) unless already cached;
+def _build(isa: str, sources: tuple[Path, ...] = _SOURCES) -> Path:
+    """Compile ``sources`` (default: the ``csrc/`` files, :data:`_SOURCES`) into one library for ``isa``
+    (``native``, or ``avx2``/``generic`` for tests) unless already cached;
     the library's path. Raises (RuntimeError, OSError) when it cannot."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
     if not cxx:
         raise RuntimeError("no C++ compiler found (set CXX)")
-    source = b"\0".join(path.read_bytes() for path in _SOURCES)
+    source = b"\0".join(path.read_bytes() for path in sources)
     flags = _COMMON + _ISA_FLAGS[isa]
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), cxx.encode(), _cpu_flags().encode(),
                                      torch.__version__.encode(), platform.machine().encode()])).hexdigest()[:16]
@@ -107,7 +108,7 @@ def _build(isa: str) -> Path:
     try:
         errors = ""
         for openmp in (["-fopenmp"], []):  # no OpenMP (e.g. Apple clang without libomp): one thread
-            done = subprocess.run([cxx, *flags, *openmp, *map(str, _SOURCES), "-o", tmp], capture_output=True, text=True)
+            done = subprocess.run([cxx, *flags, *openmp, *map(str, sources), "-o", tmp], capture_output=True, text=True)
             if done.returncode == 0:
                 os.replace(tmp, path)
                 return path
@@ -128,34 +129,61 @@ def library(isa: str = "native") -> ctypes.CDLL | None:
         log.info("%s=0: speculant's compiled kernels are off, the torch reference runs instead", KERNELS_ENV)
     else:
         try:
-            lib = ctypes.CDLL(str(_build(isa)))
-            lib.q4_matmul.restype = ctypes.c_int
-            lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                      ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
-                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-            lib.q4_isa.restype = ctypes.c_int
-            lib.q4_amx.restype = ctypes.c_int
-            lib.q4_amx.argtypes = [ctypes.c_int]
-            lib.q4_layers.restype = ctypes.c_int
-            lib.q4_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_void_p,
-                                      *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
-                                      ctypes.c_float, ctypes.c_int]
-            lib.rope_attend.restype = ctypes.c_int
-            lib.rope_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 4, ctypes.c_void_p,
-                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2,
-                                        ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_float,
-                                        ctypes.c_void_p, ctypes.c_int]
-            lib.attend.restype = ctypes.c_int
-            lib.attend.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, *[ctypes.c_int64] * 2,
-                                   ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_int, *[ctypes.c_int64] * 5,
-                                   ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+            lib = _load(_build(isa))
             log.info("speculant q4 kernel (%s): %s%s", isa, _ISA_NAMES.get(lib.q4_isa(), "?"),
                      " + AMX from 10 rows" if lib.q4_amx(-1) else "")
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("speculant's compiled kernels are unavailable (%s); using the slower torch references", e)
             lib = None
     _libraries[isa] = lib
+    return lib
+
+
+def build_of(folder: str | Path) -> ctypes.CDLL:
+    """The native build of another copy of the kernel sources (``folder`` holds ``q4.cpp``, ``attend.cpp`` and
+    ``layers.cpp``, e.g. an earlier revision's), for benchmarks that compare builds (:func:`using`). Raises
+    (RuntimeError, OSError) when it cannot be built."""
+    return _load(_build("native", tuple(Path(folder) / path.name for path in _SOURCES)))
+
+
+@contextlib.contextmanager
+def using(lib: ctypes.CDLL | None):
+    """Within the block, :func:`library` (the native build every caller asks for) returns ``lib``."""
+    had, before = "native" in _libraries, _libraries.get("native")
+    _libraries["native"] = lib
+    try:
+        yield lib
+    finally:
+        if had:
+            _libraries["native"] = before
+        else:
+            _libraries.pop("native", None)
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` with its functions' C signatures declared."""
+    lib = ctypes.CDLL(str(path))
+    lib.q4_matmul.restype = ctypes.c_int
+    lib.q4_matmul.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                              ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
+                              ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.q4_isa.restype = ctypes.c_int
+    lib.q4_amx.restype = ctypes.c_int
+    lib.q4_amx.argtypes = [ctypes.c_int]
+    lib.q4_layers.restype = ctypes.c_int
+    lib.q4_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_void_p,
+                              *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float,
+                              ctypes.c_float, ctypes.c_int]
+    lib.rope_attend.restype = ctypes.c_int
+    lib.rope_attend.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 4, ctypes.c_void_p,
+                                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, *[ctypes.c_int64] * 2,
+                                ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_float,
+                                ctypes.c_void_p, ctypes.c_int]
+    lib.attend.restype = ctypes.c_int
+    lib.attend.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_void_p, *[ctypes.c_int64] * 2,
+                           ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_int, *[ctypes.c_int64] * 5,
+                           ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 

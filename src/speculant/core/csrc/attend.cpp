@@ -19,9 +19,9 @@
 // load, rounded to nearest even on store). The query heads sharing a KV head (GQA) are computed together, each
 // key and value row loaded once for all of them; threads split the (KV head, row) pairs, never a reduction.
 //
-// AVX-512 builds, D a multiple of 16 up to 128 (every model here), take a faster route to the very same bits:
+// AVX-512 and AVX2 builds, D a multiple of 16 up to 128 (every model here), take a faster route to the very same bits:
 // bfloat16 keys and values are converted to float32 once per call (shared by every row and head), each head's
-// scores are computed for 16 keys at a time (16 dots' lane sums in registers, then folded together with the same
+// scores are computed for 16 (AVX2: 4) keys at a time (the dots' lane sums in registers, then folded together with the same
 // additions dot() makes), and each head's D value sums stay in registers over the keys. rope_attend() runs RoPE
 // and the cache write before the attention in the same call (one call per layer for the lean forward).
 
@@ -37,6 +37,11 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define ATTEND_AVX512 1
+#define ATTEND_FAST 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTEND_AVX2 1
+#define ATTEND_FAST 1
 #endif
 
 namespace {
@@ -325,7 +330,93 @@ void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group
 }
 #endif
 
-#if defined(ATTEND_AVX512)
+#if defined(ATTEND_AVX2)
+// Four dots' lane sums, dot r's 16 lanes as lo[r] (lanes 0-7) and hi[r] (lanes 8-15) -> [d0, d1, d2, d3], each folded
+// 8+8, 4+4, 2+2, 1+1 exactly as dot() folds one (the same additions, several dots at a time).
+inline __m128 fold4(const __m256 lo[4], const __m256 hi[4]) {
+    __m256 a[4];
+    for (int r = 0; r < 4; ++r) a[r] = _mm256_add_ps(lo[r], hi[r]);  // 8+8: lane l + lane l + 8
+    // 4+4: x0 = [a0 4+4 | a1 4+4], x1 = [a2 4+4 | a3 4+4] (a 128-bit half per dot)
+    const __m256 x0 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
+    const __m256 x1 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
+    // 2+2 per half: low half [d0 (2 values), d2 (2 values)], high half [d1, d3]
+    const __m256 y = _mm256_add_ps(_mm256_shuffle_ps(x0, x1, 0x44), _mm256_shuffle_ps(x0, x1, 0xEE));
+    // 1+1 per half: low half [d0, d2, d0, d2], high half [d1, d3, d1, d3]
+    const __m256 w = _mm256_add_ps(_mm256_shuffle_ps(y, y, 0x88), _mm256_shuffle_ps(y, y, 0xDD));
+    return _mm_unpacklo_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));  // [d0, d1, d2, d3]
+}
+
+// The AVX2 fast path of attend_group (the AVX-512 one's twin): keys/values already float32, D a multiple of 16 up to
+// 128 (CH = D / 16). Scores for 4 keys at a time per head (each dot's 16 lanes in two registers, folded by fold4:
+// the bits of dot()), then the same softmax and value sums as attend_group.
+template <bool BF16, int CH>
+void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group, const float* k, int64_t k_rs,
+                       const float* v, int64_t v_rs, int64_t S, int64_t D, const uint8_t* allowed, int64_t visible,
+                       float scale, void* out, int64_t out_off, std::vector<float>& buf) {
+    const int64_t span = allowed ? S : visible, padded = (span + 3) / 4 * 4;
+    buf.resize((size_t)(group * D + group * D + group * padded + 2 * group));
+    float* qf = buf.data();
+    float* o = qf + group * D;
+    float* s = o + group * D;
+    float* z = s + group * padded;
+    for (int64_t h = 0; h < group; ++h) {
+        const float* qh = load_row<BF16>(q, q_off + h * q_hs, D, qf + h * D);
+        if (qh != qf + h * D) memcpy(qf + h * D, qh, sizeof(float) * (size_t)D);
+    }
+    const __m128 vscale = _mm_set1_ps(scale), ninf = _mm_set1_ps(-INFINITY);
+    for (int64_t h = 0; h < group; ++h) {
+        const float* qh = qf + h * D;
+        __m128 mv = ninf;
+        float* sh = s + h * padded;
+        for (int64_t j0 = 0; j0 < span; j0 += 4) {
+            __m256 lo[4], hi[4];
+            const float* kr[4];
+            for (int r = 0; r < 4; ++r) {
+                kr[r] = k + (j0 + r < span ? j0 + r : span - 1) * k_rs;  // past the end: a repeat, discarded below
+                lo[r] = hi[r] = _mm256_setzero_ps();
+            }
+            for (int c = 0; c < CH; ++c) {  // 8 independent chains (each dot's own order: chunk by chunk)
+                const __m256 ql = _mm256_loadu_ps(qh + 16 * c), qu = _mm256_loadu_ps(qh + 16 * c + 8);
+                for (int r = 0; r < 4; ++r) {
+                    lo[r] = _mm256_fmadd_ps(ql, _mm256_loadu_ps(kr[r] + 16 * c), lo[r]);
+                    hi[r] = _mm256_fmadd_ps(qu, _mm256_loadu_ps(kr[r] + 16 * c + 8), hi[r]);
+                }
+            }
+            __m128 sc = _mm_mul_ps(vscale, fold4(lo, hi));
+            alignas(16) float seen[4];
+            for (int r = 0; r < 4; ++r) {
+                const int64_t j = j0 + r;
+                seen[r] = j < span && (!allowed || allowed[j]) ? 0.f : -1.f;
+            }
+            sc = _mm_blendv_ps(sc, ninf, _mm_load_ps(seen));  // unseen (sign bit set): -inf
+            mv = _mm_max_ps(mv, sc);
+            _mm_storeu_ps(sh + j0, sc);
+        }
+        mv = _mm_max_ps(mv, _mm_movehl_ps(mv, mv));  // max: exact in any order
+        const float mh = _mm_cvtss_f32(_mm_max_ss(mv, _mm_movehdup_ps(mv)));
+        for (int64_t j = 0; j < span; ++j) sh[j] = exp_nonpositive(sh[j] - mh);
+        z[h] = 0.f;
+    }
+    for (int64_t j = 0; j < span; ++j)  // each head's sum in key order, the heads' chains interleaved
+        if (!allowed || allowed[j])
+            for (int64_t h = 0; h < group; ++h) z[h] += s[h * padded + j];
+    for (int64_t h = 0; h < group; ++h) {
+        __m256 acc[16];
+        for (int c = 0; c < 2 * CH; ++c) acc[c] = _mm256_setzero_ps();
+        const float* eh = s + h * padded;
+        for (int64_t j = 0; j < span; ++j) {
+            if (allowed && !allowed[j]) continue;
+            const __m256 ej = _mm256_set1_ps(eh[j]);
+            const float* vj = v + j * v_rs;
+            for (int c = 0; c < 2 * CH; ++c) acc[c] = _mm256_fmadd_ps(ej, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < 2 * CH; ++c) _mm256_storeu_ps(o + h * D + 8 * c, acc[c]);
+    }
+    write_heads<BF16>(o, z, group, D, out, out_off);
+}
+#endif
+
+#if defined(ATTEND_FAST)
 typedef void (*FastFn)(const void*, int64_t, int64_t, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
                        int64_t, const uint8_t*, int64_t, float, void*, int64_t, std::vector<float>&);
 template <bool BF16, int... C>
@@ -344,7 +435,7 @@ void attend_items(const void* q, int64_t q_hs, int64_t q_rs, const void* k, int6
                   int64_t D, const uint8_t* allowed, float scale, void* out, float* kv) {
     const int64_t group = Hq / Hkv, items = Hkv * T;
     std::vector<float> buf;
-#if defined(ATTEND_AVX512)
+#if defined(ATTEND_FAST)
     if (D % 16 == 0 && D <= 128) {
         const float *kf = (const float*)k, *vf = (const float*)v;
         int64_t khs = k_hs, krs = k_rs, vhs = v_hs, vrs = v_rs;
@@ -389,7 +480,7 @@ void attend_items(const void* q, int64_t q_hs, int64_t q_rs, const void* k, int6
 // Scratch for attend_items' float copies of bfloat16 keys and values (null when it reads them in place): one buffer
 // per calling thread, kept and grown across calls (no allocation, zeroing or page faults per call).
 float* kv_scratch(int bf16, int64_t Hkv, int64_t S, int64_t D) {
-#if defined(ATTEND_AVX512)
+#if defined(ATTEND_FAST)
     if (bf16 && D % 16 == 0 && D <= 128) {
         static thread_local std::vector<float> scratch;
         const size_t n = (size_t)(2 * Hkv * S * D);

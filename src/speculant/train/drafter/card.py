@@ -116,7 +116,7 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
 
 A drafter for `{meta['target']}`, made by `speculant train draft` the Direct Alignment way (Goel et al. 2024):
 {len(meta['layers_from_target'])} transformer layers initialised from the target's layers {meta['layers_from_target']}
-and its final norm, sharing the target's token embedding and LM head (not stored here: they are the target's own
+and its final norm{f" (continued from the drafter in `{cfg['init']}`, --init)" if cfg.get('init') else ""}, sharing the target's token embedding and LM head (not stored here: they are the target's own
 tensors when loaded, see `speculant.models.attached`), fine-tuned on {"text the target read" if forced else "the target's own answers"}{" and more runs' answers" if more else ""} with the `{meta['loss']}`
 loss.
 {_kind_paragraph(meta, cfg)}

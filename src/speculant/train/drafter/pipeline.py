@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["ANSWERS", "DraftRunConfig", "FEATURE_KINDS", "KINDS", "check_extra_data", "dataset_answer", "has_answer", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
+__all__ = ["ANSWERS", "DraftRunConfig", "FEATURE_KINDS", "KINDS", "check_extra_data", "check_init", "dataset_answer", "has_answer", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
            "run_training"]
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class DraftRunConfig:
     threads: int | None = None
     group_by_length: bool = False  # batches of samples of similar length (less padding) instead of uniform draws
     extra_data: str | None = None  # more run directories (comma-separated) whose answers (and states) also train
+    init: str | None = None  # an exported drafter of the same kind to start from instead of the target's layers
 
 
 def tokenize_prompts(tokenizer, rows: list[dict], max_tokens: int) -> tuple[list[list[int]], list[int]]:
@@ -381,6 +382,26 @@ def check_extra_data(cfg: DraftRunConfig) -> None:
                                  "stage with these --taps)")
 
 
+def check_init(cfg: DraftRunConfig) -> None:
+    """A one-line ValueError unless ``cfg.init`` (when given) is an exported drafter this run can continue: an
+    attached drafter directory of the same kind, taps and number of layers (its target is checked when it loads)."""
+    if not cfg.init:
+        return
+    from ...models.attached import ATTACHED_FILE, is_attached
+
+    path = Path(cfg.init)
+    if not is_attached(path):
+        raise ValueError(f"--init: {path} is not an exported drafter (no {ATTACHED_FILE}; give RUN/<kind>-<loss>/draft)")
+    meta = json.loads((path / ATTACHED_FILE).read_text())
+    mine = {"kind": cfg.kind, "taps": list(cfg.taps), "layers": len(cfg.layers)}
+    theirs = {"kind": meta.get("kind", "token"), "taps": list(meta.get("taps") or []),
+              "layers": len(meta.get("layers_from_target") or [])}
+    for key in mine:
+        if mine[key] != theirs[key]:
+            raise ValueError(f"--init: {path} is a drafter with {key} {theirs[key]!r}, this run trains one with "
+                             f"{key} {mine[key]!r}")
+
+
 def _split_samples(cfg: DraftRunConfig, run: Path):
     """``(train, validation)``: the run's own samples split by prompt row (:func:`split_validation`), then the
     samples of ``cfg.extra_data``'s runs added to training only, less those whose prompt a validation sample has
@@ -437,7 +458,7 @@ def _machine(cfg: DraftRunConfig) -> str:
 def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = True) -> Path:
     """Stage 3: fine-tune the attached drafter with ``loss`` (default ``cfg.loss``; ``"none"`` exports the
     untrained initialisation) and export it to ``RUN/<loss>/draft``; returns that directory."""
-    from ...models.attached import build_attached, save_attached
+    from ...models.attached import build_attached, load_attached, save_attached
     from ...models.chat import stop_ids
     from ...models.loading import load_pretrained
     from ..calibrate import write_calibration_tokens
@@ -460,7 +481,11 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     train, validation = _split_samples(cfg, run)
     vocab = target.get_input_embeddings().weight.shape[0]
     kept = kept_ids(train, vocab, cfg.keep, stops)
-    draft = build_attached(target, cfg.layers, features=cfg.kind in FEATURE_KINDS, taps=cfg.taps)
+    if cfg.init:  # continue an earlier drafter (e.g. the shipped one) on this run's data
+        check_init(cfg)
+        draft = load_attached(cfg.init, target)
+    else:
+        draft = build_attached(target, cfg.layers, features=cfg.kind in FEATURE_KINDS, taps=cfg.taps)
     objective = TOKEN
     if cfg.kind in FEATURE_KINDS:
         from .feature_train import FeatureObjective
