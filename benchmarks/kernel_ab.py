@@ -5,7 +5,7 @@ cache (a random prompt of ``--context`` tokens), a forward of T new tokens for e
 build by build within every repeat (the first two repeats are warm-up); the medians are reported with their ratio,
 and the logits of the two builds are compared bit for bit (a kernel change that is meant to be faster only must
 give the same bits). The builds come from ``git show REV:src/speculant/core/csrc/...`` (``--base``, default HEAD) and
-from the working tree.
+from the working tree (with ``--base HEAD`` on a clean tree both are the same library: an A/A run, the noise).
 
     python benchmarks/kernel_ab.py --base HEAD --target qwen2.5-coder-1.5b-instruct --out benchmarks/results/kernel_ab.json
 """
@@ -36,10 +36,10 @@ def sources_at(revision: str, folder: Path) -> Path:
     """The kernel sources of ``revision`` written into ``folder``."""
     root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                                check=True).stdout.strip())
-    for name in ("q4.cpp", "attend.cpp", "layers.cpp"):
-        text = subprocess.run(["git", "show", f"{revision}:{CSRC}/{name}"], cwd=root, capture_output=True,
+    for source in kernels.SOURCES:
+        text = subprocess.run(["git", "show", f"{revision}:{CSRC}/{source.name}"], cwd=root, capture_output=True,
                               text=True, check=True).stdout
-        (folder / name).write_text(text)
+        (folder / source.name).write_text(text)
     return folder
 
 

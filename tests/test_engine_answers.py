@@ -379,6 +379,7 @@ def test_train_draft_on_answers_read_by_the_target_end_to_end(tmp_path, capsys):
         assert err.count("\n") == 1 and message in err, err
     assert cli.main(base + ["--out", str(tmp_path / "r4"), "--prompts", str(answered), "--init", str(tmp_path)]) == 2
     assert "is not an exported drafter" in capsys.readouterr().err
+    assert not (tmp_path / "r3").exists() and not (tmp_path / "r4").exists()  # refused before any work
 
 
 def _tokens(run) -> int:

@@ -249,6 +249,26 @@ def test_the_build_is_cached_by_source_and_machine(tmp_path, monkeypatch):
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
 
 
+def test_another_copy_of_the_sources_builds_and_serves_for_a_block(tmp_path):
+    """kernels.build_of (a copy of the sources, as benchmarks/kernel_ab.py builds an earlier revision's) and
+    kernels.using (library() answers that build inside the block, the usual one after it)."""
+    lib = kernels.library()
+    if lib is None:
+        pytest.skip("no compiler here")
+    for source in kernels.SOURCES:
+        (tmp_path / source.name).write_bytes(source.read_bytes())
+    other = kernels.build_of(tmp_path)
+    assert other.q4_isa() == lib.q4_isa()
+    with kernels.using(other):
+        assert kernels.library() is other
+        with kernels.using(None):
+            assert kernels.library() is None
+        assert kernels.library() is other
+    assert kernels.library() is lib
+    with pytest.raises(RuntimeError, match="cannot be built or loaded"):
+        kernels.build_of(tmp_path / "missing")
+
+
 def test_without_a_compiler_the_reference_runs_after_one_warning(monkeypatch, caplog):
     def fail(isa):
         raise RuntimeError("no C++ compiler found (set CXX)")

@@ -17,7 +17,6 @@ import os
 import platform
 import statistics
 import sys
-from pathlib import Path
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -54,14 +53,11 @@ _ISA_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_
 
 
 def cpu_info() -> dict:
-    """The CPU's model name and which of :data:`_ISA_FLAGS` it has (Linux: /proc/cpuinfo; elsewhere empty)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return {}
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "")
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return {"cpu": name, "cpu_flags": [f for f in _ISA_FLAGS if f in flags]}
+    """The CPU's model name and which of :data:`_ISA_FLAGS` it has (Linux; elsewhere empty)."""
+    from ..core.kernels import cpu_info as read
+
+    name, flags = read()
+    return {"cpu": name, "cpu_flags": [f for f in _ISA_FLAGS if f in flags]} if name or flags else {}
 
 
 def machine_info() -> dict:

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q8_BLOCK_BYTES", "attend", "build_of", "cache_dir",
+__all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q8_BLOCK_BYTES", "SOURCES", "attend", "build_of", "cache_dir", "cpu_info",
            "library", "q4_amx", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "rope_attend", "using"]
 
 log = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ BLOCK_BYTES = {4: Q4_BLOCK_BYTES, 8: Q8_BLOCK_BYTES}
 """Packed block bytes by code bits."""
 
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q4.cpp", "attend.cpp", "layers.cpp"))
+SOURCES = _SOURCES
+"""The C++ files compiled into the one library, in build order."""
 # -ffp-contract=off: the float operations are exactly the ones written (explicit fma), in every code path
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off"]
 _ISA_FLAGS = {"native": ["-march=native"], "avx512": ["-march=skylake-avx512"], "avx2": ["-march=haswell"],
@@ -76,16 +78,27 @@ def cache_dir() -> Path:
     return Path(xdg or Path.home() / ".cache") / "speculant" / "kernels"
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux), else the processor's name: part of the build key (-march=native)."""
+def cpu_info() -> tuple[str, list[str]]:
+    """The CPU's model name and feature flags as Linux reports them (``/proc/cpuinfo``), else ``("", [])``."""
+    name, flags = "", []
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features")):
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
+                if not name and line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                elif not flags and line.startswith(("flags", "Features")):
+                    flags = line.split(":", 1)[1].split()
+                if name and flags:
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return name, flags
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux), else the processor's name: part of the build key (-march=native)."""
+    flags = cpu_info()[1]
+    return " ".join(sorted(flags)) if flags else (platform.processor() or platform.machine())
 
 
 def _build(isa: str, sources: tuple[Path, ...] = _SOURCES) -> Path:
@@ -140,10 +153,14 @@ def library(isa: str = "native") -> ctypes.CDLL | None:
 
 
 def build_of(folder: str | Path) -> ctypes.CDLL:
-    """The native build of another copy of the kernel sources (``folder`` holds ``q4.cpp``, ``attend.cpp`` and
-    ``layers.cpp``, e.g. an earlier revision's), for benchmarks that compare builds (:func:`using`). Raises
-    (RuntimeError, OSError) when it cannot be built."""
-    return _load(_build("native", tuple(Path(folder) / path.name for path in _SOURCES)))
+    """The native build of another copy of the kernel sources (``folder`` holds the files of :data:`SOURCES` by
+    name, e.g. an earlier revision's), for benchmarks that compare builds (:func:`using`). The copy must have this
+    version's C functions and packed-weight layout (the signatures declared here are used as they are); the same
+    sources give the same cached library. Raises RuntimeError when it cannot be built or lacks a function."""
+    try:
+        return _load(_build("native", tuple(Path(folder) / path.name for path in _SOURCES)))
+    except (AttributeError, OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"the kernels in {folder} cannot be built or loaded: {e}") from None
 
 
 @contextlib.contextmanager

@@ -401,16 +401,19 @@ void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group
         if (!allowed || allowed[j])
             for (int64_t h = 0; h < group; ++h) z[h] += s[h * padded + j];
     for (int64_t h = 0; h < group; ++h) {
-        __m256 acc[16];
-        for (int c = 0; c < 2 * CH; ++c) acc[c] = _mm256_setzero_ps();
         const float* eh = s + h * padded;
-        for (int64_t j = 0; j < span; ++j) {
-            if (allowed && !allowed[j]) continue;
-            const __m256 ej = _mm256_set1_ps(eh[j]);
-            const float* vj = v + j * v_rs;
-            for (int c = 0; c < 2 * CH; ++c) acc[c] = _mm256_fmadd_ps(ej, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+        for (int c0 = 0; c0 < 2 * CH; c0 += 8) {  // 64 outputs a pass: 8 accumulators fit AVX2's 16 registers
+            const int n = 2 * CH - c0 < 8 ? 2 * CH - c0 : 8;
+            __m256 acc[8];
+            for (int c = 0; c < n; ++c) acc[c] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < span; ++j) {
+                if (allowed && !allowed[j]) continue;
+                const __m256 ej = _mm256_set1_ps(eh[j]);
+                const float* vj = v + j * v_rs + 8 * c0;
+                for (int c = 0; c < n; ++c) acc[c] = _mm256_fmadd_ps(ej, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+            }
+            for (int c = 0; c < n; ++c) _mm256_storeu_ps(o + h * D + 8 * (c0 + c), acc[c]);
         }
-        for (int c = 0; c < 2 * CH; ++c) _mm256_storeu_ps(o + h * D + 8 * c, acc[c]);
     }
     write_heads<BF16>(o, z, group, D, out, out_off);
 }

@@ -400,6 +400,16 @@ def check_init(cfg: DraftRunConfig) -> None:
         if mine[key] != theirs[key]:
             raise ValueError(f"--init: {path} is a drafter with {key} {theirs[key]!r}, this run trains one with "
                              f"{key} {mine[key]!r}")
+    from transformers import AutoConfig
+
+    from ...models.loading import resolve_model
+
+    target = AutoConfig.from_pretrained(str(resolve_model(cfg.target)), local_files_only=True)
+    draft = json.loads((path / "config.json").read_text())
+    for key in ("model_type", "hidden_size", "vocab_size"):
+        if draft.get(key) != getattr(target, key, None):
+            raise ValueError(f"--init: {path} was made for {meta.get('target')!r} ({key} {draft.get(key)!r}); this "
+                             f"run's target has {key} {getattr(target, key, None)!r}")
 
 
 def _split_samples(cfg: DraftRunConfig, run: Path):
@@ -477,7 +487,14 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     target, tokenizer = load_pretrained(cfg.target, dtype="float32")
     stops = stop_ids(tokenizer, target)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "run_config.json").write_text(json.dumps({**asdict(cfg), "loss": loss}, indent=1))
+    earlier = out / "run_config.json"
+    if (out / "checkpoint.pt").exists() and earlier.exists():  # resuming: the same start, or the card would lie
+        started = json.loads(earlier.read_text()).get("init")
+        if started != cfg.init:
+            raise ValueError(f"{out} holds a checkpoint of a training started from "
+                             f"{started or 'the target layers'}; resume it with the same --init (now: "
+                             f"{cfg.init or 'none'}), or train into another --out")
+    earlier.write_text(json.dumps({**asdict(cfg), "loss": loss}, indent=1))
     train, validation = _split_samples(cfg, run)
     vocab = target.get_input_embeddings().weight.shape[0]
     kept = kept_ids(train, vocab, cfg.keep, stops)
@@ -509,7 +526,7 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     seconds = max(time.perf_counter() - start, float(history[-1].get("seconds") or 0.0))
     tmp = out / "draft.tmp"
     save_attached(draft, target, tmp, target_name=cfg.target, dtype=torch.int8, extra={
-        "kind": cfg.kind, "layers_from_target": cfg.layers, "taps": cfg.taps, "loss": loss, "steps": cfg.steps if loss != "none" else 0,
+        "kind": cfg.kind, "layers_from_target": cfg.layers, "taps": cfg.taps, "init": cfg.init, "loss": loss, "steps": cfg.steps if loss != "none" else 0,
         "train_seconds": round(seconds, 1), "validation": history[-1], "machine": _machine(cfg)})
     answers = np.concatenate([s.answer for s in train])
     seen = int((np.bincount(answers.astype(np.int64)) > 0).sum())
