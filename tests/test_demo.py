@@ -64,7 +64,7 @@ def test_packaged_defaults(monkeypatch, installed):
     assert demo.main(["--threads", "1", "--target", "nope"]) == 2
     # the method: a packaged default when measured, else chain:k=3 for a packaged target, else chain:k=K
     assert demo._method(SMOL, "smollm2-135m-instruct-draft", 4) == PACKAGED[SMOL].default_method
-    assert demo._method(QWEN, QWEN_DRAFT, 4) == (PACKAGED[QWEN].default_method or "chain:k=3")
+    assert demo._method(QWEN, QWEN_DRAFT, 4) == (PACKAGED[QWEN].method_here() or "chain:k=3")  # this machine's
     assert demo._method("some/dir", "other/dir", 4) == "chain:k=4"
 
 
@@ -96,7 +96,7 @@ def test_a_packaged_target_streams_in_its_own_process(monkeypatch):
     cmd = calls[0]
     assert cmd[1:4] == ["-m", "speculant", "generate"] and "--raw" not in cmd  # a chat request
     assert cmd[cmd.index("--quantization") + 1] == "q4"
-    assert cmd[cmd.index("--method") + 1] == (PACKAGED[QWEN].default_method or "chain:k=3")
+    assert cmd[cmd.index("--method") + 1] == (PACKAGED[QWEN].method_here() or "chain:k=3")
 
 
 @pytest.mark.parametrize("built", [True, False])

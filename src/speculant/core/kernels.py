@@ -64,7 +64,7 @@ SOURCES = _SOURCES
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off"]
 _ISA_FLAGS = {"native": ["-march=native"], "avx512": ["-march=skylake-avx512"], "avx2": ["-march=haswell"],
               "generic": []}
-_ISA_NAMES = {3: "avx512-vnni", 2: "avx512", 1: "avx2", 0: "scalar"}
+_ISA_NAMES = {3: "avx512-vnni", 2: "avx512", 4: "avx2-vnni", 1: "avx2", 0: "scalar"}
 _libraries: dict[str, ctypes.CDLL | None] = {}
 
 
@@ -205,7 +205,7 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def q4_isa(isa: str = "native") -> str | None:
-    """The code path the ``isa`` build compiled (``avx512-vnni``, ``avx512``, ``avx2``, ``scalar``), or None
+    """The code path the ``isa`` build compiled (``avx512-vnni``, ``avx512``, ``avx2-vnni``, ``avx2``, ``scalar``), or None
     without a library."""
     lib = library(isa)
     return None if lib is None else _ISA_NAMES.get(lib.q4_isa(), "?")

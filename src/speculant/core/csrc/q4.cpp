@@ -545,7 +545,8 @@ bool amx_active() {
 
 extern "C" {
 
-// Which code path this build compiled: 3 AVX-512 VNNI, 2 AVX-512 (maddubs), 1 AVX2, 0 scalar.
+// Which code path this build compiled: 3 AVX-512 VNNI, 2 AVX-512 (maddubs), 4 AVX2 with AVX-VNNI, 1 AVX2 (maddubs),
+// 0 scalar.
 int q4_isa(void);
 
 // AMX for AMX_MIN_ROWS..16 rows: mode 0 turns it off, 1 on (where the build and the OS allow), -1 only asks. Returns whether
@@ -560,6 +561,8 @@ int q4_isa(void) {
     return 3;
 #elif defined(Q4_AVX512)
     return 2;
+#elif defined(Q4_AVX2) && defined(__AVXVNNI__)
+    return 4;
 #elif defined(Q4_AVX2)
     return 1;
 #else
