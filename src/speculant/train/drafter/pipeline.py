@@ -384,7 +384,8 @@ def check_extra_data(cfg: DraftRunConfig) -> None:
 
 def check_init(cfg: DraftRunConfig) -> None:
     """A one-line ValueError unless ``cfg.init`` (when given) is an exported drafter this run can continue: an
-    attached drafter directory of the same kind, taps and number of layers (its target is checked when it loads)."""
+    attached drafter directory of the same kind, taps and number of layers, made for a target of the same model type,
+    hidden size and vocabulary (its embedding's fingerprint is checked again when it loads)."""
     if not cfg.init:
         return
     from ...models.attached import ATTACHED_FILE, is_attached
