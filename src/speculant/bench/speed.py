@@ -52,11 +52,11 @@ _ISA_FLAGS = ("avx2", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_
 """CPU features that decide which kernels run (q4 dot products, bf16, AMX tiles): recorded with every result."""
 
 
-def cpu_info() -> dict:
+def _cpu() -> dict:
     """The CPU's model name and which of :data:`_ISA_FLAGS` it has (Linux; elsewhere empty)."""
-    from ..core.kernels import cpu_info as read
+    from ..core.kernels import cpu_info
 
-    name, flags = read()
+    name, flags = cpu_info()
     return {"cpu": name, "cpu_flags": [f for f in _ISA_FLAGS if f in flags]} if name or flags else {}
 
 
@@ -70,7 +70,7 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor(),
-        **cpu_info(),
+        **_cpu(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": sys.version.split()[0],

@@ -57,8 +57,7 @@ Q8_BLOCK_BYTES = 576
 BLOCK_BYTES = {4: Q4_BLOCK_BYTES, 8: Q8_BLOCK_BYTES}
 """Packed block bytes by code bits."""
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q4.cpp", "attend.cpp", "layers.cpp"))
-SOURCES = _SOURCES
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q4.cpp", "attend.cpp", "layers.cpp"))
 """The C++ files compiled into the one library, in build order."""
 # -ffp-contract=off: the float operations are exactly the ones written (explicit fma), in every code path
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-shared", "-ffp-contract=off"]
@@ -101,8 +100,8 @@ def _cpu_flags() -> str:
     return " ".join(sorted(flags)) if flags else (platform.processor() or platform.machine())
 
 
-def _build(isa: str, sources: tuple[Path, ...] = _SOURCES) -> Path:
-    """Compile ``sources`` (default: the ``csrc/`` files, :data:`_SOURCES`) into one library for ``isa``
+def _build(isa: str, sources: tuple[Path, ...] = SOURCES) -> Path:
+    """Compile ``sources`` (default: the ``csrc/`` files, :data:`SOURCES`) into one library for ``isa``
     (``native``, or ``avx2``/``generic`` for tests) unless already cached;
     the library's path. Raises (RuntimeError, OSError) when it cannot."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
@@ -158,7 +157,7 @@ def build_of(folder: str | Path) -> ctypes.CDLL:
     version's C functions and packed-weight layout (the signatures declared here are used as they are); the same
     sources give the same cached library. Raises RuntimeError when it cannot be built or lacks a function."""
     try:
-        return _load(_build("native", tuple(Path(folder) / path.name for path in _SOURCES)))
+        return _load(_build("native", tuple(Path(folder) / path.name for path in SOURCES)))
     except (AttributeError, OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"the kernels in {folder} cannot be built or loaded: {e}") from None
 

@@ -241,6 +241,36 @@ void copy_row(const void* x, int64_t x_off, int64_t D, void* dst, int64_t dst_of
     memcpy((char*)dst + dst_off * size, (const char*)x + x_off * size, (size_t)D * size);
 }
 
+#if defined(ATTEND_FAST)
+// The fast paths' scratch in buf: the group's queries as float32 (qf [group, D]), the outputs (o [group, D]), the
+// scores and then their exponentials (s [group, padded]; padded: the key span rounded up to a step's keys) and the
+// softmax sums (z [group]).
+struct FastScratch {
+    float *qf, *o, *s, *z;
+};
+
+template <bool BF16>
+FastScratch fast_scratch(const void* q, int64_t q_hs, int64_t q_off, int64_t group, int64_t D, int64_t padded,
+                         std::vector<float>& buf) {
+    buf.resize((size_t)(2 * group * D + group * padded + group));
+    FastScratch w{buf.data(), buf.data() + group * D, buf.data() + 2 * group * D, buf.data() + 2 * group * D + group * padded};
+    for (int64_t h = 0; h < group; ++h) {
+        const float* qh = load_row<BF16>(q, q_off + h * q_hs, D, w.qf + h * D);
+        if (qh != w.qf + h * D) memcpy(w.qf + h * D, qh, sizeof(float) * (size_t)D);
+    }
+    return w;
+}
+
+// z[h] = the sum of head h's exponentials over the seen keys, in key order (the heads' chains interleaved), as
+// attend_group sums them.
+inline void softmax_sums(const float* s, int64_t padded, int64_t span, int64_t group, const uint8_t* allowed, float* z) {
+    for (int64_t h = 0; h < group; ++h) z[h] = 0.f;
+    for (int64_t j = 0; j < span; ++j)
+        if (!allowed || allowed[j])
+            for (int64_t h = 0; h < group; ++h) z[h] += s[h * padded + j];
+}
+#endif
+
 #if defined(ATTEND_AVX512)
 // Lane vectors acc[0..15] (one dot's 16 lane sums each) -> their 16 dots, each folded 8+8, 4+4, 2+2, 1+1 exactly as
 // dot() folds one (the same additions, pairs of vectors at a time): result lane r = dot r.
@@ -272,16 +302,9 @@ void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group
                        const float* v, int64_t v_rs, int64_t S, int64_t D, const uint8_t* allowed, int64_t visible,
                        float scale, void* out, int64_t out_off, std::vector<float>& buf) {
     const int64_t span = allowed ? S : visible, padded = (span + 15) / 16 * 16;
-    buf.resize((size_t)(group * D + group * D + group * padded + 2 * group));
-    float* qf = buf.data();
-    float* o = qf + group * D;
-    float* s = o + group * D;
-    float* z = s + group * padded;
+    const FastScratch w = fast_scratch<BF16>(q, q_hs, q_off, group, D, padded, buf);
+    float *qf = w.qf, *o = w.o, *s = w.s;
     constexpr int chunks = CH;  // D / 16
-    for (int64_t h = 0; h < group; ++h) {
-        const float* qh = load_row<BF16>(q, q_off + h * q_hs, D, qf + h * D);
-        if (qh != qf + h * D) memcpy(qf + h * D, qh, sizeof(float) * (size_t)D);
-    }
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t h = 0; h < group; ++h) {
         __m512 qv[8];
@@ -309,11 +332,8 @@ void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group
         }
         const float mh = _mm512_reduce_max_ps(mv);  // max: exact in any order
         for (int64_t j = 0; j < span; ++j) sh[j] = exp_nonpositive(sh[j] - mh);
-        z[h] = 0.f;
     }
-    for (int64_t j = 0; j < span; ++j)  // each head's sum in key order, the heads' chains interleaved
-        if (!allowed || allowed[j])
-            for (int64_t h = 0; h < group; ++h) z[h] += s[h * padded + j];
+    softmax_sums(s, padded, span, group, allowed, w.z);
     for (int64_t h = 0; h < group; ++h) {
         __m512 acc[8];
         for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
@@ -326,7 +346,7 @@ void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group
         }
         for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(o + h * D + 16 * c, acc[c]);
     }
-    write_heads<BF16>(o, z, group, D, out, out_off);
+    write_heads<BF16>(o, w.z, group, D, out, out_off);
 }
 #endif
 
@@ -354,15 +374,8 @@ void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group
                        const float* v, int64_t v_rs, int64_t S, int64_t D, const uint8_t* allowed, int64_t visible,
                        float scale, void* out, int64_t out_off, std::vector<float>& buf) {
     const int64_t span = allowed ? S : visible, padded = (span + 3) / 4 * 4;
-    buf.resize((size_t)(group * D + group * D + group * padded + 2 * group));
-    float* qf = buf.data();
-    float* o = qf + group * D;
-    float* s = o + group * D;
-    float* z = s + group * padded;
-    for (int64_t h = 0; h < group; ++h) {
-        const float* qh = load_row<BF16>(q, q_off + h * q_hs, D, qf + h * D);
-        if (qh != qf + h * D) memcpy(qf + h * D, qh, sizeof(float) * (size_t)D);
-    }
+    const FastScratch w = fast_scratch<BF16>(q, q_hs, q_off, group, D, padded, buf);
+    float *qf = w.qf, *o = w.o, *s = w.s;
     const __m128 vscale = _mm_set1_ps(scale), ninf = _mm_set1_ps(-INFINITY);
     for (int64_t h = 0; h < group; ++h) {
         const float* qh = qf + h * D;
@@ -395,11 +408,8 @@ void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group
         mv = _mm_max_ps(mv, _mm_movehl_ps(mv, mv));  // max: exact in any order
         const float mh = _mm_cvtss_f32(_mm_max_ss(mv, _mm_movehdup_ps(mv)));
         for (int64_t j = 0; j < span; ++j) sh[j] = exp_nonpositive(sh[j] - mh);
-        z[h] = 0.f;
     }
-    for (int64_t j = 0; j < span; ++j)  // each head's sum in key order, the heads' chains interleaved
-        if (!allowed || allowed[j])
-            for (int64_t h = 0; h < group; ++h) z[h] += s[h * padded + j];
+    softmax_sums(s, padded, span, group, allowed, w.z);
     for (int64_t h = 0; h < group; ++h) {
         const float* eh = s + h * padded;
         for (int c0 = 0; c0 < 2 * CH; c0 += 8) {  // 64 outputs a pass: 8 accumulators fit AVX2's 16 registers
@@ -415,7 +425,7 @@ void attend_group_fast(const void* q, int64_t q_hs, int64_t q_off, int64_t group
             for (int c = 0; c < n; ++c) _mm256_storeu_ps(o + h * D + 8 * (c0 + c), acc[c]);
         }
     }
-    write_heads<BF16>(o, z, group, D, out, out_off);
+    write_heads<BF16>(o, w.z, group, D, out, out_off);
 }
 #endif
 

@@ -263,6 +263,12 @@ inline __m256i dot256(const __m256i* c, const __m256i* act) {
 #endif
 }
 
+// A block's float16 scales and minimums of columns 8h .. 8h + 7 (CODES: the block's code bytes before them).
+inline void scales256(const uint8_t* w, int CODES, int h, __m256* sw, __m256* mw) {
+    *sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + CODES + 16 * h)));
+    *mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + CODES + 32 + 16 * h)));
+}
+
 // A row's 32 activations at ar as dot256 takes them.
 inline void activations256(const int8_t* ar, __m256i* act) {
     for (int s = 0; s < 8; ++s) act[s] = _mm256_set1_epi32(load_i32(ar + 4 * s));
@@ -288,6 +294,13 @@ inline __m512 accumulate512(__m512 acc, __m512 sw, __m512 mw, __m512i dot, float
 }
 #endif
 
+#if defined(Q4_AVX512) || defined(Q4_AVX2)
+// Software prefetch of the packed block PREFETCH_BLOCKS blocks after the one at w (B bytes each).
+inline void prefetch_ahead(const uint8_t* w, int B) {
+    for (int i = 0; i < B / 64; ++i) _mm_prefetch((const char*)w + PREFETCH_BLOCKS * B + 64 * i, _MM_HINT_T0);
+}
+#endif
+
 // The code of column j, input i (< 32) of a packed block (see the top of the file).
 template <int BITS>
 inline int code_at(const uint8_t* w, int j, int i) {
@@ -305,7 +318,7 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
     __m512 acc[MT];
     for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; ++g, w += B) {
-        for (int i = 0; i < B / 64; ++i) _mm_prefetch((const char*)w + PREFETCH_BLOCKS * B + 64 * i, _MM_HINT_T0);
+        prefetch_ahead(w, B);
         __m512i c[8];
         codes512<BITS>(w, c);
         const __m512 sw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + CODES)));
@@ -321,18 +334,16 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
     if constexpr (MT < 8) {
         // Few rows (verifying a chain): the block's codes decoded once into c (both halves), each row's activations
         // broadcast once for both. Columns-half outermost (below) made GCC keep every row's activation words on the
-        // stack and re-broadcast them per half: 6-16% slower for 3..7 rows on 2 cores of an AMD EPYC (Zen 3, AVX2),
-        // 4-8% faster from 8 rows, where the codes of a half stay in registers for all rows.
+        // stack and re-broadcast them per half; from 8 rows, where a half's codes stay in registers for all rows, that
+        // order is the faster one. The whole 1.5B forward of 4 tokens on 2 cores of an AMD EPYC (Zen 3, AVX2), with
+        // the AVX2 attention route: 152 -> 129 ms (benchmarks/results/kernel_ab_avx2.json).
         alignas(32) __m256i c[2][8];
         for (int64_t g = 0; g < G; ++g, w += B) {
-            for (int i = 0; i < B / 64; ++i) _mm_prefetch((const char*)w + PREFETCH_BLOCKS * B + 64 * i, _MM_HINT_T0);
+            prefetch_ahead(w, B);
             codes256<BITS>(w, 0, c[0]);
             codes256<BITS>(w, 1, c[1]);
             __m256 sw[2], mw[2];
-            for (int h = 0; h < 2; ++h) {
-                sw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + CODES + 16 * h)));
-                mw[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + CODES + 32 + 16 * h)));
-            }
+            for (int h = 0; h < 2; ++h) scales256(w, CODES, h, &sw[h], &mw[h]);
             for (int r = 0; r < MT; ++r) {
                 __m256i act[8];
                 activations256(a + r * K + g * QK, act);
@@ -346,12 +357,12 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
         }
     } else {
         for (int64_t g = 0; g < G; ++g, w += B) {
-            for (int i = 0; i < B / 64; ++i) _mm_prefetch((const char*)w + PREFETCH_BLOCKS * B + 64 * i, _MM_HINT_T0);
+            prefetch_ahead(w, B);
             for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7
                 __m256i c[8];
                 codes256<BITS>(w, h, c);
-                const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + CODES + 16 * h)));
-                const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + CODES + 32 + 16 * h)));
+                __m256 sw, mw;
+                scales256(w, CODES, h, &sw, &mw);
                 for (int r = 0; r < MT; ++r) {
                     __m256i act[8];
                     activations256(a + r * K + g * QK, act);
@@ -479,7 +490,7 @@ void tile_amx(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, con
     };
     // block g's codes for a tile, the blocks ahead prepared and prefetched
     const auto codes_of = [&](int64_t g) -> const uint8_t* {
-        for (int i = 0; i < B / 64; ++i) _mm_prefetch((const char*)w + (g + PREFETCH_BLOCKS) * B + 64 * i, _MM_HINT_T0);
+        prefetch_ahead(w + g * B, B);
         if (BITS == 8) return w + g * B;
         if (g == 0)
             for (int64_t h = 0; h < UNPACK_AHEAD && h < G; ++h) amx_unpack4(w + h * B, codes[h % RING]);
