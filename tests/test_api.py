@@ -64,7 +64,11 @@ def test_every_method_has_an_exported_python_entry_point(target):
     from speculant.models.attached import build_attached
 
     feature = build_attached(target, [0], features=True)
-    special = {"eagle3": (feature, {}),  # a feature drafter; two tokenizers (any with encode/decode)
+    from speculant.models.contemplate import add_contemplation
+
+    confu = build_attached(target, [0], features=True)
+    add_contemplation(confu, target.config, soft=2)
+    special = {"eagle3": (feature, {}), "confu": (confu, {}),  # feature drafters; two tokenizers (any with encode/decode)
                "cross-vocab": (target, {"draft_tokenizer": _CharTok(), "target_tokenizer": _CharTok()})}
     for name, method in methods().items():
         draft, context = special.get(name, (target if method.needs_draft else None, {}))

@@ -33,6 +33,8 @@ _EXPORTS: dict[str, str] = {
     "DynamicTreeDrafter": ".drafters.trees",
     "FeatureDrafter": ".drafters.feature",
     "FeatureTreeDrafter": ".drafters.feature",
+    "ConFuDrafter": ".drafters.confu",
+    "ConFuTreeDrafter": ".drafters.confu",
     "CrossVocabDrafter": ".drafters.cross_vocab",
     "RSDCDrafter": ".drafters.trees",
     "RSDSDrafter": ".drafters.trees",
@@ -77,6 +79,8 @@ __all__ = [
     "DynamicTreeDrafter",
     "FeatureDrafter",
     "FeatureTreeDrafter",
+    "ConFuDrafter",
+    "ConFuTreeDrafter",
     "Generation",
     "GenerationStats",
     "MaskProbeDrafter",
@@ -129,6 +133,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .drafters.base import DecodeState, Drafter
     from .drafters.cross_vocab import CrossVocabDrafter
+    from .drafters.confu import ConFuDrafter, ConFuTreeDrafter
     from .drafters.feature import FeatureDrafter, FeatureTreeDrafter
     from .drafters.hybrid import HybridDrafter
     from .drafters.lookup import PromptLookupDrafter

@@ -118,7 +118,10 @@ _DRAFT_DOCS = {
             "hidden states (exported to OUT/feature-<loss>/draft); eagle3: EAGLE-3 (Li et al. 2025), a feature "
             "drafter reading a low, a middle and a high layer (--taps default 2/L//2/L-3), trained with the "
             "training-time test over at least 3 draft depths (--unroll >= 3), no regression loss (exported to "
-            "OUT/eagle3-<loss>/draft)",
+            "OUT/eagle3-<loss>/draft); confu: ConFu (Qin et al. 2026), EAGLE-3 plus a future vector the target "
+            "computes for a contemplate token over a learned soft prompt, trained through the frozen target "
+            "(--soft, --mixture, --window; --init may name an EAGLE-3 drafter to grow from; exported to "
+            "OUT/confu-<loss>/draft)",
     "layers": "target layers the drafter starts from, separated by '/'",
     "taps": "feature drafters: target layers whose outputs they also read (EAGLE-3 style), separated by '/'",
     "regression": "feature drafters: weight of the hidden-state regression loss (EAGLE)",
@@ -141,6 +144,10 @@ _DRAFT_DOCS = {
     "init": "an exported drafter (RUN/<kind>-<loss>/draft, e.g. the one speculant ships for the target) to start "
             "from instead of the target's layers: same --kind, --taps and number of --layers; training continues it "
             "on this run's data (a fresh optimizer and schedule); default: none",
+    "soft": "confu: soft-prompt key/value entries per target layer (only contemplate tokens see them)",
+    "mixture": "confu: contemplate embeddings mixed by a router over the target's last state (1: one embedding)",
+    "window": "confu: rows one contemplate token serves in training (future-prediction replication), and the "
+              "spacing of the anchors sampled per answer",
     "group_by_length": "each batch a random run of answers of similar length (a batch costs its longest: less "
                        "padding) instead of a uniform draw",
 }
@@ -216,6 +223,8 @@ def _run_train_draft(args: argparse.Namespace) -> int:
         raise ValueError(f"--loss: unknown loss {args.loss!r}; known: {', '.join(LOSSES)}, none")
     check_positive_int("steps", args.steps)
     check_positive_int("unroll", args.unroll)
+    for name in ("soft", "mixture", "window"):
+        check_positive_int(name, getattr(args, name))
     check_positive_int("self-prompt-tokens", args.self_prompt_tokens)
     if args.self_prompts < 0:
         raise ValueError(f"--self-prompts must be >= 0, got {args.self_prompts}")

@@ -54,6 +54,9 @@ class DecodeState:
     # the tokens that entered its cache since the drafter last took them (it clears the list): the outputs of the
     # layers the drafter's ``target_taps`` names, then the final-normed hidden state (F = (taps + 1) H)
     target_hidden: list[torch.Tensor] = field(default_factory=list)
+    # with ``uses_target_hidden``, after a verification forward that carried probe slots (types.Probes): their
+    # states [P, F] in slot order (ConFu reads its contemplate tokens' final states here), else None
+    probe_hidden: torch.Tensor | None = None
     max_draft: int | None = None
 
     @property

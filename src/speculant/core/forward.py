@@ -105,13 +105,15 @@ class TargetForward:
 
     def __call__(self, cache, input_ids: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None,
                  positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                 capture=None, logits_to_keep: int = 0, hidden_out: list | None = None) -> torch.Tensor:
-        """Logits ``[1, T, V]`` (``logits_to_keep=k``: of the last k inputs only, ``[1, k, V]``).
+                 capture=None, logits_to_keep: int = 0, hidden_out: list | None = None,
+                 head_rows: int | None = None) -> torch.Tensor:
+        """Logits ``[1, T, V]`` (``logits_to_keep=k``: of the last k inputs only, ``[1, k, V]``; ``head_rows=n``:
+        of the first n only, ``[1, n, V]``, the other rows' states still reach ``hidden_out``).
 
         ``hidden_out``: a list that receives the states a feature drafter reads, ``[1, T, (len(taps) + 1) H]``: the
         outputs of the layers in :attr:`taps`, then the final-normed hidden state; the logits are then the LM
         head over the latter."""
-        if self.lean is None and hidden_out is None:
+        if self.lean is None and hidden_out is None and head_rows is None:
             feed = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
             with capture if capture is not None else nullcontext():
                 out = self.model(**feed, **cache_kwarg(self.model, cache), attention_mask=mask,
@@ -119,6 +121,8 @@ class TargetForward:
             return out.logits
         hidden = self._hidden(cache, input_ids, inputs_embeds, positions, mask, capture, hidden_out)  # [1, T, H]
         head = self.lean.logits if self.lean is not None else self.model.get_output_embeddings()
+        if head_rows is not None:
+            hidden = hidden[:, :head_rows]
         return head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
     def prefill(self, cache, input_ids: torch.Tensor | None, hidden_out: list | None = None,
@@ -168,18 +172,20 @@ def batched_logits(forwards: list[TargetForward], segments: list[Segment],
     for i, (f, seg, h) in enumerate(zip(forwards, segments, hidden_outs)):
         if i not in lean:
             out[i] = f(seg.cache, seg.input_ids, seg.inputs_embeds, seg.positions, seg.mask, seg.capture,
-                       hidden_out=h)
+                       hidden_out=h, head_rows=seg.head_rows)
     if lean:
         engine = forwards[lean[0]].lean
         wanted = sorted({t for i in lean if hidden_outs[i] is not None for t in forwards[i].taps})
         taps = {t: None for t in wanted} if wanted else None
         hidden = engine.hidden_batch([segments[i] for i in lean], taps)  # [1, T_s, H] each
-        rows = torch.cat(hidden, 1)  # [1, sum T_s, H]
-        logits = engine.logits(rows)  # [1, sum T_s, V]
-        start = 0
-        for i, h in zip(lean, hidden):
+        heads = [h.shape[1] if segments[i].head_rows is None else segments[i].head_rows for i, h in zip(lean, hidden)]
+        rows = torch.cat([h[:, :n] for h, n in zip(hidden, heads)], 1)  # [1, sum n_s, H]: the rows wanting logits
+        logits = engine.logits(rows)  # [1, sum n_s, V]
+        start = first = 0
+        for i, h, n in zip(lean, hidden, heads):
             stop = start + h.shape[1]
-            out[i] = logits[:, start:stop]
+            out[i] = logits[:, first:first + n]
+            first += n
             if hidden_outs[i] is not None:
                 own = [taps[t][:, start:stop] for t in forwards[i].taps]
                 hidden_outs[i].append(torch.cat(own + [h], -1) if own else h)

@@ -85,6 +85,7 @@ class Segment:
     positions: torch.Tensor | None = None  # [1, T]; None: the cache length onwards (a chain)
     mask: torch.Tensor | None = None  # [1, 1, T, L + T] additive or boolean (a tree); None: causal
     capture: Any = None  # a QueryCapture recording each layer's post-RoPE queries (attention-scored KV policies)
+    head_rows: int | None = None  # logits of the first n rows only (the rest: states only), None: of every row
 
 
 @dataclass

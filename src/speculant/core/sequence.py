@@ -143,11 +143,19 @@ class Sequence:
         cache_len = self._cache.length
         inputs = torch.tensor([[state.ids[-1], *tree.tokens]], device=device)  # [1, Q]
         embeds = None
+        soft = 0  # key/value slots only the probes see, between the cache and the new rows (types.Probes)
         if tree.probes is not None:  # probe slots after the tree: one forward, see types.Probes
             embeds = _with_probes(self.target, inputs, tree.probes)  # [1, Q + P, H]
             extended = DraftTree(tokens=[0] * (len(tree) + len(tree.probes.embeds)),
                                  parents=tree.parents + tree.probes.parents(len(tree)))
-            mask, positions = self._tree_attn.build(extended, cache_len)  # [1, 1, Q + P, L + Q + P], [1, Q + P]
+            if tree.probes.soft_keys is not None:
+                soft = _add_soft_entries(self._cache, tree.probes, self.kv)
+                mask, positions = self._tree_attn.build(extended, cache_len + soft)  # [1, 1, Q + P, L + S + Q + P]
+                mask = mask.clone()  # the builder's buffer is reused: edit a copy
+                mask[:, :, : len(tree) + 1, cache_len : cache_len + soft] = torch.finfo(mask.dtype).min
+                positions = positions - soft  # [1, Q + P]: the soft slots hold no position
+            else:
+                mask, positions = self._tree_attn.build(extended, cache_len)  # [1, 1, Q + P, L + Q + P], [1, Q + P]
         elif tree.is_chain():  # the causal mask is the tree mask: the forward builds it (fast kernels)
             mask = positions = None
         else:
@@ -160,21 +168,25 @@ class Sequence:
             positions = positions + shift
         if self.kv is not None:
             capture = self.kv.capture(self.target)
-        self._step = (tree, cache_len, capture)
-        return Segment(self._cache, None if embeds is not None else inputs, embeds, positions, mask, capture)
+        self._step = (tree, cache_len, soft, capture)
+        head = len(tree) + 1 if tree.probes is not None and not tree.probes.logits else None  # probes: states only
+        return Segment(self._cache, None if embeds is not None else inputs, embeds, positions, mask, capture, head)
 
     def absorb(self, logits: torch.Tensor, forward_s: float) -> StepEvent:
-        """Verify this step's ``logits [Q (+ P), V]`` (the forward of :meth:`plan`'s inputs, which took
+        """Verify this step's ``logits [Q (+ P), V]`` (``[Q, V]`` when the probes want no logits; the forward of :meth:`plan`'s inputs, which took
         ``forward_s`` seconds), commit what is accepted and the bonus, and return the step's event."""
-        tree, cache_len, capture = self._step
+        tree, cache_len, soft, capture = self._step
         self._step = None
         state, stats = self.state, self.stats
         stats.target_forward_s += forward_s
         verdict = verify(tree, logits[: len(tree) + 1], state.params, state.generator)
         state.last_logits, state.last_accepted = logits, verdict.accepted
         if self.hidden is not None:  # the root's and the accepted nodes' states: the rows the cache keeps
-            state.target_hidden.append(self.hidden.pop()[0, [0] + [1 + n for n in verdict.accepted]])  # [1 + a, F]
-        self._cache.keep(cache_len, [cache_len] + [cache_len + 1 + n for n in verdict.accepted])
+            hidden = self.hidden.pop()[0]  # [Q (+ P), F]
+            state.target_hidden.append(hidden[[0] + [1 + n for n in verdict.accepted]])  # [1 + a, F]
+            state.probe_hidden = hidden[len(tree) + 1:] if tree.probes is not None else None  # [P, F]
+        first = cache_len + soft  # the root's slot (after the soft entries, which go with the rejected rows)
+        self._cache.keep(cache_len, [first] + [first + 1 + n for n in verdict.accepted])
         if self.kv is not None:  # only verified tokens are in the cache now
             self.kv.after_step(capture, [0] + [1 + n for n in verdict.accepted])
         accepted = [tree.tokens[n] for n in verdict.accepted]
@@ -229,6 +241,22 @@ class Sequence:
         """The generation so far (complete once :attr:`done`)."""
         return Generation(token_ids=list(self.new), stats=self.stats, logprobs=self.new_logprobs,
                           finish_reason=self.finish_reason)
+
+
+def _add_soft_entries(cache: SpecCache, probes, kv: BudgetedKV | None) -> int:
+    """Append the probes' soft key/value entries (``[layers, H_kv, S, D]``) to every layer of ``cache`` for one
+    forward; returns ``S``. :meth:`Sequence.absorb` drops them with the rejected rows."""
+    if kv is not None:
+        raise ValueError("probe key/values (ConFu's soft prompt) cannot ride in a KV-budget cache: decode without "
+                         "kv_budget, or with a drafter that needs none")
+    keys, values = probes.soft_keys, probes.soft_values
+    if keys.shape[0] != len(cache.layers):
+        raise ValueError(f"the probes carry soft key/values for {keys.shape[0]} layers; the target has "
+                         f"{len(cache.layers)}")
+    for layer, k, v in zip(cache.layers, keys, values):
+        dtype = layer.dtype if layer.is_initialized else k.dtype
+        layer.update(k[None].to(dtype), v[None].to(dtype))  # [1, H_kv, S, D]
+    return keys.shape[2]
 
 
 def _with_probes(target, inputs: torch.Tensor, probes) -> torch.Tensor:

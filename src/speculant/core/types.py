@@ -99,12 +99,18 @@ class Probes:
     ``pos(a) + j`` and sees the cache, the path to a (a included) and the probes of a before it; tree nodes never
     see probes, so verification is unaffected, and probes never stay in the cache. Their output logits are
     handed back to the drafter (``DecodeState.last_logits``) in slot order: anchor 0's j = 1..length, then
-    anchor 1's, ...
+    anchor 1's, ... (unless ``logits`` is False); to a drafter that reads the target's states, their states too
+    (``DecodeState.probe_hidden``).
     """
 
     anchors: list[int]
     length: int
     embeds: torch.Tensor  # [len(anchors) * length, H], in slot order
+    # key/value entries only the probe slots attend to, per layer (ConFu's soft prompt, Qin et al. 2026): the
+    # engine puts them in the cache for this forward alone, before the new rows, and masks them for everyone else
+    soft_keys: torch.Tensor | None = None  # [layers, H_kv, S, D] (as the cache stores keys: after RoPE)
+    soft_values: torch.Tensor | None = None  # [layers, H_kv, S, D]
+    logits: bool = True  # the drafter reads the probe slots' logits; False: their states only (no LM head rows)
 
     def parents(self, num_nodes: int) -> list[int]:
         """Parent indices of the probe slots as extra tree nodes numbered after the ``num_nodes`` tree nodes

@@ -91,12 +91,20 @@ class FeatureInputs:
             x = x[None]  # [1, T, H]
         else:
             x = F.linear(torch.cat([emb, feats.to(emb.dtype)], -1), fc.weight, fc.bias)[None]  # [1, T, H]
+        extra = self._extra_input(len(tokens))
+        if extra is not None:
+            x = x + extra.to(x.dtype)
         with state.draft_forward(device):
             if self._lean is not None:
                 return self._lean.hidden(None, self._cache, positions, mask, inputs_embeds=x)[0]
             base = self.model.base_model
             return base(inputs_embeds=x, attention_mask=mask, position_ids=positions,
                         **cache_kwarg(base, self._cache), use_cache=True).last_hidden_state[0]
+
+    def _extra_input(self, rows: int) -> torch.Tensor | None:
+        """What a variant adds to the input of the next ``rows`` rows, ``[rows, H]`` (ConFu: its future input,
+        :mod:`.confu`); None: nothing."""
+        return None
 
     def _catch_up(self, state: DecodeState) -> torch.Tensor:
         """Feed the rows of every position whose target state arrived since the last proposal; ``p``'s logits

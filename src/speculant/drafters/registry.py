@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..models.attached import is_feature_drafter
+from ..models.contemplate import is_confu_drafter
 from ..core.forward import FORWARDS
 from ..core.specs import NO_DEFAULT, Key, split_spec
 from .base import Drafter
@@ -273,11 +274,15 @@ def _ar(draft_model: torch.nn.Module | None) -> None:
 
 def _model_drafter(cls: type) -> Callable[..., Drafter]:
     """The factory of a draft-model drafter class: ``trim`` is its ``vocab_trim``; a feature (EAGLE) draft model
-    is driven by the class's feature variant (:func:`speculant.drafters.feature.feature_variant`)."""
+    is driven by the class's feature variant (:func:`speculant.drafters.feature.feature_variant`), a ConFu one by
+    its ConFu variant (:func:`speculant.drafters.confu.confu_variant`)."""
 
     def factory(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
                 lookup: int = 0, **options: Any) -> Drafter:
-        use = feature_variant(cls) if is_feature_drafter(draft_model) else cls
+        from .confu import confu_variant
+
+        use = confu_variant(cls) if is_confu_drafter(draft_model) else \
+            feature_variant(cls) if is_feature_drafter(draft_model) else cls
         drafter = use(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
         if lookup:
             from .with_lookup import WithLookup
@@ -395,6 +400,32 @@ register(
     sizing=Sizing(depth="depth", budget="budget"),
     doc="EAGLE-3 (Li et al. 2025): a feature drafter reading the target's low, middle and high layers, drafting "
         "EAGLE-2's dynamic tree; with no draft given, the EAGLE-3 drafter speculant ships for the target",
+)
+
+
+def _confu(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
+           **options: Any) -> Drafter:
+    from .confu import ConFuTreeDrafter
+
+    if not hasattr(draft_model, "config"):  # a stand-in (option checks before anything loads)
+        raise NeedsContext("method 'confu' needs its draft model")
+    if not is_confu_drafter(draft_model):
+        raise ValueError("method 'confu' drafts with a ConFu drafter (speculant train draft --kind confu), not "
+                         + ("an EAGLE-3 drafter without contemplation: use eagle3 for it" if
+                            is_feature_drafter(draft_model) else "a plain draft model: use chain or tree for it"))
+    return ConFuTreeDrafter(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
+
+
+register(
+    "confu",
+    _confu,
+    needs_draft=True,
+    keys=_TREE_KEYS | {"contemplate": Key(str, "where contemplate tokens ride in the verification forward: root "
+                                                "(one extra row) or all (one per tree node, as the paper)", "root")},
+    sizing=Sizing(depth="depth", budget="budget"),
+    doc="ConFu (Qin, Goel, Gagrani et al. 2026): an EAGLE-3 drafter that also reads the target's contemplation of "
+        "the future (a masked contemplate token with a learned soft prompt, riding in the verification forward), "
+        "drafting EAGLE-2's dynamic tree; with no draft given, the ConFu drafter speculant ships for the target",
 )
 
 

@@ -14,7 +14,8 @@ target's embedding so it is never attached to a different model) and usually ``v
 A *feature* drafter (EAGLE, Li et al. 2024; :mod:`speculant.drafters.feature`) also reads the target's final hidden
 states: it carries one more own module, ``feature_fc`` (a linear map ``[2H] -> [H]`` of the next token's embedding
 concatenated with the target's hidden state, the input of its layers), and ``attached.json`` says
-``"features": true``.
+``"features": true``. A ConFu drafter (:mod:`.contemplate`) also holds ``contemplation`` (its soft prompt,
+contemplate embeddings and future input map), recorded as ``"contemplate"``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from .contemplate import add_contemplation, contemplation_of
 
 __all__ = ["ATTACHED_FILE", "is_attached", "build_attached", "own_state", "save_attached", "load_attached",
            "embedding_fingerprint", "add_feature_input", "feature_layers", "is_feature_drafter"]
@@ -143,6 +146,7 @@ def save_attached(draft: torch.nn.Module, target: torch.nn.Module, out: str | Pa
     (out / ATTACHED_FILE).write_text(json.dumps({
         "shares": ["model.embed_tokens", "lm_head"],
         "features": is_feature_drafter(draft),
+        **({"contemplate": {"soft": c.soft, "mixture": c.mixture}} if (c := contemplation_of(draft)) else {}),
         "target": target_name,
         "target_fingerprint": embedding_fingerprint(target),
         **(extra or {}),
@@ -172,6 +176,8 @@ def load_attached(path: str | Path, target: torch.nn.Module) -> torch.nn.Module:
     draft = type(target)(config)
     if meta.get("features"):
         add_feature_input(draft)
+    if meta.get("contemplate"):  # a ConFu drafter: its soft prompt is sized by the target
+        add_contemplation(draft, target.config, **meta["contemplate"])
     state = load_file(str(path / "model.safetensors"))
     for k in [k for k in state if k.endswith(_SCALE)]:  # int8 rows back to floats
         scale = state.pop(k)

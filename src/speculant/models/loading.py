@@ -201,6 +201,7 @@ BUNDLED = {
     "default-draft": "default-draft",
     "smollm2-135m-instruct-draft": "smollm2-135m-instruct-draft",
     "qwen2.5-coder-1.5b-instruct-eagle3": "qwen2.5-coder-1.5b-instruct-eagle3",  # once trained and shipped
+    "qwen2.5-coder-1.5b-instruct-confu": "qwen2.5-coder-1.5b-instruct-confu",  # once trained and shipped
 }
 """Names of the models shipped inside the package (directories under ``speculant/assets``)."""
 

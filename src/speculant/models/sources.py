@@ -176,8 +176,9 @@ PACKAGED: dict[str, PackagedModel] = {
             # the file's 6-bit tensors (LM head, half the v/down projections) in 8 bits: top-1 agreement with the
             # float32 file 0.996 where all-4-bit q4 gives 0.961 (benchmarks/results/quant-fidelity), ~10% slower
             default_quantization="q4m",
-            # the EAGLE-3 drafter trained for it (make qwen-eagle3; speculant train draft --kind eagle3)
-            method_drafts=(("eagle3", "qwen2.5-coder-1.5b-instruct-eagle3"),),
+            # the EAGLE-3 and ConFu drafters trained for it (speculant train draft --kind eagle3 / confu)
+            method_drafts=(("eagle3", "qwen2.5-coder-1.5b-instruct-eagle3"),
+                           ("confu", "qwen2.5-coder-1.5b-instruct-confu")),
         ),
         PackagedModel(
             name="qwen2.5-coder-0.5b-instruct",

@@ -29,9 +29,11 @@ def _history_table(history: list[dict]) -> str:
 def _kind_paragraph(meta: dict, cfg: dict) -> str:
     """What kind of drafter this is (token-level, or a feature drafter and how it was trained)."""
     kind = meta.get("kind", "token")
-    if kind not in ("feature", "eagle3"):
+    if kind not in ("feature", "eagle3", "confu"):
         return ""
-    name = "An **EAGLE-3 drafter** (Li et al. 2025)" if kind == "eagle3" else "A **feature drafter** (EAGLE, Li et al. 2024)"
+    name = {"eagle3": "An **EAGLE-3 drafter** (Li et al. 2025)",
+            "confu": "A **ConFu drafter** (Qin, Goel, Gagrani et al. 2026) over an EAGLE-3 drafter"}.get(
+        kind, "A **feature drafter** (EAGLE, Li et al. 2024)")
     where = (f"answered and recorded by speculant's batched engine over the {cfg.get('quantization') or 'packaged'} "
              "target" if cfg.get("engine", "transformers") != "transformers" else f"extracted in {cfg['gen_dtype']}")
     return (f"\n{name}, `speculant.drafters.FeatureDrafter` / `FeatureTreeDrafter`: each input row is "
@@ -43,7 +45,13 @@ def _kind_paragraph(meta: dict, cfg: dict) -> str:
                else "")
             + (f", with the training-time test over {cfg['unroll']} draft depths (pass d reads the drafter's own "
                "states and attends as its (d+1)-th draft token does)" if cfg.get("unroll", 1) > 1 else "")
-            + ". Drafting: `chain` or any tree method over it (`tree`: EAGLE-2's dynamic tree).\n")
+            + (f". ConFu: {cfg.get('soft')} soft-prompt entries per target layer and {cfg.get('mixture')} contemplate "
+               "embedding(s) feed a contemplate token in each verification forward (masked: the target's output is "
+               "unchanged); its final state, the future vector, enters every drafter row through `future_fc`; trained "
+               f"through the frozen target with one sampled anchor per {cfg.get('window')} rows, each anchor's vector "
+               "serving the rows after it (`speculant.train.drafter.confu_train`)" if kind == "confu" else "")
+            + ". Drafting: `chain` or any tree method over it (`tree`: EAGLE-2's dynamic tree"
+            + ("; `confu`: the same tree with contemplation" if kind == "confu" else "") + ").\n")
 
 
 def ablation_section(run: str | Path) -> str:

@@ -38,6 +38,7 @@ __all__ = ["FeatureSample", "collect_feature_samples", "FeatureBatch", "FeatureO
 @dataclass
 class FeatureSample(Sample):
     features: np.ndarray = None  # [c + a - 1, H] bf16 bits (int16): the target's states over context + answer[:-1]
+    prefix: np.ndarray = None  # [start] the prompt's tokens before the context (what the target read before it)
 
 
 def collect_feature_samples(shards: list[AnswerShard], features: list[np.ndarray], context: int) -> list[FeatureSample]:
@@ -58,7 +59,7 @@ def collect_feature_samples(shards: list[AnswerShard], features: list[np.ndarray
             skip = len(prompt) - len(ctx)
             f = feats[offsets[i] + skip : offsets[i + 1]]  # [c + a - 1, H]
             out.append(FeatureSample(ctx, answer, sh.topk_ids[rows], sh.topk_logprobs[rows], skip,
-                                     row=int(sh.prompt_index[i]), features=f))
+                                     row=int(sh.prompt_index[i]), features=f, prefix=prompt[:skip]))
     return out
 
 
@@ -88,6 +89,11 @@ class FeatureObjective(Objective):
         fields["cols"] = base.cols - 1
         return FeatureBatch(**fields, features=feats)
 
+    def _extra(self, draft, depth: int, first: int, rows: int) -> torch.Tensor | None:
+        """What a variant adds to the input of pass ``depth``'s rows ``first .. first + rows - 1``, ``[B, R, H]``
+        (ConFu: the future input, :mod:`.confu_train`); None: nothing."""
+        return None
+
     def _pass(self, draft, batch: FeatureBatch, feats: torch.Tensor, depth: int, cache,
               starts: list[int]) -> torch.Tensor:
         """Pass ``depth`` (0: the target's states) of rows ``j = starts[depth] .. T-2`` on ``feats [B, R, F]``
@@ -96,6 +102,9 @@ class FeatureObjective(Objective):
         first = starts[depth]
         emb = draft.get_input_embeddings()(batch.input_ids[:, 1 + first:])  # [B, R, H]: s_{j+1}
         x = draft.feature_fc(torch.cat([emb, feats.to(emb.dtype)], -1))
+        extra = self._extra(draft, depth, first, x.shape[1])
+        if extra is not None:
+            x = x + extra.to(x.dtype)
         mask = ttt_mask(batch.mask[:, 1:].bool(), depth, x.dtype, starts[:depth + 1])  # [B, 1, R, keys]
         return draft.model(inputs_embeds=x, attention_mask=mask, position_ids=batch.positions[:, first:-1],
                            **cache_kwarg(draft.model, cache), use_cache=True).last_hidden_state

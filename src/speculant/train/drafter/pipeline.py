@@ -78,6 +78,9 @@ class DraftRunConfig:
     group_by_length: bool = False  # batches of samples of similar length (less padding) instead of uniform draws
     extra_data: str | None = None  # more run directories (comma-separated) whose answers (and states) also train
     init: str | None = None  # an exported drafter of the same kind to start from instead of the target's layers
+    soft: int = 16  # confu: soft-prompt key/value entries per target layer
+    mixture: int = 4  # confu: contemplate embeddings in the mixture (routed by the target's last state)
+    window: int = 8  # confu: rows one contemplate token serves in training (future-prediction replication)
 
 
 def tokenize_prompts(tokenizer, rows: list[dict], max_tokens: int) -> tuple[list[list[int]], list[int]]:
@@ -266,11 +269,12 @@ def _finish_answers(folder: Path, parts: list[dict], part: dict, start: float, c
     return folder
 
 
-KINDS = ("token", "feature", "eagle3")
-FEATURE_KINDS = ("feature", "eagle3")
+KINDS = ("token", "feature", "eagle3", "confu")
+FEATURE_KINDS = ("feature", "eagle3", "confu")
 """The kinds that read the target's states: ``feature`` (EAGLE: the final state, optional taps, hidden-state
-regression) and ``eagle3`` (EAGLE-3, Li et al. 2025: the outputs of a low, a middle and a high layer plus the
-final state, no regression, training-time test over at least 3 draft depths)."""
+regression), ``eagle3`` (EAGLE-3, Li et al. 2025: the outputs of a low, a middle and a high layer plus the
+final state, no regression, training-time test over at least 3 draft depths) and ``confu`` (ConFu, Qin et al.
+2026: EAGLE-3 plus the target's contemplation, :mod:`.confu_train`; it can start from an EAGLE-3 drafter)."""
 
 
 def resolve_kind(cfg: DraftRunConfig) -> DraftRunConfig:
@@ -278,7 +282,7 @@ def resolve_kind(cfg: DraftRunConfig) -> DraftRunConfig:
     ``L`` layers when none are given, ``unroll`` at least 3 and no regression loss. Returns ``cfg``."""
     if cfg.kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
-    if cfg.kind == "eagle3":
+    if cfg.kind in ("eagle3", "confu"):
         if not cfg.taps:
             from transformers import AutoConfig
 
@@ -397,6 +401,8 @@ def check_init(cfg: DraftRunConfig) -> None:
     mine = {"kind": cfg.kind, "taps": list(cfg.taps), "layers": len(cfg.layers)}
     theirs = {"kind": meta.get("kind", "token"), "taps": list(meta.get("taps") or []),
               "layers": len(meta.get("layers_from_target") or [])}
+    if cfg.kind == "confu" and theirs["kind"] == "eagle3":  # ConFu grows from an EAGLE-3 drafter
+        theirs["kind"] = "confu"
     for key in mine:
         if mine[key] != theirs[key]:
             raise ValueError(f"--init: {path} is a drafter with {key} {theirs[key]!r}, this run trains one with "
@@ -411,6 +417,21 @@ def check_init(cfg: DraftRunConfig) -> None:
         if draft.get(key) != getattr(target, key, None):
             raise ValueError(f"--init: {path} was made for {meta.get('target')!r} ({key} {draft.get(key)!r}); this "
                              f"run's target has {key} {getattr(target, key, None)!r}")
+
+
+def _add_contemplation(cfg: DraftRunConfig, draft, target, samples: list) -> None:
+    """Give a drafter that has none ConFu's parameters (:mod:`speculant.models.contemplate`), the soft prompt
+    started from the target's own keys and values over the first training answer's tokens."""
+    from ...models.contemplate import add_contemplation, contemplation_of
+
+    if contemplation_of(draft) is not None:
+        return
+    module = add_contemplation(draft, target.config, soft=cfg.soft, mixture=cfg.mixture)
+    tokens = np.concatenate([np.concatenate([s.context, s.answer]) for s in samples[:8]])
+    if len(tokens) < cfg.soft:
+        raise ValueError(f"--soft {cfg.soft}: the training data holds only {len(tokens)} tokens to start the soft "
+                         "prompt from")
+    module.init_from(target, torch.from_numpy(tokens[: cfg.soft].astype(np.int64)))
 
 
 def _split_samples(cfg: DraftRunConfig, run: Path):
@@ -505,7 +526,12 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     else:
         draft = build_attached(target, cfg.layers, features=cfg.kind in FEATURE_KINDS, taps=cfg.taps)
     objective = TOKEN
-    if cfg.kind in FEATURE_KINDS:
+    if cfg.kind == "confu":
+        from .confu_train import ConFuObjective
+
+        _add_contemplation(cfg, draft, target, train)
+        objective = ConFuObjective(regression=cfg.regression, unroll=cfg.unroll, target=target, window=cfg.window)
+    elif cfg.kind in FEATURE_KINDS:
         from .feature_train import FeatureObjective
 
         objective = FeatureObjective(regression=cfg.regression, unroll=cfg.unroll)
