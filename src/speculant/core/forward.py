@@ -181,11 +181,11 @@ def batched_logits(forwards: list[TargetForward], segments: list[Segment],
         heads = [h.shape[1] if segments[i].head_rows is None else segments[i].head_rows for i, h in zip(lean, hidden)]
         rows = torch.cat([h[:, :n] for h, n in zip(hidden, heads)], 1)  # [1, sum n_s, H]: the rows wanting logits
         logits = engine.logits(rows)  # [1, sum n_s, V]
-        start = first = 0
+        start = head = 0  # the segment's first row in hidden, in logits
         for i, h, n in zip(lean, hidden, heads):
             stop = start + h.shape[1]
-            out[i] = logits[:, first:first + n]
-            first += n
+            out[i] = logits[:, head:head + n]
+            head += n
             if hidden_outs[i] is not None:
                 own = [taps[t][:, start:stop] for t in forwards[i].taps]
                 hidden_outs[i].append(torch.cat(own + [h], -1) if own else h)

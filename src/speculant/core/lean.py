@@ -479,7 +479,9 @@ class LeanForward:
             positions, last = torch.arange(past, past + t, device=x.device)[None], past + t
         else:
             last = int(positions.max()) + 1
-        rowwise = t <= attention.MAX_ROWS  # row-independent attention (speculant.core.attention): exact speculation
+        # row-independent attention (speculant.core.attention): exact speculation; a forward with a mask (a tree,
+        # probe rows) is a verification, never a long prefill, so it attends row by row at any size
+        rowwise = t <= attention.MAX_ROWS or seg.mask is not None
         allowed = attention.allowed_keys(seg.mask) if rowwise else None  # [T, L + T] bool, None: causal
         mask, causal = seg.mask, False
         if mask is None and t > 1 and not rowwise:

@@ -149,7 +149,7 @@ class Sequence:
             extended = DraftTree(tokens=[0] * (len(tree) + len(tree.probes.embeds)),
                                  parents=tree.parents + tree.probes.parents(len(tree)))
             if tree.probes.soft_keys is not None:
-                soft = _add_soft_entries(self._cache, tree.probes, self.kv)
+                soft = _add_soft_entries(self._cache, tree.probes, self.kv, self.target.dtype)
                 mask, positions = self._tree_attn.build(extended, cache_len + soft)  # [1, 1, Q + P, L + S + Q + P]
                 mask = mask.clone()  # the builder's buffer is reused: edit a copy
                 mask[:, :, : len(tree) + 1, cache_len : cache_len + soft] = torch.finfo(mask.dtype).min
@@ -243,9 +243,10 @@ class Sequence:
                           finish_reason=self.finish_reason)
 
 
-def _add_soft_entries(cache: SpecCache, probes, kv: BudgetedKV | None) -> int:
+def _add_soft_entries(cache: SpecCache, probes, kv: BudgetedKV | None, dtype: torch.dtype) -> int:
     """Append the probes' soft key/value entries (``[layers, H_kv, S, D]``) to every layer of ``cache`` for one
-    forward; returns ``S``. :meth:`Sequence.absorb` drops them with the rejected rows."""
+    forward, in the cache's dtype (``dtype``, the target's, for a cache still empty); returns ``S``.
+    :meth:`Sequence.absorb` drops them with the rejected rows."""
     if kv is not None:
         raise ValueError("probe key/values (ConFu's soft prompt) cannot ride in a KV-budget cache: decode without "
                          "kv_budget, or with a drafter that needs none")
@@ -254,8 +255,8 @@ def _add_soft_entries(cache: SpecCache, probes, kv: BudgetedKV | None) -> int:
         raise ValueError(f"the probes carry soft key/values for {keys.shape[0]} layers; the target has "
                          f"{len(cache.layers)}")
     for layer, k, v in zip(cache.layers, keys, values):
-        dtype = layer.dtype if layer.is_initialized else k.dtype
-        layer.update(k[None].to(dtype), v[None].to(dtype))  # [1, H_kv, S, D]
+        kind = layer.dtype if layer.is_initialized else dtype
+        layer.update(k[None].to(kind), v[None].to(kind))  # [1, H_kv, S, D]
     return keys.shape[2]
 
 

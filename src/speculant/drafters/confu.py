@@ -16,9 +16,11 @@ Where ``[con]`` rides is a cost choice (``contemplate``):
   node's. ``len(tree) + 1`` extra rows per verification.
 
 The target's output is untouched: tree rows never see ``[con]`` or the soft prompt (a masked extra row, dropped
-from the cache with the rejected ones), so the one verifier decides exactly as without contemplation. Before the
-first verification (the prompt's rows) there is no ``f`` and rows read none (zeros), as training's rows before
-their first anchor do.
+from the cache with the rejected ones), so the one verifier decides exactly as without contemplation. The prompt's
+rows are fed before any contemplation and read none (zeros), as in training, where the first anchor is the prompt's
+last token (the first root) and the rows before it read zeros. With ``mixture`` > 1 every contemplate token of a
+step is routed by the state before the root (the last one known before the forward); training routes each anchor
+by the state before it, which is the same thing for ``"root"`` and an approximation for ``"all"``.
 """
 
 from __future__ import annotations
@@ -31,9 +33,7 @@ from ..core.checks import num_layers
 from ..core.types import DraftTree, Probes
 from ..models.contemplate import contemplation_of
 from .base import DecodeState
-from .feature import FeatureInputs, feature_variant
-from .model import DraftModelBase, DraftModelDrafter
-from .trees import DynamicTreeDrafter
+from .feature import FeatureDrafter, FeatureInputs, FeatureTreeDrafter, feature_variant, mixin_variant
 
 __all__ = ["CONTEMPLATE", "ConFuDrafter", "ConFuTreeDrafter", "ContemplateInputs", "confu_variant"]
 
@@ -55,42 +55,66 @@ class ContemplateInputs(FeatureInputs):
             raise ValueError(f"contemplate must be one of {', '.join(CONTEMPLATE)}, got {contemplate!r}")
         self.contemplate = contemplate
         self._future: torch.Tensor | None = None  # [H] the latest future vector (None before the first one)
+        # [1 + a, H] per verified step since the last proposal: the future vector of each row its catch-up feeds
+        self._queued: list[torch.Tensor] = []
         self._row_futures: torch.Tensor | None = None  # [n, H] the catch-up rows' own, while they are fed
         self._h_last: torch.Tensor | None = None  # [H] the target's last known final state (routes [con])
 
     def begin(self, state: DecodeState) -> None:
-        layers = num_layers(state.target)
-        if self.contemplation.soft_keys.shape[0] != layers:
-            raise ValueError(f"the ConFu drafter's soft prompt has {self.contemplation.soft_keys.shape[0]} layers; "
-                             f"the target has {layers}")
+        cfg = state.target.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        want = (num_layers(state.target), getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                head_dim)
+        got = tuple(self.contemplation.soft_keys.shape[i] for i in (0, 1, 3))
+        if got != want:
+            raise ValueError(f"the ConFu drafter's soft prompt is for a target with (layers, KV heads, head dim) "
+                             f"{got}; this target has {want}")
         super().begin(state)
         self._future = self._row_futures = self._h_last = None
+        self._queued = []
 
     def _catch_up(self, state: DecodeState) -> torch.Tensor:
         h = self.model.config.hidden_size
         if state.target_hidden:
             self._h_last = state.target_hidden[-1][-1, -h:]  # the state of the token before the root
         n = sum(block.shape[0] for block in state.target_hidden)
-        self._row_futures = self._take_futures(state, n)
+        self._row_futures = self._futures_of(n)
         try:
             return super()._catch_up(state)
         finally:
             self._row_futures = None
+            self._queued = []
 
-    def _take_futures(self, state: DecodeState, n: int) -> torch.Tensor | None:
-        """The future vectors ``[n, H]`` of the ``n`` rows this catch-up feeds, from the last verification's
-        contemplate tokens (``state.probe_hidden``, consumed here); None when there is none yet."""
+    def _futures_of(self, n: int) -> torch.Tensor | None:
+        """The future vectors ``[n, H]`` of the ``n`` rows this catch-up feeds: zeros for the prompt's (fed before
+        any contemplation), then each verified step's (:meth:`commit`); None when there is none at all."""
+        if not self._queued:
+            return None
+        rows = torch.cat(self._queued)  # [q, H]
+        if rows.shape[0] < n:  # the prompt's rows come first
+            rows = torch.cat([rows.new_zeros((n - rows.shape[0], rows.shape[1])), rows])
+        return rows[-n:]
+
+    def commit(self, state: DecodeState, accepted: list[int]) -> None:
+        """Take this step's contemplation (``state.probe_hidden``): the future vector of each row the step added
+        to the target's cache (the root and the accepted nodes), queued for the next catch-up; a step that
+        drafted nothing (adaptive speculation) contemplated nothing, and its row keeps the latest vector."""
         probe, state.probe_hidden = state.probe_hidden, None
+        rows = 1 + len(state.last_accepted)
         if probe is not None:
             f = probe[:, -self.model.config.hidden_size:]  # [P, H] the [con] rows' final states
             if self.contemplate == "root":
-                self._future = f[0]
+                block = f[0].expand(rows, -1)
             else:  # anchors in slot order: the root, then every tree node
-                rows = f[[0] + [1 + a for a in state.last_accepted]]  # [1 + a, H]: the rows this catch-up feeds
-                self._future = rows[-1]
-                if rows.shape[0] == n:
-                    return rows
-        return None if self._future is None else self._future.expand(n, -1)
+                block = f[[0] + [1 + a for a in state.last_accepted]]  # [1 + a, H]
+            self._future = block[-1]
+        elif self._future is not None:
+            block = self._future.expand(rows, -1)
+        else:
+            block = None
+        if block is not None:
+            self._queued.append(block)
+        super().commit(state, accepted)
 
     def _extra_input(self, rows: int) -> torch.Tensor | None:
         if self._row_futures is not None and self._row_futures.shape[0] == rows:
@@ -114,24 +138,20 @@ class ContemplateInputs(FeatureInputs):
         return tree
 
 
-@functools.cache
-def confu_variant(cls: type) -> type:
-    """The ConFu class of the draft-model drafter class ``cls`` (:class:`ContemplateInputs` over its feature
-    variant; one class per ``cls``)."""
-    if not issubclass(cls, DraftModelBase):
-        raise ValueError(f"{cls.__name__} does not draft with a draft model")
-    known = {DraftModelDrafter: ConFuDrafter, DynamicTreeDrafter: ConFuTreeDrafter}
-    if cls in known:
-        return known[cls]
-    return type(f"ConFu{cls.__name__}", (ContemplateInputs, feature_variant(cls)),
-                {"__doc__": f"{cls.__name__} with ConFu's contemplation.", "__module__": __name__})
-
-
-class ConFuDrafter(ContemplateInputs, feature_variant(DraftModelDrafter)):
+class ConFuDrafter(ContemplateInputs, FeatureDrafter):
     """A chain of ``k`` tokens from a ConFu drafter (:class:`~speculant.drafters.feature.FeatureDrafter` plus
     contemplation). Args as that class, and ``contemplate``."""
 
 
-class ConFuTreeDrafter(ContemplateInputs, feature_variant(DynamicTreeDrafter)):
+class ConFuTreeDrafter(ContemplateInputs, FeatureTreeDrafter):
     """EAGLE-2's dynamic tree from a ConFu drafter (how the paper drafts). Args as
     :class:`~speculant.drafters.feature.FeatureTreeDrafter`, and ``contemplate``."""
+
+
+@functools.cache
+def confu_variant(cls: type) -> type:
+    """The ConFu class of the draft-model drafter class ``cls`` (:class:`ContemplateInputs` over its feature
+    variant; one class per ``cls``)."""
+    return mixin_variant(ContemplateInputs, feature_variant(cls),
+                         {FeatureDrafter: ConFuDrafter, FeatureTreeDrafter: ConFuTreeDrafter}, "ConFu",
+                         "ConFu's contemplation")

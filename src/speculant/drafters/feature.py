@@ -35,7 +35,7 @@ from .base import DecodeState
 from .model import DraftModelBase, DraftModelDrafter
 from .trees import DynamicTreeDrafter
 
-__all__ = ["FeatureDrafter", "FeatureInputs", "FeatureTreeDrafter", "feature_variant"]
+__all__ = ["FeatureDrafter", "FeatureInputs", "FeatureTreeDrafter", "feature_variant", "mixin_variant"]
 
 
 class FeatureInputs:
@@ -152,17 +152,23 @@ class FeatureInputs:
         self._n_cached = self._n_real
 
 
+def mixin_variant(mixin: type, cls: type, known: dict[type, type], prefix: str, what: str) -> type:
+    """``known[cls]``, else a class ``mixin`` over the draft-model drafter class ``cls`` named ``prefix + name``
+    (documented as "``cls`` with ``what``"). Callers cache it, so there is one class per ``cls``."""
+    if not issubclass(cls, DraftModelBase):
+        raise ValueError(f"{cls.__name__} does not draft with a draft model")
+    if cls in known:
+        return known[cls]
+    return type(f"{prefix}{cls.__name__}", (mixin, cls),
+                {"__doc__": f"{cls.__name__} with {what}.", "__module__": mixin.__module__})
+
+
 @functools.cache
 def feature_variant(cls: type) -> type:
     """The feature-input class of the draft-model drafter class ``cls`` (:class:`FeatureInputs` over it; one
     class per ``cls``)."""
-    if not issubclass(cls, DraftModelBase):
-        raise ValueError(f"{cls.__name__} does not draft with a draft model")
-    known = {DraftModelDrafter: FeatureDrafter, DynamicTreeDrafter: FeatureTreeDrafter}
-    if cls in known:
-        return known[cls]
-    return type(f"Feature{cls.__name__}", (FeatureInputs, cls),
-                {"__doc__": f"{cls.__name__} with feature inputs.", "__module__": __name__})
+    return mixin_variant(FeatureInputs, cls, {DraftModelDrafter: FeatureDrafter, DynamicTreeDrafter: FeatureTreeDrafter},
+                         "Feature", "feature inputs")
 
 
 class FeatureDrafter(FeatureInputs, DraftModelDrafter):

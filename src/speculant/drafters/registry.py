@@ -379,22 +379,34 @@ register(
 )
 
 
-def _eagle3(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
-            **options: Any) -> Drafter:
-    from .feature import FeatureTreeDrafter
+def _trained_tree(method: str, confu: bool) -> Callable[..., Drafter]:
+    """The factory of a method that drafts EAGLE-2's dynamic tree from a trained feature drafter of its own kind:
+    ``eagle3`` (an EAGLE-3 drafter) or ``confu`` (a ConFu drafter, with its ``contemplate`` option)."""
 
-    if not hasattr(draft_model, "config"):  # a stand-in (option checks before anything loads)
-        raise NeedsContext("method 'eagle3' needs its draft model")
-    if not is_feature_drafter(draft_model):
-        raise ValueError("method 'eagle3' drafts with an EAGLE-3 feature drafter (speculant train draft --kind "
-                         "eagle3), not a plain draft model: give one with draft=DIR / --draft DIR, or use chain or "
-                         "tree for a token-level draft")
-    return FeatureTreeDrafter(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
+    def factory(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
+                **options: Any) -> Drafter:
+        from .confu import ConFuTreeDrafter
+        from .feature import FeatureTreeDrafter
+
+        if not hasattr(draft_model, "config"):  # a stand-in (option checks before anything loads)
+            raise NeedsContext(f"method {method!r} needs its draft model")
+        kind = "confu" if is_confu_drafter(draft_model) else "eagle3" if is_feature_drafter(draft_model) else None
+        if kind != method:
+            wanted = "a ConFu drafter" if confu else "an EAGLE-3 feature drafter"
+            found = {"confu": "a ConFu drafter: use confu for it", "eagle3": "an EAGLE-3 drafter without "
+                     "contemplation: use eagle3 for it"}.get(kind, "a plain draft model: give one with draft=DIR / "
+                                                                 "--draft DIR, or use chain or tree for it")
+            raise ValueError(f"method {method!r} drafts with {wanted} (speculant train draft --kind {method}), not "
+                             f"{found}")
+        cls = ConFuTreeDrafter if confu else FeatureTreeDrafter
+        return cls(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
+
+    return factory
 
 
 register(
     "eagle3",
-    _eagle3,
+    _trained_tree("eagle3", confu=False),
     needs_draft=True,
     keys=_TREE_KEYS,
     sizing=Sizing(depth="depth", budget="budget"),
@@ -403,22 +415,9 @@ register(
 )
 
 
-def _confu(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
-           **options: Any) -> Drafter:
-    from .confu import ConFuTreeDrafter
-
-    if not hasattr(draft_model, "config"):  # a stand-in (option checks before anything loads)
-        raise NeedsContext("method 'confu' needs its draft model")
-    if not is_confu_drafter(draft_model):
-        raise ValueError("method 'confu' drafts with a ConFu drafter (speculant train draft --kind confu), not "
-                         + ("an EAGLE-3 drafter without contemplation: use eagle3 for it" if
-                            is_feature_drafter(draft_model) else "a plain draft model: use chain or tree for it"))
-    return ConFuTreeDrafter(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
-
-
 register(
     "confu",
-    _confu,
+    _trained_tree("confu", confu=True),
     needs_draft=True,
     keys=_TREE_KEYS | {"contemplate": Key(str, "where contemplate tokens ride in the verification forward: root "
                                                 "(one extra row) or all (one per tree node, as the paper)", "root")},

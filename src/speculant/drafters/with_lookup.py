@@ -38,10 +38,12 @@ class WithLookup(DrafterWrapper):
 
     def propose(self, state: DecodeState) -> DraftTree:
         tree = self.inner.propose(state)
-        if tree.probes is not None:
-            raise ValueError("lookup= cannot merge into a draft that carries mask probes (use the hybrid method)")
+        if tree.probes is not None and tree.probes.anchors != [0]:
+            raise ValueError("lookup= cannot merge into a draft whose nodes carry probes (mask probes: use the hybrid "
+                             "method; ConFu: contemplate=root)")
         chain = lookup_continuation(state.ids, self.ngram, min(self.k, state.draft_limit))
         if not chain:
             return tree  # unchanged: a sampled chain keeps its q and speculative sampling
         tokens, parents = merge_chain(tree.tokens, tree.parents, chain)
-        return DraftTree(tokens=tokens, parents=parents)  # no draft_probs: verified as a deterministic draft
+        # no draft_probs: verified as a deterministic draft; probes after the root only (ConFu's) stay valid
+        return DraftTree(tokens=tokens, parents=parents, probes=tree.probes)

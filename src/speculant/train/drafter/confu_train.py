@@ -10,8 +10,10 @@ of the contemplate tokens.
 Per sample (sequence ``s_0 .. s_{n-1}`` of the batch, after the prompt's earlier tokens ``prefix``):
 
 1. the target reads ``prefix + sequence`` once without gradients (its keys and values, and its final states);
-2. *anchor-token sampling*: one anchor ``a`` at random in each window of ``window`` rows (in evaluation, a fixed
-   draw), so a sequence of ``n`` rows carries about ``n / window`` contemplate tokens, not ``n``;
+2. *anchor-token sampling*: an anchor at the prompt's last token (the first root at inference), then one at
+   random in each window of ``window`` rows after it (in evaluation, a fixed draw), so an answer of ``n`` rows
+   carries about ``n / window`` contemplate tokens, not ``n``; the prompt's rows read none (zeros), as at inference,
+   where they are fed before the first verification;
 3. the contemplate token of anchor ``a`` (embedding routed by the target's state at ``a - 1``, position
    ``a + 1``) attends to the sequence up to ``a``, to the soft prompt and to itself, exactly as in the
    verification forward (:class:`speculant.core.types.Probes`); its final state is ``f_a``;
@@ -39,6 +41,7 @@ __all__ = ["ConFuBatch", "ConFuObjective", "contemplate_states"]
 @dataclass
 class ConFuBatch(FeatureBatch):
     prefixes: list[torch.Tensor] = field(default_factory=list)  # [s_b] per row: the prompt's tokens before column 0
+    contexts: list[int] = field(default_factory=list)  # per row: prompt tokens in the row (its last: column c - 1)
 
 
 def contemplate_states(target: torch.nn.Module, contemplation, ids: torch.Tensor, anchors: torch.Tensor,
@@ -98,15 +101,17 @@ class ConFuObjective(FeatureObjective):
         fields = {k: getattr(base, k) for k in FeatureBatch.__dataclass_fields__}
         prefixes = [torch.from_numpy(s.prefix.astype("int64")) if getattr(s, "prefix", None) is not None
                     else torch.zeros(0, dtype=torch.long) for s in samples]
-        return ConFuBatch(**fields, prefixes=prefixes)
+        return ConFuBatch(**fields, prefixes=prefixes, contexts=[len(s.context) for s in samples])
 
-    def anchors(self, n: int, training: bool, row: int = 0) -> torch.Tensor:
-        """One anchor per window of ``window`` rows among ``n`` (random in training; a fixed draw per ``row``
-        otherwise), ``[K]`` ascending."""
+    def anchors(self, n: int, training: bool, row: int = 0, first: int = 0) -> torch.Tensor:
+        """Anchors among ``n`` rows, ``[K]`` ascending: ``first`` (the prompt's last token: the first root at
+        inference), then one per window of ``window`` rows after it (random in training; a fixed draw per ``row``
+        otherwise)."""
         g = None if training else torch.Generator().manual_seed(1234 + row)
-        starts = torch.arange(0, n, self.window)
+        starts = torch.arange(first + 1, n, self.window)
         widths = (n - starts).clamp(max=self.window)  # the last window may be shorter
-        return starts + (torch.rand(starts.shape[0], generator=g) * widths).long()
+        picks = starts + (torch.rand(starts.shape[0], generator=g) * widths).long()
+        return torch.cat([torch.tensor([first]), picks]) if first < n else picks
 
     def futures(self, draft, batch: ConFuBatch, training: bool) -> torch.Tensor:
         """``[B, T, H]``: the future vector each real row reads (zeros where no anchor serves it)."""
@@ -118,7 +123,8 @@ class ConFuObjective(FeatureObjective):
             n = int(batch.mask[r].sum())
             prefix = batch.prefixes[r] if batch.prefixes else torch.zeros(0, dtype=torch.long)
             ids = torch.cat([prefix, batch.input_ids[r, :n]]).to(self.target.device)  # [s + n]
-            anchors = self.anchors(n, training, r)  # batch columns
+            first = batch.contexts[r] - 1 if batch.contexts else 0  # the prompt's rows read no future, as at inference
+            anchors = self.anchors(n, training, r, first)  # batch columns
             s = prefix.shape[0]
             f = contemplate_states(self.target, c, ids, anchors + s, grad=training)  # [K, H]
             # row t reads the latest anchor a <= t with t - a < window: anchors are one per window, so a is in

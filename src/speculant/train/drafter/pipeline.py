@@ -403,6 +403,9 @@ def check_init(cfg: DraftRunConfig) -> None:
               "layers": len(meta.get("layers_from_target") or [])}
     if cfg.kind == "confu" and theirs["kind"] == "eagle3":  # ConFu grows from an EAGLE-3 drafter
         theirs["kind"] = "confu"
+    if cfg.kind == "confu" and meta.get("contemplate"):  # a ConFu drafter keeps its soft prompt and mixture
+        mine.update(soft=cfg.soft, mixture=cfg.mixture)
+        theirs.update(meta["contemplate"])
     for key in mine:
         if mine[key] != theirs[key]:
             raise ValueError(f"--init: {path} is a drafter with {key} {theirs[key]!r}, this run trains one with "
