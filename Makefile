@@ -213,7 +213,7 @@ train-smollm2-eagle: $(STAMP)
 CONFU_RUN ?= runs/smollm2-confu
 CONFU_DATA_BATCHES ?= 120
 CONFU_STEPS ?= 300
-CONFU_MORE ?= 150
+CONFU_MORE ?= 60
 CONFU_BUDGET ?= 10
 CONFU_TRAIN = --target smollm2-135m-instruct --prompts builtin:sharegpt --answers dataset --max-prompt-tokens 256 \
 	--max-new-tokens 256 --gen-batch 16 --engine speculant --kind eagle3 --layers 29 --threads 2 --batch-size 8 \

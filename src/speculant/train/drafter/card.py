@@ -36,7 +36,8 @@ def _kind_paragraph(meta: dict, cfg: dict) -> str:
         kind, "A **feature drafter** (EAGLE, Li et al. 2024)")
     where = (f"answered and recorded by speculant's batched engine over the {cfg.get('quantization') or 'packaged'} "
              "target" if cfg.get("engine", "transformers") != "transformers" else f"extracted in {cfg['gen_dtype']}")
-    return (f"\n{name}, `speculant.drafters.FeatureDrafter` / `FeatureTreeDrafter`: each input row is "
+    classes = "ConFuDrafter` / `ConFuTreeDrafter" if kind == "confu" else "FeatureDrafter` / `FeatureTreeDrafter"
+    return (f"\n{name}, `speculant.{classes}`: each input row is "
             "`feature_fc([emb(x_{t+1}) ; f_t])`, with `f_t` the target's final-normed hidden state"
             + (f" preceded by the outputs of its layers {cfg['taps']} (zeros on draft rows)" if cfg.get("taps") else "")
             + ", and its output state is read by the target's LM head. It was trained on the target's states over "
