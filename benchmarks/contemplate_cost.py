@@ -30,7 +30,7 @@ from speculant.core.drafting import Drafter
 from speculant.core.forward import TargetForward
 from speculant.core.sequence import Sequence
 from speculant.core.types import DraftTree, Probes, SamplingParams
-from speculant.models.contemplate import Contemplation
+from speculant.models.contemplate import Contemplation, kv_shape
 from speculant.models.loading import default_quantization_for, load_pretrained
 
 SHAPES = {  # name -> parents of the tree's nodes (-1: the root)
@@ -80,9 +80,7 @@ def main() -> None:
     quantization = args.quantization or default_quantization_for(args.target)
     model = load_pretrained(args.target, dtype="float32", quantization=quantization)[0]
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    contemplation = Contemplation(cfg.num_hidden_layers, cfg.num_key_value_heads, head_dim, cfg.hidden_size,
-                                  soft=args.soft).requires_grad_(False)
+    contemplation = Contemplation(*kv_shape(cfg), cfg.hidden_size, soft=args.soft).requires_grad_(False)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, cfg.vocab_size, (args.context,), generator=gen).tolist()
     forward = TargetForward(model)

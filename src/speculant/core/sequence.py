@@ -148,14 +148,10 @@ class Sequence:
             embeds = _with_probes(self.target, inputs, tree.probes)  # [1, Q + P, H]
             extended = DraftTree(tokens=[0] * (len(tree) + len(tree.probes.embeds)),
                                  parents=tree.parents + tree.probes.parents(len(tree)))
-            if tree.probes.soft_keys is not None:
+            if tree.probes.soft_keys is not None:  # seen by the probe rows only
                 soft = _add_soft_entries(self._cache, tree.probes, self.kv, self.target.dtype)
-                mask, positions = self._tree_attn.build(extended, cache_len + soft)  # [1, 1, Q + P, L + S + Q + P]
-                mask = mask.clone()  # the builder's buffer is reused: edit a copy
-                mask[:, :, : len(tree) + 1, cache_len : cache_len + soft] = torch.finfo(mask.dtype).min
-                positions = positions - soft  # [1, Q + P]: the soft slots hold no position
-            else:
-                mask, positions = self._tree_attn.build(extended, cache_len)  # [1, 1, Q + P, L + Q + P], [1, Q + P]
+            # [1, 1, Q + P, L + S + Q + P], [1, Q + P]
+            mask, positions = self._tree_attn.build(extended, cache_len, soft=soft, soft_from=len(tree) + 1)
         elif tree.is_chain():  # the causal mask is the tree mask: the forward builds it (fast kernels)
             mask = positions = None
         else:
@@ -173,8 +169,9 @@ class Sequence:
         return Segment(self._cache, None if embeds is not None else inputs, embeds, positions, mask, capture, head)
 
     def absorb(self, logits: torch.Tensor, forward_s: float) -> StepEvent:
-        """Verify this step's ``logits [Q (+ P), V]`` (``[Q, V]`` when the probes want no logits; the forward of :meth:`plan`'s inputs, which took
-        ``forward_s`` seconds), commit what is accepted and the bonus, and return the step's event."""
+        """Verify this step's ``logits [Q (+ P), V]`` (``[Q, V]`` when the probes want no logits; the forward of
+        :meth:`plan`'s inputs, which took ``forward_s`` seconds), commit what is accepted and the bonus, and return
+        the step's event."""
         tree, cache_len, soft, capture = self._step
         self._step = None
         state, stats = self.state, self.stats

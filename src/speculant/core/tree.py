@@ -55,11 +55,18 @@ class TreeAttention:
                 self._blocks[key] = hit
         return hit
 
-    def build(self, tree: DraftTree, cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Mask and position ids for ``[root] + tree`` over a cache of ``cache_len`` tokens."""
+    def build(self, tree: DraftTree, cache_len: int, soft: int = 0, soft_from: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mask and position ids for ``[root] + tree`` over a cache of ``cache_len`` tokens.
+
+        ``soft``: key slots after the cache, before the new rows, that only rows ``soft_from ..`` see (probe rows
+        reading ConFu's soft prompt, :class:`~speculant.core.types.Probes`); they take no position, so the mask is
+        ``[1, 1, Q, L + S + Q]`` and the positions stay ``cache_len + depth``. Hidden in the reused buffer and
+        cleared again by the next call, like the tree block."""
         block, offsets = self._block(tree)
         q = block.shape[0]
-        need_q, need_l = q, cache_len + q
+        past = cache_len + soft  # keys before the new rows
+        need_q, need_l = q, past + q
         buf = self._buf
         if buf is None or buf.shape[2] < need_q or buf.shape[3] < need_l:
             cap_q = max(need_q, buf.shape[2] if buf is not None else 0)
@@ -67,8 +74,11 @@ class TreeAttention:
             buf = self._buf = torch.zeros((1, 1, cap_q, cap_l), dtype=self.dtype, device=self.device)
             self._last = None
         if self._last is not None:
-            lq, ll = self._last
+            lq, ll, ls, lrows = self._last
             buf[0, 0, :lq, ll : ll + lq] = 0.0
-        buf[0, 0, :q, cache_len : cache_len + q] = block
-        self._last = (q, cache_len)
-        return buf[:, :, :q, : cache_len + q], (offsets + cache_len).unsqueeze(0)
+            buf[0, 0, :lrows, ll - ls : ll] = 0.0
+        buf[0, 0, :q, past : past + q] = block
+        if soft:
+            buf[0, 0, :soft_from, cache_len:past] = self._neg
+        self._last = (q, past, soft, soft_from if soft else 0)
+        return buf[:, :, :q, : past + q], (offsets + cache_len).unsqueeze(0)

@@ -29,9 +29,8 @@ import functools
 
 import torch
 
-from ..core.checks import num_layers
 from ..core.types import DraftTree, Probes
-from ..models.contemplate import contemplation_of
+from ..models.contemplate import contemplation_of, kv_shape
 from .base import DecodeState
 from .feature import FeatureDrafter, FeatureInputs, FeatureTreeDrafter, feature_variant, mixin_variant
 
@@ -61,10 +60,7 @@ class ContemplateInputs(FeatureInputs):
         self._h_last: torch.Tensor | None = None  # [H] the target's last known final state (routes [con])
 
     def begin(self, state: DecodeState) -> None:
-        cfg = state.target.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        want = (num_layers(state.target), getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                head_dim)
+        want = kv_shape(state.target.config)
         got = tuple(self.contemplation.soft_keys.shape[i] for i in (0, 1, 3))
         if got != want:
             raise ValueError(f"the ConFu drafter's soft prompt is for a target with (layers, KV heads, head dim) "

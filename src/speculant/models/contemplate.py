@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Contemplation", "add_contemplation", "contemplation_of", "is_confu_drafter"]
+__all__ = ["Contemplation", "add_contemplation", "contemplation_of", "is_confu_drafter", "kv_shape"]
 
 
 class Contemplation(torch.nn.Module):
@@ -84,13 +84,17 @@ class Contemplation(torch.nn.Module):
         self.embeds.copy_(embeds.to(self.embeds.dtype).expand_as(self.embeds) + noise.to(self.embeds.dtype))
 
 
+def kv_shape(config) -> tuple[int, int, int]:
+    """``(layers, key/value heads, head dim)`` of a target with ``config``: the soft prompt's shape but its length."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return (config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim)
+
+
 def add_contemplation(draft: torch.nn.Module, target_config, soft: int = 16, mixture: int = 1) -> Contemplation:
     """Give the feature drafter ``draft`` ConFu's parameters for a target of ``target_config`` (its
     ``contemplation`` module, in the drafter's dtype and device); returns it."""
-    cfg = target_config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    module = Contemplation(cfg.num_hidden_layers, kv_heads, head_dim, cfg.hidden_size, soft=soft, mixture=mixture)
+    module = Contemplation(*kv_shape(target_config), target_config.hidden_size, soft=soft, mixture=mixture)
     draft.contemplation = module.to(device=draft.device, dtype=draft.dtype)
     return draft.contemplation
 
