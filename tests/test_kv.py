@@ -525,7 +525,8 @@ def test_kv_eval_cli_json(llama, monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(speculant.models.loading, "resolve_model", lambda name: name)
     monkeypatch.setattr(speculant.models.loading, "check_model_dir", lambda path: path)  # resolved by the session
-    monkeypatch.setattr(speculant.models.loading, "load_model_dir", lambda path, dtype=None: (llama, CharTokenizer()))
+    monkeypatch.setattr(speculant.models.loading, "load_model_dir",
+                        lambda path, dtype=None, quantization=None: (llama, CharTokenizer()))
     parser = argparse.ArgumentParser()
     kv_eval.add_arguments(parser)
     args = parser.parse_args(["--policies", "snapkv", "--budgets", "32,48", "--seq-len", "80", "--tail", "4",

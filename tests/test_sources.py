@@ -9,6 +9,7 @@ it is the ``slow`` test at the end.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -225,6 +226,31 @@ def test_gguf_cache_is_reused_and_invalidated(tiny, cache, monkeypatch, tmp_path
     (third / SOURCE_FILE).unlink()
     assert resolve_model(path) == third and (third / SOURCE_FILE).is_file()
     assert not [p for p in third.parent.iterdir() if p.name.startswith(".converting-")]  # no leftovers
+
+
+def test_the_metadata_is_parsed_once_per_conversion(tiny, cache, monkeypatch, tmp_path):
+    """Tokenizer and config both ask transformers for the file's metadata: one parse serves both (each takes its
+    own copy), and the directory is the one two parses write."""
+    from transformers import modeling_gguf_pytorch_utils as utils
+
+    _, _, original = tiny
+    real, parsed = utils.load_gguf_checkpoint, []
+
+    def counted(path, *args, **kwargs):
+        parsed.append(str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(utils, "load_gguf_checkpoint", counted)
+    once = resolve_model(original)
+    assert len(parsed) == 1 and utils.load_gguf_checkpoint is counted  # restored after the conversion
+    monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "twice"))
+    from speculant.models import sources
+
+    monkeypatch.setattr(sources, "_metadata_read_once", contextlib.nullcontext)
+    twice = resolve_model(original)
+    assert len(parsed) == 3
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (once / name).read_bytes() == (twice / name).read_bytes(), name
 
 
 def test_gguf_name_is_the_cache_folder_name(tiny, cache):

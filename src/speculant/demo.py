@@ -217,8 +217,9 @@ def _generate_then_measure(target: str, draft: str, prompt: str, args: argparse.
         print(prompt, end="")
     sys.stdout.flush()
     if target in PACKAGED:
-        # a real model: its own process, so its memory is returned before the timing run loads the pair again (in
-        # one process the pair would be held twice: a 1.5B target dequantized in float32 then needs over 23 GB)
+        # a real model: the CLI in its own process, as a user runs it, its memory returned before the timing run
+        # loads the pair again (a quantized GGUF pair's second load reads the matrices its first one cached:
+        # speculant.models.matrix_cache)
         code = subprocess.run([sys.executable, "-m", "speculant", *argv_cli], check=False).returncode
     else:
         code = cli.main(argv_cli)

@@ -159,19 +159,22 @@ class SessionPlan:
 
         apply_threads(self.threads)
         tokenizer = self.tokenizer
+        attached = self.draft is not None and not isinstance(self.draft, torch.nn.Module) and _attached(self.draft)
         if isinstance(self.target, torch.nn.Module):
             target = self.target.eval()  # a loaded module stays where it is
         else:
-            target, tok = load_model_dir(self.target, self.dtype)  # quantized below, after the draft loads
+            # in its kind as it loads (a GGUF model's matrices then come from its cache, and no float copy of them
+            # is ever made), except beside an attached drafter: quantized below, after the drafter loads
+            target, tok = load_model_dir(self.target, self.dtype, "none" if attached else self.quantization)
             tokenizer = tokenizer if tokenizer is not None else tok
         draft, context = None, {}
         if isinstance(self.draft, torch.nn.Module):
             draft = self.draft.eval()
         elif self.draft is not None:
-            # float, next to the target as loaded (float unless it came in quantized): an attached drafter checks
-            # the float embedding it was made for, and takes the target's kind (it shares the head)
+            # an attached drafter: next to the float target (it checks the float embedding it was made for), in the
+            # target's kind (it shares the head); another draft model: in its own kind as it loads
             draft = load_draft(self.draft, target, self.dtype,
-                               quantization_of(target) if _attached(self.draft) else "none")
+                               quantization_of(target) if attached else self.draft_quantization)
             if tokenizer is not None or _attached(self.draft):
                 context = draft_context(self.draft, tokenizer)
         # then the kinds: the target first (an attached drafter's shared head is then the target's matrix, kept)

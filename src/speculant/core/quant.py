@@ -60,7 +60,7 @@ import torch
 
 from . import kernels
 
-__all__ = ["ATTR", "BITS", "DRAFT_KIND", "GROUP", "HOLDS", "KINDS", "MATRIX_KIND", "QUANTIZATIONS", "QuantMatrix", "ReleasedLinear", "attach",
+__all__ = ["ATTR", "BITS", "BLOCK_LAYOUT", "DRAFT_KIND", "GROUP", "HOLDS", "KINDS", "MATRIX_KIND", "QUANTIZATIONS", "QuantMatrix", "ReleasedLinear", "attach",
            "q4_activations", "q4_reference", "quantization_of", "quantize_model", "quantized_linears", "releasable",
            "release"]
 
@@ -92,6 +92,11 @@ GROUP = 32
 
 ATTR = "speculant_quant"
 """The attribute of a quantized ``nn.Linear`` that holds its :class:`QuantMatrix`."""
+
+BLOCK_LAYOUT = 1
+"""Version of the q4 / q8 kernel's block layout (:meth:`QuantMatrix._pack`, ``csrc/q4.cpp``): blocks saved under
+another version (a model's matrix cache, :mod:`speculant.models.matrix_cache`) are rebuilt, never read. Bump it with
+any change to the layout."""
 
 _SCHEME = ("q4", "q8")  # the kinds of speculant's own kernel (int8 activations, codes with a scale and minimum per 32)
 _N_ALIGN = 16  # the int4 CPU kernel packs output rows in blocks of 16: pad the rows up to a multiple
@@ -200,6 +205,41 @@ class QuantMatrix:
             nibbles = codes.reshape(codes.shape[0], -1, 2)
             codes = nibbles[..., 0] | (nibbles[..., 1] << 4)
         return cls(kind, codes, scale, zero, dtype)
+
+    @classmethod
+    def from_blocks(cls, kind: str, shape: tuple[int, int], blocks: torch.Tensor, dtype: torch.dtype) -> QuantMatrix:
+        """A q4 or q8 matrix of ``shape`` ``(out, in)`` from the kernel's own blocks (:attr:`blocks` of a matrix of
+        the same kind and shape, e.g. read back from a cache): the same matrix, bit for bit, without packing again.
+        Raises ValueError for another kind or blocks of another shape or dtype."""
+        if kind not in _SCHEME:
+            raise ValueError(f"kernel blocks make a q4 or q8 matrix, not {kind!r}")
+        out, inp = int(shape[0]), int(shape[1])
+        want = (-(-out // kernels.Q4_COLUMNS), inp // GROUP, kernels.BLOCK_BYTES[BITS[kind]])
+        if inp % GROUP or blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
+            raise ValueError(f"{kind} blocks of a {out} x {inp} matrix must be uint8 {want}, got "
+                             f"{blocks.dtype} {tuple(blocks.shape)}")
+        m = cls.__new__(cls)
+        m.kind, m.shape, m.dtype = kind, torch.Size((out, inp)), dtype
+        m._kernel, m._codes = (blocks.contiguous(),), None
+        codes = want[2] - 64  # the block's code bytes, then 16 float16 scales and 16 float16 minimums
+
+        def per_column(at: int) -> torch.Tensor:  # [nb, groups, 32] bytes -> [out, groups] float16 (_pack's inverse)
+            v = m._kernel[0][..., at:at + 32].contiguous().view(torch.float16)  # [nb, groups, 16]
+            return v.transpose(1, 2).reshape(-1, want[1])[:out].contiguous()
+
+        m.scale, m.zero = per_column(codes), per_column(codes + 32)
+        m.nbytes = out * inp * BITS[kind] // 8 + out * inp // 8
+        if kernels.library() is None:  # torch's reference reads the codes: keep them unpacked, as __init__ does
+            m._codes = m._unpack()
+        return m
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """uint8 ``[out' / 16, in / 32, 320 or 576]``: a q4 / q8 matrix's kernel blocks (:meth:`_pack`), what
+        :meth:`from_blocks` takes back. ValueError for another kind."""
+        if self.kind not in _SCHEME:
+            raise ValueError(f"a {self.kind} matrix has no q4 / q8 kernel blocks")
+        return self._kernel[0]
 
     @classmethod
     def int4(cls, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype,

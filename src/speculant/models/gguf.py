@@ -322,10 +322,53 @@ def _weights_map(model: torch.nn.Module, arch: str) -> dict[str, str]:
     return out
 
 
-def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+CODED = ("int4", "q4", "q4m", "q8")
+"""The quantizations whose matrices can take a GGUF file's codes unchanged (:func:`speculant.models.loading.quantize_loaded`)."""
+
+
+def code_kind(qtype: int, quantization: str) -> tuple[str, bool]:
+    """The kind of matrix that keeps a GGUF tensor of ggml type ``qtype`` in a model quantized to ``quantization``
+    (one of :data:`CODED`: a wide type in q8 where the model holds q8, as q4m and q8 do; else the quantization's
+    matrix kind), and whether it takes the file's codes unchanged (codes with a scale and minimum per 32, of at most
+    the kind's bits: :data:`CODE_TYPES`) rather than being requantized from its values."""
+    from ..core.quant import BITS, HOLDS, MATRIX_KIND
+
+    kind = "q8" if qtype in WIDE_TYPES and "q8" in HOLDS[quantization] else MATRIX_KIND.get(quantization, quantization)
+    return kind, qtype in CODE_TYPES and CODE_TYPES[qtype][2] <= BITS[kind]
+
+
+def coded_weights(path: str | Path, config, quantization: str) -> set[str]:
+    """The parameter names of the quantized linears (:func:`speculant.core.quant.quantized_linears`) of ``config``'s
+    model whose tensors in GGUF file ``path`` a model quantized to ``quantization`` takes as codes
+    (:func:`code_kind`): what :func:`load_gguf_model` need not decode before
+    :func:`speculant.models.loading.quantize_loaded` (their float values would be dropped, or overwritten by the
+    matrix's own for a tied head). Empty for a quantization outside :data:`CODED`."""
+    if quantization not in CODED:
+        return set()
+    from transformers import AutoModelForCausalLM
+
+    from ..core.quant import quantized_linears
+
+    with torch.device("meta"):  # shapes and names only
+        skeleton = AutoModelForCausalLM.from_config(config)
+    skeleton.tie_weights()
+    linear = {id(m.weight) for m in quantized_linears(skeleton)}
+    params = dict(skeleton.named_parameters())
+    header = _Header(path)
+    names = _weights_map(skeleton, header.architecture)
+    return {names[n] for n, qtype, data in header.tensors
+            if data.ndim == 2 and n in names and names[n] in params and id(params[names[n]]) in linear
+            and code_kind(qtype, quantization)[1]}
+
+
+def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32,
+                    skip: frozenset[str] | set[str] = frozenset()) -> torch.nn.Module:
     """The causal LM of ``config`` (what transformers derives from the GGUF file ``path``) with the file's weights,
     dequantized and cast to ``dtype`` one tensor at a time, bit-identical to transformers' own GGUF conversion
     (same decoder values, same ``TensorProcessor``, same names). Returns the model in eval mode.
+
+    ``skip``: parameter names left undecoded (uninitialised memory, never touched): those whose quantized matrices
+    the caller attaches from elsewhere (:mod:`speculant.models.matrix_cache`) and whose float weights it releases.
 
     Raises ValueError for an architecture outside :data:`DIRECT_ARCHITECTURES` or a file whose tensors do not
     cover the model's parameters."""
@@ -347,6 +390,9 @@ def load_gguf_model(path: str | Path, config, dtype: torch.dtype = torch.float32
     with torch.no_grad(), ThreadPoolExecutor(max(1, torch.get_num_threads())) as pool:
         for name, qtype, data in header.tensors:
             if names.get(name) not in params:  # llama/qwen2 processors never rename: skip unused tensors undecoded
+                continue
+            if names[name] in skip:  # the caller's: its quantized matrix comes from elsewhere
+                loaded.add(names[name])
                 continue
             if type(processor) is TensorProcessor:  # no reordering (qwen2): decode straight into the parameter
                 target = params[names[name]]

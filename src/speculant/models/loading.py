@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from ..core.quant import QUANTIZATIONS
 from .attached import is_attached, load_attached
-from .gguf import load_gguf_model
+from .gguf import CODED, code_kind, coded_weights, load_gguf_model
 from .vlm import is_vision_language, text_view
 from .sources import (ASSETS, PACKAGED, convert_gguf, gguf_backing, hub_cached_dir, install_files, is_hub_id,
                       packaged_gguf, packaged_installed)
@@ -79,7 +79,8 @@ def check_quantization(quantization: str | None) -> str:
     return quantization
 
 
-def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | Path | None = None) -> int:
+def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | Path | None = None,
+                    undecoded: frozenset[str] | set[str] = frozenset()) -> int:
     """Quantize a freshly loaded ``model`` in place to ``quantization`` (:func:`speculant.core.quant.quantize_model`)
     and return how many matrices were built from a GGUF file's own codes.
 
@@ -97,13 +98,15 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
     become q8 matrices requantized from their values (8-bit codes per 32 inputs: within 1/510 of a group's range of
     the file's value, where 4 bits would be 1/30): the file spent more bits on them (a Q4_K_M file's LM head, half of
     its value and down projections), and q4m keeps them. Every other matrix (F16/F32 tensors, fewer-bit types, any
-    wider tensor for int4 and q4, or any tensor for int8) is requantized to the kind from its values."""
-    from ..core.quant import BITS, HOLDS, MATRIX_KIND, QuantMatrix, attach, quantization_of, quantize_model, \
-        quantized_linears, releasable
+    wider tensor for int4 and q4, or any tensor for int8) is requantized to the kind from its values.
+
+    ``undecoded``: parameters the loader left undecoded (:func:`speculant.models.gguf.coded_weights`), each of which
+    must take the file's codes here; a RuntimeError if one would be requantized from its (absent) values."""
+    from ..core.quant import ATTR, QuantMatrix, attach, quantization_of, quantize_model, quantized_linears, releasable
 
     built = 0
-    if gguf_file is not None and quantization in ("int4", "q4", "q4m", "q8") and quantization_of(model) == "none":
-        from .gguf import CODE_TYPES, WIDE_TYPES, file_tensors
+    if gguf_file is not None and quantization in CODED and quantization_of(model) == "none":
+        from .gguf import WIDE_TYPES, file_tensors
 
         targets = {id(m.weight): m for m in quantized_linears(model)}
         params = dict(model.named_parameters())
@@ -112,18 +115,22 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
             module = targets.get(id(params[name]))
             if module is None:  # e.g. a Q4_K token embedding under an untied head: not a quantized linear
                 continue
-            # the kind of matrix that keeps this tensor: a wide one in q8 where the model holds q8 (q4m, q8)
-            kind = "q8" if qtype in WIDE_TYPES and "q8" in HOLDS[quantization] else \
-                MATRIX_KIND.get(quantization, quantization)
+            kind, coded = code_kind(qtype, quantization)
             dtype = module.weight.dtype
-            if codes is not None and CODE_TYPES[qtype][2] <= BITS[kind]:
+            if codes is not None and coded:
                 matrix = QuantMatrix.from_codes(codes, scale, minimum, dtype, kind)
                 built += 1
+            elif name in undecoded:
+                raise RuntimeError(f"{name} was left undecoded but is not taken as codes")
             elif qtype in WIDE_TYPES and kind == "q8":  # a wide type without per-32 blocks (Q6_K): 8 bits from values
                 matrix = QuantMatrix.quantize(module.weight, kind)
             else:
                 continue  # requantized with the rest below
             attach(module, matrix, release_weight=id(module) in free)
+    left = [n for n, p in model.named_parameters() if n in undecoded and p.device.type != "meta"
+            and not any(getattr(m, ATTR, None) is not None and m.weight is p for m in quantized_linears(model))]
+    if left:
+        raise RuntimeError(f"{left[0]} was left undecoded but took no matrix from the file's codes")
     quantize_model(model, quantization)
     if built:
         log.info("%d of the model's matrices quantized to %s from %s's own codes", built, quantization,
@@ -139,8 +146,9 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None, qua
         dtype: a ``torch.dtype``, one of ``"auto"``, ``"float32"``, ``"bfloat16"``, ``"float16"``, or ``None``
             for transformers' default (float32 for the bundled models, see :func:`load_pretrained`).
         quantization: one of :data:`speculant.core.quant.QUANTIZATIONS` (None: ``"none"``): the model is
-            quantized in place after loading (:func:`quantize_loaded`: a GGUF-backed model keeps the file's own
-            codes where the kind holds them).
+            quantized in place after loading (:func:`quantize_loaded`), except a GGUF-backed one, which is built
+            quantized: it keeps the file's own codes where the kind holds them, never decodes those tensors, and in
+            q4, q4m and q8 caches its matrices for the next load (:mod:`speculant.models.matrix_cache`).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode. A vision-language model (a config with a vision part) comes
@@ -163,8 +171,8 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None, qua
     log.info("loading model and tokenizer from %s", d)
     backing = gguf_backing(d)
     if backing is not None:  # the GGUF's tensors, dequantized as transformers' float32 conversion would be
-        config = AutoConfig.from_pretrained(str(d), local_files_only=True)
-        model = load_gguf_model(backing, config, resolved if isinstance(resolved, torch.dtype) else torch.float32)
+        model = _load_gguf_quantized(d, backing, resolved if isinstance(resolved, torch.dtype) else torch.float32,
+                                     quantization)
     elif is_vision_language(AutoConfig.from_pretrained(str(d), local_files_only=True)):
         # a vision-language model: its text part runs as the target, the whole model builds image prompts
         from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -179,8 +187,33 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None, qua
         model = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     model.eval()
-    quantize_loaded(model, quantization, backing)
+    if backing is None:  # (a GGUF-backed model came quantized)
+        quantize_loaded(model, quantization, None)
     return model, tokenizer
+
+
+def _load_gguf_quantized(d: Path, backing: Path, dtype: torch.dtype, quantization: str) -> torch.nn.Module:
+    """The model of directory ``d``, whose weights GGUF file ``backing`` holds, in ``dtype`` and ``quantization``:
+    its matrices read from the directory's matrix cache when it has them (their tensors left undecoded), else built
+    from the file (:func:`quantize_loaded`) and cached for the next load (:mod:`speculant.models.matrix_cache`)."""
+    from . import matrix_cache
+
+    config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    path = matrix_cache.cache_file(d, quantization, dtype)
+    cached = matrix_cache.read_cache(path, quantization, dtype, backing)
+    if cached is not None:
+        model = load_gguf_model(backing, config, dtype, skip=cached.undecoded)
+        if matrix_cache.load_matrices(model, cached, quantization):
+            log.info("%s: quantized matrices read from %s", d.name, path.name)
+            return model.eval()
+        del model  # a cache that does not fit: its undecoded tensors are needed after all
+    # the tensors quantize_loaded takes as codes are never decoded (their float values would only be dropped)
+    undecoded = coded_weights(backing, config, quantization)
+    model = load_gguf_model(backing, config, dtype, skip=undecoded)
+    quantize_loaded(model, quantization, backing, undecoded=undecoded)
+    if path is not None:
+        matrix_cache.save_matrices(model.eval(), path, quantization, dtype, backing)
+    return model
 
 
 def load_tokenizer(path: str | Path):

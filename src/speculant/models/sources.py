@@ -15,7 +15,8 @@ A model can be named as
 
 Llama and Qwen2 GGUF files are read directly at every load (:mod:`speculant.models.gguf`: each tensor dequantized
 into the requested dtype, bit-identical to transformers' float32 conversion); their cache directory holds only
-config.json, the tokenizer files and :data:`SOURCE_FILE` naming the GGUF file. Other architectures are converted
+config.json, the tokenizer files and :data:`SOURCE_FILE` naming the GGUF file (and, once a model was loaded in
+q4, q4m or q8, its quantized matrices: :mod:`speculant.models.matrix_cache`). Other architectures are converted
 once (dequantized to float32 ``nn.Linear`` weights, with their tokenizer and chat template) into a model
 directory. Both live in ``$SPECULANT_CACHE/models/<name>-<key>/`` (default ``$XDG_CACHE_HOME/speculant``, else
 ``~/.cache/speculant``). The key hashes the GGUF file's resolved path, size and modification time, so a changed
@@ -36,6 +37,8 @@ import re
 import shutil
 import struct
 import tempfile
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -337,6 +340,37 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "model"
 
 
+_METADATA_LOCK = threading.Lock()
+
+
+@contextmanager
+def _metadata_read_once():
+    """Within the block, transformers' GGUF metadata reader (``load_gguf_checkpoint`` without tensors, which
+    AutoTokenizer's config lookup and AutoConfig each call) parses each file once: its reader builds a numpy object per metadata item,
+    about 20 s for a 151,936-token vocabulary on 2 cores, so the second call costs as much as the first. Each caller
+    gets its own copy of the result."""
+    import copy
+
+    from transformers import modeling_gguf_pytorch_utils as utils
+
+    with _METADATA_LOCK:  # one patch at a time (threads converting at once restore in order)
+        real, seen = utils.load_gguf_checkpoint, {}
+
+        def once(path, *args, **kwargs):
+            if args or kwargs.get("return_tensors") or set(kwargs) - {"return_tensors"}:
+                return real(path, *args, **kwargs)
+            key = str(Path(path).resolve())
+            if key not in seen:
+                seen[key] = real(path, return_tensors=False)
+            return copy.deepcopy(seen[key])
+
+        utils.load_gguf_checkpoint = once
+        try:
+            yield
+        finally:
+            utils.load_gguf_checkpoint = real
+
+
 def convert_gguf(gguf: str | Path, name: str | None = None) -> Path:
     """The cached model directory made from ``gguf`` (made now if not cached yet).
 
@@ -376,14 +410,15 @@ def convert_gguf(gguf: str | Path, name: str | None = None) -> Path:
     try:
         kwargs = {"gguf_file": path.name, "local_files_only": True}
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
-            if direct:
-                AutoConfig.from_pretrained(str(path.parent), **kwargs).save_pretrained(tmp)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(
-                    str(path.parent), dtype=torch.float32, quantization_config=GgufConfig(dequantize=True), **kwargs
-                )
-                model.save_pretrained(tmp)
+            with _metadata_read_once():
+                tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
+                if direct:
+                    AutoConfig.from_pretrained(str(path.parent), **kwargs).save_pretrained(tmp)
+                else:
+                    model = AutoModelForCausalLM.from_pretrained(
+                        str(path.parent), dtype=torch.float32, quantization_config=GgufConfig(dequantize=True),
+                        **kwargs)
+                    model.save_pretrained(tmp)
         except (ValueError, KeyError, IndexError, TypeError, RuntimeError, NotImplementedError, OSError,
                 struct.error) as exc:  # struct.error: a truncated file (transformers' reader runs off its end)
             detail = " ".join(str(exc).split()) or type(exc).__name__
