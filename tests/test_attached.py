@@ -55,6 +55,33 @@ def test_int8_storage_round_trips(target_dir, tmp_path):
     assert got.dtype == target.dtype and bool(((got - ref).abs() <= step / 2 + 1e-7).all())
 
 
+def test_q4_storage_round_trips_to_the_q4_matrix(target_dir, tmp_path):
+    """4-bit codes with a float16 scale and minimum per 32 inputs: the loaded weight is exactly the q4 matrix's
+    values (what the q4 kernel would multiply by), the file well under the int8 one."""
+    from speculant.core.quant import QuantMatrix
+
+    target, _ = load_model_dir(target_dir, dtype=torch.float32)
+    draft = build_attached(target, [0, 1])
+    q4 = save_attached(draft, target, tmp_path / "q4", target_name="tiny", storage="q4")
+    int8 = save_attached(draft, target, tmp_path / "int8", target_name="tiny", storage="int8")
+    with safe_open(str(q4 / "model.safetensors"), "pt") as f:
+        codes = f.get_tensor("model.layers.0.mlp.up_proj.weight")
+        scale = f.get_tensor("model.layers.0.mlp.up_proj.weight.q4_scale")
+        norm = f.get_tensor("model.layers.0.input_layernorm.weight")
+    ref = draft.model.layers[0].mlp.up_proj.weight
+    assert codes.dtype == torch.uint8 and tuple(codes.shape) == (ref.shape[0], ref.shape[1] // 2)
+    assert scale.dtype == torch.float16 and tuple(scale.shape) == (ref.shape[0], ref.shape[1] // 32)
+    assert norm.dtype == torch.bfloat16
+    assert (q4 / "model.safetensors").stat().st_size < 0.75 * (int8 / "model.safetensors").stat().st_size
+    loaded = load_draft(q4, target)
+    for name, p in draft.named_parameters():
+        if p.dim() == 2 and not name.startswith(("model.embed_tokens", "lm_head")):
+            got = dict(loaded.named_parameters())[name]
+            assert torch.equal(got, QuantMatrix.quantize(p.detach(), "q4").dequantize()), name
+    with pytest.raises(ValueError, match="storage must be one of"):
+        save_attached(draft, target, tmp_path / "x", target_name="tiny", storage="int4")
+
+
 def test_refuses_another_target(target_dir, tmp_path):
     target, _ = load_model_dir(target_dir, dtype=torch.float32)
     out = save_attached(build_attached(target, [0]), target, tmp_path / "d", target_name="tiny")
@@ -221,18 +248,21 @@ def test_train_feature_draft_end_to_end(target_dir, tmp_path, capsys):
 
 def test_train_eagle3_draft_end_to_end(target_dir, tmp_path, capsys):
     """--kind eagle3: taps default to a low, a middle and a high layer, the training-time test runs 3 depths,
-    no regression; the drafter drafts exactly with a dynamic tree through the CLI."""
+    no regression; stored in 4 bits (--store q4), the drafter drafts exactly with a dynamic tree through the CLI."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n"
                                for i in range(8)))
     out = tmp_path / "run"
     argv = ["train", "draft", "--target", target_dir, "--out", str(out), "--prompts", str(prompts), "--kind",
             "eagle3", "--engine", "speculant", "--quantization", "q4", "--max-new-tokens", "6", "--gen-batch", "4",
-            "--group-by-length",
+            "--group-by-length", "--store", "q4",
             "--steps", "3", "--batch-size", "3", "--warmup", "1", "--keep", "64", "--layers", "2",
             "--validation-fraction", "0.25"]
     assert cli.main(argv) == 0, capsys.readouterr().err
     export = out / "eagle3-fkl" / "draft"
+    assert "in 4 bits with a float16 scale and minimum per 32 inputs (q4)" in (export / "MODEL_CARD.md").read_text()
+    with safe_open(str(export / "model.safetensors"), "pt") as f:  # stored in 4 bits (--store q4)
+        assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.uint8
     assert capsys.readouterr().out.strip() == str(export)
     assert (out / "features-taps-0-1-2" / "DONE").exists()  # recorded while answering
     config = json.loads((out / "eagle3-fkl" / "run_config.json").read_text())
@@ -263,7 +293,7 @@ def test_train_draft_bad_input(target_dir, tmp_path, capsys):
     for extra, needle in ((["--loss", "rkl"], "--loss"), (["--prompts", str(tmp_path / "none.jsonl")], "--prompts"),
                           (["--steps", "0"], "steps"), (["--kind", "eagle"], "--kind"),
                           (["--kind", "feature", "--taps", "99"], "taps"), (["--self-prompts", "-1"], "--self-prompts"),
-                          (["--self-prompt-tokens", "0"], "self-prompt-tokens")):
+                          (["--self-prompt-tokens", "0"], "self-prompt-tokens"), (["--store", "int4"], "--store")):
         assert cli.main(base + extra) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and needle in err

@@ -148,6 +148,10 @@ _DRAFT_DOCS = {
     "mixture": "confu: contemplate embeddings mixed by a router over the target's last state (1: one embedding)",
     "window": "confu: rows one contemplate token serves in training (future-prediction replication), and the "
               "spacing of the anchors sampled per answer",
+    "store": "how the exported drafter's own matrices are stored: int8 (one scale per row, half of bf16) or q4 "
+             "(4-bit codes with a float16 scale and minimum per 32 inputs, the q4 kernel's kind: under a third of "
+             "bf16, e.g. to keep a 1.5B target's EAGLE-3 drafter within a package's size); a drafter's numerics "
+             "change what it proposes, never what is emitted",
     "group_by_length": "each batch a random run of answers of similar length (a batch costs its longest: less "
                        "padding) instead of a uniform draw",
 }
@@ -219,6 +223,8 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     from ..train.drafter.card import write_drafter_card
     from ..train.losses import LOSSES
 
+    if args.store not in ("int8", "q4"):
+        raise ValueError(f"--store: unknown storage {args.store!r}; known: int8, q4")
     if args.loss not in (*LOSSES, "none"):
         raise ValueError(f"--loss: unknown loss {args.loss!r}; known: {', '.join(LOSSES)}, none")
     check_positive_int("steps", args.steps)

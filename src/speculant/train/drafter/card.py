@@ -96,7 +96,12 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     done = json.loads((answers / "DONE").read_text()) if (answers / "DONE").exists() else None
     # forced: the prompts' own answers read by the target (--answers dataset), told by the shards themselves
     n_answers, n_tokens, forced = shard_totals(answers)
-    own = sum(int(np.prod(s)) for k, s in _shapes(export / "model.safetensors") if not k.endswith(".int8_scale"))
+    shapes = dict(_shapes(export / "model.safetensors"))
+    q4 = {k[: -len(".q4_scale")] for k in shapes if k.endswith(".q4_scale")}
+    own = sum(int(np.prod(s)) * (2 if k in q4 else 1) for k, s in shapes.items()  # q4 codes: two per byte
+              if not k.endswith((".int8_scale", ".q4_scale", ".q4_min")))
+    stored = ("matrices in 4 bits with a float16 scale and minimum per 32 inputs (q4)" if q4 else
+              "matrices int8 with a float32 scale per row")
     size_mb = (export / "model.safetensors").stat().st_size / 2**20
     temps = "/".join(str(t) for t in cfg["temperatures"])
     machine = meta.get("machine") or "machine not recorded"
@@ -132,7 +137,7 @@ loss.
 | | |
 |---|---|
 | architecture | {config['model_type']}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {config['num_attention_heads']} heads ({config['num_key_value_heads']} KV), MLP {config['intermediate_size']} |
-| own parameters | {own:,} ({size_mb:.1f} MB: matrices int8 with a float32 scale per row, norms bfloat16; the validation below is of the trained weights before that rounding); embedding and LM head shared with the target |
+| own parameters | {own:,} ({size_mb:.1f} MB: {stored}, norms bfloat16; the validation below is of the trained weights before that rounding); embedding and LM head shared with the target |
 | distillation data | {data} |
 | objective | `{meta['loss']}` between the target's top-{cfg['topk']} and the drafter over the {cfg['keep']:,} most frequent answer tokens (the VocabTrim set it drafts from) |
 | steps | {meta['steps']} × {cfg['batch_size']} answers (each with its prompt's last 96 tokens), AdamW, peak lr {cfg['lr']}, {cfg['warmup']} warm-up steps, cosine to 0.1× |

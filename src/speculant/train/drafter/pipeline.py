@@ -81,6 +81,7 @@ class DraftRunConfig:
     soft: int = 16  # confu: soft-prompt key/value entries per target layer
     mixture: int = 4  # confu: contemplate embeddings in the mixture (routed by the target's last state)
     window: int = 8  # confu: rows one contemplate token serves in training (future-prediction replication)
+    store: str = "int8"  # how the exported drafter's matrices are stored: int8 (per-row scale) or q4 (4-bit per 32)
 
 
 def tokenize_prompts(tokenizer, rows: list[dict], max_tokens: int) -> tuple[list[list[int]], list[int]]:
@@ -555,7 +556,7 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     # the training's own clock across resumed runs (the history's last row), else this run's time
     seconds = max(time.perf_counter() - start, float(history[-1].get("seconds") or 0.0))
     tmp = out / "draft.tmp"
-    save_attached(draft, target, tmp, target_name=cfg.target, dtype=torch.int8, extra={
+    save_attached(draft, target, tmp, target_name=cfg.target, storage=cfg.store, extra={
         "kind": cfg.kind, "layers_from_target": cfg.layers, "taps": cfg.taps, "init": cfg.init, "loss": loss, "steps": cfg.steps if loss != "none" else 0,
         "train_seconds": round(seconds, 1), "validation": history[-1], "machine": _machine(cfg)})
     answers = np.concatenate([s.answer for s in train])
