@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from speculant.core import kernels
+from speculant.core import kernels, quant
 from speculant.core.quant import ATTR, QuantMatrix, quantization_of, quantized_linears
 from speculant.models import gguf as gguf_module
 from speculant.models import matrix_cache
@@ -178,6 +178,24 @@ def test_a_damaged_or_stale_cache_is_ignored_and_rewritten(tmp_path, cache_dir, 
     assert "ignoring the matrix cache" in caplog.text
     assert cache.read_bytes() == good  # rewritten as the first load wrote it
     _same(_state(load_pretrained(path, dtype="float32", quantization="q4m")[0]), want)
+
+
+def test_outdated_files_are_removed_when_the_cache_is_written(tmp_path, cache_dir):
+    import os
+    import time
+
+    _, path = _tiny_gguf(tmp_path, "llama", gguf.GGMLQuantizationType.Q4_0)
+    directory = resolve_model(path)
+    cache = matrix_cache.cache_file(directory, "q4m", torch.float32)
+    older = cache.with_name(cache.name.replace(f"-v{quant.BLOCK_LAYOUT}.", "-v0."))
+    other_dtype = matrix_cache.cache_file(directory, "q4m", torch.bfloat16)
+    stale, fresh = directory / ".matrices-1.tmp", directory / ".matrices-2.tmp"
+    for p in (older, other_dtype, stale, fresh):
+        p.write_bytes(b"x")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    load_pretrained(path, dtype="float32", quantization="q4m")
+    assert cache.is_file() and not older.exists() and not stale.exists()
+    assert other_dtype.exists() and fresh.exists()  # another dtype's cache, a write that may be in flight
 
 
 def test_an_unwritable_cache_still_loads(tmp_path, cache_dir, monkeypatch, caplog):

@@ -14,7 +14,8 @@ The file is written to a temporary name and renamed into place (an interrupted w
 It records what made it: the block layout (:data:`speculant.core.quant.BLOCK_LAYOUT`), the way matrices are built
 (:data:`BUILD`), torch's and transformers' versions, the quantization and dtype, and the GGUF file (resolved path,
 size, modification time); a file that differs in any of these, cannot be read, or does not hold exactly the model's
-quantized linears is ignored with a warning and rewritten. Only q4 and q8 matrices are cached (the int4 and int8 kinds
+quantized linears is ignored with a warning and rewritten (files of other block layouts, and temporaries of
+interrupted writes, are deleted then). Only q4 and q8 matrices are cached (the int4 and int8 kinds
 run torch's kernels, whose packed forms are torch's own). Deleting the file, or the whole cache, is always safe. On
 disk: about the quantized model's size (1.5B in q4m: 1.18 GB) per quantization and dtype loaded.
 """
@@ -187,4 +188,20 @@ def save_matrices(model: torch.nn.Module, path: Path, quantization: str, dtype: 
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     log.info("cached %d quantized matrices in %s", len(tensors), path)
+    _remove_outdated(path)
     return True
+
+
+def _remove_outdated(path: Path) -> None:
+    """Delete what no load will read again beside a freshly written cache file: the same quantization and dtype
+    under other block layouts, and temporaries an interrupted write left (over an hour old)."""
+    import time
+
+    stem = path.name.rsplit("-v", 1)[0]
+    old = [p for p in path.parent.glob(f"{stem}-v*.safetensors") if p != path]
+    old += [p for p in path.parent.glob(".matrices-*.tmp") if time.time() - p.stat().st_mtime > 3600]
+    for p in old:
+        try:
+            p.unlink()
+        except OSError:
+            pass
