@@ -78,8 +78,31 @@ def test_q4_storage_round_trips_to_the_q4_matrix(target_dir, tmp_path):
         if p.dim() == 2 and not name.startswith(("model.embed_tokens", "lm_head")):
             got = dict(loaded.named_parameters())[name]
             assert torch.equal(got, QuantMatrix.quantize(p.detach(), "q4").dequantize()), name
+    assert json.loads((q4 / "attached.json").read_text())["storage"] == "q4"
     with pytest.raises(ValueError, match="storage must be one of"):
         save_attached(draft, target, tmp_path / "x", target_name="tiny", storage="int4")
+    with pytest.raises(ValueError, match="needs a float dtype"):
+        save_attached(draft, target, tmp_path / "x", target_name="tiny", storage="float", dtype=torch.int8)
+
+
+def test_q4_storage_keeps_int8_rows_for_other_input_sizes(target_dir, tmp_path):
+    """A matrix whose input size is not a multiple of 32 (one added by hand) is stored as int8 rows beside the q4
+    ones; a file missing a q4 companion is a one-line error."""
+    from safetensors.torch import load_file, save_file
+
+    target, _ = load_model_dir(target_dir, dtype=torch.float32)
+    draft = build_attached(target, [0])
+    odd = torch.nn.Parameter(torch.randn(draft.config.hidden_size, 40))  # 40 inputs: not a multiple of 32
+    draft.register_parameter("odd_weight", odd)
+    out = save_attached(draft, target, tmp_path / "mixed", target_name="tiny", storage="q4")
+    state = load_file(str(out / "model.safetensors"))
+    assert state["odd_weight"].dtype == torch.int8 and "odd_weight.int8_scale" in state
+    assert state["model.layers.0.mlp.down_proj.weight"].dtype == torch.uint8
+    del state["model.layers.0.mlp.down_proj.weight.q4_min"]
+    save_file(state, str(out / "model.safetensors"))
+    with pytest.raises(ValueError, match="lacks its 4-bit codes or minimums") as exc:
+        load_draft(out, target)
+    assert "\n" not in str(exc.value)
 
 
 def test_refuses_another_target(target_dir, tmp_path):

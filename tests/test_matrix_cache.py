@@ -188,14 +188,16 @@ def test_outdated_files_are_removed_when_the_cache_is_written(tmp_path, cache_di
     directory = resolve_model(path)
     cache = matrix_cache.cache_file(directory, "q4m", torch.float32)
     older = cache.with_name(cache.name.replace(f"-v{quant.BLOCK_LAYOUT}.", "-v0."))
+    newer = cache.with_name(cache.name.replace(f"-v{quant.BLOCK_LAYOUT}.", f"-v{quant.BLOCK_LAYOUT + 1}."))
     other_dtype = matrix_cache.cache_file(directory, "q4m", torch.bfloat16)
     stale, fresh = directory / ".matrices-1.tmp", directory / ".matrices-2.tmp"
-    for p in (older, other_dtype, stale, fresh):
+    for p in (older, newer, other_dtype, stale, fresh):
         p.write_bytes(b"x")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
     load_pretrained(path, dtype="float32", quantization="q4m")
     assert cache.is_file() and not older.exists() and not stale.exists()
-    assert other_dtype.exists() and fresh.exists()  # another dtype's cache, a write that may be in flight
+    # a newer installation's layout, another dtype's cache, a write that may be in flight: kept
+    assert newer.exists() and other_dtype.exists() and fresh.exists()
 
 
 def test_an_unwritable_cache_still_loads(tmp_path, cache_dir, monkeypatch, caplog):

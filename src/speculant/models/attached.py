@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..core.quant import GROUP, QuantMatrix
 from .contemplate import add_contemplation, contemplation_of
 
 __all__ = ["ATTACHED_FILE", "STORAGES", "is_attached", "build_attached", "own_state", "save_attached", "load_attached",
@@ -119,8 +120,9 @@ def own_state(draft: torch.nn.Module) -> dict[str, torch.Tensor]:
 _SCALE = ".int8_scale"  # key suffix of the per-row scales of an int8-stored matrix
 _Q4_SCALE, _Q4_MIN = ".q4_scale", ".q4_min"  # key suffixes of a q4-stored matrix's scales and minimums per 32
 
-STORAGES = ("bfloat16", "int8", "q4")
-"""How :func:`save_attached` may store a drafter's matrices (``storage=``)."""
+STORAGES = ("float", "int8", "q4")
+"""How :func:`save_attached` may store a drafter's matrices (``storage=``): in a float ``dtype``, int8 per row, or
+q4 (4 bits per weight and a float16 scale and minimum per 32 inputs)."""
 
 
 def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,50 +135,51 @@ def _q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """``(codes uint8 [R, C / 2], scale, minimum float16 [R, C / 32])``: ``w``'s q4 matrix
     (:meth:`speculant.core.quant.QuantMatrix.quantize`, 4-bit codes with a scale and minimum per 32 inputs), the
     even input's code in each byte's low nibble."""
-    from ..core.quant import QuantMatrix
-
     m = QuantMatrix.quantize(w.detach().float(), "q4")
     return m.codes.contiguous(), m.scale.contiguous(), m.zero.contiguous()
 
 
 def _q4_values(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """The float32 matrix :func:`_q4_groups` stored (the q4 matrix's own values)."""
-    from ..core.quant import QuantMatrix
-
     pairs = torch.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1)  # [R, C]
     return QuantMatrix.from_codes(pairs, scale.float(), minimum.float(), torch.float32, "q4").dequantize()
 
 
 def save_attached(draft: torch.nn.Module, target: torch.nn.Module, out: str | Path, target_name: str,
                   dtype: torch.dtype = torch.bfloat16, extra: dict | None = None, storage: str | None = None) -> Path:
-    """Write an attached drafter directory: config, own weights in ``dtype``, ``attached.json``.
+    """Write an attached drafter directory: config, own weights, ``attached.json`` (which records ``storage``).
 
-    ``storage`` (one of :data:`STORAGES`; None: as ``dtype``, where ``dtype=torch.int8`` means ``"int8"``):
-    ``"int8"`` stores every matrix as int8 with one float32 scale per row (norm weights stay bf16), half the bytes
-    of bf16; ``"q4"`` every matrix whose input size is a multiple of 32 as 4-bit codes with a float16 scale and
-    minimum per 32 inputs (the q4 kernel's kind: 5 bits per weight, under a third of bf16; others as int8). A
-    drafter's numerics only change what it proposes, never what is emitted."""
+    ``storage`` (one of :data:`STORAGES`; None: ``"int8"`` for ``dtype=torch.int8``, else ``"float"``):
+    ``"float"`` stores every weight in ``dtype`` (a float dtype); ``"int8"`` every matrix as int8 with one float32
+    scale per row (norm weights bf16), half the bytes of bf16; ``"q4"`` every matrix whose input size is a multiple
+    of 32 as 4-bit codes with a float16 scale and minimum per 32 inputs (the q4 kernel's kind: 5 bits per weight;
+    other matrices int8, norms bf16). Loading gives the stored values back as floats (q4: the q4 matrix's own
+    values); a quantized target's kind then quantizes the drafter's layers from them again. A drafter's numerics
+    only change what it proposes, never what is emitted."""
     from safetensors.torch import save_file
 
     if storage is None:
-        storage = "int8" if dtype == torch.int8 else "bfloat16"
+        storage = "int8" if dtype == torch.int8 else "float"
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {', '.join(STORAGES)}, got {storage!r}")
+    if storage == "float" and not dtype.is_floating_point:
+        raise ValueError(f"storage 'float' needs a float dtype, got {dtype}")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     draft.config.save_pretrained(out)
     tensors = {}
     for k, v in own_state(draft).items():
-        if storage == "q4" and v.dim() == 2 and v.shape[1] % 32 == 0:
+        if storage == "q4" and v.dim() == 2 and v.shape[1] % GROUP == 0:
             tensors[k], tensors[k + _Q4_SCALE], tensors[k + _Q4_MIN] = _q4_groups(v)
-        elif storage != "bfloat16" and v.dim() == 2:
+        elif storage != "float" and v.dim() == 2:
             tensors[k], tensors[k + _SCALE] = _int8_rows(v)
         else:
-            tensors[k] = v.detach().to(dtype if storage == "bfloat16" else torch.bfloat16).contiguous()
+            tensors[k] = v.detach().to(dtype if storage == "float" else torch.bfloat16).contiguous()
     save_file(tensors, str(out / "model.safetensors"))
     (out / ATTACHED_FILE).write_text(json.dumps({
         "shares": ["model.embed_tokens", "lm_head"],
         "features": is_feature_drafter(draft),
+        "storage": storage,
         **({"contemplate": {"soft": c.soft, "mixture": c.mixture}} if (c := contemplation_of(draft)) else {}),
         "target": target_name,
         "target_fingerprint": embedding_fingerprint(target),
@@ -216,6 +219,8 @@ def load_attached(path: str | Path, target: torch.nn.Module) -> torch.nn.Module:
         state[name] = state[name].float() * scale
     for k in [k for k in state if k.endswith(_Q4_SCALE)]:  # q4 groups back to floats
         name = k[: -len(_Q4_SCALE)]
+        if name not in state or name + _Q4_MIN not in state:
+            raise ValueError(f"the drafter in {str(path)!r} is damaged: {name} lacks its 4-bit codes or minimums")
         state[name] = _q4_values(state[name], state.pop(k), state.pop(name + _Q4_MIN))
     missing, unexpected = draft.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(_SHARED)]

@@ -14,10 +14,10 @@ The file is written to a temporary name and renamed into place (an interrupted w
 It records what made it: the block layout (:data:`speculant.core.quant.BLOCK_LAYOUT`), the way matrices are built
 (:data:`BUILD`), torch's and transformers' versions, the quantization and dtype, and the GGUF file (resolved path,
 size, modification time); a file that differs in any of these, cannot be read, or does not hold exactly the model's
-quantized linears is ignored with a warning and rewritten (files of other block layouts, and temporaries of
+quantized linears is ignored with a warning and rewritten (files of older block layouts, and temporaries of
 interrupted writes, are deleted then). Only q4 and q8 matrices are cached (the int4 and int8 kinds
 run torch's kernels, whose packed forms are torch's own). Deleting the file, or the whole cache, is always safe. On
-disk: about the quantized model's size (1.5B in q4m: 1.18 GB) per quantization and dtype loaded.
+disk: about the quantized model's size per quantization and dtype loaded.
 """
 
 from __future__ import annotations
@@ -194,14 +194,17 @@ def save_matrices(model: torch.nn.Module, path: Path, quantization: str, dtype: 
 
 def _remove_outdated(path: Path) -> None:
     """Delete what no load will read again beside a freshly written cache file: the same quantization and dtype
-    under other block layouts, and temporaries an interrupted write left (over an hour old)."""
+    under older block layouts (newer ones belong to a newer installation sharing the cache), and temporaries an
+    interrupted write left (over an hour old). Never fails: another process may be renaming or removing them."""
     import time
 
     stem = path.name.rsplit("-v", 1)[0]
-    old = [p for p in path.parent.glob(f"{stem}-v*.safetensors") if p != path]
-    old += [p for p in path.parent.glob(".matrices-*.tmp") if time.time() - p.stat().st_mtime > 3600]
-    for p in old:
+    for p in [*path.parent.glob(f"{stem}-v*.safetensors"), *path.parent.glob(".matrices-*.tmp")]:
         try:
-            p.unlink()
-        except OSError:
+            if p.suffix == ".tmp":
+                if time.time() - p.stat().st_mtime > 3600:
+                    p.unlink()
+            elif int(p.name[len(stem) + 2:].removesuffix(".safetensors")) < BLOCK_LAYOUT:
+                p.unlink()
+        except (OSError, ValueError):
             pass

@@ -100,7 +100,9 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     q4 = {k[: -len(".q4_scale")] for k in shapes if k.endswith(".q4_scale")}
     own = sum(int(np.prod(s)) * (2 if k in q4 else 1) for k, s in shapes.items()  # q4 codes: two per byte
               if not k.endswith((".int8_scale", ".q4_scale", ".q4_min")))
-    stored = ("matrices in 4 bits with a float16 scale and minimum per 32 inputs (q4)" if q4 else
+    int8 = any(k.endswith(".int8_scale") for k in shapes)
+    stored = ("matrices in 4 bits with a float16 scale and minimum per 32 inputs (q4)"
+              + (", those of other input sizes int8 with a float32 scale per row" if int8 else "") if q4 else
               "matrices int8 with a float32 scale per row")
     size_mb = (export / "model.safetensors").stat().st_size / 2**20
     temps = "/".join(str(t) for t in cfg["temperatures"])

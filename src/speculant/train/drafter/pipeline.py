@@ -283,6 +283,8 @@ def resolve_kind(cfg: DraftRunConfig) -> DraftRunConfig:
     ``L`` layers when none are given, ``unroll`` at least 3 and no regression loss. Returns ``cfg``."""
     if cfg.kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
+    if cfg.store not in ("int8", "q4"):  # checked before any work (the export stores it)
+        raise ValueError(f"store must be int8 or q4, got {cfg.store!r}")
     if cfg.kind in ("eagle3", "confu"):
         if not cfg.taps:
             from transformers import AutoConfig
