@@ -175,7 +175,7 @@ class SessionPlan:
             # target's kind (it shares the head); another draft model: in its own kind as it loads
             draft = load_draft(self.draft, target, self.dtype,
                                quantization_of(target) if attached else self.draft_quantization)
-            if tokenizer is not None or _attached(self.draft):
+            if tokenizer is not None or attached:
                 context = draft_context(self.draft, tokenizer)
         # then the kinds: the target first (an attached drafter's shared head is then the target's matrix, kept)
         for model, name, kind in ((target, self.target, self.quantization),

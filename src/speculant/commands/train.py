@@ -205,7 +205,7 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     import shlex
 
     from ..core.checks import check_positive_int
-    from ..models.attached import STORAGES
+    from ..models.attached import EXPORT_STORAGES
     from ..models.loading import resolve_model
     from ..models.loading import check_quantization
     from ..train.drafter.pipeline import (
@@ -224,9 +224,8 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     from ..train.drafter.card import write_drafter_card
     from ..train.losses import LOSSES
 
-    stores = [s for s in STORAGES if s != "float"]  # an export is always stored quantized
-    if args.store not in stores:
-        raise ValueError(f"--store: unknown storage {args.store!r}; known: {', '.join(stores)}")
+    if args.store not in EXPORT_STORAGES:
+        raise ValueError(f"--store: unknown storage {args.store!r}; known: {', '.join(EXPORT_STORAGES)}")
     if args.loss not in (*LOSSES, "none"):
         raise ValueError(f"--loss: unknown loss {args.loss!r}; known: {', '.join(LOSSES)}, none")
     check_positive_int("steps", args.steps)

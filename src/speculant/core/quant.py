@@ -60,7 +60,7 @@ import torch
 
 from . import kernels
 
-__all__ = ["ATTR", "BITS", "BLOCK_LAYOUT", "DRAFT_KIND", "GROUP", "HOLDS", "KINDS", "MATRIX_KIND", "QUANTIZATIONS", "QuantMatrix", "ReleasedLinear", "attach",
+__all__ = ["ATTR", "BITS", "BLOCK_KINDS", "BLOCK_LAYOUT", "DRAFT_KIND", "GROUP", "HOLDS", "KINDS", "MATRIX_KIND", "QUANTIZATIONS", "QuantMatrix", "ReleasedLinear", "attach",
            "q4_activations", "q4_reference", "quantization_of", "quantize_model", "quantized_linears", "releasable",
            "release"]
 
@@ -98,7 +98,9 @@ BLOCK_LAYOUT = 1
 another version (a model's matrix cache, :mod:`speculant.models.matrix_cache`) are rebuilt, never read. Bump it with
 any change to the layout."""
 
-_SCHEME = ("q4", "q8")  # the kinds of speculant's own kernel (int8 activations, codes with a scale and minimum per 32)
+BLOCK_KINDS = ("q4", "q8")
+"""The kinds of speculant's own kernel (int8 activations, codes with a scale and minimum per 32, packed in its blocks:
+:attr:`QuantMatrix.blocks`)."""
 _N_ALIGN = 16  # the int4 CPU kernel packs output rows in blocks of 16: pad the rows up to a multiple
 _QUANTIZE_ROWS = 8192  # QuantMatrix.quantize works through this many rows at a time
 
@@ -131,15 +133,15 @@ class QuantMatrix:
         if tuple(scale.shape) != want or (zero is not None and tuple(zero.shape) != want):
             raise ValueError(f"{kind} scales must have shape {want}, got {tuple(scale.shape)}")
         self.kind, self.shape, self.dtype = kind, torch.Size((out, inp)), dtype
-        sdtype = torch.float16 if kind in _SCHEME else dtype
+        sdtype = torch.float16 if kind in BLOCK_KINDS else dtype
         self._codes, self.scale, self.zero = codes, scale.to(sdtype), None if zero is None else zero.to(sdtype)
         # what the kernel holds: int8 codes as they are (1 byte per weight); int4 codes two per byte (reordered);
         # q4 / q8 codes at 4 / 8 bits and a float16 scale and minimum per 32 (5 / 9 bits per weight)
         # (int4 matrices also keep their own nibble codes for cat and dequantize: another half byte per weight; q4
         # and q8 ones read them back from the kernel's blocks when asked, unless the kernel is not built)
-        self.nbytes = out * inp * BITS[kind] // 8 + (out * inp // 8 if kind in _SCHEME else 0)
+        self.nbytes = _nbytes(kind, out, inp)
         self._kernel = self._prepare()
-        if kind in _SCHEME and kernels.library() is not None:
+        if kind in BLOCK_KINDS and kernels.library() is not None:
             self._codes = None
 
     @property
@@ -176,7 +178,7 @@ class QuantMatrix:
                 g = rows.float().reshape(rows.shape[0], -1, GROUP)  # [rows, groups, 32]
                 low, high = g.amin(-1), g.amax(-1)
                 scale = ((high - low) / top).clamp_min(1e-12)
-                if kind in _SCHEME:  # the stored float16 values; a scale that underflows to 0 keeps codes 0
+                if kind in BLOCK_KINDS:  # the stored float16 values; a scale that underflows to 0 keeps codes 0
                     low, scale = low.half().float(), scale.half().float()
                     scale = torch.where(scale > 0, scale, torch.inf)
                 codes = ((g - low[..., None]) / scale[..., None]).round().clamp(0, top).to(torch.uint8)
@@ -200,7 +202,7 @@ class QuantMatrix:
         if codes.dim() != 2 or codes.shape[1] % GROUP:
             raise ValueError(f"{kind} codes must be [out, in] with in a multiple of {GROUP}, got {tuple(codes.shape)}")
         codes, scale = codes.to(torch.uint8), scale.float()
-        zero = minimum.float() if kind in _SCHEME else minimum.float() + 8 * scale
+        zero = minimum.float() if kind in BLOCK_KINDS else minimum.float() + 8 * scale
         if kind != "q8":
             nibbles = codes.reshape(codes.shape[0], -1, 2)
             codes = nibbles[..., 0] | (nibbles[..., 1] << 4)
@@ -211,7 +213,7 @@ class QuantMatrix:
         """A q4 or q8 matrix of ``shape`` ``(out, in)`` from the kernel's own blocks (:attr:`blocks` of a matrix of
         the same kind and shape, e.g. read back from a cache): the same matrix, bit for bit, without packing again.
         Raises ValueError for another kind or blocks of another shape or dtype."""
-        if kind not in _SCHEME:
+        if kind not in BLOCK_KINDS:
             raise ValueError(f"kernel blocks make a q4 or q8 matrix, not {kind!r}")
         out, inp = int(shape[0]), int(shape[1])
         want = (-(-out // kernels.Q4_COLUMNS), inp // GROUP, kernels.BLOCK_BYTES[BITS[kind]])
@@ -228,7 +230,7 @@ class QuantMatrix:
             return v.transpose(1, 2).reshape(-1, want[1])[:out].contiguous()
 
         m.scale, m.zero = per_column(codes), per_column(codes + 32)
-        m.nbytes = out * inp * BITS[kind] // 8 + out * inp // 8
+        m.nbytes = _nbytes(kind, out, inp)
         if kernels.library() is None:  # torch's reference reads the codes: keep them unpacked, as __init__ does
             m._codes = m._unpack()
         return m
@@ -237,7 +239,7 @@ class QuantMatrix:
     def blocks(self) -> torch.Tensor:
         """uint8 ``[out' / 16, in / 32, 320 or 576]``: a q4 / q8 matrix's kernel blocks (:meth:`_pack`), what
         :meth:`from_blocks` takes back. ValueError for another kind."""
-        if self.kind not in _SCHEME:
+        if self.kind not in BLOCK_KINDS:
             raise ValueError(f"a {self.kind} matrix has no q4 / q8 kernel blocks")
         return self._kernel[0]
 
@@ -256,7 +258,7 @@ class QuantMatrix:
         parts fuse into a q8 matrix (each q4 part's codes and scales unchanged: the same values)."""
         first = parts[0]
         kinds = {p.kind for p in parts}
-        if (len(kinds) > 1 and not kinds <= set(_SCHEME)) or any(
+        if (len(kinds) > 1 and not kinds <= set(BLOCK_KINDS)) or any(
                 p.dtype != first.dtype or p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("only quantized matrices of one kind (or q4 with q8), dtype and input size can be fused")
         if len(parts) == 1:
@@ -280,7 +282,7 @@ class QuantMatrix:
         with torch.inference_mode(False), torch.no_grad():
             if self.kind == "int8":
                 return self.codes.contiguous(), self.scale.contiguous()
-            if self.kind in _SCHEME:
+            if self.kind in BLOCK_KINDS:
                 return (self._pack(),)
             out = self.shape[0]
             pad = -out % _N_ALIGN
@@ -356,7 +358,7 @@ class QuantMatrix:
         """:func:`speculant.core.ops.fused_linear` in one call of speculant's q4 kernel (q4 and q8 matrices), or
         None where it cannot run here (another kind, no compiled kernel, a dtype or device it does not take)."""
         dtype, k = x.dtype, self.shape[1]
-        if (self.kind not in _SCHEME or dtype != self.dtype or dtype not in (torch.float32, torch.bfloat16)
+        if (self.kind not in BLOCK_KINDS or dtype != self.dtype or dtype not in (torch.float32, torch.bfloat16)
                 or x.device.type != "cpu" or x.shape[-1] != (2 * k if glu else k)
                 or not (_fits(norm, dtype, k) and _fits(bias, dtype, self.shape[0]) and _fits(residual, dtype, None))
                 or (norm is not None and glu)):
@@ -377,7 +379,7 @@ class QuantMatrix:
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in]
         if self.kind == "int8":
             out = torch._weight_int8pack_mm(rows, *self._kernel)
-        elif self.kind in _SCHEME:
+        elif self.kind in BLOCK_KINDS:
             lib = kernels.library()
             if lib is None or rows.dtype not in (torch.float32, torch.bfloat16):  # (float16: the reference)
                 out = q4_reference(rows, self).to(self.dtype)
@@ -389,6 +391,12 @@ class QuantMatrix:
                 out = out[:, : self.shape[0]].contiguous()
         out = out.view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
+
+
+def _nbytes(kind: str, out: int, inp: int) -> int:
+    """Bytes the kernel holds for an ``out x inp`` matrix of ``kind``: the codes, plus a float16 scale and minimum
+    per 32 inputs for the block kinds."""
+    return out * inp * BITS[kind] // 8 + (out * inp // 8 if kind in BLOCK_KINDS else 0)
 
 
 def _nibbles(packed: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ contemplate embeddings and future input map), recorded as ``"contemplate"``.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from ..core.quant import GROUP, QuantMatrix
 from .contemplate import add_contemplation, contemplation_of
 
-__all__ = ["ATTACHED_FILE", "STORAGES", "is_attached", "build_attached", "own_state", "save_attached", "load_attached",
+__all__ = ["ATTACHED_FILE", "EXPORT_STORAGES", "STORAGES", "is_attached", "stored_parameters", "build_attached", "own_state", "save_attached", "load_attached",
            "embedding_fingerprint", "add_feature_input", "feature_layers", "is_feature_drafter"]
 
 ATTACHED_FILE = "attached.json"
@@ -124,6 +125,9 @@ STORAGES = ("float", "int8", "q4")
 """How :func:`save_attached` may store a drafter's matrices (``storage=``): in a float ``dtype``, int8 per row, or
 q4 (4 bits per weight and a float16 scale and minimum per 32 inputs)."""
 
+EXPORT_STORAGES = ("int8", "q4")
+"""The storages ``speculant train draft --store`` exports in (quantized ones)."""
+
 
 def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q int8 [R, C], scale float32 [R, 1])`` with ``w ≈ q * scale``, one symmetric scale per output row."""
@@ -141,8 +145,22 @@ def _q4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def _q4_values(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
     """The float32 matrix :func:`_q4_groups` stored (the q4 matrix's own values)."""
-    pairs = torch.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], -1)  # [R, C]
-    return QuantMatrix.from_codes(pairs, scale.float(), minimum.float(), torch.float32, "q4").dequantize()
+    return QuantMatrix("q4", codes, scale, minimum, torch.float32).dequantize()
+
+
+def stored_parameters(path: str | Path) -> tuple[int, set[str]]:
+    """``(own parameters, storages)`` of the drafter saved in directory ``path``: how many weights its file holds
+    (two q4 codes per byte counted as two) and which of :data:`STORAGES` its matrices use."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    q4 = {k.removesuffix(_Q4_SCALE) for k in shapes if k.endswith(_Q4_SCALE)}
+    int8 = {k.removesuffix(_SCALE) for k in shapes if k.endswith(_SCALE)}
+    count = sum(math.prod(s) * (2 if k in q4 else 1) for k, s in shapes.items()
+                if not k.endswith((_SCALE, _Q4_SCALE, _Q4_MIN)))
+    storages = {name for name, used in (("q4", q4), ("int8", int8)) if used}
+    return count, storages or {"float"}
 
 
 def save_attached(draft: torch.nn.Module, target: torch.nn.Module, out: str | Path, target_name: str,

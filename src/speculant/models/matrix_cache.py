@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
-from ..core.quant import ATTR, BLOCK_LAYOUT, HOLDS, QuantMatrix, ReleasedLinear, attach, quantized_linears, \
+from ..core.quant import ATTR, BLOCK_KINDS, BLOCK_LAYOUT, HOLDS, QuantMatrix, ReleasedLinear, attach, quantized_linears, \
     releasable
 
 __all__ = ["BUILD", "CACHED", "Cached", "cache_file", "load_matrices", "read_cache", "save_matrices"]
 
 log = logging.getLogger(__name__)
 
-CACHED = ("q4", "q4m", "q8")
-"""The quantizations whose matrices are cached (q4 / q8 kernel blocks only)."""
+CACHED = tuple(q for q, kinds in HOLDS.items() if set(kinds) <= set(BLOCK_KINDS))
+"""The quantizations whose matrices are cached: those made of q4 / q8 kernel blocks only (q4, q4m, q8)."""
 
 BUILD = 1
 """Version of how a GGUF model's matrices are made (:func:`speculant.models.loading.quantize_loaded`: which tensors
@@ -107,7 +107,7 @@ def read_cache(path: Path | None, quantization: str, dtype: torch.dtype, gguf_fi
             about = json.loads((f.metadata() or {})[_KEY])
         if isinstance(about, dict) and isinstance(about.get("matrices"), dict):
             made = {k: v for k, v in about.items() if k != "matrices"}
-            kinds = tuple(k for k in HOLDS[quantization] if k in ("q4", "q8"))
+            kinds = HOLDS[quantization]
             matrices = {name: _entry(info, kinds) for name, info in about["matrices"].items()}
             if made != _made_by(quantization, dtype, gguf_file):
                 why = "made by another version, for another kind or dtype, or from another file"
@@ -160,7 +160,7 @@ def save_matrices(model: torch.nn.Module, path: Path, quantization: str, dtype: 
         matrix = getattr(module, ATTR, None) if module in linears else None
         if matrix is None:
             continue
-        if matrix.kind not in ("q4", "q8"):
+        if matrix.kind not in BLOCK_KINDS:
             return False
         tensors[name] = matrix.blocks
         matrices[name] = {"kind": matrix.kind, "shape": list(matrix.shape),

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
+from ...models.attached import stored_parameters
 from .answers import run_list, shard_totals
 from ..card import _vocab_trim_section
 
@@ -96,14 +95,10 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     done = json.loads((answers / "DONE").read_text()) if (answers / "DONE").exists() else None
     # forced: the prompts' own answers read by the target (--answers dataset), told by the shards themselves
     n_answers, n_tokens, forced = shard_totals(answers)
-    shapes = dict(_shapes(export / "model.safetensors"))
-    q4 = {k[: -len(".q4_scale")] for k in shapes if k.endswith(".q4_scale")}
-    own = sum(int(np.prod(s)) * (2 if k in q4 else 1) for k, s in shapes.items()  # q4 codes: two per byte
-              if not k.endswith((".int8_scale", ".q4_scale", ".q4_min")))
-    int8 = any(k.endswith(".int8_scale") for k in shapes)
+    own, storages = stored_parameters(export)
     stored = ("matrices in 4 bits with a float16 scale and minimum per 32 inputs (q4)"
-              + (", those of other input sizes int8 with a float32 scale per row" if int8 else "") if q4 else
-              "matrices int8 with a float32 scale per row")
+              + (", those of other input sizes int8 with a float32 scale per row" if "int8" in storages else "")
+              if "q4" in storages else "matrices int8 with a float32 scale per row")
     size_mb = (export / "model.safetensors").stat().st_size / 2**20
     temps = "/".join(str(t) for t in cfg["temperatures"])
     machine = meta.get("machine") or "machine not recorded"
@@ -162,9 +157,3 @@ one sampled draft token is accepted at T=1 (a lower bound: q is known on its top
     path.write_text(text)
     return path
 
-
-def _shapes(path: Path) -> list[tuple[str, tuple[int, ...]]]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        return [(k, tuple(f.get_slice(k).get_shape())) for k in f.keys()]

@@ -33,6 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...models.attached import EXPORT_STORAGES
+
 __all__ = ["ANSWERS", "DraftRunConfig", "FEATURE_KINDS", "KINDS", "check_extra_data", "check_init", "dataset_answer", "has_answer", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
            "run_training"]
 
@@ -283,8 +285,8 @@ def resolve_kind(cfg: DraftRunConfig) -> DraftRunConfig:
     ``L`` layers when none are given, ``unroll`` at least 3 and no regression loss. Returns ``cfg``."""
     if cfg.kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
-    if cfg.store not in ("int8", "q4"):  # checked before any work (the export stores it)
-        raise ValueError(f"store must be int8 or q4, got {cfg.store!r}")
+    if cfg.store not in EXPORT_STORAGES:  # checked before any work (the export stores it)
+        raise ValueError(f"store must be one of {', '.join(EXPORT_STORAGES)}, got {cfg.store!r}")
     if cfg.kind in ("eagle3", "confu"):
         if not cfg.taps:
             from transformers import AutoConfig
