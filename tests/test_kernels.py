@@ -174,13 +174,15 @@ def test_every_code_path_computes_the_same_bits(lib):
     for kind in ("q4", "q8"):
         for dtype in DTYPES:
             for n, k in ((97, 64), (300, 1536)):
-                q, x = _matrix(n, k, dtype, kind=kind), _rows(19, k, dtype)
-                x[3] *= 1e3  # large activations: int8 codes at +-127 against 8-bit codes up to 255
-                want = kernels.q4_matmul(x, q._kernel[0], n, lib, bits=q.bits)
-                for isa, other in paths.items():
-                    if other is not None:
-                        got = kernels.q4_matmul(x, q._kernel[0], n, other, bits=q.bits)
-                        assert torch.equal(got, want), (isa, kind, dtype, n, k)
+                q = _matrix(n, k, dtype, kind=kind)
+                for m in (1, 2, 4, 6, 19):  # each tile loop: up to 4 rows grouped (2 with 8-bit codes), 3-7, 8-16
+                    x = _rows(m, k, dtype)
+                    x[m // 2] *= 1e3  # large activations: int8 codes at +-127 against 8-bit codes up to 255
+                    want = kernels.q4_matmul(x, q._kernel[0], n, lib, bits=q.bits)
+                    for isa, other in paths.items():
+                        if other is not None:
+                            got = kernels.q4_matmul(x, q._kernel[0], n, other, bits=q.bits)
+                            assert torch.equal(got, want), (isa, kind, dtype, n, k, m)
 
 
 @pytest.mark.skipif(not kernels.q4_amx(), reason="this CPU, OS or build has no AMX tiles")

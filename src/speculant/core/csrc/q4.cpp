@@ -298,6 +298,26 @@ constexpr int GROUPED_ROWS = BITS == 4 ? 4 : 2;
 template <int R, int BITS>
 inline void group_dots256(const uint8_t* w, const int8_t* a, int64_t K, __m256i (*dot)[2]) {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+#if defined(__AVXVNNI__)
+    // dpbusd: u8 x s8, four products summed into each int32 lane (8-bit codes whole)
+    (void)ones;
+    for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+    for (int i = 0; i < (BITS == 4 ? 4 : 8); ++i) {
+        const __m256i raw0 = _mm256_loadu_si256((const __m256i*)(w + 64 * i));
+        const __m256i raw1 = _mm256_loadu_si256((const __m256i*)(w + 64 * i + 32));
+        const __m256i c0 = BITS == 4 ? _mm256_and_si256(raw0, low) : raw0, c1 = BITS == 4 ? _mm256_and_si256(raw1, low) : raw1;
+        for (int r = 0; r < R; ++r) {
+            const __m256i act = _mm256_set1_epi32(load_i32(a + r * K + 4 * i));
+            dot[r][0] = _mm256_dpbusd_avx_epi32(dot[r][0], c0, act);
+            dot[r][1] = _mm256_dpbusd_avx_epi32(dot[r][1], c1, act);
+            if constexpr (BITS == 4) {  // the high nibbles: inputs 16 + 4i ..
+                const __m256i act_h = _mm256_set1_epi32(load_i32(a + r * K + 16 + 4 * i));
+                dot[r][0] = _mm256_dpbusd_avx_epi32(dot[r][0], _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low), act_h);
+                dot[r][1] = _mm256_dpbusd_avx_epi32(dot[r][1], _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low), act_h);
+            }
+        }
+    }
+#else
     if constexpr (BITS == 4) {
         __m256i s16[R][2];
         for (int i = 0; i < 4; ++i) {
@@ -338,6 +358,7 @@ inline void group_dots256(const uint8_t* w, const int8_t* a, int64_t K, __m256i 
                 dot[r][h] = _mm256_add_epi32(_mm256_madd_epi16(lo[r][h], ones),
                                              _mm256_slli_epi32(_mm256_madd_epi16(hi[r][h], ones), 4));
     }
+#endif
 }
 
 #endif
@@ -393,8 +414,9 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
     if constexpr (MT <= GROUPED_ROWS<BITS>) {
         // Up to 4 rows (2 with 8-bit codes, whose sums take twice the registers): group_dots256, every code register
         // live across the rows. Measured with benchmarks/kernel_ab.py (the whole 1.5B q4m forward, AMD EPYC Zen 3,
-        // 2 threads): 1 / 2 / 3 tokens 0.96x / 0.96x / 0.94x the time of the loop below, 4 tokens level; more rows
-        // per group, or 8-bit codes in groups of 2 for 3-4 rows, spill and lose.
+        // 2 threads, 15 repeats): 1 / 2 / 3 / 4 tokens 0.97 / 1.01 / 0.95 / 0.94x the time of the loop below, within
+        // a few percent of the host's noise (benchmarks/results/kernel_ab_avx2_grouped.json); 8-bit codes in groups
+        // of 2 for 3-4 rows measured 1.04x at 4 rows, and every row count in groups of 4 lost from 8 rows on (GCC spills).
         for (int64_t g = 0; g < G; ++g, w += B) {
             prefetch_ahead(w, B);
             __m256 sw[2], mw[2];
