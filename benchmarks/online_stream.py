@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=OnlineConfig.lr)
     ap.add_argument("--loss", default=OnlineConfig.loss)
     ap.add_argument("--positions", default=OnlineConfig.positions)
+    ap.add_argument("--min-held", type=int, default=OnlineConfig.min_held,
+                    help="drafted positions held back before an update is checked")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/online-stream")
@@ -87,7 +89,7 @@ def main() -> None:
     skipped = len(records) - len(kept)
     records, prompts = [r for r, _ in kept][: args.requests], [i for _, i in kept][: args.requests]
     config = OnlineConfig(update_every=args.online_every, steps=args.steps, lr=args.lr, loss=args.loss,
-                          positions=args.positions, seed=args.seed)
+                          positions=args.positions, min_held=args.min_held, seed=args.seed)
     adapter = OnlineAdapter(adapting, config)
     warm = prompt_ids(builtin_prompts("mt-bench", 1)[0], shipped.tokenizer)
     for s in (shipped, adapting):  # warm-up (not in the stream)

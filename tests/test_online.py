@@ -92,7 +92,7 @@ def test_updates_raise_agreement_and_never_change_greedy_outputs():
     target, draft = _pair(scale=0.6)
     prompts = _prompts(40, seed=5)
     plain = [generate(target, p, None, max_new_tokens=24, eos_token_id=[]).token_ids for p in prompts]
-    adapter = OnlineAdapter(_session(target, draft), OnlineConfig(update_every=10, steps=30, lr=3e-3,
+    adapter = OnlineAdapter(_session(target, draft), OnlineConfig(update_every=10, steps=30, lr=3e-3, min_held=1,
                                                                   holdout_every=4, min_positions=4))
     first = adapter.session.draft
     assert _run(adapter, prompts) == plain  # exact throughout, with updates between requests
@@ -110,7 +110,7 @@ def test_updates_raise_agreement_and_never_change_greedy_outputs():
 
 def test_a_bad_update_is_rolled_back():
     target, draft = _pair(scale=0.2)
-    adapter = OnlineAdapter(_session(target, draft), OnlineConfig(update_every=8, steps=5, lr=50.0,
+    adapter = OnlineAdapter(_session(target, draft), OnlineConfig(update_every=8, steps=5, lr=50.0, min_held=1,
                                                                   holdout_every=4, min_positions=1))
     serving = adapter.session.draft
     before = {n: p.clone() for n, p in serving.named_parameters()}
@@ -121,12 +121,29 @@ def test_a_bad_update_is_rolled_back():
     assert all(torch.equal(p, before[n]) for n, p in serving.named_parameters())
 
 
+def test_no_update_until_the_held_back_requests_hold_enough_positions():
+    """A round needs ``min_held`` drafted positions in the held-back requests: on fewer its check is noise."""
+    target, draft = _pair(scale=0.6)
+    config = OnlineConfig(update_every=4, steps=2, lr=3e-3, holdout_every=4, min_positions=1, min_held=40)
+    adapter = OnlineAdapter(_session(target, draft), config)
+    for i, prompt in enumerate(_prompts(16, seed=3)):
+        adapter.generate(prompt, max_new_tokens=24, eos_token_id=[])
+        held = adapter.buffer.positions(held=True)
+        assert held < 40 or adapter.history, (i, held)  # none ran while too few were held back
+        if held < 40:
+            assert not adapter.due() and not adapter.history
+    assert adapter.buffer.positions(held=True) >= 40 and adapter.history  # 4 held-back requests of 24 tokens
+    assert all(h["held_requests"] >= 2 for h in adapter.history)
+    with pytest.raises(ValueError, match="min_held"):
+        OnlineConfig(min_held=0)
+
+
 def test_sampling_with_an_updated_drafter_keeps_the_target_distribution():
     from test_sampling_distribution import VOCAB as V, exact_joint, pvalues, sample_counts
 
     target = tiny_model("llama", vocab_size=V, init_std=0.2, seed=0)
     draft = perturbed(tiny_model("llama", vocab_size=V, init_std=0.2, seed=0), 0.8, seed=7)
-    adapter = OnlineAdapter(_session(target, draft), OnlineConfig(update_every=6, steps=20, lr=3e-3,
+    adapter = OnlineAdapter(_session(target, draft), OnlineConfig(update_every=6, steps=20, lr=3e-3, min_held=1,
                                                                   holdout_every=3, min_positions=2))
     g = torch.Generator().manual_seed(13)
     for _ in range(24):
@@ -143,7 +160,7 @@ def test_sampling_with_an_updated_drafter_keeps_the_target_distribution():
 
 def test_the_state_survives_a_restart_and_refuses_another_model(tmp_path):
     target, draft = _pair(scale=0.6)
-    config = OnlineConfig(update_every=6, steps=10, lr=3e-3, holdout_every=3, min_positions=2)
+    config = OnlineConfig(update_every=6, steps=10, lr=3e-3, holdout_every=3, min_positions=2, min_held=1)
     adapter = OnlineAdapter(_session(target, draft), config, state_dir=tmp_path)
     _run(adapter, _prompts(12, seed=13))
     assert adapter.version >= 1
@@ -175,7 +192,7 @@ def test_bad_settings_are_value_errors():
 def test_an_update_taken_a_step_at_a_time_is_the_whole_update():
     """work() takes one forward (and backward) of the round per call, the serving drafter unchanged until the round
     ends; the round it completes trains and checks exactly what update() does in one call."""
-    config = OnlineConfig(update_every=100, steps=3, batch=2, lr=3e-3, holdout_every=3, min_positions=1)
+    config = OnlineConfig(update_every=100, steps=3, batch=2, lr=3e-3, holdout_every=3, min_positions=1, min_held=1)
     adapters = []
     for _ in range(2):
         target, draft = _pair(scale=0.6)

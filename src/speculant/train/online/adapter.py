@@ -75,6 +75,13 @@ class OnlineConfig:
     """Context tokens a training forward reads before the positions it trains."""
     min_positions: int = 16
     """Refused positions the buffer must hold before an update."""
+    min_held: int = 64
+    """Drafted positions the held-back requests must hold before an update: the check compares two drafters'
+    agreement there, and on a request or two it cannot tell a better drafter from noise (measured on a 100-request
+    stream, SmolLM2, before this bound: a copy trained at lr 1e-3 passed the check on the one held-back request of
+    the first 8 and then drafted worse than the shipped drafter on 20 of the 32 requests it served, τ 0.976x on
+    average, where versions 2-4, checked on 8-14 held-back requests, drafted 1.10-1.14x;
+    benchmarks/results/online-stream-js-v2)."""
     quiet_s: float = 0.25
     """In a server, the idle time before training steps: under steady load (no idle gap that long) updates wait, so
     requests never queue behind training; a request that arrives meanwhile waits for one step at most."""
@@ -85,7 +92,7 @@ class OnlineConfig:
             raise ValueError(f"online loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.positions not in ("rejected", "all"):
             raise ValueError(f"online positions must be 'rejected' or 'all', got {self.positions!r}")
-        for name in ("update_every", "steps", "batch", "top_k", "window", "max_bytes"):
+        for name in ("update_every", "steps", "batch", "top_k", "window", "max_bytes", "min_held"):
             if getattr(self, name) < 1:
                 raise ValueError(f"online {name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -145,11 +152,12 @@ class OnlineAdapter:
             self._since_update += 1
 
     def due(self) -> bool:
-        """Whether enough requests finished since the last update and enough refused positions are buffered."""
+        """Whether enough requests finished since the last update, enough refused positions are buffered and the
+        held-back requests hold enough positions to check an update on."""
         with self._lock:  # the worker adds (and evicts) under the lock
             return (self._since_update >= self.config.update_every
                     and self.buffer.positions(rejected_only=True) >= self.config.min_positions
-                    and bool(self.buffer.held()))
+                    and bool(self.buffer.held()) and self.buffer.positions(held=True) >= self.config.min_held)
 
     def generate(self, prompt, **kwargs):
         """:meth:`speculant.session.Session.generate` with an observed drafter, then an update when one is due (in
