@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--loss", default=OnlineConfig.loss)
     ap.add_argument("--positions", default=OnlineConfig.positions)
     ap.add_argument("--min-held", type=int, default=OnlineConfig.min_held,
-                    help="drafted positions held back before an update is checked")
+                    help="held-back requests (one in 5) before an update is checked on them")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/online-stream")

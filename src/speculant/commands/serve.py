@@ -92,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "needs a float draft model")
     p.add_argument("--online-every", type=positive_int, metavar="N", default=d["online_every"],
                    help="finished requests between two online updates; default: %(default)s")
+    p.add_argument("--online-min-held", type=positive_int, metavar="N", default=d["online_min_held"],
+                   help="requests held back (one in 5) before the first online update is checked on them: "
+                   "acceptance varies between requests, and on one or two a worse drafter can pass; default: "
+                   "%(default)s")
     p.add_argument("--online-state", metavar="DIR", default=d["online_state"],
                    help="with --online: save the adapted drafter, its buffer and history to DIR on shutdown, and "
                    "resume from them on start; default: none (adaptation starts afresh)")

@@ -62,8 +62,8 @@ class ServeSettings:
     new ones are answered 503; those still running then end with ``finish_reason`` ``abort``
     (:mod:`speculant.serve.shutdown`).
     ``online``: adapt the draft model to the traffic (:mod:`speculant.train.online`): an update every
-    ``online_every`` finished requests, trained while no request waits, kept only if held-back agreement does not
-    drop; ``online_state``: a directory the adapted drafter, its buffer and history are saved to on shutdown and
+    ``online_every`` finished requests once ``online_min_held`` requests are held back for the check, trained while
+    no request waits, kept only if held-back agreement does not drop; ``online_state``: a directory the adapted drafter, its buffer and history are saved to on shutdown and
     resumed from."""
 
     target: str | None = None
@@ -88,6 +88,7 @@ class ServeSettings:
     shutdown_grace: float = 10.0
     online: bool = False
     online_every: int = 16
+    online_min_held: int = 4
     online_state: str | None = None
 
     @property
@@ -123,6 +124,8 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         raise ValueError(f"--shutdown-grace must be >= 0 seconds, got {settings.shutdown_grace}")
     if settings.online_every < 1:
         raise ValueError(f"--online-every must be >= 1, got {settings.online_every}")
+    if settings.online_min_held < 1:
+        raise ValueError(f"--online-min-held must be >= 1, got {settings.online_min_held}")
     if settings.online_state is not None and not settings.online:
         raise ValueError("--online-state needs --online")
     if not 0 <= settings.port <= MAX_PORT:

@@ -272,8 +272,8 @@ class Worker:
         if self.settings.online:
             from ..train.online import OnlineAdapter, OnlineConfig
 
-            self.online = OnlineAdapter(session, OnlineConfig(update_every=self.settings.online_every),
-                                        state_dir=self.settings.online_state)
+            config = OnlineConfig(update_every=self.settings.online_every, min_held=self.settings.online_min_held)
+            self.online = OnlineAdapter(session, config, state_dir=self.settings.online_state)
             self.metrics.online_version.set(self.online.version)
             self.metrics.online_buffer.set(self.online.buffer.nbytes)
             self.online.on_update = lambda entry: self.metrics.online_update(entry["accepted"], entry["version"])
