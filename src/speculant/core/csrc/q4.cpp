@@ -290,8 +290,9 @@ constexpr int GROUPED_ROWS = BITS == 4 ? 4 : 2;
 // The exact integer dots of one block with R consecutive rows (a: row 0's 32 activations of the block, rows K apart),
 // both column halves: dot[r][h], lane j = column 8h + j. The rows of a group share each load of the block's codes
 // and every code register stays live across them; per row only its activation words are broadcast, once per step
-// (the 5-7 row loop of tile() reloads the decoded codes from the stack per row and half: for few rows those
-// loads, not the arithmetic, bound it). Integer sums in any order are the same exact integers, so the float steps after them are unchanged.
+// (tile()'s loop for the other row counts below 8 reloads the decoded codes from the stack per row and half:
+// for few rows those loads, not the arithmetic, bound it). Integer sums in any order are the same exact integers,
+// so the float steps after them are unchanged.
 //   4 bits: per step i < 4 one 64-byte row of codes gives inputs 4i .. 4i + 3 (low nibbles) and 16 + 4i .. (high);
 //           u8 x s8 pairs summed to int16 over the block: at most 8 * 2 * 15 * 127 = 30480, no saturation.
 //   8 bits: each code split into its nibbles, summed apart (dot = dot(low) + 16 dot(high)), as dot256 does.
@@ -415,8 +416,8 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
         // Up to 4 rows (2 with 8-bit codes, whose sums take twice the registers): group_dots256, every code register
         // live across the rows. Measured with benchmarks/kernel_ab.py (the whole 1.5B q4m forward, AMD EPYC Zen 3,
         // 2 threads, 15 repeats): 1 / 2 / 3 / 4 tokens 0.97 / 1.01 / 0.95 / 0.94x the time of the loop below, within
-        // a few percent of the host's noise (benchmarks/results/kernel_ab_avx2_grouped.json); 8-bit codes in groups
-        // of 2 for 3-4 rows measured 1.04x at 4 rows, and every row count in groups of 4 lost from 8 rows on (GCC spills).
+        // a few percent of the host's noise (benchmarks/results/kernel_ab_avx2_grouped.json); by hand, not kept: 8-bit
+        // codes in groups of 2 for 3-4 rows 1.04x at 4 rows, every row count in groups of 4 lost from 8 rows on (spills).
         for (int64_t g = 0; g < G; ++g, w += B) {
             prefetch_ahead(w, B);
             __m256 sw[2], mw[2];
