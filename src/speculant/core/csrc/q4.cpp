@@ -296,12 +296,21 @@ constexpr int GROUPED_ROWS = BITS == 4 ? 4 : 2;
 //   4 bits: per step i < 4 one 64-byte row of codes gives inputs 4i .. 4i + 3 (low nibbles) and 16 + 4i .. (high);
 //           u8 x s8 pairs summed to int16 over the block: at most 8 * 2 * 15 * 127 = 30480, no saturation.
 //   8 bits: each code split into its nibbles, summed apart (dot = dot(low) + 16 dot(high)), as dot256 does.
+// The low and high nibbles of one 64-byte row of a block's codes, columns 0-7 (c0l, c0h) and 8-15 (c1l, c1h).
+inline void nibbles256(const uint8_t* row, __m256i* c0l, __m256i* c0h, __m256i* c1l, __m256i* c1h) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const __m256i raw0 = _mm256_loadu_si256((const __m256i*)row), raw1 = _mm256_loadu_si256((const __m256i*)(row + 32));
+    *c0l = _mm256_and_si256(raw0, low);
+    *c0h = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low);
+    *c1l = _mm256_and_si256(raw1, low);
+    *c1h = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low);
+}
+
 template <int R, int BITS>
 inline void group_dots256(const uint8_t* w, const int8_t* a, int64_t K, __m256i (*dot)[2]) {
-    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
 #if defined(__AVXVNNI__)
     // dpbusd: u8 x s8, four products summed into each int32 lane (8-bit codes whole)
-    (void)ones;
+    const __m256i low = _mm256_set1_epi8(0x0f);
     for (int r = 0; r < R; ++r) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
     for (int i = 0; i < (BITS == 4 ? 4 : 8); ++i) {
         const __m256i raw0 = _mm256_loadu_si256((const __m256i*)(w + 64 * i));
@@ -319,13 +328,12 @@ inline void group_dots256(const uint8_t* w, const int8_t* a, int64_t K, __m256i 
         }
     }
 #else
+    const __m256i ones = _mm256_set1_epi16(1);
     if constexpr (BITS == 4) {
         __m256i s16[R][2];
         for (int i = 0; i < 4; ++i) {
-            const __m256i raw0 = _mm256_loadu_si256((const __m256i*)(w + 64 * i));
-            const __m256i raw1 = _mm256_loadu_si256((const __m256i*)(w + 64 * i + 32));
-            const __m256i c0l = _mm256_and_si256(raw0, low), c0h = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low);
-            const __m256i c1l = _mm256_and_si256(raw1, low), c1h = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low);
+            __m256i c0l, c0h, c1l, c1h;
+            nibbles256(w + 64 * i, &c0l, &c0h, &c1l, &c1h);
             for (int r = 0; r < R; ++r) {
                 const int8_t* ar = a + r * K;
                 const __m256i al = _mm256_set1_epi32(load_i32(ar + 4 * i)), ah = _mm256_set1_epi32(load_i32(ar + 16 + 4 * i));
@@ -340,10 +348,8 @@ inline void group_dots256(const uint8_t* w, const int8_t* a, int64_t K, __m256i 
     } else {
         __m256i lo[R][2], hi[R][2];
         for (int s = 0; s < 8; ++s) {
-            const __m256i raw0 = _mm256_loadu_si256((const __m256i*)(w + 64 * s));
-            const __m256i raw1 = _mm256_loadu_si256((const __m256i*)(w + 64 * s + 32));
-            const __m256i c0l = _mm256_and_si256(raw0, low), c0h = _mm256_and_si256(_mm256_srli_epi16(raw0, 4), low);
-            const __m256i c1l = _mm256_and_si256(raw1, low), c1h = _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low);
+            __m256i c0l, c0h, c1l, c1h;
+            nibbles256(w + 64 * s, &c0l, &c0h, &c1l, &c1h);
             for (int r = 0; r < R; ++r) {
                 const __m256i act = _mm256_set1_epi32(load_i32(a + r * K + 4 * s));
                 const __m256i l0 = _mm256_maddubs_epi16(c0l, act), h0 = _mm256_maddubs_epi16(c0h, act);
