@@ -679,8 +679,35 @@ def test_decode_equals_gguf_dequantize(qtype, scale_at, monkeypatch):
             out = torch.empty(want.shape, dtype=torch.bfloat16)  # cast chunk by chunk into a given tensor
             assert direct.decode(data, int(kind), p, out=out) is out
             assert torch.equal(out, torch.from_numpy(want).to(torch.bfloat16))
+            with torch.inference_mode():  # a model loaded under inference mode: its pool threads write too
+                out = torch.empty(want.shape, dtype=torch.float32)
+                assert direct.decode(data, int(kind), p, out=out) is out
+            assert np.array_equal(out.numpy().view(np.uint32), want.view(np.uint32))
     with pytest.raises(ValueError, match="elements"):
         direct.decode(data, int(kind), None, out=torch.empty(want.size + 1))
+
+
+def test_loading_under_inference_mode_gives_normal_tensors_and_the_same_output(tmp_path, cache, monkeypatch,
+                                                                               one_thread):
+    """A caller's ``torch.inference_mode()`` around loading (GGUF decoding on worker threads, quantizing) and
+    generating: the weights are normal tensors (no inference tensors: VocabTrim heads and the lean forward key their
+    caches on version counters, and updates write in place), and the output is the one loaded outside it."""
+    import speculant
+    from speculant.models import gguf as direct
+
+    _, path = _tiny_gguf(tmp_path, "qwen2", gguf.GGMLQuantizationType.Q8_0)
+    monkeypatch.setattr(direct, "_CHUNK_BLOCKS", 5)  # decoded in many chunks, on the pool's threads
+    want = speculant.load(str(path), draft=str(path), method="chain:k=2").generate([5, 6, 7], max_new_tokens=12,
+                                                                                   raw=True).token_ids
+    with torch.inference_mode():
+        for quantization in ("none", "q8"):
+            session = speculant.load(str(path), draft=str(path), method="chain:k=2", quantization=quantization)
+            assert not any(p.is_inference() for m in (session.target, session.draft) for p in m.parameters())
+            got = session.generate([5, 6, 7], max_new_tokens=12, raw=True).token_ids
+            if quantization == "none":
+                assert got == want
+        model, _ = load_pretrained(str(path), dtype="float32")
+        assert not any(p.is_inference() for p in model.parameters())
 
 
 def test_direct_directory_without_its_gguf_file_says_so(tmp_path, cache):

@@ -286,11 +286,14 @@ def decode(data: np.ndarray, qtype: int, pool: ThreadPoolExecutor | None = None,
     blocks = np.asarray(data).reshape(-1, size)
     result = torch.empty(shape, dtype=torch.float32) if out is None else out
     flat = result.view(-1)
+    inference = torch.is_inference_mode_enabled()  # the pool's threads do not inherit the caller's mode, and an
 
-    def run(start: int) -> None:
+    def run(start: int) -> None:                    # inference tensor is written only in inference mode
         stop = min(start + _CHUNK_BLOCKS, blocks.shape[0])
         values = decoder.dequantize_blocks(blocks[start:stop])
-        flat[start * block:stop * block] = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+        with torch.inference_mode(inference):
+            flat[start * block:stop * block] = torch.from_numpy(
+                np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
 
     starts = range(0, blocks.shape[0], _CHUNK_BLOCKS)
     if pool is None or len(starts) == 1:

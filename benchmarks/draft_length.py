@@ -1,0 +1,214 @@
+"""How many tokens should a draft-model chain propose per step on this machine: fixed lengths against stopping on the
+draft's confidence, and what a cheaper drafter of the same acceptance would give.
+
+Greedy verification accepts a chain's tokens up to the first one that differs from the target's own choice, and as
+long as they agree the draft's context is the target's output. So one teacher-forced pass of the draft over the
+target's plain-decoding answers (the ``ar`` runs of a greedy ``speculant bench`` result) says, at every answer
+position, whether the drafter's top token is the target's and how confident the drafter is (its top probability over
+its VocabTrim'd head, the head a chain drafts with). Replaying the answers step by step then gives, for any policy
+that decides the draft length from the draft's own probabilities, the exact number of accepted tokens per step (the
+confidences of draft tokens after a rejected one are the teacher-forced ones: they only decide how many wasted
+tokens are proposed). Time per step comes from costs measured here, interleaved, median of ``--repeats``: the target
+forward over T = 1 .. K + 1 rows and the draft forward over 1 and 2 rows (with its trimmed head), both at the
+answers' typical context. Stopping on the draft's confidence depends only on the draft, so every such policy is
+exact (any draft length the draft chooses is verified by the same rule).
+
+Policies: ``fixed k=N``; ``token k<=N t=X`` (draft until a token's probability is below X; that token is dropped);
+``cumulative k<=N t=X`` (until the product of the drafted tokens' probabilities, an estimate of the chance that they
+are all accepted, is below X). Reported: predicted τ and decode-only speed-up over plain decoding (prefill not
+counted), and where the results file has measured runs of ``chain:k=N``, their τ beside the prediction. ``scaled``:
+the fixed policies again with every draft forward costing a fraction of the measured one, the same acceptance: what a
+drafter as good as this one but that much cheaper (an EAGLE-3 head costs ~0.05 of the target's step) would gain;
+``ceiling``: a drafter always right and free, k + 1 tokens per forward over k + 1 rows (what the target forward's cost
+in T allows on this machine).
+
+    python benchmarks/draft_length.py --target qwen2.5-coder-1.5b-instruct \
+        --results benchmarks/results/qwen-code-chat-q4m-avx2/results.json,benchmarks/results/qwen-mtbench-q4m-avx2/results.json \
+        --out benchmarks/results/draft-length-avx2.json
+
+Run it on a quiet machine (the costs are timed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import speculant
+from speculant.bench.speed import machine_info
+from speculant.core.cache import SpecCache
+from speculant.core.checks import num_layers, vocab_size
+from speculant.core.forward import TargetForward, lean_for
+from speculant.data.prompts import prompt_ids
+from speculant.drafters.vocab_trim import trimmed_head
+
+
+def teacher_forced(session, results: dict) -> list[dict]:
+    """Per ``ar`` answer: ``match[i]`` (the drafter's top token is answer token i) and ``conf[i]`` (its probability)."""
+    draft = session.draft
+    drafter = session.drafter()
+    head = trimmed_head(draft, drafter.vocab_trim, vocab_size(session.target))
+    lean = lean_for(draft)
+    out = []
+    for run in results["runs"]["ar"]:
+        if run["repeat"]:
+            continue
+        ids = prompt_ids(results["prompts"][run["prompt"]], session.tokenizer)
+        answer = run["token_ids"]
+        full = torch.tensor([ids + answer])  # [1, P + A]
+        cache = SpecCache(num_layers(draft), capacity=full.shape[1] + 8)
+        hidden = lean.hidden(full, cache)[0, len(ids) - 1: len(ids) - 1 + len(answer)]  # [A, H]: predict the answer
+        logits = (head.logits(hidden) if head is not None else lean.logits(hidden)).float()  # [A, M]
+        conf, index = logits.softmax(-1).max(-1)  # [A]
+        top = head.keep[index] if head is not None else index
+        out.append({"prompt": run["prompt"], "prompt_tokens": len(ids),
+                    "match": (top == torch.tensor(answer)).tolist(), "conf": [round(c, 5) for c in conf.tolist()]})
+    return out
+
+
+def measure_costs(session, context: int, rows: int, repeats: int) -> tuple[dict[int, float], dict[int, float]]:
+    """Median ms of the target forward over 1..rows new tokens and of the draft forward (+ trimmed head) over 1 and
+    2, after ``context`` tokens, interleaved (two warm-up rounds)."""
+    target, draft = session.target, session.draft
+    head = trimmed_head(draft, session.drafter().vocab_trim, vocab_size(target))
+    fwd, lean = TargetForward(target, "auto"), lean_for(draft)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 20000, (1, context), generator=gen)
+    new = torch.randint(100, 20000, (1, rows), generator=gen)
+    tcache = SpecCache(num_layers(target), capacity=context + rows)
+    dcache = SpecCache(num_layers(draft), capacity=context + rows)
+    fwd.prefill(tcache, prompt)
+    lean.hidden(prompt, dcache)
+    t_ms: dict[int, list[float]] = {t: [] for t in range(1, rows + 1)}
+    d_ms: dict[int, list[float]] = {1: [], 2: []}
+    for rep in range(repeats + 2):
+        for t in range(1, rows + 1):
+            start = time.perf_counter()
+            fwd(tcache, input_ids=new[:, :t])
+            elapsed = time.perf_counter() - start
+            tcache.crop(context)
+            if rep >= 2:
+                t_ms[t].append(1000 * elapsed)
+            if t <= 2:
+                start = time.perf_counter()
+                h = lean.hidden(new[:, :t], dcache)[0, -1]
+                head.logits(h) if head is not None else lean.logits(h)
+                elapsed = time.perf_counter() - start
+                dcache.crop(context)
+                if rep >= 2:
+                    d_ms[t].append(1000 * elapsed)
+    return ({t: statistics.median(v) for t, v in t_ms.items()}, {t: statistics.median(v) for t, v in d_ms.items()})
+
+
+def replay(answers: list[dict], policy: tuple[str, int, float], target_ms: dict[int, float],
+           draft_ms: dict[int, float]) -> tuple[float, float]:
+    """(τ, ms per token) of ``policy`` = (kind, k_max, threshold) replayed over the answers (module doc)."""
+    kind, k_max, threshold = policy
+    tokens = steps = 0
+    ms = 0.0
+    for a in answers:
+        match, conf = a["match"], a["conf"]
+        i, n, fed_all = 0, len(match), False
+        while i < n:
+            kept = forwards = 0
+            p = 1.0
+            while kept < k_max and i + kept < n:
+                forwards += 1
+                p = conf[i + kept] if kind == "token" else p * conf[i + kept]
+                if kind != "fixed" and p < threshold:
+                    break
+                kept += 1
+            accepted = 0
+            while accepted < kept and match[i + accepted]:
+                accepted += 1
+            # the first draft forward catches up: 2 rows when the last step accepted a token never fed to the draft
+            ms += target_ms[kept + 1] + (draft_ms[2 if fed_all else 1] + draft_ms[1] * (forwards - 1) if forwards else 0)
+            fed_all = kept > 0 and accepted == kept and forwards == kept
+            tokens += accepted + 1
+            steps += 1
+            i += accepted + 1
+    return tokens / steps, ms / tokens
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="a packaged target (its draft and "
+                    "default quantizations are used)")
+    ap.add_argument("--results", required=True, help="greedy `speculant bench` results.json files, ',' separated")
+    ap.add_argument("--k-max", type=int, default=6)
+    ap.add_argument("--thresholds", default="0.3,0.5,0.7,0.9")
+    ap.add_argument("--scales", default="1,0.5,0.25,0.1,0.05", help="draft-cost fractions for the scaled rows")
+    ap.add_argument("--context", type=int, default=0, help="tokens of context the costs are timed at (0: the "
+                    "median prompt length + 64)")
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    session = speculant.load(args.target)
+    workloads = {}
+    for path in args.results.split(","):
+        results = json.loads(Path(path).read_text())
+        if results["settings"].get("temperature"):
+            raise SystemExit(f"{path}: not a greedy run")
+        workloads[path] = {"results": results, "answers": teacher_forced(session, results)}
+        print(path, "teacher-forced", flush=True)
+    lengths = sorted(a["prompt_tokens"] for w in workloads.values() for a in w["answers"])
+    context = args.context or lengths[len(lengths) // 2] + 64
+    target_ms, draft_ms = measure_costs(session, context, args.k_max + 1, args.repeats)
+    print("target ms", {t: round(v, 1) for t, v in target_ms.items()}, "draft ms",
+          {t: round(v, 1) for t, v in draft_ms.items()}, flush=True)
+    thresholds = [float(x) for x in args.thresholds.split(",")]
+    policies = [("fixed", k, 0.0) for k in range(1, args.k_max + 1)]
+    policies += [(kind, k, t) for kind in ("token", "cumulative") for k in (4, args.k_max) for t in thresholds]
+    label = lambda p: f"fixed k={p[1]}" if p[0] == "fixed" else f"{p[0]} k<={p[1]} t={p[2]}"  # noqa: E731
+    out = {"settings": {**vars(args), "context": context, "draft": str(session.draft.name_or_path)},
+           "machine": machine_info(), "target_ms": target_ms, "draft_ms": draft_ms, "workloads": {}}
+    for path, w in workloads.items():
+        answers, results = w["answers"], w["results"]
+        flat_match = [m for a in answers for m in a["match"]]
+        rows = {}
+        for p in policies:
+            tau, ms = replay(answers, p, target_ms, draft_ms)
+            rows[label(p)] = {"tau": round(tau, 3), "speedup": round(target_ms[1] / ms, 3)}
+        measured = {}
+        for method, runs in results["runs"].items():
+            if method.startswith("chain:k=") and method[8:].isdigit():
+                calls = sum(r["target_calls"] for r in runs)
+                measured[f"fixed k={method[8:]}"] = round(sum(r["new_tokens"] for r in runs) / calls, 3)
+        scaled = {}
+        for s in (float(x) for x in args.scales.split(",")):
+            cheap = {t: v * s for t, v in draft_ms.items()}
+            scaled[str(s)] = {f"fixed k={k}": round(target_ms[1] / replay(answers, ("fixed", k, 0.0), target_ms,
+                                                                          cheap)[1], 3)
+                              for k in range(1, args.k_max + 1)}
+        best = max(rows, key=lambda r: rows[r]["speedup"])
+        # a drafter always right and free: k + 1 tokens per forward over k + 1 rows (this machine's ceiling)
+        ceiling = {f"k={k}": round((k + 1) * target_ms[1] / target_ms[k + 1], 3) for k in range(1, args.k_max + 1)}
+        out["workloads"][path] = {"answers": len(answers), "positions": len(flat_match),
+                                  "agreement": round(sum(flat_match) / len(flat_match), 4), "policies": rows,
+                                  "best": best, "measured_tau": measured, "scaled_draft_cost": scaled,
+                                  "ceiling": ceiling,
+                                  "per_answer": answers}
+        print(f"\n{path}: {len(answers)} answers, greedy agreement {sum(flat_match) / len(flat_match):.3f}")
+        for name, r in rows.items():
+            note = f"  (measured τ {measured[name]:.2f})" if name in measured else ""
+            print(f"  {name:<26} τ {r['tau']:.2f}  decode {r['speedup']:.2f}x{note}")
+        print(f"  best: {best}")
+        for s, cells in scaled.items():
+            k = max(cells, key=cells.get)
+            print(f"  draft cost x{s}: best {k} {cells[k]:.2f}x")
+        print("  always right, free:", " ".join(f"{k} {v:.2f}x" for k, v in ceiling.items()))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print("written", args.out)
+
+
+if __name__ == "__main__":
+    main()
