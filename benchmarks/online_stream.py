@@ -72,6 +72,8 @@ def main() -> None:
     ap.add_argument("--positions", default=OnlineConfig.positions)
     ap.add_argument("--min-held", type=int, default=OnlineConfig.min_held,
                     help="held-back requests (one in 5) before an update is checked on them")
+    ap.add_argument("--min-z", type=float, default=OnlineConfig.min_z,
+                    help="McNemar's z an update's held-back agreement gain must reach (0: did not drop)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/online-stream")
@@ -89,7 +91,8 @@ def main() -> None:
     skipped = len(records) - len(kept)
     records, prompts = [r for r, _ in kept][: args.requests], [i for _, i in kept][: args.requests]
     config = OnlineConfig(update_every=args.online_every, steps=args.steps, lr=args.lr, loss=args.loss,
-                          positions=args.positions, min_held=args.min_held, seed=args.seed)
+                          positions=args.positions, min_held=args.min_held, min_z=args.min_z,
+                          seed=args.seed)
     adapter = OnlineAdapter(adapting, config)
     warm = prompt_ids(builtin_prompts("mt-bench", 1)[0], shipped.tokenizer)
     for s in (shipped, adapting):  # warm-up (not in the stream)
@@ -117,7 +120,11 @@ def main() -> None:
         if outputs["online"] != outputs["shipped"]:
             raise SystemExit(f"request {i}: the adapting session's output differs from the shipped one's")
         if adapter.due():  # between requests, outside their timings
-            updates.append(adapter.update())
+            u = adapter.update()
+            updates.append(u)
+            print(f"  update {'accepted' if u['accepted'] else 'rolled back'}: agreement {u['agreement_before']:.3f}"
+                  f" -> {u['agreement_after']:.3f} on {u['held_requests']} held-back requests, gained {u['gained']}"
+                  f" lost {u['lost']} (z {u['z']:.2f})", flush=True)
         print(f"[{i + 1}/{len(prompts)}] tau shipped {rows['shipped'][-1]['tau']:.2f} online "
               f"{rows['online'][-1]['tau']:.2f} (drafter version {adapter.version})", flush=True)
     windows = {name: _window(r, args.window) for name, r in rows.items()}

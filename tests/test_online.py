@@ -92,13 +92,13 @@ def test_updates_raise_agreement_and_never_change_greedy_outputs():
     target, draft = _pair(scale=0.6)
     prompts = _prompts(40, seed=5)
     plain = [generate(target, p, None, max_new_tokens=24, eos_token_id=[]).token_ids for p in prompts]
-    adapter = OnlineAdapter(_session(target, draft), OnlineConfig(update_every=10, steps=30, lr=3e-3, min_held=1,
+    adapter = OnlineAdapter(_session(target, draft), OnlineConfig(update_every=10, steps=30, lr=1e-2, min_held=1,
                                                                   holdout_every=4, min_positions=4))
     first = adapter.session.draft
     assert _run(adapter, prompts) == plain  # exact throughout, with updates between requests
     accepted = [h for h in adapter.history if h["accepted"]]
     assert len(adapter.history) >= 3 and accepted and adapter.version == len(accepted)
-    assert all(h["agreement_after"] >= h["agreement_before"] for h in accepted)
+    assert all(h["agreement_after"] > h["agreement_before"] and h["z"] >= 1.64 for h in accepted)
     assert adapter.session.draft is not first and accepted[-1]["agreement_after"] > adapter.history[0][
         "agreement_before"]
     # the adapted drafter, greedy and exact on new prompts; the target's parameters never changed
@@ -119,6 +119,39 @@ def test_a_bad_update_is_rolled_back():
     assert adapter.history[-1]["agreement_after"] < adapter.history[-1]["agreement_before"]
     assert adapter.session.draft is serving
     assert all(torch.equal(p, before[n]) for n, p in serving.named_parameters())
+
+
+@pytest.mark.parametrize("gained, lost, min_z, kept", [
+    (2, 1, 1.64, False),  # agreement rose, by noise: z = 0.58
+    (2, 1, 0.0, True),  # the bare "did not drop" rule keeps it
+    (9, 0, 1.64, True),  # z = 3
+    (0, 0, 0.0, True),  # no position changed: did not drop
+    (0, 0, 1.64, False),
+    (1, 3, 0.0, False),  # dropped
+])
+def test_the_check_keeps_an_update_only_when_its_gain_is_beyond_noise(gained, lost, min_z, kept, monkeypatch):
+    """McNemar's z over the paired held-back positions: (gained - lost) / sqrt(gained + lost) >= min_z."""
+    target, draft = _pair(scale=0.6)
+    adapter = OnlineAdapter(_session(target, draft), OnlineConfig(update_every=4, steps=1, min_held=1,
+                                                                  holdout_every=2, min_positions=1, min_z=min_z))
+    serving = adapter.session.draft
+    same = 20  # positions where both agree
+    was = torch.tensor([True] * same + [False] * gained + [True] * lost + [False] * 5)
+    now = torch.tensor([True] * same + [True] * gained + [False] * lost + [False] * 5)
+
+    def hits(model, observations):  # the serving drafter first, then the candidate
+        yield
+        return was if model is serving else now
+
+    monkeypatch.setattr(adapter, "_hits", hits)
+    _run(adapter, _prompts(4, seed=2))
+    entry = adapter.history[-1]
+    assert (entry["gained"], entry["lost"]) == (gained, lost)
+    assert entry["accepted"] is kept and (adapter.session.draft is not serving) is kept
+    if gained + lost:
+        assert entry["z"] == pytest.approx((gained - lost) / (gained + lost) ** 0.5, abs=1e-3)
+    with pytest.raises(ValueError, match="min_z"):
+        OnlineConfig(min_z=-1)
 
 
 def test_no_update_until_enough_requests_are_held_back():
@@ -159,7 +192,8 @@ def test_sampling_with_an_updated_drafter_keeps_the_target_distribution():
 
 def test_the_state_survives_a_restart_and_refuses_another_model(tmp_path):
     target, draft = _pair(scale=0.6)
-    config = OnlineConfig(update_every=6, steps=10, lr=3e-3, holdout_every=3, min_positions=2, min_held=1)
+    # about the state, not the check: min_z=0 keeps every update whose agreement did not drop
+    config = OnlineConfig(update_every=6, steps=10, lr=3e-3, holdout_every=3, min_positions=2, min_held=1, min_z=0)
     adapter = OnlineAdapter(_session(target, draft), config, state_dir=tmp_path)
     _run(adapter, _prompts(12, seed=13))
     assert adapter.version >= 1

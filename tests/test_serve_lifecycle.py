@@ -218,11 +218,15 @@ def test_prompts_that_cannot_fit_are_refused_before_tokenising(small, monkeypatc
     assert slow.calls == 0
 
 
-def test_body_and_grace_options_are_checked(models, capsys):
+def test_body_grace_and_online_options_are_checked(models, capsys):
     cli_error_line(capsys, ["serve", *_args(models, "--max-body-bytes", "0")], "--max-body-bytes")
     cli_error_line(capsys, ["serve", *_args(models, "--shutdown-grace", "-1")], "--shutdown-grace")
     with pytest.raises(ValueError, match="--shutdown-grace"):
         check_settings(ServeSettings(target=models["target"], draft=models["draft"], shutdown_grace=float("nan")))
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-min-z", "-0.5")], "--online-min-z")
+    with pytest.raises(ValueError, match="--online-min-z"):
+        check_settings(ServeSettings(target=models["target"], draft=models["draft"], online=True,
+                                     online_min_z=float("nan")))
 
 
 # ---------------------------------------------------------------------------------------------- item 7

@@ -88,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adapt the draft model to the traffic (online speculative decoding): the target's verdicts "
                    "on each request's drafts are kept, and every --online-every requests a copy of the draft is "
                    "distilled on them while no request waits, then swapped in only if its agreement with the target "
-                   "on held-back requests did not drop. Output is unchanged (the target verifies every draft); "
+                   "on held-back requests rose beyond noise (--online-min-z). Output is unchanged (the target verifies every draft); "
                    "needs a float draft model")
     p.add_argument("--online-every", type=positive_int, metavar="N", default=d["online_every"],
                    help="finished requests between two online updates; default: %(default)s")
@@ -96,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests held back (one in 5) before the first online update is checked on them: "
                    "acceptance varies between requests, and on one or two a worse drafter can pass; default: "
                    "%(default)s")
+    p.add_argument("--online-min-z", type=_nonnegative, metavar="Z", default=d["online_min_z"],
+                   help="how sure the check must be that an update agrees more with the target: McNemar's z over "
+                   "the held-back positions where exactly one of the old and the new drafter agrees; 0: swap in "
+                   "whenever agreement did not drop, which a few requests' noise often passes; default: %(default)s")
     p.add_argument("--online-state", metavar="DIR", default=d["online_state"],
                    help="with --online: save the adapted drafter, its buffer and history to DIR on shutdown, and "
                    "resume from them on start; default: none (adaptation starts afresh)")
@@ -137,6 +141,17 @@ def _port(text: str) -> int:
     value = nonnegative_int(text)
     if value > MAX_PORT:
         raise argparse.ArgumentTypeError(f"expected a port in [0, {MAX_PORT}], got {value}")
+    return value
+
+
+def _nonnegative(text: str) -> float:
+    """An argparse type for a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 

@@ -63,7 +63,7 @@ class ServeSettings:
     (:mod:`speculant.serve.shutdown`).
     ``online``: adapt the draft model to the traffic (:mod:`speculant.train.online`): an update every
     ``online_every`` finished requests once ``online_min_held`` requests are held back for the check, trained while
-    no request waits, kept only if held-back agreement does not drop; ``online_state``: a directory the adapted drafter, its buffer and history are saved to on shutdown and
+    no request waits, kept only if held-back agreement rises by McNemar's z >= ``online_min_z``; ``online_state``: a directory the adapted drafter, its buffer and history are saved to on shutdown and
     resumed from."""
 
     target: str | None = None
@@ -89,6 +89,7 @@ class ServeSettings:
     online: bool = False
     online_every: int = 16
     online_min_held: int = 4
+    online_min_z: float = 1.64
     online_state: str | None = None
 
     @property
@@ -126,6 +127,8 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         raise ValueError(f"--online-every must be >= 1, got {settings.online_every}")
     if settings.online_min_held < 1:
         raise ValueError(f"--online-min-held must be >= 1, got {settings.online_min_held}")
+    if not settings.online_min_z >= 0:  # also refuses nan
+        raise ValueError(f"--online-min-z must be >= 0, got {settings.online_min_z}")
     if settings.online_state is not None and not settings.online:
         raise ValueError("--online-state needs --online")
     if not 0 <= settings.port <= MAX_PORT:
