@@ -64,6 +64,34 @@ def test_greedy_matches_transformers(models, regime):
         assert any(1.15 < tau < k + 0.9 for k, tau in taus if k > 1), taus
 
 
+@pytest.mark.parametrize("stop", [0.3, 0.6, 0.95])
+def test_a_chain_that_stops_on_the_drafts_confidence_matches_transformers(models, stop):
+    """``stop``: the chain ends after a token the draft gives less than ``stop``; exact, and shorter drafts."""
+    arch, pair = models
+    target, draft = pair["all"], pair["partial"]
+    for prompt in prompts(seed=3 + len(arch)):
+        ref = hf_greedy(target, prompt, 33)
+        drafter = speculant.DraftModelDrafter(draft, k=5, stop=stop)
+        gen = speculant.generate(target, prompt, drafter=drafter, max_new_tokens=33, eos_token_id=[])
+        assert gen.token_ids == ref, f"{arch} stop={stop} prompt={prompt}"
+        full = speculant.generate(target, prompt, drafter=speculant.DraftModelDrafter(draft, k=5),
+                                  max_new_tokens=33, eos_token_id=[])
+        reached = gen.stats.depth_reached  # [i]: steps that offered a draft at depth i + 1
+        per_step = gen.stats.draft_tokens / (gen.stats.target_calls - 1)
+        assert per_step < full.stats.draft_tokens / (full.stats.target_calls - 1), (stop, reached)
+        if stop == 0.95:  # a random tiny draft is rarely that sure: mostly one token per step
+            assert len(reached) < 2 or reached[1] < reached[0] / 2, reached
+
+
+def test_stop_must_be_a_probability():
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    for bad in (-0.1, 1.0, float("nan"), True, "0.5"):
+        with pytest.raises(ValueError, match="stop"):
+            speculant.DraftModelDrafter(target, k=3, stop=bad)
+    with pytest.raises(ValueError, match="stop"):
+        speculant.build_drafter("chain:k=3:stop=1.5", target)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_plain_decoding_matches_transformers(arch):
     target = tiny_model(arch, seed=3, vocab_size=VOCAB)

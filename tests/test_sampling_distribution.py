@@ -166,6 +166,22 @@ def test_vocab_trimmed_draft_matches_target_distribution(models, temperature, to
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
 
 
+@pytest.mark.parametrize("temperature,n", [*sizes(3000, 1.0, id="temp1"), *sizes(3000, 0.7, id="temp0.7")])
+def test_a_chain_that_stops_on_the_drafts_confidence_matches_target_distribution(models, temperature, n):
+    """``stop``: the draft ends its chain after a sampled token it gave less than 0.45 (often, over 5 tokens); the
+    length depends on the draft's own draws only, so the output is still the target's."""
+    target, draft = models
+    params = SamplingParams(temperature=temperature)
+    expected = exact_joint(target, params, 4)
+    counts, acceptance = sample_joint(target, draft, params, k=3, n=n, seed0=777, stop=0.45)
+    _, _, full = sample_counts(target, speculant.DraftModelDrafter(draft, k=3), params, 4, 200, 777)
+    _, _, short = sample_counts(target, speculant.DraftModelDrafter(draft, k=3, stop=0.45), params, 4, 200, 777)
+    assert short < 0.9 * full, (short, full)  # the chains did stop early
+    assert 0.15 < acceptance < 0.9, acceptance
+    bad = {name: p for name, p in pvalues(counts, expected).items() if not p > PASS_P}
+    assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
+
+
 def test_negative_control_trimmed_probs_on_wrong_ids_is_detected(models, monkeypatch):
     """Lifting the trimmed draft distribution onto the wrong ids (so p(x) handed to the verifier is not the
     probability x was drafted with) biases the output, and the test sees it."""

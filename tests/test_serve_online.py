@@ -22,7 +22,8 @@ def _start(models, log, state, speculate: bool = True):
     args = ["--target", models[0], "--draft", models[1], "--method", "chain:k=3", "--served-model-name", MODEL,
             "--max-batch", "1", "--speculation", "on" if speculate else "off"]
     if state is not None:
-        args += ["--online", "--online-every", "3", "--online-min-held", "1", "--online-state", str(state)]
+        args += ["--online", "--online-every", "3", "--online-min-held", "1", "--online-min-z", "0",
+                 "--online-state", str(state)]
     return start_server(args, log, ready=True)
 
 
@@ -95,7 +96,7 @@ def test_every_torch_op_of_an_online_server_runs_on_its_decoding_thread(chat_mod
     monkeypatch.setattr(OnlineAdapter, "work", work)
     settings = check_settings(ServeSettings(target=chat_models[0], draft=chat_models[1], method="chain:k=3",
                                             model_name=MODEL, max_batch=1, speculation="on", online=True,
-                                            online_every=3, online_min_held=1))
+                                            online_every=3, online_min_held=1, online_min_z=0))
     app = create_app(settings)
     with TestClient(app, base_url="http://127.0.0.1") as c:
         until_loaded(c)

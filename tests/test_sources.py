@@ -697,17 +697,29 @@ def test_loading_under_inference_mode_gives_normal_tensors_and_the_same_output(t
 
     _, path = _tiny_gguf(tmp_path, "qwen2", gguf.GGMLQuantizationType.Q8_0)
     monkeypatch.setattr(direct, "_CHUNK_BLOCKS", 5)  # decoded in many chunks, on the pool's threads
-    want = speculant.load(str(path), draft=str(path), method="chain:k=2").generate([5, 6, 7], max_new_tokens=12,
-                                                                                   raw=True).token_ids
-    with torch.inference_mode():
+
+    def load(quantization):
+        return speculant.load(str(path), draft=str(path), method="chain:k=2", quantization=quantization)
+
+    def tensors(session):  # parameters, buffers and the quantized matrices' own tensors
+        for m in (session.target, session.draft):
+            yield from m.parameters()
+            yield from m.buffers()
+            for module in m.modules():
+                yield from (v for v in vars(module).values() if isinstance(v, torch.Tensor))
+                for q in (v for v in vars(module).values() if hasattr(v, "dequantize")):  # a QuantMatrix (slots)
+                    own = (getattr(q, name, None) for name in type(q).__slots__)
+                    yield from (t for t in own if isinstance(t, torch.Tensor))
+
+    want = {q: load(q).generate([5, 6, 7], max_new_tokens=12, raw=True).token_ids for q in ("none", "q8")}
+    with torch.no_grad(), torch.inference_mode():
         for quantization in ("none", "q8"):
-            session = speculant.load(str(path), draft=str(path), method="chain:k=2", quantization=quantization)
-            assert not any(p.is_inference() for m in (session.target, session.draft) for p in m.parameters())
-            got = session.generate([5, 6, 7], max_new_tokens=12, raw=True).token_ids
-            if quantization == "none":
-                assert got == want
+            session = load(quantization)
+            assert not any(t.is_inference() for t in tensors(session)), quantization
+            assert session.generate([5, 6, 7], max_new_tokens=12, raw=True).token_ids == want[quantization]
         model, _ = load_pretrained(str(path), dtype="float32")
         assert not any(p.is_inference() for p in model.parameters())
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
 
 
 def test_direct_directory_without_its_gguf_file_says_so(tmp_path, cache):

@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .core.modes import normal_tensors
+
 if TYPE_CHECKING:
     from .core.types import Generation
     from .drafters.base import Drafter
@@ -148,7 +150,7 @@ class SessionPlan:
     draft_name: str | None = None
     unused_draft: str | None = None  # a draft given to a method that drafts without one (not loaded)
 
-    @torch.inference_mode(False)  # normal tensors even under a caller's inference mode (loading.NORMAL_TENSORS)
+    @normal_tensors
     def load(self) -> Session:
         """Load the target (and its tokenizer) and the draft, on the device; build one drafter now, so that a
         method that cannot be built fails here rather than at the first generation."""

@@ -96,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests held back (one in 5) before the first online update is checked on them: "
                    "acceptance varies between requests, and on one or two a worse drafter can pass; default: "
                    "%(default)s")
-    p.add_argument("--online-min-z", type=_nonnegative, metavar="Z", default=d["online_min_z"],
+    p.add_argument("--online-min-z", type=_nonnegative("a number"), metavar="Z", default=d["online_min_z"],
                    help="how sure the check must be that an update agrees more with the target: McNemar's z over "
                    "the held-back positions where exactly one of the old and the new drafter agrees; 0: swap in "
                    "whenever agreement did not drop, which a few requests' noise often passes; default: %(default)s")
@@ -144,26 +144,22 @@ def _port(text: str) -> int:
     return value
 
 
-def _nonnegative(text: str) -> float:
-    """An argparse type for a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+def _nonnegative(what: str):
+    """An argparse type for a finite number >= 0 (``what``: how the error names it, e.g. "a number of seconds")."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value >= 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected {what} >= 0, got {text!r}")
+        return value
+
+    return parse
 
 
-def _seconds(text: str) -> float:
-    """An argparse type for a duration in seconds (>= 0)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
-    return value
+_seconds = _nonnegative("a number of seconds")
 
 
 def _check_extra() -> None:

@@ -4,7 +4,8 @@
 VocabTrim head (:mod:`.vocab_trim`), the cost figure for MBSU and the commit that keeps the draft cache equal to
 what was accepted. :class:`DraftModelDrafter` drafts a chain of ``k`` tokens per step on it (Leviathan et al.
 2023; Chen et al. 2023): greedy drafts under greedy decoding, samples from the warped draft distribution ``p``
-otherwise, with ``p`` handed to the verifier. The tree drafters (SpecInfer, RSD, dynamic trees) are in
+otherwise, with ``p`` handed to the verifier; with ``stop`` the chain ends early after a token the draft itself
+gives less than that probability (the draft's confidence, as transformers' assisted generation does). The tree drafters (SpecInfer, RSD, dynamic trees) are in
 :mod:`.trees`.
 
 Cache invariant (all draft-model drafters): between steps the draft cache holds the first ``_n_cached`` committed
@@ -246,7 +247,11 @@ class DraftModelDrafter(DraftModelBase):
 
     Args:
         draft_model: a transformers causal LM with the target's tokenizer.
-        k: draft tokens per step (γ), >= 1.
+        k: draft tokens per step (γ), >= 1: the most, with ``stop``.
+        stop: in [0, 1): end the chain after a token whose probability under the draft (``p``, over the trimmed
+            head with VocabTrim) is below ``stop``; that token is still proposed. 0: always ``k`` tokens. A draft
+            too unsure to be accepted is not worth the draft forwards after it nor their verification rows; the
+            decision reads the draft's own distribution only, so the verification stays exact (greedy and sampled).
         tokenizers_match, vocab_trim: see :class:`DraftModelBase`.
     """
 
@@ -256,9 +261,13 @@ class DraftModelDrafter(DraftModelBase):
         k: int = 4,
         tokenizers_match: bool | None = None,
         vocab_trim: int | Sequence[int] | None = None,
+        stop: float = 0.0,
     ) -> None:
         super().__init__(draft_model, tokenizers_match=tokenizers_match, vocab_trim=vocab_trim)
         self.k = check_positive_int("k", k)
+        if not (isinstance(stop, (int, float)) and not isinstance(stop, bool) and 0 <= stop < 1):
+            raise ValueError(f"stop must be a probability in [0, 1), got {stop!r}")
+        self.stop = float(stop)
 
     def _extra_slots(self) -> int:
         return self.k
@@ -273,14 +282,19 @@ class DraftModelDrafter(DraftModelBase):
                 logits = self._next_logits(state, [tokens[-1]])
             if state.params.greedy:
                 tok = int(logits.argmax())
+                unsure = self.stop and float(torch.softmax(logits.float(), -1)[tok]) < self.stop
             else:
                 p = warp(logits, state.params)
                 tok = sample(p, state.generator)
                 rows.append(self._lift(p))  # [V_shared]
+                unsure = self.stop and float(p[tok]) < self.stop
             tokens.append(self._token(tok))
-        probs = torch.stack(rows) if rows else None  # [k, V_shared]: row i = p(. | root, d_1..d_i)
+            if unsure:  # proposed, and the last one (the decision reads p only)
+                break
+        n = len(tokens)
+        probs = torch.stack(rows) if rows else None  # [n, V_shared]: row i = p(. | root, d_1..d_i)
         if probs is not None:
-            probs = torch.cat([probs, probs.new_zeros((1, probs.shape[1]))])  # row k: leaf, never read
+            probs = torch.cat([probs, probs.new_zeros((1, probs.shape[1]))])  # row n: leaf, never read
         tree = DraftTree.chain(tokens, probs)
-        self._record(state, tree, k - 1)  # the cache holds the first k - 1 draft tokens
+        self._record(state, tree, n - 1)  # the cache holds the first n - 1 draft tokens
         return tree

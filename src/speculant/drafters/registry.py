@@ -316,7 +316,10 @@ register(
     "chain",
     _model_drafter(DraftModelDrafter),
     needs_draft=True,
-    keys={**_keys(DraftModelDrafter, k=(int, "draft tokens per step (gamma)")), "lookup": _LOOKUP},
+    keys={**_keys(DraftModelDrafter, k=(int, "draft tokens per step (gamma); the most, with stop"),
+             stop=(float, "end the chain after a token the draft gives less than this probability (it is still "
+                          "proposed; transformers' assisted generation does the same); 0 = always k tokens")),
+          "lookup": _LOOKUP},
     sizing=Sizing(depth="k", budget="k"),
     doc="draft-model chain, speculative sampling (Leviathan et al. 2023; Chen et al. 2023); with a feature "
         "draft model, an EAGLE chain drafted from the target's hidden states (Li et al. 2024)",

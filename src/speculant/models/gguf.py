@@ -286,9 +286,10 @@ def decode(data: np.ndarray, qtype: int, pool: ThreadPoolExecutor | None = None,
     blocks = np.asarray(data).reshape(-1, size)
     result = torch.empty(shape, dtype=torch.float32) if out is None else out
     flat = result.view(-1)
-    inference = torch.is_inference_mode_enabled()  # the pool's threads do not inherit the caller's mode, and an
+    # the pool's threads do not inherit the caller's inference mode, and an inference tensor is written only in it
+    inference = torch.is_inference_mode_enabled()
 
-    def run(start: int) -> None:                    # inference tensor is written only in inference mode
+    def run(start: int) -> None:
         stop = min(start + _CHUNK_BLOCKS, blocks.shape[0])
         values = decoder.dequantize_blocks(blocks[start:stop])
         with torch.inference_mode(inference):

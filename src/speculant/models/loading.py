@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from ..core.modes import normal_tensors
 from ..core.quant import QUANTIZATIONS
 from .attached import is_attached, load_attached
 from .gguf import CODED, code_kind, coded_weights, load_gguf_model
@@ -79,13 +80,7 @@ def check_quantization(quantization: str | None) -> str:
     return quantization
 
 
-NORMAL_TENSORS = torch.inference_mode(False)
-"""Every loader runs under this (a decorator): weights made inside a caller's ``torch.inference_mode()`` would be
-inference tensors, which cannot be updated in place later (quantizing, packing, online adaptation) and have no
-version counter for the caches keyed on it (VocabTrim heads, the lean forward)."""
-
-
-@NORMAL_TENSORS
+@normal_tensors
 def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | Path | None = None,
                     undecoded: frozenset[str] | set[str] = frozenset()) -> int:
     """Quantize a freshly loaded ``model`` in place to ``quantization`` (:func:`speculant.core.quant.quantize_model`)
@@ -145,7 +140,7 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
     return built
 
 
-@NORMAL_TENSORS
+@normal_tensors
 def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None, quantization: str | None = None):
     """Load a causal LM and its tokenizer from a local directory, with no network access.
 
@@ -290,7 +285,7 @@ def resolve_model(name_or_path: str | Path) -> Path:
     )
 
 
-@NORMAL_TENSORS
+@normal_tensors
 def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = None,
                     quantization: str | None = None):
     """Load a bundled model by name (``"default-target"``, ``"default-draft"``) or a local model directory.
@@ -370,7 +365,7 @@ def draft_context(draft: str | Path, target_tokenizer) -> dict:
     return {"tokenizers_match": False, "draft_tokenizer": draft_tokenizer, "target_tokenizer": target_tokenizer}
 
 
-@NORMAL_TENSORS
+@normal_tensors
 def load_draft(name_or_path: str | Path, target: torch.nn.Module, dtype: torch.dtype | str | None = None,
                quantization: str | None = None):
     """Load a draft model for ``target``: an attached drafter (:mod:`speculant.models.attached`, sharing the target's

@@ -172,8 +172,12 @@ PACKAGED: dict[str, PackagedModel] = {
             default_method="chain:k=3",
             # AVX2 without VNNI (2 cores of an AMD EPYC): a 4-token verification costs 1.6x a one-token forward (1.3x
             # with VNNI): chain:k=2 1.29x / 1.07x plain decoding on 8 code-chat requests / 8 MT-Bench questions
-            # against chain:k=3's 1.20x / 0.96x (benchmarks/results/qwen-code-chat-q4m-avx2, qwen-mtbench-q4m-avx2)
-            default_method_avx2="chain:k=2",
+            # against chain:k=3's 1.20x / 0.96x (benchmarks/results/qwen-code-chat-q4m-avx2, qwen-mtbench-q4m-avx2);
+            # up to 3 tokens, the chain ending after one the draft gives < 0.7, beats chain:k=2 in every run since
+            # (median per request 1.04x / 1.03x on code-chat, 1.06x on MT-Bench; benchmarks/results/
+            # qwen-code-chat-q4m-avx2-stop, -stop-v2, qwen-mtbench-q4m-avx2-stop; chosen by
+            # benchmarks/results/draft-length-avx2.json's replay)
+            default_method_avx2="chain:k=3:stop=0.7",
             # int4 weights x int8 activations on our own kernel, the fastest format at 1..16 tokens per forward
             # (benchmarks/results/quant_matmul.json: 2.9x bf16 at 1 token, ahead of int4 and int8 at every T), with
             # the file's 6-bit tensors (LM head, half the v/down projections) in 8 bits: top-1 agreement with the

@@ -63,8 +63,9 @@ class ServeSettings:
     (:mod:`speculant.serve.shutdown`).
     ``online``: adapt the draft model to the traffic (:mod:`speculant.train.online`): an update every
     ``online_every`` finished requests once ``online_min_held`` requests are held back for the check, trained while
-    no request waits, kept only if held-back agreement rises by McNemar's z >= ``online_min_z``; ``online_state``: a directory the adapted drafter, its buffer and history are saved to on shutdown and
-    resumed from."""
+    no request waits, kept only if held-back agreement rises by McNemar's z >= ``online_min_z``
+    (:class:`speculant.train.online.OnlineConfig`); ``online_state``: a directory the adapted drafter, its buffer
+    and history are saved to on shutdown and resumed from."""
 
     target: str | None = None
     draft: str | None = None
@@ -127,7 +128,7 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         raise ValueError(f"--online-every must be >= 1, got {settings.online_every}")
     if settings.online_min_held < 1:
         raise ValueError(f"--online-min-held must be >= 1, got {settings.online_min_held}")
-    if not settings.online_min_z >= 0:  # also refuses nan
+    if not 0 <= settings.online_min_z < float("inf"):  # also refuses nan
         raise ValueError(f"--online-min-z must be >= 0, got {settings.online_min_z}")
     if settings.online_state is not None and not settings.online:
         raise ValueError("--online-state needs --online")

@@ -9,7 +9,8 @@ steps (forward KL at the positions where the draft was refused, as in the paper;
 options) on a *copy* of the draft model. The copy is
 checked on held-back requests (greedy agreement with the target's top token at every drafted position, which is
 the acceptance of a greedy draft) and swapped in for new requests only if it agrees more, by more than noise
-(McNemar's test over the paired positions, :attr:`OnlineConfig.min_z`); else it is rolled back. Each accepted update is a new version; every round is logged in :attr:`OnlineAdapter.history`.
+(McNemar's test over the paired positions, :attr:`OnlineConfig.min_z`); else it is rolled back. Each accepted
+update is a new version; every round is logged in :attr:`OnlineAdapter.history`.
 
 Exactness is untouched: the verifier does not care which drafter proposed. Only the draft's own parameters train:
 its token embedding and LM head (for an attached drafter: the target's, shared) stay frozen, and parameters shared
@@ -240,6 +241,7 @@ class OnlineAdapter:
             optimizer.step()
             losses.append(total)
         candidate.eval().requires_grad_(False)
+        gained = lost = 0
         if self._stop.is_set():  # stopping: a half-trained copy is neither checked nor kept
             losses = []
             before = after = float("nan")
@@ -247,7 +249,7 @@ class OnlineAdapter:
             was = yield from self._hits(serving, held)  # [N] bool: the serving drafter agrees at held position i
             now = yield from self._hits(candidate, held)
             before, after = _share(was), _share(now)
-        gained, lost = (int((now & ~was).sum()), int((was & ~now).sum())) if losses else (0, 0)
+            gained, lost = int((now & ~was).sum()), int((was & ~now).sum())
         z = (gained - lost) / (gained + lost) ** 0.5 if gained + lost else 0.0  # McNemar's, paired positions
         accepted = bool(losses) and after >= before and z >= cfg.min_z
         if accepted:
