@@ -88,8 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="adapt the draft model to the traffic (online speculative decoding): the target's verdicts "
                    "on each request's drafts are kept, and every --online-every requests a copy of the draft is "
                    "distilled on them while no request waits, then swapped in only if its agreement with the target "
-                   "on held-back requests rose beyond noise (--online-min-z). Output is unchanged (the target verifies every draft); "
-                   "needs a float draft model")
+                   "on held-back requests rose beyond noise (--online-min-z). Output is unchanged (the target "
+                   "verifies every draft); needs a float draft model")
     p.add_argument("--online-every", type=positive_int, metavar="N", default=d["online_every"],
                    help="finished requests between two online updates; default: %(default)s")
     p.add_argument("--online-min-held", type=positive_int, metavar="N", default=d["online_min_held"],

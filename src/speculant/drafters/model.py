@@ -5,8 +5,8 @@ VocabTrim head (:mod:`.vocab_trim`), the cost figure for MBSU and the commit tha
 what was accepted. :class:`DraftModelDrafter` drafts a chain of ``k`` tokens per step on it (Leviathan et al.
 2023; Chen et al. 2023): greedy drafts under greedy decoding, samples from the warped draft distribution ``p``
 otherwise, with ``p`` handed to the verifier; with ``stop`` the chain ends early after a token the draft itself
-gives less than that probability (the draft's confidence, as transformers' assisted generation does). The tree drafters (SpecInfer, RSD, dynamic trees) are in
-:mod:`.trees`.
+gives less than that probability (the draft's confidence, as transformers' assisted generation does). The tree
+drafters (SpecInfer, RSD, dynamic trees) are in :mod:`.trees`.
 
 Cache invariant (all draft-model drafters): between steps the draft cache holds the first ``_n_cached`` committed
 tokens and nothing else. A proposal first feeds what the cache lacks (the root, plus the bonus and any accepted
