@@ -166,7 +166,8 @@ def test_vocab_trimmed_draft_matches_target_distribution(models, temperature, to
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
 
 
-@pytest.mark.parametrize("temperature,n", [*sizes(3000, 1.0, id="temp1"), *sizes(3000, 0.7, id="temp0.7")])
+@pytest.mark.parametrize("temperature,n", [*sizes(3000, 1.0, id="temp1"),  # T=0.7: the slow suite only
+                                           pytest.param(0.7, 3000, id="temp0.7-full", marks=pytest.mark.slow)])
 def test_a_chain_that_stops_on_the_drafts_confidence_matches_target_distribution(models, temperature, n):
     """``stop``: the draft ends its chain after a sampled token it gave less than 0.45 (often, over 5 tokens); the
     length depends on the draft's own draws only, so the output is still the target's."""
