@@ -49,11 +49,15 @@ from speculant.data.prompts import prompt_ids
 from speculant.drafters.vocab_trim import trimmed_head
 
 
+def draft_head(session):
+    """The VocabTrim head a chain of ``session``'s method drafts with (None: the full head)."""
+    return trimmed_head(session.draft, session.drafter().vocab_trim, vocab_size(session.target))
+
+
 def teacher_forced(session, results: dict) -> list[dict]:
     """Per ``ar`` answer: ``match[i]`` (the drafter's top token is answer token i) and ``conf[i]`` (its probability)."""
     draft = session.draft
-    drafter = session.drafter()
-    head = trimmed_head(draft, drafter.vocab_trim, vocab_size(session.target))
+    head = draft_head(session)
     lean = lean_for(draft)
     out = []
     for run in results["runs"]["ar"]:
@@ -76,7 +80,7 @@ def measure_costs(session, context: int, rows: int, repeats: int) -> tuple[dict[
     """Median ms of the target forward over 1..rows new tokens and of the draft forward (+ trimmed head) over 1 and
     2, after ``context`` tokens, interleaved (two warm-up rounds)."""
     target, draft = session.target, session.draft
-    head = trimmed_head(draft, session.drafter().vocab_trim, vocab_size(target))
+    head = draft_head(session)
     fwd, lean = TargetForward(target, "auto"), lean_for(draft)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 20000, (1, context), generator=gen)

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from . import attention, draft_batch, kernels
+from .modes import normal_mode
 from .ops import fused_linear, rms_norm
 from .packed import PackedMatrix, linear, pack_enabled, packable
 from .quant import ATTR, QuantMatrix, quantization_of
@@ -161,7 +162,7 @@ def _fused(*linears: torch.nn.Module) -> torch.Tensor:
         rows = sum(w.shape[0] for w in weights)
         return weights[0].detach().as_strided((rows, *weights[0].shape[1:]), weights[0].stride())
     # normal tensors even when built under inference_mode: the model may be trained or run with autograd later
-    with torch.inference_mode(False), torch.no_grad():
+    with normal_mode():
         fused = torch.cat([w.detach() for w in weights])
         start = 0
         for m, w in zip(linears, weights):

@@ -27,6 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from .modes import normal_mode
 from .quant import QuantMatrix
 
 __all__ = ["PACK_ENV", "PackedMatrix", "available_memory", "linear", "pack_enabled", "packable"]
@@ -45,7 +46,7 @@ class PackedMatrix:
     __slots__ = ("packed", "shape", "dtype", "nbytes")
 
     def __init__(self, weight: torch.Tensor) -> None:
-        with torch.inference_mode(False), torch.no_grad():
+        with normal_mode():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
         self.shape = weight.shape
         self.dtype = weight.dtype

@@ -59,6 +59,7 @@ from __future__ import annotations
 import torch
 
 from . import kernels
+from .modes import normal_mode
 
 __all__ = ["ATTR", "BITS", "BLOCK_KINDS", "BLOCK_LAYOUT", "DRAFT_KIND", "GROUP", "HOLDS", "KINDS", "MATRIX_KIND", "QUANTIZATIONS", "QuantMatrix", "ReleasedLinear", "attach",
            "q4_activations", "q4_reference", "quantization_of", "quantize_model", "quantized_linears", "releasable",
@@ -279,7 +280,7 @@ class QuantMatrix:
         """The kernel's operands: int8 ``(codes, scale)``; int4 ``(packed codes, [groups, out', 2] scale/zero,
         out')`` with the rows padded to a multiple of 16 (padding rows are zero: code 8, scale and zero 0); q4 and q8
         ``(packed,)``, see :meth:`_pack`."""
-        with torch.inference_mode(False), torch.no_grad():
+        with normal_mode():
             if self.kind == "int8":
                 return self.codes.contiguous(), self.scale.contiguous()
             if self.kind in BLOCK_KINDS:
@@ -456,7 +457,7 @@ def attach(module: torch.nn.Module, matrix: QuantMatrix, release_weight: bool = 
     if matrix.dtype != weight.dtype:
         raise ValueError(f"quantized matrix computes in {matrix.dtype}, the weight is {weight.dtype}")
     if not release_weight:
-        with torch.inference_mode(False), torch.no_grad():
+        with normal_mode():
             weight.copy_(matrix.dequantize())
     setattr(module, ATTR, matrix)
     if release_weight:
