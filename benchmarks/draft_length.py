@@ -51,28 +51,35 @@ from speculant.drafters.vocab_trim import trimmed_head
 
 def draft_head(session):
     """The VocabTrim head a chain of ``session``'s method drafts with (None: the full head)."""
-    return trimmed_head(session.draft, session.drafter().vocab_trim, vocab_size(session.target))
+    drafter = session.drafter()
+    while not hasattr(drafter, "vocab_trim") and hasattr(drafter, "inner"):  # under a wrapper (lookup=N)
+        drafter = drafter.inner
+    return trimmed_head(session.draft, drafter.vocab_trim, vocab_size(session.target))
 
 
 def teacher_forced(session, results: dict) -> list[dict]:
     """Per ``ar`` answer: ``match[i]`` (the drafter's top token is answer token i) and ``conf[i]`` (its probability)."""
+    runs = [run for run in results["runs"]["ar"] if not run["repeat"]]
+    pairs = [(prompt_ids(results["prompts"][run["prompt"]], session.tokenizer), run["token_ids"]) for run in runs]
+    return [{"prompt": run["prompt"], **m} for run, m in zip(runs, draft_matches(session, pairs))]
+
+
+def draft_matches(session, pairs: list[tuple[list[int], list[int]]]) -> list[dict]:
+    """Per (prompt ids, answer ids): the draft's teacher-forced ``match`` and ``conf`` over the answer (above) and
+    ``prompt_tokens``."""
     draft = session.draft
     head = draft_head(session)
     lean = lean_for(draft)
     out = []
-    for run in results["runs"]["ar"]:
-        if run["repeat"]:
-            continue
-        ids = prompt_ids(results["prompts"][run["prompt"]], session.tokenizer)
-        answer = run["token_ids"]
+    for ids, answer in pairs:
         full = torch.tensor([ids + answer])  # [1, P + A]
         cache = SpecCache(num_layers(draft), capacity=full.shape[1] + 8)
         hidden = lean.hidden(full, cache)[0, len(ids) - 1: len(ids) - 1 + len(answer)]  # [A, H]: predict the answer
         logits = (head.logits(hidden) if head is not None else lean.logits(hidden)).float()  # [A, M]
         conf, index = logits.softmax(-1).max(-1)  # [A]
         top = head.keep[index] if head is not None else index
-        out.append({"prompt": run["prompt"], "prompt_tokens": len(ids),
-                    "match": (top == torch.tensor(answer)).tolist(), "conf": [round(c, 5) for c in conf.tolist()]})
+        out.append({"prompt_tokens": len(ids), "match": (top == torch.tensor(answer)).tolist(),
+                    "conf": [round(c, 5) for c in conf.tolist()]})
     return out
 
 

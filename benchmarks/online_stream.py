@@ -53,6 +53,20 @@ def _window(rows: list[dict], size: int) -> list[dict]:
     return out
 
 
+def stream_prompts(prompts: str, topic: str | None, seed: int, max_prompt_tokens: int, requests: int,
+                   tokenizer) -> tuple[list[list[int]], int]:
+    """The stream's prompts as token ids, in order (the records of ``prompts`` matching ``topic``, shuffled with
+    ``seed``, those longer than ``max_prompt_tokens`` skipped, the first ``requests``) and how many were skipped."""
+    records = builtin_prompts(prompts.removeprefix("builtin:"))
+    if topic:
+        pattern = re.compile(topic, re.IGNORECASE)
+        records = [r for r in records if pattern.search(r["messages"][-1]["content"] if "messages" in r else
+                                                        r["prompt"])]
+    random.Random(seed).shuffle(records)
+    kept = [ids for r in records if len(ids := prompt_ids(r, tokenizer)) <= max_prompt_tokens]
+    return kept[:requests], len(records) - len(kept)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")
@@ -74,25 +88,21 @@ def main() -> None:
                     help="held-back requests (one in 5) before an update is checked on them")
     ap.add_argument("--min-z", type=float, default=OnlineConfig.min_z,
                     help="McNemar's z an update's held-back agreement gain must reach (0: did not drop)")
+    ap.add_argument("--traffic", type=int, default=OnlineConfig.traffic, metavar="N",
+                    help="also draft up to N tokens per step from the traffic memory (earlier requests' tokens, "
+                         "speculant.drafters.traffic); 0: none")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/online-stream")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    records = builtin_prompts(args.prompts.removeprefix("builtin:"))
-    if args.topic:
-        topic = re.compile(args.topic, re.IGNORECASE)
-        records = [r for r in records if topic.search(r["messages"][-1]["content"] if "messages" in r else
-                                                      r["prompt"])]
-    random.Random(args.seed).shuffle(records)
     shipped = speculant.load(args.target, method=args.method, threads=args.threads)
     adapting = speculant.load(args.target, method=args.method, threads=args.threads)
-    kept = [(r, ids) for r in records if len(ids := prompt_ids(r, shipped.tokenizer)) <= args.max_prompt_tokens]
-    skipped = len(records) - len(kept)
-    records, prompts = [r for r, _ in kept][: args.requests], [i for _, i in kept][: args.requests]
+    prompts, skipped = stream_prompts(args.prompts, args.topic, args.seed, args.max_prompt_tokens, args.requests,
+                                      shipped.tokenizer)
     config = OnlineConfig(update_every=args.online_every, steps=args.steps, lr=args.lr, loss=args.loss,
                           positions=args.positions, min_held=args.min_held, min_z=args.min_z,
-                          seed=args.seed)
+                          traffic=args.traffic, seed=args.seed)
     adapter = OnlineAdapter(adapting, config)
     warm = prompt_ids(builtin_prompts("mt-bench", 1)[0], shipped.tokenizer)
     for s in (shipped, adapting):  # warm-up (not in the stream)
@@ -115,6 +125,8 @@ def main() -> None:
                                "tau": st.new_tokens / max(1, st.target_calls), "latency_s": latency,
                                "tok_s": st.new_tokens / latency, "version": adapter.version if name == "online"
                                else 0})
+            if name == "shipped":  # greedy: plain decoding's answer, for replays (benchmarks/traffic_replay.py)
+                rows[name][-1]["token_ids"] = g.token_ids
             if name == "online":
                 adapter.observe(drafter)
         if outputs["online"] != outputs["shipped"]:
@@ -146,7 +158,9 @@ def main() -> None:
              f"Target {args.target}, method `{shipped.method.spec}` with its shipped drafter, greedy, "
              f"{args.max_new_tokens} new tokens, {args.threads} threads; online: an update every "
              f"{args.online_every} requests ({args.steps} steps, lr {args.lr}, {args.loss} at {args.positions} "
-             f"positions), run between requests. Every output identical between the two sessions.", "",
+             f"positions), run between requests"
+             f"{f'; traffic memory: up to {args.traffic} tokens per step from earlier requests' if args.traffic else ''}"
+             ". Every output identical between the two sessions.", "",
              "| window | τ shipped | τ online | tok/s shipped (median) | tok/s online (median) | p90 latency shipped | "
              "p90 latency online |", "|---|---|---|---|---|---|---|"]
     for a, b in zip(windows["shipped"], windows["online"]):

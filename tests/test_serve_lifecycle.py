@@ -227,6 +227,8 @@ def test_body_grace_and_online_options_are_checked(models, capsys):
     with pytest.raises(ValueError, match="--online-min-z"):
         check_settings(ServeSettings(target=models["target"], draft=models["draft"], online=True,
                                      online_min_z=float("nan")))
+    cli_error_line(capsys, ["serve", *_args(models, "--online-traffic", "8")], "--online-traffic needs --online")
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic", "-1")], "--online-traffic")
 
 
 # ---------------------------------------------------------------------------------------------- item 7

@@ -1,6 +1,6 @@
 """``speculant serve --online``: the drafter adapts between requests while answers stay exactly plain decoding's,
-its version shows in /metrics, and ``--online-state`` carries it across a restart. A real server (a subprocess)
-serves the tiny chat pair in float, greedy."""
+its version shows in /metrics, and ``--online-state`` carries it (and the traffic memory) across a restart. A real
+server (a subprocess) serves the tiny chat pair in float, greedy."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -23,7 +24,7 @@ def _start(models, log, state, speculate: bool = True):
             "--max-batch", "1", "--speculation", "on" if speculate else "off"]
     if state is not None:
         args += ["--online", "--online-every", "3", "--online-min-held", "1", "--online-min-z", "0",
-                 "--online-state", str(state)]
+                 "--online-traffic", "4", "--online-state", str(state)]
     return start_server(args, log, ready=True)
 
 
@@ -58,6 +59,12 @@ def test_an_online_server_adapts_exactly_and_resumes_its_state(chat_models, tmp_
         stop_server(server)
     saved = json.loads((state / "online.json").read_text())
     assert saved["history"] and saved["version"] >= version
+    traffic = torch.load(state / "traffic.pt", weights_only=True)  # the traffic memory: every request's tokens
+    tokens, starts = traffic["tokens"].tolist(), traffic["starts"].tolist()
+    answers = [want[p] for p in PROMPTS * 2 + PROMPTS[:1]]  # in the order served
+    assert len(starts) == len(answers)
+    for a, b, answer in zip(starts, starts[1:] + [len(tokens)], answers):
+        assert tokens[a:b][-len(answer):] == answer  # each request's own prompt and answer
     again, url = _start(chat_models, tmp_path / "again.txt", state)
     try:
         resumed = model_metrics(url)  # before any request: what the state brought back

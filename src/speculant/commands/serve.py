@@ -100,6 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how sure the check must be that an update agrees more with the target: McNemar's z over "
                    "the held-back positions where exactly one of the old and the new drafter agrees; 0: swap in "
                    "whenever agreement did not drop, which a few requests' noise often passes; default: %(default)s")
+    p.add_argument("--online-traffic", type=nonnegative_int, metavar="N", default=d["online_traffic"],
+                   help="with --online: also draft up to N tokens per step from the tokens of earlier requests (a "
+                   "bounded memory looked up like prompt lookup: repeated instructions and answer phrasing are "
+                   "drafted again, with no training). Output is unchanged, but the memory is shared: a response's "
+                   "accepted-token count tells whether its continuation followed the same context in an earlier "
+                   "request, so use it where users may learn that of each other; 0: none; default: %(default)s")
     p.add_argument("--online-state", metavar="DIR", default=d["online_state"],
                    help="with --online: save the adapted drafter, its buffer and history to DIR on shutdown, and "
                    "resume from them on start; default: none (adaptation starts afresh)")

@@ -92,6 +92,13 @@ class ObservedDrafter(DrafterWrapper):
                 self._rejected.extend([False] * (len(rows) - 1) + [refused])
         self.inner.commit(state, accepted)
 
+    @property
+    def token_ids(self) -> list[int]:
+        """The generation's committed token ids (prompt + new), as far as it went; [] before it began. (Under a
+        text-only view of an image prompt, :mod:`.text_only`, the view's ids: synced at each step, so a last step
+        that ended the generation without a commit is missing.)"""
+        return list(self._state.ids) if self._state is not None else []
+
     def observation(self) -> Observation | None:
         """The generation's observed positions with its token ids; None when no drafted position was verified."""
         if not self._positions or self._state is None:

@@ -18,32 +18,24 @@ accepted with probability p(x) instead of min(1, p(x)/q(x)), so the chain's shar
 from __future__ import annotations
 
 from ..core.checks import check_positive_int
-from ..core.types import DraftTree
 from .base import DecodeState, Drafter
-from .lookup import lookup_continuation, merge_chain
-from .wrapper import DrafterWrapper
+from .lookup import lookup_continuation
+from .with_chain import WithChain
 
 __all__ = ["WithLookup"]
 
 
-class WithLookup(DrafterWrapper):
+class WithLookup(WithChain):
     """``inner``'s draft tree plus the prompt-lookup chain (``ngram``, ``k`` as in
-    :class:`~.lookup.PromptLookupDrafter`). Lookup adds no model and reads no states: the capabilities are the inner
-    drafter's."""
+    :class:`~.lookup.PromptLookupDrafter`), merged by :class:`~.with_chain.WithChain`. Lookup adds no model and reads
+    no states: the capabilities are the inner drafter's."""
+
+    option = "lookup"
 
     def __init__(self, inner: Drafter, ngram: int = 3, k: int = 8) -> None:
         super().__init__(inner)
         self.ngram = check_positive_int("ngram", ngram)
         self.k = check_positive_int("k", k)
 
-    def propose(self, state: DecodeState) -> DraftTree:
-        tree = self.inner.propose(state)
-        if tree.probes is not None and tree.probes.anchors != [0]:
-            raise ValueError("lookup= cannot merge into a draft whose nodes carry probes (mask probes: use the hybrid "
-                             "method; ConFu: contemplate=root)")
-        chain = lookup_continuation(state.ids, self.ngram, min(self.k, state.draft_limit))
-        if not chain:
-            return tree  # unchanged: a sampled chain keeps its q and speculative sampling
-        tokens, parents = merge_chain(tree.tokens, tree.parents, chain)
-        # no draft_probs: verified as a deterministic draft; probes after the root only (ConFu's) stay valid
-        return DraftTree(tokens=tokens, parents=parents, probes=tree.probes)
+    def chain(self, state: DecodeState) -> list[int]:
+        return lookup_continuation(state.ids, self.ngram, min(self.k, state.draft_limit))

@@ -45,27 +45,26 @@ class ServeSettings:
     ``target``, ``draft``, ``method``, ``kv_*``, ``dtype``, ``quantization``, ``threads``, ``device``: as
     :func:`speculant.session.resolve` (``method`` None: the method measured fastest for a packaged target with its
     shipped drafter, else ``chain``, which needs a draft: ``draft`` or the drafter speculant ships for the target).
-    ``target`` None: :func:`default_target` (a packaged chat model, or an error). ``model_name`` None: the target
-    as given. ``max_queue``: requests that may wait behind a full batch; one more is answered 429. ``max_batch``:
+    ``target`` None: :func:`default_target` (a packaged chat model, or an error). ``model_name`` None: the target as
+    given. ``max_queue``: requests that may wait behind a full batch; one more is answered 429. ``max_batch``:
     requests decoded together (continuous batching: one target forward per step for all of them; 1: one at a time).
     ``speculation``: how deep each request drafts per step (``auto``: by goodput from its measured acceptance and the
     measured cost of a forward over the batch's rows, :mod:`speculant.core.adaptive`; ``on``: as deep as the method
-    drafts; ``off``: plain decoding).
-    ``api_key`` None: no authentication (printable ASCII: HTTP headers carry ASCII). ``port``: 0 to 65535 (0: a
-    free one). ``allow_origin``: the browser origins (``http://localhost:3000``, or ``*``) allowed to call the
-    server cross-origin, with CORS; without an API key every other origin, and any ``Host`` that is not this
-    server's address or a loopback name, is refused (:mod:`speculant.serve.guard`). ``max_body_bytes``: a larger
-    request body is answered 413 before it is read (:mod:`speculant.serve.limits`); the default, 4 MiB, is well
+    drafts; ``off``: plain decoding). ``api_key`` None: no authentication (printable ASCII: HTTP headers carry ASCII).
+    ``port``: 0 to 65535 (0: a free one). ``allow_origin``: the browser origins (``http://localhost:3000``, or ``*``)
+    allowed to call the server cross-origin, with CORS; without an API key every other origin, and any ``Host`` that
+    is not this server's address or a loopback name, is refused (:mod:`speculant.serve.guard`). ``max_body_bytes``: a
+    larger request body is answered 413 before it is read (:mod:`speculant.serve.limits`); the default, 4 MiB, is well
     above the longest prompt a served model can take: a 128K-token context is about 0.5 MB of text (4 bytes per
     token), 1.5 MB if every character is sent as a ``\\uXXXX`` escape, and under 1 MB as token ids.
-    ``shutdown_grace``: seconds that running and queued requests get to finish after SIGTERM or Ctrl-C, while
-    new ones are answered 503; those still running then end with ``finish_reason`` ``abort``
-    (:mod:`speculant.serve.shutdown`).
-    ``online``: adapt the draft model to the traffic (:mod:`speculant.train.online`): an update every
-    ``online_every`` finished requests once ``online_min_held`` requests are held back for the check, trained while
-    no request waits, kept only if held-back agreement rises by McNemar's z >= ``online_min_z``
-    (:class:`speculant.train.online.OnlineConfig`); ``online_state``: a directory the adapted drafter, its buffer
-    and history are saved to on shutdown and resumed from."""
+    ``shutdown_grace``: seconds that running and queued requests get to finish after SIGTERM or Ctrl-C, while new ones
+    are answered 503; those still running then end with ``finish_reason`` ``abort`` (:mod:`speculant.serve.shutdown`).
+    ``online``: adapt the draft model to the traffic (:mod:`speculant.train.online`): an update every ``online_every``
+    finished requests once ``online_min_held`` requests are held back for the check, trained while no request waits,
+    kept only if held-back agreement rises by McNemar's z >= ``online_min_z``
+    (:class:`speculant.train.online.OnlineConfig`); ``online_traffic``: also draft up to that many tokens per step
+    from earlier requests' tokens (:mod:`speculant.drafters.traffic`; 0: none); ``online_state``: a directory the
+    adapted drafter, its buffer and history are saved to on shutdown and resumed from."""
 
     target: str | None = None
     draft: str | None = None
@@ -91,6 +90,7 @@ class ServeSettings:
     online_every: int = 16
     online_min_held: int = 4
     online_min_z: float = 1.64
+    online_traffic: int = 0
     online_state: str | None = None
 
     @property
@@ -130,6 +130,10 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         raise ValueError(f"--online-min-held must be >= 1, got {settings.online_min_held}")
     if not 0 <= settings.online_min_z < float("inf"):  # also refuses nan
         raise ValueError(f"--online-min-z must be >= 0, got {settings.online_min_z}")
+    if settings.online_traffic < 0:
+        raise ValueError(f"--online-traffic must be >= 0, got {settings.online_traffic}")
+    if settings.online_traffic and not settings.online:
+        raise ValueError("--online-traffic needs --online")
     if settings.online_state is not None and not settings.online:
         raise ValueError("--online-state needs --online")
     if not 0 <= settings.port <= MAX_PORT:

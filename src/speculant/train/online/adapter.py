@@ -25,6 +25,10 @@ the decoding thread for as long as that thread lives (measured on 2 cores: an el
 forward 24 -> 108 ms, with the other thread idle). :meth:`start` still runs updates on a background thread for
 Python programs that want one. ``state_dir`` persists the drafter's trained parameters, the buffer and the
 history (:meth:`save` on shutdown, loaded on start).
+
+With :attr:`OnlineConfig.traffic` the adapter also keeps a :class:`~speculant.drafters.traffic.TrafficMemory` of
+every finished request's tokens and merges its lookup chain into each draft: what earlier requests said is drafted
+again at once, with no training (persisted with the rest).
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from typing import Any
 
 import torch
 
+from ...core.checks import vocab_size
 from ...drafters.observed import Observation, ObservedDrafter
+from ...drafters.traffic import TrafficMemory, WithTraffic
 from ..losses import LOSSES, distill_loss_probs
 from .buffer import OnlineBuffer
 
@@ -48,7 +54,7 @@ __all__ = ["OnlineAdapter", "OnlineConfig"]
 
 log = logging.getLogger(__name__)
 
-_STATE_FILE, _PARAMS_FILE, _BUFFER_FILE = "online.json", "drafter.pt", "buffer.pt"
+_STATE_FILE, _PARAMS_FILE, _BUFFER_FILE, _TRAFFIC_FILE = "online.json", "drafter.pt", "buffer.pt", "traffic.pt"
 
 
 @dataclass
@@ -91,6 +97,15 @@ class OnlineConfig:
     A copy distilled a few steps on a few requests often moves agreement by noise alone, and "did not drop" then
     passes about half the time: the first kept update of benchmarks/results/online-stream-js-v2 passed on 42
     agreeing positions against 41 and drafted worse than the shipped drafter on 20 of the 32 requests it served."""
+    traffic: int = 0
+    """Tokens per step drafted from the traffic memory (:mod:`speculant.drafters.traffic`: every finished request's
+    tokens, looked up like prompt lookup and merged into each draft as one more chain); 0: none. The memory is
+    shared by every request (its module doc says what a response's acceptance then tells of earlier ones). Where its
+    chain is accepted the position counts as not refused, so with ``positions="rejected"`` the draft model does not
+    train there (as with ``lookup=N``)."""
+    traffic_tokens: int = 1 << 17
+    """Bound of the traffic memory, in tokens (with its index 89 bytes each measured on code requests, 300 at worst:
+    12-40 MB at this default)."""
     quiet_s: float = 0.25
     """In a server, the idle time before training steps: under steady load (no idle gap that long) updates wait, so
     requests never queue behind training; a request that arrives meanwhile waits for one step at most."""
@@ -103,7 +118,9 @@ class OnlineConfig:
             raise ValueError(f"online positions must be 'rejected' or 'all', got {self.positions!r}")
         if not self.min_z >= 0:  # also refuses nan
             raise ValueError(f"online min_z must be >= 0, got {self.min_z}")
-        for name in ("update_every", "steps", "batch", "top_k", "window", "max_bytes", "min_held"):
+        if self.traffic < 0:
+            raise ValueError(f"online traffic must be >= 0 tokens (0: no traffic memory), got {self.traffic}")
+        for name in ("update_every", "steps", "batch", "top_k", "window", "max_bytes", "min_held", "traffic_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"online {name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -128,6 +145,7 @@ class OnlineAdapter:
                              "speculant.load(..., draft_quantization='none'))")
         self.session, self.config = session, config or OnlineConfig()
         self.buffer = OnlineBuffer(self.config.max_bytes, self.config.holdout_every)
+        self.traffic = TrafficMemory(max_tokens=self.config.traffic_tokens) if self.config.traffic else None
         self.version = 0
         self.history: list[dict[str, Any]] = []
         self.state_dir = Path(state_dir) if state_dir is not None else None
@@ -148,10 +166,13 @@ class OnlineAdapter:
     # ------------------------------------------------------------------------------------------- observing
 
     def drafter(self, spec=None) -> ObservedDrafter:
-        """A fresh drafter of ``spec`` (None: the session's method) over the current draft model, observed."""
+        """A fresh drafter of ``spec`` (None: the session's method) over the current draft model, with the traffic
+        memory's chain merged in (if :attr:`OnlineConfig.traffic`), observed."""
         inner = self.session.drafter(spec)
         if inner is None:
             raise ValueError("online adaptation needs a drafting method, not plain decoding")
+        if self.traffic is not None:
+            inner = WithTraffic(inner, self.traffic, self.config.traffic)
         return ObservedDrafter(inner, self.config.top_k)
 
     def observe(self, drafter: ObservedDrafter) -> None:
@@ -160,6 +181,8 @@ class OnlineAdapter:
         with self._lock:
             if observation is not None:
                 self.buffer.add(observation)
+            if self.traffic is not None:
+                self.traffic.add(drafter.token_ids)
             self._since_update += 1
 
     def due(self) -> bool:
@@ -396,6 +419,8 @@ class OnlineAdapter:
         with self._lock:
             torch.save(self._own_state(self.session.draft), directory / _PARAMS_FILE)
             torch.save(self.buffer.state_dict(), directory / _BUFFER_FILE)
+            if self.traffic is not None:
+                torch.save(self.traffic.state_dict(), directory / _TRAFFIC_FILE)
             state = {"version": self.version, "history": self.history, "config": asdict(self.config),
                      "since_update": self._since_update}
         (directory / _STATE_FILE).write_text(json.dumps(state, indent=1))
@@ -410,6 +435,8 @@ class OnlineAdapter:
             state = json.loads((directory / _STATE_FILE).read_text())
             params = torch.load(directory / _PARAMS_FILE, weights_only=True)
             buffer = torch.load(directory / _BUFFER_FILE, weights_only=True)
+            traffic = torch.load(directory / _TRAFFIC_FILE, weights_only=True) \
+                if self.traffic is not None and (directory / _TRAFFIC_FILE).exists() else None
         except Exception as e:  # noqa: BLE001: a missing, truncated or foreign file (pickle, JSON, torch errors)
             raise ValueError(f"cannot read the online state in {directory}: {type(e).__name__}: {e}") from None
         if not all(k in state for k in ("version", "history")) or "items" not in buffer:
@@ -419,6 +446,11 @@ class OnlineAdapter:
             if name not in own or own[name].shape != value.shape:
                 raise ValueError(f"the online state in {directory} is for another draft model "
                                  f"(parameter {name!r} {tuple(value.shape)} does not fit)")
+        if traffic is not None:
+            try:  # a bad file: a ValueError before the drafter changes
+                self.traffic.load_state_dict(traffic, vocab_size(self.session.target))
+            except ValueError as e:
+                raise ValueError(f"the online state in {directory}: {e}") from None
         with torch.no_grad():  # in place: a packed lean forward sees the version counters move and rebuilds
             for name, value in params.items():
                 own[name].copy_(value)

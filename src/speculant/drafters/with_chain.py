@@ -1,0 +1,47 @@
+"""A drafter's tree with one more deterministic chain merged in, verified in the same target forward.
+
+The base of :class:`~.with_lookup.WithLookup` (the prompt-lookup continuation) and
+:class:`~.traffic.WithTraffic` (earlier requests' continuation): the inner drafter's tree with the chain added as a
+path from the root, sharing any prefix the tree already has (:func:`~.lookup.merge_chain`). The inner drafter's nodes
+keep their indices and it is told the accepted tokens as usual, so any drafter works inside. The merged tree has no
+draft distribution (``draft_probs`` None) and is verified as a deterministic draft (greedy, or the
+deterministic-draft rule when sampling), which is exact whatever proposed the tokens; a sampled chain's tokens then
+count as point masses (see :mod:`.with_lookup` for what that costs).
+"""
+
+from __future__ import annotations
+
+from ..core.types import DraftTree
+from .base import DecodeState
+from .lookup import merge_chain
+from .wrapper import DrafterWrapper
+
+__all__ = ["WithChain"]
+
+
+class WithChain(DrafterWrapper):
+    """``inner``'s draft tree with one more deterministic chain from the root merged in (what :meth:`chain` returns
+    for the step; subclasses say where it comes from, and name their method option in :attr:`option`). The merged
+    tree is verified as a deterministic draft (see the module doc); an empty chain leaves the tree as it was."""
+
+    option = "chain"
+    optional = False
+    """True: a tree whose nodes carry probes (which a chain cannot join) is proposed as it is; False: a ValueError."""
+
+    def chain(self, state: DecodeState) -> list[int]:
+        """The chain to merge this step (at most ``state.draft_limit`` tokens)."""
+        raise NotImplementedError
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        tree = self.inner.propose(state)
+        if tree.probes is not None and tree.probes.anchors != [0]:
+            if self.optional:
+                return tree
+            raise ValueError(f"{self.option}= cannot merge into a draft whose nodes carry probes (mask probes: use "
+                             "the hybrid method; ConFu: contemplate=root)")
+        chain = self.chain(state)
+        if not chain:
+            return tree  # unchanged: a sampled chain keeps its q and speculative sampling
+        tokens, parents = merge_chain(tree.tokens, tree.parents, chain)
+        # no draft_probs: verified as a deterministic draft; probes after the root only (ConFu's) stay valid
+        return DraftTree(tokens=tokens, parents=parents, probes=tree.probes)

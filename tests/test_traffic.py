@@ -1,0 +1,138 @@
+"""The traffic memory (earlier requests' tokens drafted like prompt lookup): lookup, its bound, its state, and that
+drafting from it stays exact, greedy and sampled, alone and inside online adaptation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import speculant
+from speculant.core.engine import generate
+from speculant.core.types import SamplingParams
+from speculant.drafters.traffic import TrafficMemory, WithTraffic
+from speculant.testing import perturbed, tiny_model
+from speculant.train.online import OnlineAdapter, OnlineConfig
+
+from helpers import sizes
+
+
+def test_the_latest_occurrence_of_the_longest_suffix_is_continued_within_its_request():
+    memory = TrafficMemory(ngram=3)
+    assert memory.continuation([1, 2, 3], 4) == []  # empty memory
+    memory.add([1, 2, 3, 4, 5, 6])
+    memory.add([9, 2, 3, 7, 8])
+    assert len(memory) == 11 and memory.requests == 2
+    assert memory.continuation([0, 2, 3], 4) == [7, 8]  # latest "2 3", and not past its request's end
+    assert memory.continuation([1, 2, 3], 4) == [4, 5, 6]  # the longer suffix "1 2 3" wins over the later "2 3"
+    assert memory.continuation([5, 3], 1) == [7]  # "5 3" unknown: the 1-gram "3", latest
+    assert memory.continuation([8], 3) == []  # 8 ends its request: nothing followed it
+    assert memory.continuation([42], 3) == []
+    memory.add([8, 1])  # n-grams never span two requests
+    assert memory.continuation([7, 8], 2) == [1]  # "7 8" -> the end; the 1-gram "8" -> 1 in the third request
+
+
+def test_the_memory_stays_within_its_bound_and_forgets_the_oldest_requests():
+    memory = TrafficMemory(ngram=2, max_tokens=100)
+    g = torch.Generator().manual_seed(0)
+    for i in range(60):
+        memory.add([1000 + i] + torch.randint(0, 50, (int(torch.randint(5, 30, (1,), generator=g)),),
+                                              generator=g).tolist())
+        assert len(memory) <= 100
+    assert memory.continuation([1000], 3) == []  # the first request is gone, and so is its index
+    assert memory.continuation([1059], 1) != []  # the last one is there
+    held = {t for t in memory._tokens}
+    assert all(after < len(memory) for after in memory._index.values())
+    assert {k[0] for k in memory._index} <= held
+    memory.add(list(range(500)))  # longer than the bound: its last 100 tokens
+    assert len(memory) == 100 and memory.continuation([450], 2) == [451, 452]
+
+
+def test_the_state_round_trips_and_bad_values_are_refused():
+    memory = TrafficMemory()
+    for ids in ([1, 2, 3, 4], [5, 2, 3, 9], [7, 7, 7]):
+        memory.add(ids)
+    again = TrafficMemory()
+    again.load_state_dict(memory.state_dict())
+    assert again._tokens == memory._tokens and again._starts == memory._starts and again._index == memory._index
+    for starts in ([0, 9, 4], [1, 4, 8], [0, 4, 11], []):
+        with pytest.raises(ValueError, match="inconsistent"):
+            again.load_state_dict({**memory.state_dict(), "starts": torch.tensor(starts, dtype=torch.int64)})
+    with pytest.raises(ValueError, match="vocabulary"):
+        again.load_state_dict(memory.state_dict(), vocab_size=8)  # the state holds token id 9
+    with pytest.raises(ValueError, match="incomplete"):
+        again.load_state_dict({**memory.state_dict(), "tokens": torch.tensor([1.0, 2.0])})
+    with pytest.raises(ValueError, match="incomplete"):
+        again.load_state_dict({"tokens": [1, 2]})
+    assert again._tokens == memory._tokens  # a refused state changes nothing
+    with pytest.raises(ValueError, match="max_tokens"):
+        TrafficMemory(max_tokens=0)
+    with pytest.raises(ValueError, match="traffic"):
+        OnlineConfig(traffic=-1)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("llama", seed=1)
+    return target, perturbed(target, 0.3, seed=2)
+
+
+def test_drafting_from_earlier_requests_is_exact_and_accepted(pair):
+    """A memory holding the target's own earlier answer drafts it again: τ rises, the output is plain decoding's."""
+    target, draft = pair
+    prompt = [3, 4, 5, 6, 7]
+    plain = generate(target, prompt, None, max_new_tokens=40, eos_token_id=[])
+    memory = TrafficMemory()
+    alone = generate(target, prompt, speculant.build_drafter("chain:k=2", draft), max_new_tokens=40, eos_token_id=[])
+    memory.add(prompt + plain.token_ids)
+    drafter = WithTraffic(speculant.build_drafter("chain:k=2", draft), memory, k=8)
+    gen = generate(target, prompt, drafter, max_new_tokens=40, eos_token_id=[])
+    assert gen.token_ids == plain.token_ids == alone.token_ids
+    assert gen.stats.target_calls < alone.stats.target_calls / 2  # the memory's chain was accepted
+    other = [9, 8, 7]  # another prompt: whatever is drafted, plain's output; mask probes' trees go unmerged
+    want = generate(target, other, None, max_new_tokens=30, eos_token_id=[]).token_ids
+    for inner in ("lookup", "mask-probe"):
+        drafter = WithTraffic(speculant.build_drafter(inner), memory, k=4)
+        assert generate(target, other, drafter, max_new_tokens=30, eos_token_id=[]).token_ids == want
+
+
+@pytest.mark.parametrize("n", sizes(2000, id="n"))
+def test_sampling_with_the_traffic_chain_matches_the_target_distribution(n):
+    """The memory's chain is a deterministic draft merged into a sampled chain (which then drops its q): the
+    deterministic-draft rule keeps the target's distribution."""
+    from test_sampling_distribution import PROMPT, VOCAB, exact_joint, pvalues, sample_counts
+
+    target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
+    draft = perturbed(target, scale=0.3, seed=5)
+    params = SamplingParams(temperature=1.0)
+    memory = TrafficMemory()
+    g = torch.Generator().manual_seed(3)
+    for seed in range(20):  # the target's own sampled continuations of the test's prompt, and noise
+        memory.add(PROMPT + generate(target, PROMPT, None, max_new_tokens=3, temperature=1.0, seed=seed,
+                                     eos_token_id=[]).token_ids)
+        memory.add(torch.randint(0, VOCAB, (8,), generator=g).tolist())
+    assert memory.continuation(PROMPT, 3)  # the prompt's continuation is drafted from the memory
+    drafter = WithTraffic(speculant.build_drafter("chain:k=2", draft), memory, k=3)
+    counts, hist, drafted = sample_counts(target, drafter, params, 3, n, seed0=99)
+    assert hist[1:].sum() > 100  # drafts were accepted
+    bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
+    assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
+
+
+def test_online_adaptation_fills_the_memory_drafts_from_it_and_keeps_it_across_a_restart(pair, tmp_path):
+    target, draft = pair
+    config = OnlineConfig(update_every=1000, traffic=6, traffic_tokens=4096)  # no distillation: the memory only
+    adapter = OnlineAdapter(speculant.load(target=target, draft=draft, method="chain:k=2"), config,
+                            state_dir=tmp_path)
+    prompt = [3, 4, 5, 6, 7]
+    plain = generate(target, prompt, None, max_new_tokens=40, eos_token_id=[]).token_ids
+    first = adapter.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    assert adapter.traffic.requests == 1 and len(adapter.traffic) == len(prompt) + 40
+    again = adapter.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    assert first.token_ids == again.token_ids == plain
+    assert again.stats.target_calls < first.stats.target_calls / 2
+    adapter.stop()  # saves
+    resumed = OnlineAdapter(speculant.load(target=target, draft=draft, method="chain:k=2"), config,
+                            state_dir=tmp_path)
+    assert resumed.traffic._tokens == adapter.traffic._tokens
+    assert resumed.generate(prompt, max_new_tokens=40, eos_token_id=[]).stats.target_calls == \
+        again.stats.target_calls
