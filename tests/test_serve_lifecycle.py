@@ -229,6 +229,7 @@ def test_body_grace_and_online_options_are_checked(models, capsys):
                                      online_min_z=float("nan")))
     cli_error_line(capsys, ["serve", *_args(models, "--online-traffic", "8")], "--online-traffic needs --online")
     cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic", "-1")], "--online-traffic")
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--no-online-distill")], "--no-online-distill needs")
 
 
 # ---------------------------------------------------------------------------------------------- item 7

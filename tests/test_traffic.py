@@ -136,3 +136,26 @@ def test_online_adaptation_fills_the_memory_drafts_from_it_and_keeps_it_across_a
     assert resumed.traffic._tokens == adapter.traffic._tokens
     assert resumed.generate(prompt, max_new_tokens=40, eos_token_id=[]).stats.target_calls == \
         again.stats.target_calls
+
+
+def test_the_memory_alone_serves_any_method_without_a_draft_model(pair, tmp_path):
+    """distill=False: no draft model trained (here none at all: prompt lookup), the memory still drafts and persists."""
+    target, _ = pair
+    config = OnlineConfig(distill=False, traffic=6)
+    adapter = OnlineAdapter(speculant.load(target=target, method="lookup"), config, state_dir=tmp_path)
+    prompt = [3, 4, 5, 6, 7]
+    plain = generate(target, prompt, None, max_new_tokens=40, eos_token_id=[]).token_ids
+    first = adapter.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    again = adapter.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    assert first.token_ids == again.token_ids == plain
+    assert again.stats.target_calls < first.stats.target_calls / 2
+    assert len(adapter.buffer) == 0 and not adapter.due()  # nothing recorded for training, no update due
+    with pytest.raises(ValueError, match="does not distil"):
+        adapter.update()
+    adapter.stop()  # saves (no drafter parameters)
+    resumed = OnlineAdapter(speculant.load(target=target, method="lookup"), config, state_dir=tmp_path)
+    assert resumed.traffic._tokens == adapter.traffic._tokens
+    with pytest.raises(ValueError, match="adapts nothing"):
+        OnlineConfig(distill=False)
+    with pytest.raises(ValueError, match="draft model"):
+        OnlineAdapter(speculant.load(target=target, method="lookup"), OnlineConfig(traffic=6))

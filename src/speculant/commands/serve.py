@@ -106,6 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "drafted again, with no training). Output is unchanged, but the memory is shared: a response's "
                    "accepted-token count tells whether its continuation followed the same context in an earlier "
                    "request, so use it where users may learn that of each other; 0: none; default: %(default)s")
+    p.add_argument("--online-distill", action=argparse.BooleanOptionalAction, default=d["online_distill"],
+                   help="with --online: distil the draft model on the traffic (needs a float draft model); "
+                   "--no-online-distill keeps only the traffic memory (--online-traffic N), for any method and any "
+                   "draft, quantized or none; default: on")
     p.add_argument("--online-state", metavar="DIR", default=d["online_state"],
                    help="with --online: save the adapted drafter, its buffer and history to DIR on shutdown, and "
                    "resume from them on start; default: none (adaptation starts afresh)")

@@ -49,13 +49,14 @@ class Observation:
 
 class ObservedDrafter(DrafterWrapper):
     """``inner`` (any drafter) with the target's verdicts on its drafts kept (see the module); ``top_k``: how many
-    of the target's most probable tokens to keep per position. One generation per object, like every drafter."""
+    of the target's most probable tokens to keep per position; ``record`` False: keep nothing but the generation's
+    :attr:`token_ids` (no work per step). One generation per object, like every drafter."""
 
-    def __init__(self, inner: Drafter, top_k: int = 32) -> None:
+    def __init__(self, inner: Drafter, top_k: int = 32, record: bool = True) -> None:
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         super().__init__(inner)
-        self.top_k = top_k
+        self.top_k, self.record = top_k, record
         self._state: DecodeState | None = None
         self._tree: DraftTree | None = None
         self._positions: list[int] = []
@@ -76,7 +77,7 @@ class ObservedDrafter(DrafterWrapper):
     def commit(self, state: DecodeState, accepted: list[int]) -> None:
         tree, logits = self._tree, state.last_logits
         self._tree = None
-        if tree is not None and len(tree) and logits is not None:
+        if self.record and tree is not None and len(tree) and logits is not None:
             last = state.last_accepted[-1] if state.last_accepted else -1
             refused = bool(tree.children[last + 1])  # the drafter offered a token where the bonus came from
             path = [0] + [1 + n for n in state.last_accepted]  # rows predicting the committed path's tokens

@@ -63,7 +63,8 @@ class ServeSettings:
     finished requests once ``online_min_held`` requests are held back for the check, trained while no request waits,
     kept only if held-back agreement rises by McNemar's z >= ``online_min_z``
     (:class:`speculant.train.online.OnlineConfig`); ``online_traffic``: also draft up to that many tokens per step
-    from earlier requests' tokens (:mod:`speculant.drafters.traffic`; 0: none); ``online_state``: a directory the
+    from earlier requests' tokens (:mod:`speculant.drafters.traffic`; 0: none); ``online_distill`` False: the traffic
+    memory only, no draft model trained (any method, any draft); ``online_state``: a directory the
     adapted drafter, its buffer and history are saved to on shutdown and resumed from."""
 
     target: str | None = None
@@ -91,6 +92,7 @@ class ServeSettings:
     online_min_held: int = 4
     online_min_z: float = 1.64
     online_traffic: int = 0
+    online_distill: bool = True
     online_state: str | None = None
 
     @property
@@ -134,6 +136,8 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         raise ValueError(f"--online-traffic must be >= 0, got {settings.online_traffic}")
     if settings.online_traffic and not settings.online:
         raise ValueError("--online-traffic needs --online")
+    if not settings.online_distill and not (settings.online and settings.online_traffic):
+        raise ValueError("--no-online-distill needs --online and --online-traffic N (else nothing adapts)")
     if settings.online_state is not None and not settings.online:
         raise ValueError("--online-state needs --online")
     if not 0 <= settings.port <= MAX_PORT:

@@ -273,7 +273,8 @@ class Worker:
             from ..train.online import OnlineAdapter, OnlineConfig
 
             config = OnlineConfig(update_every=self.settings.online_every, min_held=self.settings.online_min_held,
-                                  min_z=self.settings.online_min_z, traffic=self.settings.online_traffic)
+                                  min_z=self.settings.online_min_z, traffic=self.settings.online_traffic,
+                                  distill=self.settings.online_distill)
             self.online = OnlineAdapter(session, config, state_dir=self.settings.online_state)
             self.metrics.online_version.set(self.online.version)
             self.metrics.online_buffer.set(self.online.buffer.nbytes)

@@ -97,6 +97,9 @@ class OnlineConfig:
     A copy distilled a few steps on a few requests often moves agreement by noise alone, and "did not drop" then
     passes about half the time: the first kept update of benchmarks/results/online-stream-js-v2 passed on 42
     agreeing positions against 41 and drafted worse than the shipped drafter on 20 of the 32 requests it served."""
+    distill: bool = True
+    """Distil the draft model on the traffic (the updates above); False: the traffic memory only (``traffic`` > 0),
+    for any method, with or without a draft model, quantized or not."""
     traffic: int = 0
     """Tokens per step drafted from the traffic memory (:mod:`speculant.drafters.traffic`: every finished request's
     tokens, looked up like prompt lookup and merged into each draft as one more chain); 0: none. The memory is
@@ -120,6 +123,9 @@ class OnlineConfig:
             raise ValueError(f"online min_z must be >= 0, got {self.min_z}")
         if self.traffic < 0:
             raise ValueError(f"online traffic must be >= 0 tokens (0: no traffic memory), got {self.traffic}")
+        if not self.distill and not self.traffic:
+            raise ValueError("online adaptation without distillation adapts nothing: give traffic > 0 (the traffic "
+                             "memory's tokens per step)")
         for name in ("update_every", "steps", "batch", "top_k", "window", "max_bytes", "min_held", "traffic_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"online {name} must be >= 1, got {getattr(self, name)}")
@@ -131,19 +137,23 @@ class OnlineConfig:
 
 class OnlineAdapter:
     """Online adaptation of ``session``'s draft model (a :class:`speculant.session.Session` with a float draft
-    model); ``state_dir``: where the state is saved and, if present, resumed from."""
+    model; with :attr:`OnlineConfig.distill` False, any session: the traffic memory only); ``state_dir``: where the
+    state is saved and, if present, resumed from."""
 
     def __init__(self, session, config: OnlineConfig | None = None, state_dir: str | Path | None = None) -> None:
         from ...core.quant import quantization_of
 
+        config = config or OnlineConfig()
         draft = session.draft
-        if draft is None:
-            raise ValueError("online adaptation needs a method with a draft model (e.g. chain:k=4 with --draft)")
-        if quantization_of(draft) != "none":
+        if draft is None and config.distill:
+            raise ValueError("online adaptation needs a method with a draft model (e.g. chain:k=4 with --draft), or "
+                             "the traffic memory alone (distill=False, traffic > 0; serve: --no-online-distill "
+                             "--online-traffic N)")
+        if config.distill and quantization_of(draft) != "none":
             raise ValueError(f"online adaptation trains the draft model, which is quantized "
                              f"({quantization_of(draft)}): load it in float (--quantization none; in Python "
                              "speculant.load(..., draft_quantization='none'))")
-        self.session, self.config = session, config or OnlineConfig()
+        self.session, self.config = session, config
         self.buffer = OnlineBuffer(self.config.max_bytes, self.config.holdout_every)
         self.traffic = TrafficMemory(max_tokens=self.config.traffic_tokens) if self.config.traffic else None
         self.version = 0
@@ -173,13 +183,13 @@ class OnlineAdapter:
             raise ValueError("online adaptation needs a drafting method, not plain decoding")
         if self.traffic is not None:
             inner = WithTraffic(inner, self.traffic, self.config.traffic)
-        return ObservedDrafter(inner, self.config.top_k)
+        return ObservedDrafter(inner, self.config.top_k, record=self.config.distill)
 
     def observe(self, drafter: ObservedDrafter) -> None:
         """Keep what verification said of ``drafter``'s generation (call it once the generation ended)."""
         observation = drafter.observation()
         with self._lock:
-            if observation is not None:
+            if observation is not None and self.config.distill:
                 self.buffer.add(observation)
             if self.traffic is not None:
                 self.traffic.add(drafter.token_ids)
@@ -189,7 +199,7 @@ class OnlineAdapter:
         """Whether enough requests finished since the last update, enough refused positions are buffered and enough
         requests are held back to check an update on."""
         with self._lock:  # the worker adds (and evicts) under the lock
-            return (self._since_update >= self.config.update_every
+            return (self.config.distill and self._since_update >= self.config.update_every
                     and self.buffer.positions(rejected_only=True) >= self.config.min_positions
                     and len(self.buffer.held()) >= self.config.min_held)
 
@@ -208,6 +218,8 @@ class OnlineAdapter:
     def update(self) -> dict[str, Any]:
         """One round: train a copy of the draft model, check it on held-back requests, swap it in if its agreement
         rose beyond noise (:attr:`OnlineConfig.min_z`; else roll it back). Returns the round's :attr:`history` entry."""
+        if not self.config.distill:
+            raise ValueError("this adapter does not distil (OnlineConfig.distill False): it has no updates to run")
         return _run(self._round())
 
     def pending(self) -> bool:
@@ -417,7 +429,8 @@ class OnlineAdapter:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            torch.save(self._own_state(self.session.draft), directory / _PARAMS_FILE)
+            if self.config.distill:
+                torch.save(self._own_state(self.session.draft), directory / _PARAMS_FILE)
             torch.save(self.buffer.state_dict(), directory / _BUFFER_FILE)
             if self.traffic is not None:
                 torch.save(self.traffic.state_dict(), directory / _TRAFFIC_FILE)
@@ -433,7 +446,7 @@ class OnlineAdapter:
         directory = Path(directory)
         try:
             state = json.loads((directory / _STATE_FILE).read_text())
-            params = torch.load(directory / _PARAMS_FILE, weights_only=True)
+            params = torch.load(directory / _PARAMS_FILE, weights_only=True) if self.config.distill else {}
             buffer = torch.load(directory / _BUFFER_FILE, weights_only=True)
             traffic = torch.load(directory / _TRAFFIC_FILE, weights_only=True) \
                 if self.traffic is not None and (directory / _TRAFFIC_FILE).exists() else None
@@ -441,7 +454,7 @@ class OnlineAdapter:
             raise ValueError(f"cannot read the online state in {directory}: {type(e).__name__}: {e}") from None
         if not all(k in state for k in ("version", "history")) or "items" not in buffer:
             raise ValueError(f"the online state in {directory} is incomplete (online.json or buffer.pt)")
-        own = dict(self.session.draft.named_parameters())
+        own = dict(self.session.draft.named_parameters()) if params else {}
         for name, value in params.items():
             if name not in own or own[name].shape != value.shape:
                 raise ValueError(f"the online state in {directory} is for another draft model "
