@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--traffic", type=int, default=OnlineConfig.traffic, metavar="N",
                     help="also draft up to N tokens per step from the traffic memory (earlier requests' tokens, "
                          "speculant.drafters.traffic); 0: none")
+    ap.add_argument("--no-distill", action="store_true",
+                    help="the traffic memory only (--traffic N): no draft model trained, any --method")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/online-stream")
@@ -102,7 +104,7 @@ def main() -> None:
                                       shipped.tokenizer)
     config = OnlineConfig(update_every=args.online_every, steps=args.steps, lr=args.lr, loss=args.loss,
                           positions=args.positions, min_held=args.min_held, min_z=args.min_z,
-                          traffic=args.traffic, seed=args.seed)
+                          traffic=args.traffic, distill=not args.no_distill, seed=args.seed)
     adapter = OnlineAdapter(adapting, config)
     warm = prompt_ids(builtin_prompts("mt-bench", 1)[0], shipped.tokenizer)
     for s in (shipped, adapting):  # warm-up (not in the stream)
@@ -156,11 +158,12 @@ def main() -> None:
     lines = [f"# Online adaptation on a held-out stream ({args.prompts}"
              f"{f', topic /{args.topic}/' if args.topic else ''}, {len(prompts)} requests)", "",
              f"Target {args.target}, method `{shipped.method.spec}` with its shipped drafter, greedy, "
-             f"{args.max_new_tokens} new tokens, {args.threads} threads; online: an update every "
-             f"{args.online_every} requests ({args.steps} steps, lr {args.lr}, {args.loss} at {args.positions} "
-             f"positions), run between requests"
-             f"{f'; traffic memory: up to {args.traffic} tokens per step from earlier requests' if args.traffic else ''}"
-             ". Every output identical between the two sessions.", "",
+             f"{args.max_new_tokens} new tokens, {args.threads} threads; online: "
+             + ("no distillation" if args.no_distill else
+                f"an update every {args.online_every} requests ({args.steps} steps, lr {args.lr}, {args.loss} at "
+                f"{args.positions} positions), run between requests")
+             + (f"; traffic memory: up to {args.traffic} tokens per step from earlier requests" if args.traffic else "")
+             + ". Every output identical between the two sessions.", "",
              "| window | τ shipped | τ online | tok/s shipped (median) | tok/s online (median) | p90 latency shipped | "
              "p90 latency online |", "|---|---|---|---|---|---|---|"]
     for a, b in zip(windows["shipped"], windows["online"]):
