@@ -111,7 +111,7 @@ class TrafficMemory:
         r = bisect.bisect_left(self._starts, cut)  # the first request starting at or after the cut survives
         drop = self._starts[r] if r < len(self._starts) else len(self._tokens)
         tokens, starts, index = self._tokens[drop:], [s - drop for s in self._starts[r:]], {}
-        for a, b in zip(starts, starts[1:] + [len(tokens)]):
+        for a, b in _spans(starts, len(tokens)):
             self._index_request(tokens, a, b, index)
         self._tokens, self._starts, self._index = tokens, starts, index  # swapped in at once (module doc)
 
@@ -137,8 +137,13 @@ class TrafficMemory:
             raise ValueError("the traffic memory's state holds token ids outside this model's vocabulary (saved "
                              "for another model?)")
         self._tokens, self._starts, self._index = [], [], {}
-        for a, b in zip(starts, starts[1:] + [len(tokens)]):
+        for a, b in _spans(starts, len(tokens)):
             self.add(tokens[a:b])
+
+
+def _spans(starts: list[int], total: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each request, from the requests' ``starts`` and the ``total`` tokens held."""
+    return list(zip(starts, starts[1:] + [total]))
 
 
 class WithTraffic(WithChain):
