@@ -46,7 +46,10 @@ def chisq_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 
 N_FAST = 1200
 """Seeded generations per end-to-end distribution test in the default suite; each such test also runs at its
-full size (3,000-3,500) under ``@pytest.mark.slow`` (``make test-all``).
+full size (3,000-3,500) under ``@pytest.mark.slow`` (``make test-all``). They run 50 at a time as one batch
+(``test_sampling_distribution.sample_counts``; ``plain-k2`` one by one through ``speculant.generate``), which
+halves their time; a variant whose code a default case of the same test runs already (the same rule under another
+warping, k = 3 beside k = 2) runs in the slow suite only (:func:`sizes` ``fast=False``).
 
 Power. The tests pass at p > 1e-4 (chi-square). Against an error of total-variation distance δ in the first
 token's distribution (5 categories, df 4), the test statistic is noncentral chi-square with λ ≥ 4 N δ² (the
@@ -69,10 +72,12 @@ def detectable_tv(n: int, categories: int = 5, alpha: float = 1e-4, power: float
     return float(np.sqrt(lam / (4 * n)))
 
 
-def sizes(n_full: int, *values, id: str) -> list:
-    """Parameters ``(*values, N_FAST)`` for the default suite and ``(*values, n_full)`` marked slow (id + '-full')."""
-    return [pytest.param(*values, N_FAST, id=id),
-            pytest.param(*values, n_full, id=f"{id}-full", marks=pytest.mark.slow)]
+def sizes(n_full: int, *values, id: str, fast: bool = True) -> list:
+    """Parameters ``(*values, N_FAST)`` for the default suite and ``(*values, n_full)`` marked slow (id + '-full');
+    ``fast=False``: the slow one only (a variant whose code a default case of the same test already runs, e.g. the
+    same rule under another warping: the default suite stays within its time, ``make test-all`` runs every one)."""
+    full = pytest.param(*values, n_full, id=f"{id}-full", marks=pytest.mark.slow)
+    return [pytest.param(*values, N_FAST, id=id), full] if fast else [full]
 
 
 def record_caches(monkeypatch, module, name: str) -> list:

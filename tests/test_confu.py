@@ -139,7 +139,7 @@ def test_confu_sampling_matches_the_target_distribution(n):
     target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
     draft = _confu(target, scale=0.5, seed=7)
     params = speculant.SamplingParams(temperature=1.0)
-    counts, hist, drafted = sample_counts(target, ConFuDrafter(draft, k=2), params, 3, n, seed0=321)
+    counts, hist, drafted = sample_counts(target, lambda: ConFuDrafter(draft, k=2), params, 3, n, seed0=321)
     accepted = float((hist * torch.arange(len(hist)).numpy()).sum()) / max(drafted, 1)
     assert 0.1 < accepted < 0.95, accepted
     bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}

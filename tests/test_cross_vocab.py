@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import speculant
+from helpers import sizes
 from speculant.core.types import SamplingParams
 from speculant.drafters.cross_vocab import CrossVocabDrafter
 from speculant.drafters.token_bridge import TokenBridge, aligned_segments, char_boundaries
@@ -88,14 +89,23 @@ def test_translated_drafts_of_the_right_text_are_accepted():
     assert len(drafter.bridge) > 0 and drafter.bridge.hits + drafter.bridge.misses > 0
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampling_keeps_the_target_distribution(temperature):
+@pytest.mark.parametrize("temperature,n", [*sizes(3000, 1.0, id="1.0"), *sizes(3000, 0.7, id="0.7")])
+def test_sampling_keeps_the_target_distribution(temperature, n):
     from test_sampling_distribution import PROMPT, VOCAB, exact_joint, pvalues, sample_counts
 
     assert VOCAB == len(TARGET_TOK.pieces)
     target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
     params = SamplingParams(temperature=temperature)
-    counts, hist, drafted = sample_counts(target, _drafter(_draft_model(), 2), params, 3, 3000, seed0=321)
+    model = _draft_model()
+    bridge = _drafter(model, 2).bridge  # one n-gram cache for every generation, growing as they go
+
+    def make():
+        drafter = _drafter(model, 2)
+        drafter.bridge = bridge
+        return drafter
+
+    counts, hist, drafted = sample_counts(target, make, params, 3, n, seed0=321)
+    assert len(bridge) > 0
     assert drafted > 0 and hist[1:].sum() > 0  # drafts were proposed and some accepted
     bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
     assert not bad, f"empirical distribution differs from the target's: p-values {bad} ({PROMPT})"

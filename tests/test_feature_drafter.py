@@ -142,7 +142,7 @@ def test_sampling_matches_the_target_distribution(n):
     draft = _perturb(build_attached(target, [1], features=True), 0.5, seed=7)
     params = SamplingParams(temperature=1.0)
     k = 2
-    counts, hist, drafted = sample_counts(target, FeatureDrafter(draft, k=k), params, k + 1, n, seed0=777)
+    counts, hist, drafted = sample_counts(target, lambda: FeatureDrafter(draft, k=k), params, k + 1, n, seed0=777)
     accepted = float((hist * torch.arange(len(hist)).numpy()).sum()) / max(drafted, 1)
     assert 0.15 < accepted < 0.95, accepted  # both accepted and rejected drafts
     expected = exact_joint(target, params, k + 1)
@@ -252,14 +252,15 @@ def test_feature_trees_greedy_equal_plain_decoding(arch, spec):
         assert gen.token_ids == ref.token_ids, (arch, spec, len(prompt))
 
 
-@pytest.mark.parametrize("spec", ["specinfer:width=2:depth=2", "tree:budget=5:topk=2:depth=2"])
-def test_feature_trees_sample_the_target_distribution(spec):
+@pytest.mark.parametrize("spec,n", [*sizes(3000, "specinfer:width=2:depth=2", id="specinfer:width=2:depth=2"),
+                                    *sizes(3000, "tree:budget=5:topk=2:depth=2", id="tree:budget=5:topk=2:depth=2")])
+def test_feature_trees_sample_the_target_distribution(spec, n):
     from test_sampling_distribution import VOCAB, exact_joint, pvalues, sample_counts
 
     target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
     draft = _perturb(build_attached(target, [1], features=True), 0.5, seed=7)
     params = SamplingParams(temperature=1.0)
-    counts, _, _ = sample_counts(target, speculant.build_drafter(spec, draft), params, 3, 3000, seed0=99)
+    counts, _, _ = sample_counts(target, lambda: speculant.build_drafter(spec, draft), params, 3, n, seed0=99)
     bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
 

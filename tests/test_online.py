@@ -183,7 +183,7 @@ def test_sampling_with_an_updated_drafter_keeps_the_target_distribution():
         adapter.generate(prompt, max_new_tokens=12, eos_token_id=[], temperature=1.0, seed=int(prompt[0]))
     assert adapter.history and adapter.session.draft is not draft  # updated (the test below needs a new drafter)
     params = SamplingParams(temperature=1.0)
-    counts, hist, drafted = sample_counts(target, build_drafter("chain:k=2", adapter.session.draft), params, 3,
+    counts, hist, drafted = sample_counts(target, lambda: build_drafter("chain:k=2", adapter.session.draft), params, 3,
                                           1200, seed0=77)
     assert drafted > 0
     bad = {n: p for n, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}

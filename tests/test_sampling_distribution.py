@@ -85,28 +85,45 @@ def exact_joint(target, params: SamplingParams, depth: int) -> np.ndarray:
     return joint
 
 
-def sample_counts(target, drafter, params: SamplingParams, n_tokens: int, n: int, seed0: int):
-    """Empirical counts ``[VOCAB] * n_tokens`` of the ``n_tokens`` new tokens of ``n`` seeded generations with
-    ``drafter`` (any drafter), the pooled accepted-length histogram (steps that accepted m drafts) and the number
-    of draft tokens proposed."""
+BATCH = 50
+"""Seeded generations per batch in :func:`sample_counts` (one verification forward per step for all of them)."""
+
+
+def sample_counts(target, make_drafter, params: SamplingParams, n_tokens: int, n: int, seed0: int,
+                  batch: int = BATCH):
+    """Empirical counts ``[VOCAB] * n_tokens`` of the ``n_tokens`` new tokens of ``n`` seeded generations, each
+    with its own drafter ``make_drafter()`` (a zero-argument function; a drafter keeps per-generation state), the
+    pooled accepted-length histogram (steps that accepted m drafts) and the number of draft tokens proposed.
+
+    Generation ``i`` has seed ``seed0 + i``; they run ``batch`` at a time through :func:`speculant.generate_batch`
+    (each sequence keeps its own generator, so it draws what it draws alone, up to the float rounding of a
+    batched row), or one by one through :func:`speculant.generate` with ``batch=1``."""
     counts = np.zeros([VOCAB] * n_tokens)
     hist = np.zeros(n_tokens + 1)
     drafted = 0
-    for i in range(n):
-        gen = speculant.generate(target, PROMPT, drafter=drafter, max_new_tokens=n_tokens,
-                                 temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                 seed=seed0 + i, eos_token_id=[])
-        assert len(gen.token_ids) == n_tokens
-        counts[tuple(gen.token_ids)] += 1
-        hist[: len(gen.stats.accepted_hist)] += gen.stats.accepted_hist
-        drafted += gen.stats.draft_tokens
+    kwargs = dict(max_new_tokens=n_tokens, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                  eos_token_id=[])
+    for start in range(0, n, batch):
+        seeds = list(range(seed0 + start, seed0 + min(n, start + batch)))
+        if batch == 1:
+            gens = [speculant.generate(target, PROMPT, drafter=make_drafter(), seed=seeds[0], **kwargs)]
+        else:
+            gens = speculant.generate_batch(target, [PROMPT] * len(seeds), [make_drafter() for _ in seeds],
+                                            seed=seeds, **kwargs)
+        for gen in gens:
+            assert len(gen.token_ids) == n_tokens
+            counts[tuple(gen.token_ids)] += 1
+            hist[: len(gen.stats.accepted_hist)] += gen.stats.accepted_hist
+            drafted += gen.stats.draft_tokens
     return counts, hist, drafted
 
 
-def sample_joint(target, draft, params: SamplingParams, k: int, n: int, seed0: int, **drafter_options):
-    """Empirical counts of the ``k + 1`` tokens of ``n`` seeded generations, and the draft acceptance rate."""
-    drafter = speculant.DraftModelDrafter(draft, k=k, **drafter_options)
-    counts, hist, drafted = sample_counts(target, drafter, params, k + 1, n, seed0)
+def sample_joint(target, draft, params: SamplingParams, k: int, n: int, seed0: int, batch: int = BATCH,
+                 **drafter_options):
+    """Empirical counts of the ``k + 1`` tokens of ``n`` seeded generations (:func:`sample_counts`), and the draft
+    acceptance rate."""
+    counts, hist, drafted = sample_counts(target, lambda: speculant.DraftModelDrafter(draft, k=k, **drafter_options),
+                                          params, k + 1, n, seed0, batch)
     accepted = float((hist * np.arange(len(hist))).sum())
     return counts, accepted / max(drafted, 1)
 
@@ -133,20 +150,22 @@ def test_sample_sizes_have_the_stated_power():
 
 
 SETTINGS = [
-    # (sampling params, draft tokens per step k, samples); each sample is a sequence of k + 1 tokens; N_FAST
-    # samples in the default suite, the full size in the slow one (power: helpers.N_FAST)
-    *sizes(3500, SamplingParams(temperature=1.0), 2, id="plain-k2"),
-    *sizes(3000, SamplingParams(temperature=0.7), 3, id="temp0.7-k3"),
-    *sizes(3500, SamplingParams(temperature=1.0, top_k=3), 2, id="topk3-k2"),
-    *sizes(3000, SamplingParams(temperature=1.0, top_p=0.8), 3, id="topp0.8-k3"),
+    # (sampling params, draft tokens per step k, generations per batch, samples); each sample is a sequence of
+    # k + 1 tokens; N_FAST samples in the default suite, the full size in the slow one (power: helpers.N_FAST).
+    # plain-k2 runs its generations one by one through speculant.generate, the rest in batches of BATCH; a
+    # temperature below 1 runs in the default suite through the batch of two temperatures and VocabTrim's case.
+    *sizes(3500, SamplingParams(temperature=1.0), 2, 1, id="plain-k2"),
+    *sizes(3000, SamplingParams(temperature=0.7), 3, BATCH, id="temp0.7-k3", fast=False),
+    *sizes(3500, SamplingParams(temperature=1.0, top_k=3), 2, BATCH, id="topk3-k2"),
+    *sizes(3000, SamplingParams(temperature=1.0, top_p=0.8), 3, BATCH, id="topp0.8-k3"),
 ]
 
 
-@pytest.mark.parametrize("params,k,n", SETTINGS)
-def test_generate_matches_target_distribution(models, params, k, n):
+@pytest.mark.parametrize("params,k,batch,n", SETTINGS)
+def test_generate_matches_target_distribution(models, params, k, batch, n):
     target, draft = models
     expected = exact_joint(target, params, k + 1)
-    counts, acceptance = sample_joint(target, draft, params, k, n, seed0=10_000 * k)
+    counts, acceptance = sample_joint(target, draft, params, k, n, seed0=10_000 * k, batch=batch)
     # the draft must be neither useless nor perfect, otherwise the rejection paths are not exercised
     assert 0.15 < acceptance < 0.9, acceptance
     bad = {name: p for name, p in pvalues(counts, expected).items() if not p > PASS_P}
@@ -175,8 +194,9 @@ def test_a_chain_that_stops_on_the_drafts_confidence_matches_target_distribution
     params = SamplingParams(temperature=temperature)
     expected = exact_joint(target, params, 4)
     counts, acceptance = sample_joint(target, draft, params, k=3, n=n, seed0=777, stop=0.45)
-    _, _, full = sample_counts(target, speculant.DraftModelDrafter(draft, k=3), params, 4, 200, 777)
-    _, _, short = sample_counts(target, speculant.DraftModelDrafter(draft, k=3, stop=0.45), params, 4, 200, 777)
+    _, _, full = sample_counts(target, lambda: speculant.DraftModelDrafter(draft, k=3), params, 4, 200, 777)
+    _, _, short = sample_counts(target, lambda: speculant.DraftModelDrafter(draft, k=3, stop=0.45), params, 4, 200,
+                                777)
     assert short < 0.9 * full, (short, full)  # the chains did stop early
     assert 0.15 < acceptance < 0.9, acceptance
     bad = {name: p for name, p in pvalues(counts, expected).items() if not p > PASS_P}
@@ -266,20 +286,21 @@ def test_negative_control_bias_is_detected(models, monkeypatch, bug):
 def test_a_batch_of_two_temperatures_samples_each_targets_distribution(models):
     """Two sequences in one batch, at temperatures 1.0 and 0.6, each with its own chain drafter: every step one
     verification forward for both; each sequence's first three tokens follow the target's distribution at its own
-    temperature (chi-square over N_FAST batches)."""
+    temperature (chi-square over N_FAST pairs, BATCH // 2 pairs per batch)."""
     from speculant.core.batch import Batch
 
     target, draft = models
     temps = (1.0, 0.6)
     expected = [exact_joint(target, SamplingParams(temperature=t), 3) for t in temps]
     counts = [np.zeros([VOCAB] * 3) for _ in temps]
-    for i in range(N_FAST):
+    for start in range(0, N_FAST, BATCH // 2):  # BATCH // 2 pairs per batch
         batch = Batch(target)
-        index = [batch.add(PROMPT, speculant.DraftModelDrafter(draft, k=2), 3, temperature=t, seed=1000 + 2 * i + j,
-                           eos_token_id=[]) for j, t in enumerate(temps)]
+        index = [(j, batch.add(PROMPT, speculant.DraftModelDrafter(draft, k=2), 3, temperature=t,
+                               seed=1000 + 2 * i + j, eos_token_id=[]))
+                 for i in range(start, min(N_FAST, start + BATCH // 2)) for j, t in enumerate(temps)]
         while len(batch):
             batch.step()
-        for j, ix in enumerate(index):
+        for j, ix in index:
             counts[j][tuple(batch.result(ix).token_ids)] += 1
     for c, e, t in zip(counts, expected, temps):
         p = pvalues(c, e)

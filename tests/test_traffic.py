@@ -111,8 +111,8 @@ def test_sampling_with_the_traffic_chain_matches_the_target_distribution(n):
                                      eos_token_id=[]).token_ids)
         memory.add(torch.randint(0, VOCAB, (8,), generator=g).tolist())
     assert memory.continuation(PROMPT, 3)  # the prompt's continuation is drafted from the memory
-    drafter = WithTraffic(speculant.build_drafter("chain:k=2", draft), memory, k=3)
-    counts, hist, drafted = sample_counts(target, drafter, params, 3, n, seed0=99)
+    counts, hist, drafted = sample_counts(
+        target, lambda: WithTraffic(speculant.build_drafter("chain:k=2", draft), memory, k=3), params, 3, n, seed0=99)
     assert hist[1:].sum() > 100  # drafts were accepted
     bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"

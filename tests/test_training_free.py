@@ -153,7 +153,7 @@ def test_sampling_keeps_the_target_distribution(drafter, n):
     made = {"lookup": lambda: PromptLookupDrafter(ngram=2, k=2), "mask-probe": lambda: MaskProbeDrafter(masks=2),
             "hybrid": lambda: HybridDrafter(masks=2, ngram=2, k=2)}
     expected = exact_joint(target, params, 3)
-    counts, hist, drafted = sample_counts(target, made[drafter](), params, 3, n, seed0=31)
+    counts, hist, drafted = sample_counts(target, made[drafter], params, 3, n, seed0=31)
     assert drafted > 0 and hist[1:].sum() > 0  # drafts were proposed and some accepted
     bad = {k: p for k, p in pvalues(counts, expected).items() if not p > PASS_P}
     assert not bad, bad

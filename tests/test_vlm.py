@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import speculant
+from speculant.core.batch import Batch
 from speculant.core.engine import generate
 from speculant.drafters.registry import build_drafter
 from speculant.drafters.text_only import TextOnlyDrafter, text_ids
@@ -140,12 +141,16 @@ def test_sampling_with_an_image_keeps_the_targets_distribution(kind):
     draft = perturbed(tiny_model("llama", vocab_size=vocab, seed=0, init_std=0.3), 0.5, seed=4)
     counts = np.zeros((vocab, vocab))
     drafted = 0
-    for i in range(n):
-        d = TextOnlyDrafter(build_drafter("chain:k=2", draft), [image])
-        g = generate(target, ids, d, max_new_tokens=2, temperature=1.0, seed=1000 + i, eos_token_id=[],
-                     prompt_embeds=embeds)
-        counts[tuple(g.token_ids)] += 1
-        drafted += g.stats.draft_tokens
+    for start in range(0, n, 50):  # 50 image prompts per batch (one verification forward per step for all)
+        batch = Batch(target)
+        index = [batch.add(ids, TextOnlyDrafter(build_drafter("chain:k=2", draft), [image]), 2, temperature=1.0,
+                           seed=1000 + i, eos_token_id=[], prompt_embeds=embeds) for i in range(start, start + 50)]
+        while len(batch):
+            batch.step()
+        for i in index:
+            g = batch.result(i)
+            counts[tuple(g.token_ids)] += 1
+            drafted += g.stats.draft_tokens
     assert drafted > 0
     assert chisq_pvalue(counts, joint) > 1e-4
 
