@@ -25,7 +25,8 @@ METHODS = ["ar", "chain:k=3", "tree:budget=10:topk=3:depth=4", "rsd-c:branching=
            "lookup", "mask-probe"]
 # float32 rounding between the engine's forward (lean, tree-masked, cached) and one plain transformers forward
 ATOL, RTOL = 5e-5, 1e-5
-SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_k=40, top_p=0.95, seed=3)}
+# seed 0: every method gets draft tokens accepted in its 20 sampled tokens (the test asserts it covered them)
+SAMPLING = {"greedy": dict(temperature=0.0), "sampled": dict(temperature=0.8, top_k=40, top_p=0.95, seed=0)}
 
 
 @pytest.fixture(scope="module", autouse=True)

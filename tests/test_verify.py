@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import chisq_pvalue
 
-from speculant.core.sampling import make_generator, warp
+from speculant.core.sampling import make_generator, sample, warp
 from speculant.core.types import DraftTree, SamplingParams, Verdict
 from speculant.core.verification import kseq_rho, residual, verify
 
@@ -275,13 +275,13 @@ def _first_token_counts(n: int, seed: int, draw, replacement: bool, merge: bool,
     return counts, n_dups
 
 
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])  # k = 3: the slow suite (time)
 def test_rejection_without_replacement_marginal_is_q(k):
     counts, _ = _first_token_counts(15000, 100 + k, _gumbel_top_k, replacement=False, merge=False, k=k)
     assert _chisq_pvalue(counts, QM) > PASS_P
 
 
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])  # k = 3: the slow suite (time)
 def test_rejection_with_replacement_marginal_is_q(k):
     # i.i.d. siblings, each draw its own node (duplicates as separate siblings)
     counts, n_dups = _first_token_counts(15000, 200 + k, _iid, replacement=True, merge=False, k=k)
@@ -355,7 +355,7 @@ def test_kseq_rho_is_valid_and_near_the_root(k):
     assert disjoint == pytest.approx(k)
 
 
-@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])  # k = 3: the slow suite (time)
 def test_kseq_marginal_is_q_and_acceptance_is_p_acc(k):
     """K i.i.d. draws merged with duplicates: the emitted token is distributed as q, and some draw is accepted
     with probability p_acc = 1 - (1 - beta(rho))^K, as the K-SEQ rule says."""
@@ -546,6 +546,31 @@ def test_sampling_respects_warping():
     w = QM[[1, 3]] ** (1 / 0.7)
     expected[[1, 3]] = w / w.sum()
     assert _chisq_pvalue(counts, expected) > PASS_P
+
+
+@pytest.mark.parametrize("vocab", [6, 9_000], ids=["small", "blocks"])
+def test_sample_draws_the_distribution_and_never_a_zero(vocab):
+    """``sample`` inverts the float64 CDF; over a large vocabulary in two levels (block sums, then inside the
+    drawn block). The mass sits on 12 tokens spread over every block (the short last one included) and on a
+    thin spread over all the others (pooled in the test); every 3rd token has probability 0 and is never drawn."""
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.rand(vocab, generator=g) * 1e-4  # [V]
+    heavy = torch.linspace(0, vocab - 1, 12).long()
+    probs[heavy] = torch.rand(12, generator=g) + 0.5
+    probs[torch.arange(1, vocab, 3)] = 0.0
+    probs = probs / probs.sum()
+    gen = make_generator(7)
+    draws = np.array([sample(probs, gen) for _ in range(6000)])
+    assert probs[torch.from_numpy(draws)].min() > 0
+    p = probs.double().numpy()
+    keep = np.zeros(vocab, bool)
+    keep[heavy.numpy()] = True
+    keep &= p > 0
+    counts = np.append(np.bincount(draws, minlength=vocab)[keep], (~keep[draws]).sum())
+    assert _chisq_pvalue(counts, np.append(p[keep], p[~keep].sum())) > PASS_P
+    for bad in (torch.zeros(vocab), torch.full((vocab,), float("nan"))):
+        with pytest.raises(ValueError, match="cannot sample"):
+            sample(bad, gen)
 
 
 # ----------------------------------------------------------------------------------- determinism, errors
