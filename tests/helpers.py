@@ -48,8 +48,8 @@ N_FAST = 1200
 """Seeded generations per end-to-end distribution test in the default suite; each such test also runs at its
 full size (3,000-3,500) under ``@pytest.mark.slow`` (``make test-all``). They run 50 at a time as one batch
 (``test_sampling_distribution.sample_counts``; ``plain-k2`` one by one through ``speculant.generate``), which
-halves their time; a variant whose code a default case of the same test runs already (the same rule under another
-warping, k = 3 beside k = 2) runs in the slow suite only (:func:`sizes` ``fast=False``).
+cuts their time by about a third; a variant whose code a default case of the same test runs already (the same rule
+under another warping, k = 3 beside k = 2) runs in the slow suite only (:func:`sizes` ``fast=False``).
 
 Power. The tests pass at p > 1e-4 (chi-square). Against an error of total-variation distance δ in the first
 token's distribution (5 categories, df 4), the test statistic is noncentral chi-square with λ ≥ 4 N δ² (the

@@ -17,7 +17,7 @@ import pytest
 import torch
 from helpers import chisq_pvalue
 
-from speculant.core.sampling import make_generator, sample, warp
+from speculant.core.sampling import make_generator, nucleus, sample, warp
 from speculant.core.types import DraftTree, SamplingParams, Verdict
 from speculant.core.verification import kseq_rho, residual, verify
 
@@ -548,7 +548,7 @@ def test_sampling_respects_warping():
     assert _chisq_pvalue(counts, expected) > PASS_P
 
 
-@pytest.mark.parametrize("vocab", [6, 9_000], ids=["small", "blocks"])
+@pytest.mark.parametrize("vocab", [6, 4_097, 5_120, 9_000])  # one block, a 1-token last block, whole blocks, ...
 def test_sample_draws_the_distribution_and_never_a_zero(vocab):
     """``sample`` inverts the float64 CDF; over a large vocabulary in two levels (block sums, then inside the
     drawn block). The mass sits on 12 tokens spread over every block (the short last one included) and on a
@@ -571,6 +571,58 @@ def test_sample_draws_the_distribution_and_never_a_zero(vocab):
     for bad in (torch.zeros(vocab), torch.full((vocab,), float("nan"))):
         with pytest.raises(ValueError, match="cannot sample"):
             sample(bad, gen)
+
+
+def _nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    probs = logits.softmax(-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    before = sorted_probs.double().cumsum(-1) - sorted_probs.double()
+    keep = before < top_p
+    keep[..., 0] = True
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+@pytest.mark.parametrize("vocab", [5, 300, 20_000])
+def test_nucleus_sorts_only_the_head_and_keeps_what_a_full_sort_keeps(vocab):
+    """top-p's kept set from a partial sort (64 tokens, then 8 times as many while a row's head holds less than
+    top_p) equals the full sort's, for peaked and flat rows (flat ones need the head to grow)."""
+    g = torch.Generator().manual_seed(vocab)
+    sizes = []
+    for scale in (0.2, 1.0, 4.0):
+        logits = torch.randn(3, vocab, generator=g) * scale  # [3, V]
+        for top_p in (0.05, 0.5, 0.9, 0.999):
+            got = nucleus(logits, top_p)
+            assert torch.equal(got, _nucleus_by_full_sort(logits, top_p)), (scale, top_p)
+            sizes.append(int(got.sum(-1).max()))
+    assert min(sizes) >= 1 and (vocab < 1000 or max(sizes) > 8 * 64)  # the head grew twice at least
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.9)  # top-k first, then the nucleus of what is left
+    logits = torch.randn(2, vocab, generator=g)
+    probs = warp(logits, params)
+    assert ((probs > 0).sum(-1) <= 20).all()
+    kth = logits.topk(min(20, vocab)).values[..., -1:]  # [2, 1]
+    assert torch.equal(probs > 0, nucleus(logits.masked_fill(logits < kth, float("-inf")) / 0.7, 0.9))
+
+
+def test_warp_keeps_top_k_ties_and_gives_the_probabilities_of_the_kept_logits():
+    """Top-k keeps every token tied with the k-th logit; without a tie the fast path (work on the k values only)
+    gives the probabilities of a softmax over the kept logits, after top-p too."""
+    probs = warp(torch.tensor([[3.0, 2.0, 2.0, 1.0]]), SamplingParams(temperature=1.0, top_k=2))
+    assert (probs[0] > 0).tolist() == [True, True, True, False]
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 500, generator=g) * 2  # [3, V], no ties
+    for top_p in (None, 0.3, 0.9):
+        params = SamplingParams(temperature=0.8, top_k=25, top_p=top_p)
+        scaled = logits / 0.8
+        kept = scaled >= scaled.topk(25).values[..., -1:]
+        if top_p is not None:
+            kept &= _nucleus_by_full_sort(scaled.masked_fill(~kept, float("-inf")), top_p)
+        want = scaled.masked_fill(~kept, float("-inf")).softmax(-1)
+        torch.testing.assert_close(warp(logits, params), want, rtol=1e-6, atol=1e-7)
+
+
+def test_sample_refuses_rows():
+    with pytest.raises(ValueError, match="one distribution"):
+        sample(torch.full((1, 4), 0.25), make_generator(0))
 
 
 # ----------------------------------------------------------------------------------- determinism, errors

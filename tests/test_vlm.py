@@ -17,6 +17,7 @@ from speculant.core.types import PromptEmbeds
 from speculant.testing import perturbed, qwen2_vl_inputs, save_tiny_llava, tiny_model, tiny_vlm
 
 from helpers import chisq_pvalue
+from test_sampling_distribution import BATCH
 
 VOCAB, IMAGE = 96, 95
 TOKENS = {"llava": 16, "idefics3": 4, "qwen2_vl": 4, "qwen2_5_vl": 4}  # image tokens per 32x32 image
@@ -141,10 +142,10 @@ def test_sampling_with_an_image_keeps_the_targets_distribution(kind):
     draft = perturbed(tiny_model("llama", vocab_size=vocab, seed=0, init_std=0.3), 0.5, seed=4)
     counts = np.zeros((vocab, vocab))
     drafted = 0
-    for start in range(0, n, 50):  # 50 image prompts per batch (one verification forward per step for all)
+    for start in range(0, n, BATCH):  # BATCH image prompts per batch (one verification forward per step for all)
         batch = Batch(target)
         index = [batch.add(ids, TextOnlyDrafter(build_drafter("chain:k=2", draft), [image]), 2, temperature=1.0,
-                           seed=1000 + i, eos_token_id=[], prompt_embeds=embeds) for i in range(start, start + 50)]
+                           seed=1000 + i, eos_token_id=[], prompt_embeds=embeds) for i in range(start, min(n, start + BATCH))]
         while len(batch):
             batch.step()
         for i in index:

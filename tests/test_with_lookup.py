@@ -75,7 +75,8 @@ def test_sampling_with_lookup_merged_matches_the_target_distribution(spec, n):
     target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
     draft = perturbed(target, scale=0.3, seed=5)
     params = SamplingParams(temperature=1.0)
-    counts, hist, drafted = sample_counts(target, lambda: speculant.build_drafter(spec, draft), params, 3, n, seed0=4242)
+    counts, hist, drafted = sample_counts(target, lambda: speculant.build_drafter(spec, draft), params, 3, n,
+                                          seed0=4242)
     assert hist[1:].sum() > 100  # drafts were accepted
     bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"

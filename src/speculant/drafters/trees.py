@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 
 from ..core.checks import check_positive_int
-from ..core.sampling import sample, warp
+from ..core.sampling import sample_rows, warp
 from ..core.tree import TreeAttention
 from ..core.types import DraftTree
 from .base import DecodeState
@@ -205,7 +205,7 @@ class SpecInferDrafter(_WidthDepthDrafter):
         for level in range(depth):
             p = warp(logits, state.params)  # [F, V]
             rows.append(self._lift(p))
-            draws = torch.tensor([sample(p[r], state.generator) for r in at.tolist()], device=p.device)  # [W]: i.i.d.
+            draws = torch.tensor(sample_rows(p[at], state.generator), device=p.device)  # [W]: one i.i.d. draw each
             level_start = len(tokens)
             made: dict[tuple[int, int], int] = {}
             where: list[int] = []

@@ -25,7 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from ...core.cache import cache_kwarg
-from ...core.sampling import sample
+from ...core.sampling import sample_rows
 
 __all__ = ["FORCED", "AnswerShard", "generate_answers", "load_shards", "make_shard", "plan_shards", "sample_batch",
            "run_list", "shard_paths", "shard_totals"]
@@ -130,7 +130,7 @@ def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:
-            nxt = torch.tensor([sample(row, generator) for row in (logp / temperature).softmax(-1)], device=device)
+            nxt = torch.tensor(sample_rows((logp / temperature).softmax(-1), generator), device=device)  # [B]
         for i in torch.nonzero(~done).flatten().tolist():
             answers[i].append(int(nxt[i]))
             tops[i].append((top.indices[i], top.values[i]))
