@@ -625,6 +625,16 @@ def test_sample_refuses_rows():
         sample(torch.full((1, 4), 0.25), make_generator(0))
 
 
+@pytest.mark.parametrize("vocab", [4, 5_000])
+def test_a_draw_rounded_onto_the_end_takes_the_last_token_with_probability(vocab, monkeypatch):
+    """u * total can round up to the total itself: the draw then lands past every token, and ``sample`` takes the
+    last token with any probability (the tail here has none, a whole block of it at 5,000 tokens)."""
+    probs = torch.zeros(vocab)
+    probs[: vocab // 4] = 1.0 / (vocab // 4)
+    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: torch.ones(1, dtype=torch.float64))
+    assert sample(probs, make_generator(0)) == vocab // 4 - 1
+
+
 # ----------------------------------------------------------------------------------- determinism, errors
 
 
