@@ -56,7 +56,7 @@ def nucleus(logits: torch.Tensor, top_p: float, first: int = 64) -> torch.Tensor
 
     Only the head of the order is sorted: the ``first`` most probable tokens (``torch.topk``), then 8 times as
     many while some row's head holds less than ``top_p`` (all of them once that passes a quarter of the
-    vocabulary). A full sort of Qwen's 151,936 logits took ~17 ms per row on the 2-core AMD EPYC host
+    vocabulary). A full sort of Qwen's 151,936 logits took ~20 ms per row on the 2-core AMD EPYC host
     (``benchmarks/sampler_cost.py``); a chat's nucleus is usually a few dozen tokens."""
     probs = logits.softmax(-1)  # [..., V]
     vocab = probs.shape[-1]
