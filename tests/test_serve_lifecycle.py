@@ -230,6 +230,13 @@ def test_body_grace_and_online_options_are_checked(models, capsys):
     cli_error_line(capsys, ["serve", *_args(models, "--online-traffic", "8")], "--online-traffic needs --online")
     cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic", "-1")], "--online-traffic")
     cli_error_line(capsys, ["serve", *_args(models, "--online", "--no-online-distill")], "--no-online-distill needs")
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic", "4", "--online-traffic-min-ngram",
+                                            "4")], "--online-traffic-min-ngram")
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic-min-ngram", "2")],
+                   "--online-traffic-min-ngram needs --online-traffic")
+    with pytest.raises(ValueError, match="--online-traffic-min-ngram"):
+        check_settings(ServeSettings(target=models["target"], draft=models["draft"], online=True, online_traffic=4,
+                                     online_traffic_min_ngram=0))
 
 
 # ---------------------------------------------------------------------------------------------- item 7

@@ -68,6 +68,9 @@ def test_the_state_round_trips_and_bad_values_are_refused():
         TrafficMemory(max_tokens=0)
     with pytest.raises(ValueError, match="traffic"):
         OnlineConfig(traffic=-1)
+    for bad in (0, 4):
+        with pytest.raises(ValueError, match="traffic_min_ngram"):
+            OnlineConfig(traffic=4, traffic_min_ngram=bad)
 
 
 @pytest.fixture(scope="module")
@@ -157,5 +160,10 @@ def test_the_memory_alone_serves_any_method_without_a_draft_model(pair, tmp_path
     assert resumed.traffic._tokens == adapter.traffic._tokens
     with pytest.raises(ValueError, match="adapts nothing"):
         OnlineConfig(distill=False)
+    two = OnlineAdapter(speculant.load(target=target, method="lookup"),
+                        OnlineConfig(distill=False, traffic=6, traffic_min_ngram=2), state_dir=tmp_path)
+    assert two.traffic.min_ngram == 2 and two.traffic._tokens == adapter.traffic._tokens  # resumed at its own setting
+    assert two.traffic.continuation([prompt[-1]], 4) == []  # one token of context: too short to draft from now
+    assert adapter.traffic.continuation([prompt[-1]], 4)  # where n-grams of 1 did
     with pytest.raises(ValueError, match="draft model"):
         OnlineAdapter(speculant.load(target=target, method="lookup"), OnlineConfig(traffic=6))

@@ -106,6 +106,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "drafted again, with no training). Output is unchanged, but the memory is shared: a response's "
                    "accepted-token count tells whether its continuation followed the same context in an earlier "
                    "request, so use it where users may learn that of each other; 0: none; default: %(default)s")
+    p.add_argument("--online-traffic-min-ngram", type=int, choices=(1, 2, 3), metavar="N",
+                   default=d["online_traffic_min_ngram"],
+                   help="with --online-traffic: draft from the memory only where the context's last N tokens (1-3) "
+                   "occurred before; 2 drafts fewer rows per step for slightly fewer accepted tokens, for CPUs where "
+                   "every row costs; default: %(default)s")
     p.add_argument("--online-distill", action=argparse.BooleanOptionalAction, default=d["online_distill"],
                    help="with --online: distil the draft model on the traffic (needs a float draft model); "
                    "--no-online-distill keeps only the traffic memory (--online-traffic N), for any method and any "

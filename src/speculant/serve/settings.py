@@ -63,7 +63,8 @@ class ServeSettings:
     finished requests once ``online_min_held`` requests are held back for the check, trained while no request waits,
     kept only if held-back agreement rises by McNemar's z >= ``online_min_z``
     (:class:`speculant.train.online.OnlineConfig`); ``online_traffic``: also draft up to that many tokens per step
-    from earlier requests' tokens (:mod:`speculant.drafters.traffic`; 0: none); ``online_distill`` False: the traffic
+    from earlier requests' tokens (:mod:`speculant.drafters.traffic`; 0: none), matching context suffixes of at least
+    ``online_traffic_min_ngram`` tokens; ``online_distill`` False: the traffic
     memory only, no draft model trained (any method, any draft); ``online_state``: a directory the
     adapted drafter, its buffer and history are saved to on shutdown and resumed from."""
 
@@ -92,6 +93,7 @@ class ServeSettings:
     online_min_held: int = 4
     online_min_z: float = 1.64
     online_traffic: int = 0
+    online_traffic_min_ngram: int = 1
     online_distill: bool = True
     online_state: str | None = None
 
@@ -136,6 +138,10 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         raise ValueError(f"--online-traffic must be >= 0, got {settings.online_traffic}")
     if settings.online_traffic and not settings.online:
         raise ValueError("--online-traffic needs --online")
+    if not 1 <= settings.online_traffic_min_ngram <= 3:
+        raise ValueError(f"--online-traffic-min-ngram must be 1, 2 or 3, got {settings.online_traffic_min_ngram}")
+    if settings.online_traffic_min_ngram != 1 and not settings.online_traffic:
+        raise ValueError("--online-traffic-min-ngram needs --online-traffic N")
     if not settings.online_distill and not (settings.online and settings.online_traffic):
         raise ValueError("--no-online-distill needs --online and --online-traffic N (else nothing adapts)")
     if settings.online_state is not None and not settings.online:

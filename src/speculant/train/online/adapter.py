@@ -106,6 +106,11 @@ class OnlineConfig:
     shared by every request (its module doc says what a response's acceptance then tells of earlier ones). Where its
     chain is accepted the position counts as not refused, so with ``positions="rejected"`` the draft model does not
     train there (as with ``lookup=N``)."""
+    traffic_min_ngram: int = 1
+    """The shortest context suffix (tokens, 1-3) the traffic memory drafts from; 2 drops the chains a single token's
+    latest continuation offers: replaying the 200-request code-chat-train stream with SmolLM2's drafter and 8 tokens
+    per step (``benchmarks/traffic_replay.py``, online-stream-traffic-v1) gave 9.8-11.1 draft nodes per step instead
+    of 12.6-13.8 for about 1% less τ, for CPUs where every verified row costs."""
     traffic_tokens: int = 1 << 17
     """Bound of the traffic memory, in tokens (with its index 89 bytes each measured on code requests, 300 at worst:
     12-40 MB at this default)."""
@@ -123,6 +128,9 @@ class OnlineConfig:
             raise ValueError(f"online min_z must be >= 0, got {self.min_z}")
         if self.traffic < 0:
             raise ValueError(f"online traffic must be >= 0 tokens (0: no traffic memory), got {self.traffic}")
+        if not 1 <= self.traffic_min_ngram <= 3:
+            raise ValueError(f"online traffic_min_ngram must be 1, 2 or 3 (the memory matches suffixes of at most 3 "
+                             f"tokens), got {self.traffic_min_ngram}")
         if not self.distill and not self.traffic:
             raise ValueError("online adaptation without distillation adapts nothing: give traffic > 0 (the traffic "
                              "memory's tokens per step)")
@@ -155,7 +163,8 @@ class OnlineAdapter:
                              "speculant.load(..., draft_quantization='none'))")
         self.session, self.config = session, config
         self.buffer = OnlineBuffer(self.config.max_bytes, self.config.holdout_every)
-        self.traffic = TrafficMemory(max_tokens=self.config.traffic_tokens) if self.config.traffic else None
+        self.traffic = (TrafficMemory(max_tokens=self.config.traffic_tokens, min_ngram=self.config.traffic_min_ngram)
+                        if self.config.traffic else None)
         self.version = 0
         self.history: list[dict[str, Any]] = []
         self.state_dir = Path(state_dir) if state_dir is not None else None
