@@ -155,9 +155,8 @@ class WithTraffic(WithChain):
     optional = True
 
     def __init__(self, inner, memory: TrafficMemory, k: int = 8) -> None:
-        super().__init__(inner)
+        super().__init__(inner, k)
         self.memory = memory
-        self.k = check_positive_int("k", k)
 
-    def chain(self, state: DecodeState) -> list[int]:
-        return self.memory.continuation(state.ids, min(self.k, state.draft_limit))
+    def chain(self, state: DecodeState, k: int) -> list[int]:
+        return self.memory.continuation(state.ids, k)

@@ -11,8 +11,9 @@ count as point masses (see :mod:`.with_lookup` for what that costs).
 
 from __future__ import annotations
 
+from ..core.checks import check_positive_int
 from ..core.types import DraftTree
-from .base import DecodeState
+from .base import DecodeState, Drafter
 from .lookup import merge_chain
 from .wrapper import DrafterWrapper
 
@@ -20,16 +21,21 @@ __all__ = ["WithChain"]
 
 
 class WithChain(DrafterWrapper):
-    """``inner``'s draft tree with one more deterministic chain from the root merged in (what :meth:`chain` returns
-    for the step; subclasses say where it comes from, and name their method option in :attr:`option`). The merged
-    tree is verified as a deterministic draft (see the module doc); an empty chain leaves the tree as it was."""
+    """``inner``'s draft tree with one more deterministic chain from the root merged in, of at most ``k`` tokens
+    (what :meth:`chain` returns for the step; subclasses say where it comes from, and name their method option in
+    :attr:`option`). The merged tree is verified as a deterministic draft (see the module doc); an empty chain leaves
+    the tree as it was."""
 
     option = "chain"
     optional = False
     """True: a tree whose nodes carry probes (which a chain cannot join) is proposed as it is; False: a ValueError."""
 
-    def chain(self, state: DecodeState) -> list[int]:
-        """The chain to merge this step (at most ``state.draft_limit`` tokens)."""
+    def __init__(self, inner: Drafter, k: int = 8) -> None:
+        super().__init__(inner)
+        self.k = check_positive_int("k", k)
+
+    def chain(self, state: DecodeState, k: int) -> list[int]:
+        """The chain to merge this step, at most ``k`` tokens (``k`` and the step's ``draft_limit``, the smaller)."""
         raise NotImplementedError
 
     def propose(self, state: DecodeState) -> DraftTree:
@@ -39,7 +45,7 @@ class WithChain(DrafterWrapper):
                 return tree
             raise ValueError(f"{self.option}= cannot merge into a draft whose nodes carry probes (mask probes: use "
                              "the hybrid method; ConFu: contemplate=root)")
-        chain = self.chain(state)
+        chain = self.chain(state, min(self.k, state.draft_limit))
         if not chain:
             return tree  # unchanged: a sampled chain keeps its q and speculative sampling
         tokens, parents = merge_chain(tree.tokens, tree.parents, chain)

@@ -33,9 +33,8 @@ class WithLookup(WithChain):
     option = "lookup"
 
     def __init__(self, inner: Drafter, ngram: int = 3, k: int = 8) -> None:
-        super().__init__(inner)
+        super().__init__(inner, k)
         self.ngram = check_positive_int("ngram", ngram)
-        self.k = check_positive_int("k", k)
 
-    def chain(self, state: DecodeState) -> list[int]:
-        return lookup_continuation(state.ids, self.ngram, min(self.k, state.draft_limit))
+    def chain(self, state: DecodeState, k: int) -> list[int]:
+        return lookup_continuation(state.ids, self.ngram, k)
