@@ -9,7 +9,9 @@ forward is cropped away again, the dtypes and token counts are interleaved per r
 
 Weight formats: ``--quantizations`` (each variant is a dtype x a kind, loaded as the front-ends load it, a GGUF
 file's codes kept where the kind holds them; ``KIND/values`` requantizes every matrix from its float values instead,
-e.g. ``q4/values``: every matrix in 4 bits, where ``q4`` keeps a Q4_K_M file's 6-bit tensors in q8).
+e.g. ``q4/values``: every matrix in 4 bits, where ``q4`` keeps a Q4_K_M file's 6-bit tensors in q8). ``--seven both``
+times each variant also with the kernel's 7-bit route off (``:8bit``: q8 codes below 128 multiplied as 8-bit ones,
+the same bits), interleaved.
 
     python benchmarks/forward_cost.py --target smollm2-135m-instruct --out benchmarks/results/forward_cost.json
     python benchmarks/forward_cost.py --target qwen2.5-coder-1.5b-instruct --dtypes float32 \
@@ -28,7 +30,7 @@ import torch
 from speculant.bench.speed import machine_info
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
-from speculant.core.kernels import q4_amx
+from speculant.core.kernels import q4_amx, q4_seven
 from speculant.core.forward import TargetForward
 from speculant.models.loading import load_pretrained, quantize_loaded
 
@@ -47,6 +49,9 @@ def main() -> None:
     ap.add_argument("--amx", choices=["on", "off", "both"], default="on",
                     help="the q4/q8 kernel's AMX tiles for 10-16 rows (where the CPU has them); both: each variant "
                     "twice, ':vnni' with the tiles off, interleaved")
+    ap.add_argument("--seven", choices=["on", "off", "both"], default="on",
+                    help="the q4/q8 kernel's route for q8 codes below 128 (AVX2 without VNNI); both: each variant "
+                    "twice, ':8bit' with the route off, interleaved")
     ap.add_argument("--out", default="benchmarks/results/forward_cost.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -60,10 +65,10 @@ def main() -> None:
                 quantize_loaded(model, kind.split("/")[0])
             else:
                 model = load_pretrained(args.target, dtype=dt, quantization=kind)[0]
-            if args.amx in ("on", "both"):
-                models[name] = model
-            if args.amx in ("off", "both"):
-                models[f"{name}:vnni"] = model
+            for amx in ("on", "off"):
+                for seven in ("on", "off"):
+                    if args.amx in (amx, "both") and args.seven in (seven, "both"):
+                        models[name + (":vnni" if amx == "off" else "") + (":8bit" if seven == "off" else "")] = model
     dtypes = list(models)
     gen = torch.Generator().manual_seed(0)
     vocab = models[dtypes[0]].config.vocab_size
@@ -79,7 +84,8 @@ def main() -> None:
         for rep in range(args.repeats + 2):  # the first two rounds are warm-up
             for t in counts:
                 for dt in models:
-                    q4_amx(not dt.endswith(":vnni"))
+                    q4_amx(":vnni" not in dt)
+                    q4_seven(":8bit" not in dt)
                     start = time.perf_counter()
                     forwards[dt](caches[dt], input_ids=new[:, :t])
                     elapsed = time.perf_counter() - start
@@ -88,7 +94,8 @@ def main() -> None:
                         times[dt][t].append(elapsed)
     result = {"settings": vars(args), "packed": {dt: bool(f.lean is not None and f.lean.packed)
                                                 for dt, f in forwards.items()},
-              "machine": machine_info(), "q4_amx": q4_amx(True), "ms": {}, "ratio_to_one_token": {}}
+              "machine": machine_info(), "q4_amx": q4_amx(True), "q4_seven": q4_seven(True), "ms": {},
+              "ratio_to_one_token": {}}
     for dt in dtypes:
         med = {t: 1000 * statistics.median(v) for t, v in times[dt].items()}
         result["ms"][dt] = med

@@ -43,7 +43,9 @@ def lib():
 
 
 def _matrix(n: int, k: int, dtype: torch.dtype, seed: int = 0, kind: str = "q4") -> QuantMatrix:
-    return QuantMatrix.quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype), kind)
+    """A random matrix of ``kind`` (``"q7"``: q8 with 7-bit codes, the kernel's bits-7 route)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    return QuantMatrix.quantize(w, "q8", code_bits=7) if kind == "q7" else QuantMatrix.quantize(w, kind)
 
 
 def _rows(m: int, k: int, dtype: torch.dtype, seed: int = 1) -> torch.Tensor:
@@ -145,14 +147,15 @@ def test_the_reference_computes_the_quantized_product():
 # ------------------------------------------------------------------------------------------- the kernel
 
 
-@pytest.mark.parametrize("kind", ("q4", "q8"))
+@pytest.mark.parametrize("kind", ("q4", "q8", "q7"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_the_kernel_equals_the_torch_reference(lib, dtype, n, k, kind):
     q = _matrix(n, k, dtype, kind=kind)
+    assert q.kernel_bits == {"q4": 4, "q8": 8, "q7": 7}[kind]
     for m in (1, 4, 16, 33):
         x = _rows(m, k, dtype)
-        got = kernels.q4_matmul(x, q._kernel[0], n, lib, bits=q.bits)
+        got = kernels.q4_matmul(x, q._kernel[0], n, lib, bits=q.kernel_bits)
         assert got.shape == (m, n) and got.dtype == dtype
         want = q4_reference(x, q).to(dtype)
         # the same operations; the reference's float64 fma may round twice, a last-bit difference at most
@@ -171,18 +174,51 @@ def test_every_code_path_computes_the_same_bits(lib):
     assert kernels.q4_isa("generic") == "scalar"
     if "avx512" in paths:
         assert kernels.q4_isa("avx512") == "avx512"
-    for kind in ("q4", "q8"):
+    for kind in ("q4", "q8", "q7"):
         for dtype in DTYPES:
             for n, k in ((97, 64), (300, 1536)):
                 q = _matrix(n, k, dtype, kind=kind)
                 for m in (1, 2, 4, 6, 19):  # each tile loop: up to 4 rows grouped (2 with 8-bit codes), 3-7, 8-16
                     x = _rows(m, k, dtype)
                     x[m // 2] *= 1e3  # large activations: int8 codes at +-127 against 8-bit codes up to 255
-                    want = kernels.q4_matmul(x, q._kernel[0], n, lib, bits=q.bits)
+                    want = kernels.q4_matmul(x, q._kernel[0], n, lib, bits=q.kernel_bits)
                     for isa, other in paths.items():
                         if other is not None:
-                            got = kernels.q4_matmul(x, q._kernel[0], n, other, bits=q.bits)
+                            got = kernels.q4_matmul(x, q._kernel[0], n, other, bits=q.kernel_bits)
                             assert torch.equal(got, want), (isa, kind, dtype, n, k, m)
+
+
+def test_7_bit_codes_take_their_own_route_to_the_same_bits(lib):
+    """q8 codes below 128 (``kernel_bits`` 7: a GGUF file's 6-bit tensors requantized to 7 bits, its 5-bit ones as
+    they are) go to the kernel as bits 7: on AVX2 without VNNI one ``maddubs`` per 4 inputs instead of two, the same
+    exact integer dots, so the same bits as the 8-bit route, for every row count, the fused steps and 1-2 threads."""
+    before = torch.get_num_threads()
+    try:
+        for dtype in DTYPES:
+            q = _matrix(300, 1536, dtype, kind="q7")
+            assert q.kernel_bits == 7 and int(q.unpacked_codes().max()) == 127
+            norm, bias = torch.rand(1536).to(dtype) + 0.5, torch.randn(300).to(dtype)
+            x = _rows(17, 1536, dtype)
+            x[5] *= 1e3  # int8 activations at +-127 against codes up to 127: pairs of products near int16's limit
+            for rows in (*range(1, 9), 16, 17):
+                torch.set_num_threads(1 + rows % 2)
+                res = torch.randn(rows, 300).to(dtype)
+                args = (x[:rows], q._kernel[0], 300, lib)
+                kernels.q4_seven(False)
+                want = [kernels.q4_matmul(*args, bits=7), kernels.q4_matmul(*args, bits=7, norm=norm, eps=1e-5,
+                                                                            bias=bias, residual=res)]
+                assert torch.equal(want[0], kernels.q4_matmul(*args, bits=8))  # off: the 8-bit route
+                kernels.q4_seven(True)
+                got = [kernels.q4_matmul(*args, bits=7), kernels.q4_matmul(*args, bits=7, norm=norm, eps=1e-5,
+                                                                           bias=bias, residual=res)]
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (dtype, rows)
+        assert _matrix(64, 64, torch.float32, kind="q8").kernel_bits == 8  # 255 steps: codes past 127
+        assert QuantMatrix.from_blocks("q8", q.shape, q.blocks, q.dtype).kernel_bits == 7
+        with pytest.raises(ValueError, match="q8 takes 7 or 8"):
+            QuantMatrix.quantize(torch.randn(16, 64), "q4", code_bits=7)
+    finally:
+        kernels.q4_seven(True)
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(not kernels.q4_amx(), reason="this CPU, OS or build has no AMX tiles")
@@ -209,7 +245,8 @@ def test_the_amx_tiles_compute_the_same_bits_as_the_vnni_path(lib):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("dtype, kind", [(torch.float32, "q4"), (torch.bfloat16, "q4"), (torch.float32, "q8")])
+@pytest.mark.parametrize("dtype, kind", [(torch.float32, "q4"), (torch.bfloat16, "q4"), (torch.float32, "q8"),
+                                         (torch.float32, "q7")])
 def test_each_row_is_independent_of_the_row_count_and_the_threads(lib, dtype, kind):
     """Verification multiplies 1..16 rows where plain decoding multiplies one: a row's result is the same bits with
     any rows, on 1 or 2 threads (threads split the columns, never the reduction), on a real layer's shapes."""
@@ -301,7 +338,7 @@ def test_bad_operands_are_value_errors(lib):
         kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 40, lib)
     with pytest.raises(ValueError, match="do not fit"):  # q4 blocks read as q8 ones
         kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 16, lib, bits=8)
-    with pytest.raises(ValueError, match="4- or 8-bit"):
+    with pytest.raises(ValueError, match="4-, 7- or 8-bit"):
         kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 16, lib, bits=6)
     with pytest.raises(ValueError, match="computes in torch.float32"):
         linear(torch.randn(2, 64).bfloat16(), q)

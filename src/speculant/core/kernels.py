@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q8_BLOCK_BYTES", "SOURCES", "attend", "build_of", "cache_dir", "cpu_info",
-           "library", "q4_amx", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "rope_attend", "using"]
+           "library", "q4_amx", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "q4_seven", "rope_attend", "using"]
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ Q4_BLOCK_BYTES = 320
 """Bytes per packed q4 block: 16 columns x 32 inputs of 4-bit codes (256), 16 float16 scales, 16 float16 minimums."""
 Q8_BLOCK_BYTES = 576
 """Bytes per packed q8 block: 16 columns x 32 inputs of 8-bit codes (512), 16 float16 scales, 16 float16 minimums."""
-BLOCK_BYTES = {4: Q4_BLOCK_BYTES, 8: Q8_BLOCK_BYTES}
-"""Packed block bytes by code bits."""
+BLOCK_BYTES = {4: Q4_BLOCK_BYTES, 7: Q8_BLOCK_BYTES, 8: Q8_BLOCK_BYTES}
+"""Packed block bytes by code bits (7: q8 blocks whose codes all lie below 128, see :func:`q4_matmul`)."""
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q4.cpp", "attend.cpp", "layers.cpp"))
 """The C++ files compiled into the one library, in build order."""
@@ -142,8 +142,8 @@ def library(isa: str = "native") -> ctypes.CDLL | None:
     else:
         try:
             lib = _load(_build(isa))
-            log.info("speculant q4 kernel (%s): %s%s", isa, _ISA_NAMES.get(lib.q4_isa(), "?"),
-                     " + AMX from 10 rows" if lib.q4_amx(-1) else "")
+            routes = (" + AMX from 10 rows" if lib.q4_amx(-1) else "") + (" + 7-bit route" if lib.q4_seven(-1) else "")
+            log.info("speculant q4 kernel (%s): %s%s", isa, _ISA_NAMES.get(lib.q4_isa(), "?"), routes)
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             log.warning("speculant's compiled kernels are unavailable (%s); using the slower torch references", e)
             lib = None
@@ -186,6 +186,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.q4_isa.restype = ctypes.c_int
     lib.q4_amx.restype = ctypes.c_int
     lib.q4_amx.argtypes = [ctypes.c_int]
+    if hasattr(lib, "q4_seven"):  # (an earlier revision's build, benchmarks/kernel_ab.py, may lack it)
+        lib.q4_seven.restype = ctypes.c_int
+        lib.q4_seven.argtypes = [ctypes.c_int]
     lib.q4_layers.restype = ctypes.c_int
     lib.q4_layers.argtypes = [ctypes.c_void_p, ctypes.c_int, *[ctypes.c_int64] * 3, ctypes.c_void_p,
                               *[ctypes.c_int64] * 4, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -201,6 +204,16 @@ def _load(path: Path) -> ctypes.CDLL:
                            ctypes.c_void_p, *[ctypes.c_int64] * 2, ctypes.c_int, *[ctypes.c_int64] * 5,
                            ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
     return lib
+
+
+def q4_seven(enabled: bool | None = None, isa: str = "native") -> bool:
+    """Whether q8 products whose codes all lie below 128 (``bits=7``) take a route of their own (AVX2 without VNNI:
+    one ``maddubs`` per 4 inputs instead of two, the same bits); ``enabled`` turns it on or off first (tests and
+    benchmarks compare the routes). False without a library, and where the build has no such route."""
+    lib = library(isa)
+    if lib is None or not hasattr(lib, "q4_seven"):
+        return False
+    return bool(lib.q4_seven(-1 if enabled is None else int(enabled)))
 
 
 def q4_isa(isa: str = "native") -> str | None:
@@ -224,7 +237,8 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *
               norm: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, bits: int = 4) -> torch.Tensor:
     """``x [M, K]`` (float32 or bfloat16, contiguous) times the packed q4 (``bits=4``) or q8 (``bits=8``) weights
-    ``packed`` (uint8 ``[ceil(n / 16), K / 32, 320 or 576]``, see :class:`speculant.core.quant.QuantMatrix`) ->
+    ``packed`` (uint8 ``[ceil(n / 16), K / 32, 320 or 576]``, see :class:`speculant.core.quant.QuantMatrix`;
+    ``bits=7``: 8-bit blocks whose codes all lie below 128, which the caller guarantees, see :func:`q4_seven`) ->
     ``[M, n]`` in ``x``'s dtype, on ``torch.get_num_threads()`` threads.
 
     Fused around the product (each step rounded to the dtype as the separate torch op would be; see
@@ -238,7 +252,7 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *
         raise ValueError(f"q4_matmul takes a contiguous float32/bfloat16 [M, K] with K a multiple of 32 ([M, 2K] "
                          f"with glu), got {x.dtype} {tuple(x.shape)}")
     if bits not in BLOCK_BYTES:
-        raise ValueError(f"q4_matmul takes 4- or 8-bit codes, got bits={bits}")
+        raise ValueError(f"q4_matmul takes 4-, 7- or 8-bit codes, got bits={bits}")
     if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-n // Q4_COLUMNS), k // 32, BLOCK_BYTES[bits]):
         raise ValueError(f"packed q4 weights of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
     operands = {"norm": (norm, (k,)), "bias": (bias, (n,)), "residual": (residual, (m, n))}

@@ -347,7 +347,7 @@ class LeanForward:
             row = [w.qkv._kernel[0].data_ptr(), address(w.qkv_bias, w.qkv.shape[0]), address(w.in_norm, h),
                    w.o._kernel[0].data_ptr(), address(w.o_bias, h), address(w.post_norm, h),
                    w.gate_up._kernel[0].data_ptr(), address(w.gate_up_bias, 2 * inter),
-                   w.down._kernel[0].data_ptr(), address(w.down_bias, h), *(m.bits for m in mats)]
+                   w.down._kernel[0].data_ptr(), address(w.down_bias, h), *(m.kernel_bits for m in mats)]
             if None in row or (rows and inter != self._intermediate):
                 return None
             self._intermediate = inter

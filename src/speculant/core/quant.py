@@ -23,7 +23,11 @@ int4 version, and from then on every method (plain decoding, chains, trees, look
   difference). The model's own (transformers) forward multiplies by the same matrices (see below), so it
   computes the q4 model too (its attention differs from the lean forward's by float rounding only).
 * ``q8``: q4 with 8-bit codes (``q`` in ``[0, 256)``, ``scale = (max - min) / 255``), the same activations, kernel
-  and epilogue (9 bits per weight where q4 has 5); ``--quantization q8`` makes every matrix q8.
+  and epilogue (9 bits per weight where q4 has 5); ``--quantization q8`` makes every matrix q8. A q8 matrix whose
+  codes all lie below 128 (a GGUF file's 5-bit tensors as they are, its 6-bit ones requantized with 127 steps:
+  ``QuantMatrix.quantize(..., code_bits=7)``) goes to the kernel as 7-bit codes (:attr:`QuantMatrix.kernel_bits`),
+  which an AVX2 CPU without VNNI multiplies with one ``maddubs`` per 4 inputs instead of two: the same bits, 5-17%
+  less time for a 1.5B Q4_K_M forward of 2-8 tokens there (benchmarks/results/forward_cost_qwen_avx2_seven.json).
 * ``q4m`` (a model quantization, not a matrix kind): q4 matrices, except q8 ones for the tensors a GGUF file stores
   in more than 4 bits (Q6_K, Q5_0, Q8_0 ...; :data:`HOLDS`), so the model stays as close to the file as q4's
   activations allow (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file 0.996, where
@@ -117,9 +121,10 @@ class QuantMatrix:
     ``[out, in / 32]`` (int4, q4, q8); ``zero``: None (int8) or ``[out, in / 32]`` (int4: the kernel's form
     ``w = (q - 8) * scale + zero``; q4, q8: the minimum, ``w = q * scale + zero``, scale and zero in float16).
     q4 and q8 multiply ``x`` quantized per row to int8 (see the module doc); q8 is q4 with 8-bit codes
-    (``q`` in ``[0, 256)``)."""
+    (``q`` in ``[0, 256)``). ``kernel_bits``: the ``bits`` the kernel is called with (4 for q4; 7 for a q8 matrix whose
+    codes all lie below 128, which an AVX2 CPU without VNNI multiplies by a cheaper route, the same bits; else 8)."""
 
-    __slots__ = ("kind", "shape", "dtype", "_codes", "scale", "zero", "nbytes", "_kernel")
+    __slots__ = ("kind", "shape", "dtype", "_codes", "scale", "zero", "nbytes", "_kernel", "kernel_bits")
 
     def __init__(self, kind: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
                  dtype: torch.dtype) -> None:
@@ -142,6 +147,7 @@ class QuantMatrix:
         # and q8 ones read them back from the kernel's blocks when asked, unless the kernel is not built)
         self.nbytes = _nbytes(kind, out, inp)
         self._kernel = self._prepare()
+        self.kernel_bits = _kernel_bits(kind, codes)
         if kind in BLOCK_KINDS and kernels.library() is not None:
             self._codes = None
 
@@ -159,10 +165,14 @@ class QuantMatrix:
     # ------------------------------------------------------------------------------------------ construction
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, kind: str) -> QuantMatrix:
+    def quantize(cls, weight: torch.Tensor, kind: str, code_bits: int | None = None) -> QuantMatrix:
         """The ``kind`` (int8, int4, q4, q8) quantization of ``weight [out, in]``, in ``weight``'s dtype (round to
         nearest; int8 scale = max |w| / 127 per row; int4 scale = (max - min) / 15 and minimum = min per group; q4
-        the same rounded to float16 first, the codes taken against the rounded values; q8 as q4 with 255 steps)."""
+        the same rounded to float16 first, the codes taken against the rounded values; q8 as q4 with 255 steps).
+        ``code_bits=7`` (q8 only): 127 steps, codes below 128, which an AVX2 CPU without VNNI multiplies faster
+        (:attr:`kernel_bits`)."""
+        if code_bits not in (None, BITS.get(kind)) and not (kind == "q8" and code_bits == 7):
+            raise ValueError(f"code_bits={code_bits} is not a choice for {kind} (q8 takes 7 or 8)")
         w = weight.detach()
         if kind == "int8":
             w = w.float()
@@ -173,7 +183,7 @@ class QuantMatrix:
             if w.dim() != 2 or w.shape[1] % GROUP:
                 raise ValueError(f"{kind} needs the input size to be a multiple of {GROUP}, got shape "
                                  f"{tuple(w.shape)}")
-            top = (1 << BITS[kind]) - 1
+            top = (1 << (code_bits or BITS[kind])) - 1
             parts = []  # row chunks: each group is quantized alone, and an LM head's float temporaries stay small
             for rows in w.split(_QUANTIZE_ROWS):
                 g = rows.float().reshape(rows.shape[0], -1, GROUP)  # [rows, groups, 32]
@@ -232,6 +242,7 @@ class QuantMatrix:
 
         m.scale, m.zero = per_column(codes), per_column(codes + 32)
         m.nbytes = _nbytes(kind, out, inp)
+        m.kernel_bits = _kernel_bits(kind, m._kernel[0][..., :codes])
         if kernels.library() is None:  # torch's reference reads the codes: keep them unpacked, as __init__ does
             m._codes = m._unpack()
         return m
@@ -369,8 +380,8 @@ class QuantMatrix:
             return None
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [M, in] ([M, 2 in] with glu)
         res = None if residual is None else residual.reshape(rows.shape[0], self.shape[0]).contiguous()  # [M, out]
-        out = kernels.q4_call(rows, k, self._kernel[0], self.bits, self.shape[0], lib, norm, float(eps), glu, bias,
-                              res)
+        out = kernels.q4_call(rows, k, self._kernel[0], self.kernel_bits, self.shape[0], lib, norm, float(eps), glu,
+                              bias, res)
         return out.view(*x.shape[:-1], self.shape[0])
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -385,13 +396,21 @@ class QuantMatrix:
             if lib is None or rows.dtype not in (torch.float32, torch.bfloat16):  # (float16: the reference)
                 out = q4_reference(rows, self).to(self.dtype)
             else:
-                out = kernels.q4_matmul(rows, self._kernel[0], self.shape[0], lib, bits=self.bits)
+                out = kernels.q4_matmul(rows, self._kernel[0], self.shape[0], lib, bits=self.kernel_bits)
         else:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self._kernel[0], GROUP, self._kernel[1])
             if out.shape[1] != self.shape[0]:
                 out = out[:, : self.shape[0]].contiguous()
         out = out.view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
+
+
+def _kernel_bits(kind: str, codes: torch.Tensor) -> int:
+    """The ``bits`` the kernel takes for a matrix of ``kind`` with these codes (q8 blocks or one code per byte): 7
+    for q8 codes all below 128 (:func:`speculant.core.kernels.q4_seven`), else the kind's :data:`BITS`."""
+    if kind == "q8" and (codes.numel() == 0 or int(codes.max()) < 128):
+        return 7
+    return BITS[kind]
 
 
 def _nbytes(kind: str, out: int, inp: int) -> int:

@@ -12,6 +12,10 @@
 //   y[m, n] = sum over g in increasing order of:  t = sw * dx;  acc = fma(t, dot(q, a), acc);  acc = fma(mw, sx, acc)
 // in float32, acc starting at 0. dot(q, a) is an exact integer (|dot| <= 32 * 255 * 127 < 2^24, exact in float).
 //
+// 7-bit codes: q8 blocks whose codes all lie below 128 (a GGUF file's 5-bit tensors, and its 6-bit ones, which speculant
+// requantizes to 7 bits) are passed as bits 7; on AVX2 without VNNI they take a route of their own (tile7: one maddubs
+// per 4 inputs instead of two), the same exact integer dots, so the same bits.
+//
 // Row independence by construction: every (row, column) is computed by the same float operations in the same
 // order whatever the number of rows M and the thread count: rows only ever share the loads of a weight block (each
 // block is read once per 16 rows), threads split the output columns (blocks of 16) and never the reduction. The
@@ -388,6 +392,49 @@ inline void prefetch_ahead(const uint8_t* w, int B) {
 }
 #endif
 
+#if defined(Q4_AVX2) && !defined(__AVXVNNI__)
+#define Q4_SEVEN 1
+// 7-bit codes (8-bit blocks whose codes are all below 128, "bits" 7): a u8 x s8 pair sums to at most 2 * 127 * 127 =
+// 32258, which int16 holds, so each step of 4 inputs is one maddubs and one madd, where 8-bit codes take two maddubs
+// (their nibbles) and the adds between them: 27 vector operations per row, block and column half instead of 38. The
+// dots are the same exact integers as the 8-bit route's, so the float steps and the bits are the same.
+template <int MT>
+void tile7(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const float* sx, int64_t K, float* out) {
+    constexpr int B = block_bytes<8>(), CODES = 512;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[MT][2];
+    for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g, w += B) {
+        prefetch_ahead(w, B);
+        for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7
+            __m256i c[8];
+            for (int s = 0; s < 8; ++s) c[s] = _mm256_loadu_si256((const __m256i*)(w + 64 * s + 32 * h));
+            __m256 sw, mw;
+            scales256(w, CODES, h, &sw, &mw);
+            for (int r = 0; r < MT; ++r) {
+                const int8_t* ar = a + r * K + g * QK;
+                const auto step = [&](int s) {
+                    return _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], _mm256_set1_epi32(load_i32(ar + 4 * s))), ones);
+                };
+                __m256i d0 = step(0), d1 = step(1);
+                d0 = _mm256_add_epi32(d0, step(2));
+                d1 = _mm256_add_epi32(d1, step(3));
+                d0 = _mm256_add_epi32(d0, step(4));
+                d1 = _mm256_add_epi32(d1, step(5));
+                d0 = _mm256_add_epi32(d0, step(6));
+                d1 = _mm256_add_epi32(d1, step(7));
+                acc[r][h] = accumulate256(acc[r][h], sw, mw, _mm256_add_epi32(d0, d1), dx[r * (K / QK) + g],
+                                          sx[r * (K / QK) + g]);
+            }
+        }
+    }
+    for (int r = 0; r < MT; ++r) {
+        _mm256_storeu_ps(out + NC * r, acc[r][0]);
+        _mm256_storeu_ps(out + NC * r + 8, acc[r][1]);
+    }
+}
+#endif
+
 // The code of column j, input i (< 32) of a packed block (see the top of the file).
 template <int BITS>
 inline int code_at(const uint8_t* w, int j, int i) {
@@ -625,6 +672,7 @@ void tile_amx(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, con
 // matrix, ns per block per thread, VNNI / AMX: 2 rows 15 / 21, 8 rows 30 / 34, 10 rows 44 / 38, 16 rows 60 / 51.
 constexpr int AMX_MIN_ROWS = 10;
 int amx_mode = 1;  // 0: never use AMX (tests compare the paths), 1: use it where available
+int seven_mode = 1;  // 0: 7-bit codes take the 8-bit route (tests and benchmarks compare the routes), 1: their own
 
 typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, float*);
 
@@ -636,6 +684,15 @@ template <int BITS, int... I>
 constexpr TileFn Tiles<BITS, I...>::table[sizeof...(I)];
 using Table4 = Tiles<4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
 using Table8 = Tiles<8, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
+#if defined(Q4_SEVEN)
+template <int... I>
+struct Tiles7 {  // one row (plain decoding) reads more than it computes: the 8-bit route's loop streams it better
+    static constexpr TileFn table[sizeof...(I)] = {(I == 0 ? &tile<1, 8> : &tile7<I + 1>)...};
+};
+template <int... I>
+constexpr TileFn Tiles7<I...>::table[sizeof...(I)];
+using Table7 = Tiles7<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
+#endif
 #if defined(Q4_AMX)
 template <int BITS, int... I>
 struct AmxTiles {  // entry MT - 1; rows below AMX_MIN_ROWS take the VNNI tile
@@ -671,6 +728,18 @@ int q4_amx(int mode) {
     return amx_active() ? 1 : 0;
 }
 
+// The 7-bit route (bits 7, see q4_matmul): mode 0 off (such blocks take the 8-bit route: the same bits), 1 on, -1 only
+// asks. Returns whether products with bits 7 now take a route of their own (only AVX2 without VNNI has one: with
+// VNNI, AVX-512 or scalar code, 8-bit codes cost no more).
+int q4_seven(int mode) {
+    if (mode >= 0) seven_mode = mode ? 1 : 0;
+#if defined(Q4_SEVEN)
+    return seven_mode;
+#else
+    return 0;
+#endif
+}
+
 int q4_isa(void) {
 #if defined(Q4_AVX512) && defined(__AVX512VNNI__)
     return 3;
@@ -686,18 +755,26 @@ int q4_isa(void) {
 }
 
 // y[M, N] = q4 product of x[M, K] (float32, or bfloat16 when bf16) by the packed weights w ([ceil(N / 16)][K / 32]
-// blocks of `bits` (4 or 8) bit codes, see the top of the file), written in x's dtype. K must be a multiple of 32. Uses `threads` OpenMP threads
+// blocks of `bits` (4 or 8) bit codes, see the top of the file; 7: 8-bit blocks whose codes are all below 128, which the
+// caller guarantees: an AVX2 build without VNNI multiplies them by a cheaper route, every other build as 8-bit ones,
+// the same bits either way), written in x's dtype. K must be a multiple of 32. Uses `threads` OpenMP threads
 // over the column blocks. Fused steps, each rounded to the dtype as torch's separate ops would round it (all
 // optional; pass null / 0):
 //   before: norm_w [K] (RMSNorm of each row with eps) or glu (x is [M, 2K] = [gate | up], see prologue());
 //   after:  y = y + bias[N], then y = residual[M, N] + y  (residual may be y itself).
-// Returns 0, -1 when out of memory, -3 for bits other than 4 and 8.
+// Returns 0, -1 when out of memory, -3 for bits other than 4, 7 and 8.
 int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, int bits, int64_t N, void* y,
               const void* norm_w, float eps, int glu, const void* bias, const void* residual, int threads) {
-    if (bits != 4 && bits != 8) return -3;
+    if (bits != 4 && bits != 7 && bits != 8) return -3;
+    const bool seven = bits == 7 && seven_mode;  // 8-bit blocks whose codes are all below 128
+    if (bits == 7) bits = 8;
     const int64_t G = K / QK, NB = (N + NC - 1) / NC, XK = glu ? 2 * K : K;
     const int64_t B = bits == 4 ? block_bytes<4>() : block_bytes<8>();
     const TileFn* table = bits == 4 ? Table4::table : Table8::table;
+#if defined(Q4_SEVEN)
+    if (seven) table = Table7::table;
+#endif
+    (void)seven;
     const bool amx = M >= AMX_MIN_ROWS && amx_active();
 #if defined(Q4_AMX)
     if (amx) table = bits == 4 ? Amx4::table : Amx8::table;
