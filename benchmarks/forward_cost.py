@@ -9,7 +9,8 @@ forward is cropped away again, the dtypes and token counts are interleaved per r
 
 Weight formats: ``--quantizations`` (each variant is a dtype x a kind, loaded as the front-ends load it, a GGUF
 file's codes kept where the kind holds them; ``KIND/values`` requantizes every matrix from its float values instead,
-e.g. ``q4/values``: every matrix in 4 bits, where ``q4`` keeps a Q4_K_M file's 6-bit tensors in q8). ``--seven both``
+e.g. ``q4/values``: every matrix in 4 bits, where ``q4`` keeps a Q4_K_M file's 6-bit tensors in q8; ``KIND/7bit``: a GGUF
+file's 6-bit tensors requantized to 7-bit codes instead of 8, ``quantize_loaded(wide_bits=7)``). ``--seven both``
 times each variant also with the kernel's 7-bit route off (``:8bit``: q8 codes below 128 multiplied as 8-bit ones,
 the same bits), interleaved.
 
@@ -32,7 +33,8 @@ from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
 from speculant.core.kernels import q4_amx, q4_seven
 from speculant.core.forward import TargetForward
-from speculant.models.loading import load_pretrained, quantize_loaded
+from speculant.models.loading import load_pretrained, quantize_loaded, resolve_model
+from speculant.models.sources import gguf_backing
 
 
 def main() -> None:
@@ -45,7 +47,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--forward", choices=["lean", "model"], default="lean")
     ap.add_argument("--quantizations", default="none", help="weight kinds, ',' separated (none, int8, int4, q4, q8; "
-                    "KIND/values: requantized from the float values, ignoring a GGUF file's codes)")
+                    "KIND/values: requantized from the float values, ignoring a GGUF file's codes; KIND/7bit: a "
+                    "GGUF file's 6-bit tensors in 7-bit codes)")
     ap.add_argument("--amx", choices=["on", "off", "both"], default="on",
                     help="the q4/q8 kernel's AMX tiles for 10-16 rows (where the CPU has them); both: each variant "
                     "twice, ':vnni' with the tiles off, interleaved")
@@ -63,6 +66,9 @@ def main() -> None:
             if kind.endswith("/values"):  # every matrix from its float values
                 model = load_pretrained(args.target, dtype=dt)[0]
                 quantize_loaded(model, kind.split("/")[0])
+            elif kind.endswith("/7bit"):  # the file's codes where the kind holds them, its 6-bit tensors in 7 bits
+                model = load_pretrained(args.target, dtype=dt)[0]
+                quantize_loaded(model, kind.split("/")[0], gguf_backing(resolve_model(args.target)), wide_bits=7)
             else:
                 model = load_pretrained(args.target, dtype=dt, quantization=kind)[0]
             for amx in ("on", "off"):

@@ -9,6 +9,9 @@ position we compare its next-token distribution with float32's over the same seq
 * ``top1_agreement``: the quantized model's most likely token is float32's (the issue's target: >= 0.99);
 * ``mean_kl``: KL(p_fp32 || p_quant) in nats, averaged over positions (and its 99th percentile, ``p99_kl``).
 
+``KIND/7bit`` (e.g. ``q4m/7bit``): the kind with a GGUF file's 6-bit tensors requantized to 7-bit codes instead of 8
+(``quantize_loaded(wide_bits=7)``: the q4 kernel's cheaper route on AVX2 without VNNI).
+
 Also ``weights``: for each int4/q4/q8 kind, the matrices built from the file's own codes and how far their values
 are from the file's (int4: the kernel's ``(q - 8) * scale + zero`` form; q4, q8: scale and minimum in float16), in
 units of each group's quantization step (``scale``), and how many matrices of each kind the model holds. Nothing is timed (the CPU may be shared); the float32
@@ -153,8 +156,9 @@ def main() -> None:
                     "'.answers.json'): read when present, else generated and written")
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
-    if not kinds or any((k not in QUANTIZATIONS or k == "none") and k != "act8" for k in kinds):
-        raise SystemExit(f"--kinds: choose among {', '.join(QUANTIZATIONS[1:])} and act8 (see act8())")
+    if not kinds or any((k.removesuffix("/7bit") not in QUANTIZATIONS or k == "none") and k != "act8" for k in kinds):
+        raise SystemExit(f"--kinds: choose among {', '.join(QUANTIZATIONS[1:])} (KIND/7bit: a GGUF file's 6-bit "
+                         f"tensors in 7-bit codes) and act8 (see act8())")
     torch.set_num_threads(args.threads)
     out = Path(args.out or f"benchmarks/results/quant-fidelity/{Path(str(args.target)).name}.json")
     directory = resolve_model(args.target)
@@ -193,12 +197,13 @@ def main() -> None:
             built = 0
             logprobs = answer_logprobs(model, sequences, forward="model")
         else:
-            built = quantize_loaded(model, kind, backing)
-            assert quantization_of(model) == kind
+            base = kind.removesuffix("/7bit")
+            built = quantize_loaded(model, base, backing, wide_bits=7 if kind.endswith("/7bit") else 8)
+            assert quantization_of(model) == base
             logprobs = answer_logprobs(model, sequences)
         row = compare(reference, logprobs, categories)
         row["matrices_from_file_codes"] = built
-        if backing is not None and kind in ("int4", "q4", "q4m", "q8"):
+        if backing is not None and kind.removesuffix("/7bit") in ("int4", "q4", "q4m", "q8"):
             row["weights"] = weight_error(backing, model)
         results[kind] = row
         print(f"{kind}: top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.5f} nats "

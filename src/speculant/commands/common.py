@@ -294,7 +294,7 @@ def add_model_arguments(
         "a scale and minimum each, torch's int4 kernel, float activations); q4 (the same weights, scale and minimum "
         "in float16, times int8-quantized activations on speculant's own kernel); q8 (q4 with 8-bit codes). int4, q4 "
         "and q8 keep a GGUF file's own 4-bit codes (Q4_K, Q4_0, Q4_1); q4 and q8 also its 5- to 8-bit tensors "
-        "(Q5_0, Q8_0 as they are, Q6_K requantized to 7-bit codes) in q8 blocks, as the file spends more bits on them. Every method decodes the same quantized model, so output stays lossless against plain "
+        "(Q5_0, Q8_0 as they are, Q6_K requantized) in 8 bits, as the file spends more bits on them. Every method decodes the same quantized model, so output stays lossless against plain "
         "decoding of it (bit for bit: a quantized forward is row independent). Speed on 2 cores of an AVX-512 "
         "Xeon (benchmarks/results/quant_matmul.json): q4 is the fastest at 1 to 16 tokens per forward (3.0x "
         "bf16 at 1 token), int4 and int8 lose their advantage beyond 4 tokens; default: a packaged model's own "

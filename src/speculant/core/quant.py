@@ -24,10 +24,10 @@ int4 version, and from then on every method (plain decoding, chains, trees, look
   computes the q4 model too (its attention differs from the lean forward's by float rounding only).
 * ``q8``: q4 with 8-bit codes (``q`` in ``[0, 256)``, ``scale = (max - min) / 255``), the same activations, kernel
   and epilogue (9 bits per weight where q4 has 5); ``--quantization q8`` makes every matrix q8. A q8 matrix whose
-  codes all lie below 128 (a GGUF file's 5-bit tensors as they are, its 6-bit ones requantized with 127 steps:
+  codes all lie below 128 (a GGUF file's 5-bit tensors as they are, or any matrix built with
   ``QuantMatrix.quantize(..., code_bits=7)``) goes to the kernel as 7-bit codes (:attr:`QuantMatrix.kernel_bits`),
-  which an AVX2 CPU without VNNI multiplies with one ``maddubs`` per 4 inputs instead of two: the same bits, 5-17%
-  less time for a 1.5B Q4_K_M forward of 2-8 tokens there (benchmarks/results/forward_cost_qwen_avx2_seven.json).
+  which an AVX2 CPU without VNNI multiplies with one ``maddubs`` per 4 inputs instead of two: the same bits, less
+  time beyond one row (README "7-bit codes").
 * ``q4m`` (a model quantization, not a matrix kind): q4 matrices, except q8 ones for the tensors a GGUF file stores
   in more than 4 bits (Q6_K, Q5_0, Q8_0 ...; :data:`HOLDS`), so the model stays as close to the file as q4's
   activations allow (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file 0.996, where

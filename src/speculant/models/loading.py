@@ -82,7 +82,7 @@ def check_quantization(quantization: str | None) -> str:
 
 @normal_tensors
 def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | Path | None = None,
-                    undecoded: frozenset[str] | set[str] = frozenset()) -> int:
+                    undecoded: frozenset[str] | set[str] = frozenset(), wide_bits: int = 8) -> int:
     """Quantize a freshly loaded ``model`` in place to ``quantization`` (:func:`speculant.core.quant.quantize_model`)
     and return how many matrices were built from a GGUF file's own codes.
 
@@ -97,11 +97,12 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
     rounding of at most 2^-11 of the scale and of the minimum).
 
     In a q4m model the file's other 5- to 8-bit tensors (Q6_K, Q5_K: :data:`speculant.models.gguf.WIDE_TYPES`)
-    become q8 matrices requantized from their values with 7-bit codes per 32 inputs (within 1/254 of a group's range
-    of the file's value, where 4 bits would be 1/30, and a quarter of a Q6_K step where the group's two scales are
-    alike): the file spent more bits on them (a Q4_K_M file's LM head, half of its value and down projections), and
-    q4m keeps them; 7 bits rather than 8 because codes below 128 take one ``maddubs`` per 4 inputs instead of two on
-    an AVX2 CPU without VNNI (:func:`speculant.core.kernels.q4_seven`), 0.6-0.85x the time of those products there. Every other matrix (F16/F32 tensors, fewer-bit types, any
+    become q8 matrices requantized from their values (8-bit codes per 32 inputs: within 1/510 of a group's range of
+    the file's value, where 4 bits would be 1/30): the file spent more bits on them (a Q4_K_M file's LM head, half of
+    its value and down projections), and q4m keeps them. ``wide_bits=7`` requantizes them to 7-bit codes instead
+    (within 1/254), which an AVX2 CPU without VNNI multiplies faster (:func:`speculant.core.kernels.q4_seven`), at a
+    measured cost in fidelity (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file 0.986
+    instead of 0.996, README "7-bit codes"): a benchmark's choice, not a default. Every other matrix (F16/F32 tensors, fewer-bit types, any
     wider tensor for int4 and q4, or any tensor for int8) is requantized to the kind from its values.
 
     ``undecoded``: parameters the loader left undecoded (:func:`speculant.models.gguf.coded_weights`), each of which
@@ -126,8 +127,8 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
                 built += 1
             elif name in undecoded:
                 raise RuntimeError(f"{name} was left undecoded but is not taken as codes")
-            elif qtype in WIDE_TYPES and kind == "q8":  # a wide type without per-32 blocks (Q6_K): 7 bits from values
-                matrix = QuantMatrix.quantize(module.weight, kind, code_bits=7)
+            elif qtype in WIDE_TYPES and kind == "q8":  # a wide type without per-32 blocks (Q6_K): from its values
+                matrix = QuantMatrix.quantize(module.weight, kind, code_bits=wide_bits)
             else:
                 continue  # requantized with the rest below
             attach(module, matrix, release_weight=id(module) in free)
