@@ -9,8 +9,8 @@ forward is cropped away again, the dtypes and token counts are interleaved per r
 
 Weight formats: ``--quantizations`` (each variant is a dtype x a kind, loaded as the front-ends load it, a GGUF
 file's codes kept where the kind holds them; ``KIND/values`` requantizes every matrix from its float values instead,
-e.g. ``q4/values``: every matrix in 4 bits, where ``q4`` keeps a Q4_K_M file's 6-bit tensors in q8; ``KIND/7bit``: a GGUF
-file's 6-bit tensors requantized to 7-bit codes instead of 8, ``quantize_loaded(wide_bits=7)``). ``--seven both``
+e.g. ``q4/values``: every matrix in 4 bits, where ``q4`` keeps a Q4_K_M file's 6-bit tensors in q8; ``KIND/7bit``: a
+GGUF file's 6-bit tensors requantized to 7-bit codes instead of 8, ``quantize_loaded(wide_bits=7)``). ``--seven both``
 times each variant also with the kernel's 7-bit route off (``:8bit``: q8 codes below 128 multiplied as 8-bit ones,
 the same bits), interleaved.
 
@@ -67,8 +67,11 @@ def main() -> None:
                 model = load_pretrained(args.target, dtype=dt)[0]
                 quantize_loaded(model, kind.split("/")[0])
             elif kind.endswith("/7bit"):  # the file's codes where the kind holds them, its 6-bit tensors in 7 bits
+                backing = gguf_backing(resolve_model(args.target))
+                if backing is None:
+                    raise SystemExit(f"{kind}: {args.target} is not read from a GGUF file (no 6-bit tensors)")
                 model = load_pretrained(args.target, dtype=dt)[0]
-                quantize_loaded(model, kind.split("/")[0], gguf_backing(resolve_model(args.target)), wide_bits=7)
+                quantize_loaded(model, kind.split("/")[0], backing, wide_bits=7)
             else:
                 model = load_pretrained(args.target, dtype=dt, quantization=kind)[0]
             for amx in ("on", "off"):

@@ -166,9 +166,9 @@ def test_the_kernel_equals_the_torch_reference(lib, dtype, n, k, kind):
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the ISA variants are x86 builds")
 def test_every_code_path_computes_the_same_bits(lib):
-    """AVX-512 (VNNI or not), AVX2 and scalar code run the same float operations per lane, for 4- and 8-bit codes
-    (without VNNI an 8-bit code's dot product is taken nibble by nibble): the same bits, so a result does not depend
-    on the CPU it was computed on either."""
+    """AVX-512 (VNNI or not), AVX2 and scalar code run the same float operations per lane, for 4-, 7- and 8-bit codes
+    (without VNNI an 8-bit code's dot product is taken nibble by nibble, a 7-bit one by AVX2's own route): the same
+    bits, so a result does not depend on the CPU it was computed on either."""
     isas = ("avx2", "generic") + (("avx512",) if kernels.q4_isa() == "avx512-vnni" else ())  # AVX-512 without VNNI
     paths = {isa: kernels.library(isa) for isa in isas}
     assert kernels.q4_isa("generic") == "scalar"
@@ -189,9 +189,13 @@ def test_every_code_path_computes_the_same_bits(lib):
 
 
 def test_7_bit_codes_take_their_own_route_to_the_same_bits(lib):
-    """q8 codes below 128 (``kernel_bits`` 7: a GGUF file's 6-bit tensors requantized to 7 bits, its 5-bit ones as
-    they are) go to the kernel as bits 7: on AVX2 without VNNI one ``maddubs`` per 4 inputs instead of two, the same
-    exact integer dots, so the same bits as the 8-bit route, for every row count, the fused steps and 1-2 threads."""
+    """q8 codes below 128 (``kernel_bits`` 7: a GGUF file's 4- and 5-bit codes in q8 blocks as they are, or 127-step
+    requantization) go to the kernel as bits 7: on AVX2 without VNNI one ``maddubs`` per 4 inputs instead of two, the
+    same exact integer dots, so the same bits as the 8-bit route, for every row count, the fused steps and 1-2
+    threads."""
+    assert kernels.q4_seven() == (kernels.q4_isa() == "avx2")  # the route is built exactly where it pays
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert kernels.q4_seven(isa="avx2") and not kernels.q4_seven(isa="generic")
     before = torch.get_num_threads()
     try:
         for dtype in DTYPES:
@@ -213,6 +217,11 @@ def test_7_bit_codes_take_their_own_route_to_the_same_bits(lib):
                                                                            bias=bias, residual=res)]
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), (dtype, rows)
         assert _matrix(64, 64, torch.float32, kind="q8").kernel_bits == 8  # 255 steps: codes past 127
+        codes = torch.zeros(32, 64, dtype=torch.uint8)
+        scale, low = torch.full((32, 2), 0.01), torch.zeros(32, 2)
+        assert QuantMatrix.from_codes(codes + 127, scale, low, torch.float32, "q8").kernel_bits == 7
+        codes[5, 17] = 128  # one code at 128 is enough for the 8-bit route
+        assert QuantMatrix.from_codes(codes, scale, low, torch.float32, "q8").kernel_bits == 8
         assert QuantMatrix.from_blocks("q8", q.shape, q.blocks, q.dtype).kernel_bits == 7
         with pytest.raises(ValueError, match="q8 takes 7 or 8"):
             QuantMatrix.quantize(torch.randn(16, 64), "q4", code_bits=7)

@@ -17,6 +17,7 @@ import torch
 
 from speculant import cli
 from speculant.commands import common
+from speculant.core.forward import lean_for
 from speculant.core.quant import ATTR, QUANTIZATIONS, QuantMatrix, quantization_of, quantized_linears
 from speculant.models.loading import load_model_dir, load_pretrained, quantize_loaded
 from speculant.session import resolve
@@ -348,6 +349,9 @@ def test_q4m_and_q8_keep_4_5_and_8_bit_codes_exactly(gguf_files, cache_dir, qtyp
         q = getattr(m, ATTR)
         assert q.kind == holds and torch.equal(q.dequantize(), want[i]), i
         assert q.kernel_bits == (4 if holds == "q4" else 8 if qtype == "Q8_0" else 7)  # 4- and 5-bit codes: below 128
+    table = lean_for(model)._q4_table(torch.float32)  # the lean forward's one-call layer loop takes the same bits
+    layers = [m for m in quantized_linears(model)][:-1]  # q, k, v, o, gate, up, down (the head is not in the table)
+    assert table is not None and set(table[:, 10:].flatten().tolist()) == {getattr(m, ATTR).kernel_bits for m in layers}
 
 
 def test_a_q4m_model_keeps_6_bit_tensors_in_8_bits(gguf_files, cache_dir):
@@ -359,7 +363,9 @@ def test_a_q4m_model_keeps_6_bit_tensors_in_8_bits(gguf_files, cache_dir):
     model, matrices = _matrices(gguf_files["Q6_K"], "q4m")
     seven, _ = load_pretrained(gguf_files["Q6_K"], dtype="float32")
     quantize_loaded(seven, "q4m", gguf_files["Q6_K"], wide_bits=7)
-    for i, (q, q7) in enumerate(zip(matrices, [getattr(m, ATTR) for m in quantized_linears(seven)])):
+    sevens = [getattr(m, ATTR) for m in quantized_linears(seven)]
+    assert len(sevens) == len(matrices) == 8
+    for i, (q, q7) in enumerate(zip(matrices, sevens)):
         assert q.kind == q7.kind == "q8" and q.kernel_bits == 8 and q7.kernel_bits == 7
         group = want[i].reshape(want[i].shape[0], -1, 32)
         span = (group.amax(-1) - group.amin(-1)).repeat_interleave(32, 1)

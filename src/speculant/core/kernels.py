@@ -277,8 +277,12 @@ def q4_call(x: torch.Tensor, k: int, packed: torch.Tensor, bits: int, n: int, li
     m = x.shape[0]
     y = torch.empty(m, n, dtype=x.dtype)
     if m and n:
+        if bits == 7 and not hasattr(lib, "q4_seven"):  # an earlier revision's build (kernel_ab.py): 8-bit codes
+            bits = 8
         rc = lib.q4_matmul(x.data_ptr(), x.dtype == torch.bfloat16, m, k, packed.data_ptr(), bits, n, y.data_ptr(),
                            _ptr(norm), eps, glu, _ptr(bias), _ptr(residual), torch.get_num_threads())
+        if rc == -3:
+            raise ValueError(f"q4_matmul: this build does not take bits={bits}")
         if rc:
             raise MemoryError("q4_matmul: out of memory for the quantized activations")
     return y
@@ -347,6 +351,9 @@ def q4_layers(x: torch.Tensor, weights: torch.Tensor, intermediate: int, heads: 
     key/value head and slot strides); ``caches``: int64 ``[S, L, 2]`` key/value buffer addresses (see the C
     source); ``positions``: int64 ``[T]``."""
     t, h = x.shape
+    if not hasattr(lib, "q4_seven"):  # an earlier revision's build (kernel_ab.py) takes 7-bit codes as 8-bit ones
+        weights = weights.clone()
+        weights[:, 10:] = torch.where(weights[:, 10:] == 7, 8, weights[:, 10:])
     rc = lib.q4_layers(x.data_ptr(), int(x.dtype == torch.bfloat16), t, h, weights.shape[0], weights.data_ptr(),
                        intermediate, heads, kv_heads, cos.shape[1], positions.data_ptr(), cos.data_ptr(),
                        sin.data_ptr(), segments.shape[0], segments.data_ptr(), caches.data_ptr(), float(scale),

@@ -101,14 +101,17 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
     the file's value, where 4 bits would be 1/30): the file spent more bits on them (a Q4_K_M file's LM head, half of
     its value and down projections), and q4m keeps them. ``wide_bits=7`` requantizes them to 7-bit codes instead
     (within 1/254), which an AVX2 CPU without VNNI multiplies faster (:func:`speculant.core.kernels.q4_seven`), at a
-    measured cost in fidelity (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file 0.986
-    instead of 0.996, README "7-bit codes"): a benchmark's choice, not a default. Every other matrix (F16/F32 tensors, fewer-bit types, any
-    wider tensor for int4 and q4, or any tensor for int8) is requantized to the kind from its values.
+    measured cost in fidelity (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file
+    0.986 where the same run's 8-bit q4m gives 0.994, README "7-bit codes"): a benchmark's choice, not a default.
+    Every other matrix (F16/F32 tensors, fewer-bit types, any wider tensor for int4 and q4, or any tensor for int8)
+    is requantized to the kind from its values.
 
     ``undecoded``: parameters the loader left undecoded (:func:`speculant.models.gguf.coded_weights`), each of which
     must take the file's codes here; a RuntimeError if one would be requantized from its (absent) values."""
     from ..core.quant import ATTR, QuantMatrix, attach, quantization_of, quantize_model, quantized_linears, releasable
 
+    if wide_bits not in (7, 8):
+        raise ValueError(f"wide_bits must be 7 or 8, got {wide_bits!r}")
     built = 0
     if gguf_file is not None and quantization in CODED and quantization_of(model) == "none":
         from .gguf import WIDE_TYPES, file_tensors

@@ -12,9 +12,9 @@
 //   y[m, n] = sum over g in increasing order of:  t = sw * dx;  acc = fma(t, dot(q, a), acc);  acc = fma(mw, sx, acc)
 // in float32, acc starting at 0. dot(q, a) is an exact integer (|dot| <= 32 * 255 * 127 < 2^24, exact in float).
 //
-// 7-bit codes: q8 blocks whose codes all lie below 128 (a GGUF file's 5-bit tensors, and its 6-bit ones, which speculant
-// requantizes to 7 bits) are passed as bits 7; on AVX2 without VNNI they take a route of their own (tile7: one maddubs
-// per 4 inputs instead of two), the same exact integer dots, so the same bits.
+// 7-bit codes: q8 blocks whose codes all lie below 128 (a GGUF file's 4- and 5-bit codes held in q8 blocks, or a matrix
+// requantized with 127 steps) are passed as bits 7; on AVX2 without VNNI they take a route of their own (tile7: one
+// maddubs per 4 inputs instead of two), the same exact integer dots, so the same bits.
 //
 // Row independence by construction: every (row, column) is computed by the same float operations in the same
 // order whatever the number of rows M and the thread count: rows only ever share the loads of a weight block (each
@@ -672,7 +672,9 @@ void tile_amx(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, con
 // matrix, ns per block per thread, VNNI / AMX: 2 rows 15 / 21, 8 rows 30 / 34, 10 rows 44 / 38, 16 rows 60 / 51.
 constexpr int AMX_MIN_ROWS = 10;
 int amx_mode = 1;  // 0: never use AMX (tests compare the paths), 1: use it where available
-int seven_mode = 1;  // 0: 7-bit codes take the 8-bit route (tests and benchmarks compare the routes), 1: their own
+// 0: 7-bit codes take the 8-bit route (tests and benchmarks compare the routes), 1: their own. Like amx_mode, set
+// between products (read once per q4_matmul call; both routes give the same bits).
+int seven_mode = 1;
 
 typedef void (*TileFn)(const uint8_t*, int64_t, const int8_t*, const float*, const float*, int64_t, float*);
 
@@ -755,9 +757,9 @@ int q4_isa(void) {
 }
 
 // y[M, N] = q4 product of x[M, K] (float32, or bfloat16 when bf16) by the packed weights w ([ceil(N / 16)][K / 32]
-// blocks of `bits` (4 or 8) bit codes, see the top of the file; 7: 8-bit blocks whose codes are all below 128, which the
-// caller guarantees: an AVX2 build without VNNI multiplies them by a cheaper route, every other build as 8-bit ones,
-// the same bits either way), written in x's dtype. K must be a multiple of 32. Uses `threads` OpenMP threads
+// blocks of `bits` (4 or 8) bit codes, see the top of the file; 7: 8-bit blocks whose codes are all below 128, which
+// the caller guarantees: an AVX2 build without VNNI multiplies them by a cheaper route, every other build as 8-bit
+// ones, the same bits either way), written in x's dtype. K must be a multiple of 32. Uses `threads` OpenMP threads
 // over the column blocks. Fused steps, each rounded to the dtype as torch's separate ops would round it (all
 // optional; pass null / 0):
 //   before: norm_w [K] (RMSNorm of each row with eps) or glu (x is [M, 2K] = [gate | up], see prologue());
