@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--traffic", type=int, default=OnlineConfig.traffic, metavar="N",
                     help="also draft up to N tokens per step from the traffic memory (earlier requests' tokens, "
                          "speculant.drafters.traffic); 0: none")
+    ap.add_argument("--traffic-min-ngram", type=int, default=OnlineConfig.traffic_min_ngram, metavar="N",
+                    help="the memory's shortest context n-gram (1-3): 2 no longer drafts from a one-token match")
     ap.add_argument("--no-distill", action="store_true",
                     help="the traffic memory only (--traffic N): no draft model trained, any --method")
     ap.add_argument("--threads", type=int, default=2)
@@ -104,7 +106,8 @@ def main() -> None:
                                       shipped.tokenizer)
     config = OnlineConfig(update_every=args.online_every, steps=args.steps, lr=args.lr, loss=args.loss,
                           positions=args.positions, min_held=args.min_held, min_z=args.min_z,
-                          traffic=args.traffic, distill=not args.no_distill, seed=args.seed)
+                          traffic=args.traffic, traffic_min_ngram=args.traffic_min_ngram,
+                          distill=not args.no_distill, seed=args.seed)
     adapter = OnlineAdapter(adapting, config)
     warm = prompt_ids(builtin_prompts("mt-bench", 1)[0], shipped.tokenizer)
     for s in (shipped, adapting):  # warm-up (not in the stream)
@@ -162,7 +165,8 @@ def main() -> None:
              + ("no distillation" if args.no_distill else
                 f"an update every {args.online_every} requests ({args.steps} steps, lr {args.lr}, {args.loss} at "
                 f"{args.positions} positions), run between requests")
-             + (f"; traffic memory: up to {args.traffic} tokens per step from earlier requests" if args.traffic else "")
+             + (f"; traffic memory: up to {args.traffic} tokens per step from earlier requests (context n-grams >= "
+                f"{args.traffic_min_ngram})" if args.traffic else "")
              + ". Every output identical between the two sessions.", "",
              "| window | τ shipped | τ online | tok/s shipped (median) | tok/s online (median) | p90 latency shipped | "
              "p90 latency online |", "|---|---|---|---|---|---|---|"]
