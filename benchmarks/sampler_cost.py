@@ -64,9 +64,9 @@ def _sorted_warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf")).softmax(-1)
 
 
-def _multinomial_rows(probs: torch.Tensor, generator: torch.Generator) -> list[int]:
+def _multinomial_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """The rows' draws ``sample_rows`` replaced (a tree's i.i.d. draws): one ``torch.multinomial`` for all rows."""
-    return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
 VARIANTS = {"now": {"sample": sampling.sample, "sample_rows": sampling.sample_rows, "warp": sampling.warp},

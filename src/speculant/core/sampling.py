@@ -124,12 +124,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     return i
 
 
-def sample_rows(probs: torch.Tensor, generator: torch.Generator) -> list[int]:
-    """One token id from each row of ``probs [R, V]`` (:func:`sample` on a CPU, one ``torch.multinomial`` for all
-    rows elsewhere)."""
+def sample_rows(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token id from each row of ``probs [R, V]`` -> int64 ``[R]`` on ``probs``'s device (:func:`sample` on a
+    CPU, one ``torch.multinomial`` for all rows elsewhere, with no wait for the host)."""
     if probs.device.type != "cpu":
-        return torch.multinomial(probs, 1, generator=generator)[:, 0].tolist()
-    return [sample(row, generator) for row in probs]
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return torch.tensor([sample(row, generator) for row in probs], dtype=torch.long)
 
 
 def uniform(generator: torch.Generator, device: torch.device | str = "cpu") -> float:

@@ -205,7 +205,7 @@ class SpecInferDrafter(_WidthDepthDrafter):
         for level in range(depth):
             p = warp(logits, state.params)  # [F, V]
             rows.append(self._lift(p))
-            draws = torch.tensor(sample_rows(p[at], state.generator), device=p.device)  # [W]: one i.i.d. draw each
+            draws = sample_rows(p[at], state.generator)  # [W]: one i.i.d. draw each
             level_start = len(tokens)
             made: dict[tuple[int, int], int] = {}
             where: list[int] = []

@@ -13,8 +13,8 @@
 // in float32, acc starting at 0. dot(q, a) is an exact integer (|dot| <= 32 * 255 * 127 < 2^24, exact in float).
 //
 // 7-bit codes: q8 blocks whose codes all lie below 128 (a GGUF file's 4- and 5-bit codes held in q8 blocks, or a matrix
-// requantized with 127 steps) are passed as bits 7; on AVX2 without VNNI they take a route of their own (tile7: one
-// maddubs per 4 inputs instead of two), the same exact integer dots, so the same bits.
+// requantized with 127 steps) are passed as bits 7; on AVX2 without VNNI they take a route of their own (dot256<7>:
+// one maddubs per 4 inputs instead of two), the same exact integer dots, so the same bits.
 //
 // Row independence by construction: every (row, column) is computed by the same float operations in the same
 // order whatever the number of rows M and the thread count: rows only ever share the loads of a weight block (each
@@ -175,6 +175,10 @@ void prologue(const void* x, bool bf16, int64_t K, const void* norm_w, float eps
 template <int BITS>
 constexpr int block_bytes() { return BITS == 4 ? 320 : 576; }
 
+// Bytes of codes per block (7-bit codes sit in 8-bit blocks).
+template <int BITS>
+constexpr int code_bytes() { return BITS == 4 ? 256 : 512; }
+
 #if defined(Q4_AVX512)
 // c[s] for s < 8: per 32-bit lane j, the u8 codes of inputs 4s .. 4s + 3 of column j.
 template <int BITS>
@@ -249,8 +253,21 @@ inline __m256i dot256(const __m256i* c, const __m256i* act) {
     for (int s = 0; s < 8; ++s) dot = _mm256_dpbusd_avx_epi32(dot, c[s], act[s]);
     return dot;
 #else
-    // u8 x s8 pairs summed to int16 (see dot512), in a tree: the same exact integers with a shorter dependency chain
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    if constexpr (BITS == 7) {
+        // 7-bit codes (8-bit blocks whose codes all lie below 128): a u8 x s8 pair sums to at most 2 * 127 * 127 =
+        // 32258, which int16 holds, so each step of 4 inputs is one maddubs and one madd, where 8-bit codes take two
+        // maddubs (their nibbles) and the adds between them: 27 vector operations per row, block and column half
+        // instead of 38; the same exact integers. Two int32 chains.
+        const auto step = [&](int s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], act[s]), ones); };
+        __m256i d0 = step(0), d1 = step(1);
+        for (int s = 2; s < 8; s += 2) {
+            d0 = _mm256_add_epi32(d0, step(s));
+            d1 = _mm256_add_epi32(d1, step(s + 1));
+        }
+        return _mm256_add_epi32(d0, d1);
+    }
+    // u8 x s8 pairs summed to int16 (see dot512), in a tree: the same exact integers with a shorter dependency chain
     const auto nib = [&](int s, int h) {
         return BITS == 4 ? c[s] : _mm256_and_si256(h ? _mm256_srli_epi16(c[s], 4) : c[s], low);
     };
@@ -393,46 +410,7 @@ inline void prefetch_ahead(const uint8_t* w, int B) {
 #endif
 
 #if defined(Q4_AVX2) && !defined(__AVXVNNI__)
-#define Q4_SEVEN 1
-// 7-bit codes (8-bit blocks whose codes are all below 128, "bits" 7): a u8 x s8 pair sums to at most 2 * 127 * 127 =
-// 32258, which int16 holds, so each step of 4 inputs is one maddubs and one madd, where 8-bit codes take two maddubs
-// (their nibbles) and the adds between them: 27 vector operations per row, block and column half instead of 38. The
-// dots are the same exact integers as the 8-bit route's, so the float steps and the bits are the same.
-template <int MT>
-void tile7(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const float* sx, int64_t K, float* out) {
-    constexpr int B = block_bytes<8>(), CODES = 512;
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[MT][2];
-    for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; ++g, w += B) {
-        prefetch_ahead(w, B);
-        for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7
-            __m256i c[8];
-            for (int s = 0; s < 8; ++s) c[s] = _mm256_loadu_si256((const __m256i*)(w + 64 * s + 32 * h));
-            __m256 sw, mw;
-            scales256(w, CODES, h, &sw, &mw);
-            for (int r = 0; r < MT; ++r) {
-                const int8_t* ar = a + r * K + g * QK;
-                const auto step = [&](int s) {
-                    return _mm256_madd_epi16(_mm256_maddubs_epi16(c[s], _mm256_set1_epi32(load_i32(ar + 4 * s))), ones);
-                };
-                __m256i d0 = step(0), d1 = step(1);
-                d0 = _mm256_add_epi32(d0, step(2));
-                d1 = _mm256_add_epi32(d1, step(3));
-                d0 = _mm256_add_epi32(d0, step(4));
-                d1 = _mm256_add_epi32(d1, step(5));
-                d0 = _mm256_add_epi32(d0, step(6));
-                d1 = _mm256_add_epi32(d1, step(7));
-                acc[r][h] = accumulate256(acc[r][h], sw, mw, _mm256_add_epi32(d0, d1), dx[r * (K / QK) + g],
-                                          sx[r * (K / QK) + g]);
-            }
-        }
-    }
-    for (int r = 0; r < MT; ++r) {
-        _mm256_storeu_ps(out + NC * r, acc[r][0]);
-        _mm256_storeu_ps(out + NC * r + 8, acc[r][1]);
-    }
-}
+#define Q4_SEVEN 1  // 7-bit codes have a route of their own (dot256<7>, tile's per-half loop for every row count)
 #endif
 
 // The code of column j, input i (< 32) of a packed block (see the top of the file).
@@ -447,7 +425,7 @@ inline int code_at(const uint8_t* w, int j, int i) {
 // MT rows x 16 columns over all G blocks of one column block: tile[MT][16] (float32).
 template <int MT, int BITS>
 void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const float* sx, int64_t K, float* out) {
-    constexpr int B = block_bytes<BITS>(), CODES = 16 * BITS * 4;  // CODES: bytes of codes per block
+    constexpr int B = block_bytes<BITS>(), CODES = code_bytes<BITS>();
 #if defined(Q4_AVX512)
     __m512 acc[MT];
     for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
@@ -465,7 +443,7 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
 #elif defined(Q4_AVX2)
     __m256 acc[MT][2];
     for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    if constexpr (MT <= GROUPED_ROWS<BITS>) {
+    if constexpr (BITS != 7 && MT <= GROUPED_ROWS<BITS>) {
         // Up to 4 rows (2 with 8-bit codes, whose sums take twice the registers): group_dots256, every code register
         // live across the rows. Measured with benchmarks/kernel_ab.py (the whole 1.5B q4m forward, AMD EPYC Zen 3,
         // 2 threads, 15 repeats): 1 / 2 / 3 / 4 tokens 0.97 / 1.01 / 0.95 / 0.94x the time of the loop below, within
@@ -482,7 +460,7 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
                     acc[r][h] = accumulate256(acc[r][h], sw[h], mw[h], dot[r][h], dx[r * (K / QK) + g],
                                               sx[r * (K / QK) + g]);
         }
-    } else if constexpr (MT < 8) {
+    } else if constexpr (BITS != 7 && MT < 8) {
         // Few rows (verifying a chain): the block's codes decoded once into c (both halves), each row's activations
         // broadcast once for both. Columns-half outermost (below) made GCC keep every row's activation words on the
         // stack and re-broadcast them per half; from 8 rows, where a half's codes stay in registers for all rows, that
@@ -626,7 +604,7 @@ inline void amx_dots(const uint8_t* b, const int8_t* a, int64_t g, int64_t K, in
 // stores that wrote its rows waited for them: 2 rows cost 2.5x 1 row on 2 cores of a Xeon, 4-bit only).
 template <int MT, int BITS>
 void tile_amx(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const float* sx, int64_t K, float* out) {
-    constexpr int B = block_bytes<BITS>(), CODES = 16 * BITS * 4, UNPACK_AHEAD = 3, RING = 4;
+    constexpr int B = block_bytes<BITS>(), CODES = code_bytes<BITS>(), UNPACK_AHEAD = 3, RING = 4;
     alignas(64) uint8_t codes[RING][8 * 64];
     alignas(64) int32_t dots[2][MT * NC];  // [MT, 16] exact integer dots of a block, by tile set
     __m512 acc[MT];
@@ -689,7 +667,7 @@ using Table8 = Tiles<8, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
 #if defined(Q4_SEVEN)
 template <int... I>
 struct Tiles7 {  // one row (plain decoding) reads more than it computes: the 8-bit route's loop streams it better
-    static constexpr TileFn table[sizeof...(I)] = {(I == 0 ? &tile<1, 8> : &tile7<I + 1>)...};
+    static constexpr TileFn table[sizeof...(I)] = {(I == 0 ? &tile<1, 8> : &tile<I + 1, 7>)...};
 };
 template <int... I>
 constexpr TileFn Tiles7<I...>::table[sizeof...(I)];

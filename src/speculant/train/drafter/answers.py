@@ -130,7 +130,7 @@ def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
         if temperature == 0:
             nxt = logits.argmax(-1)
         else:
-            nxt = torch.tensor(sample_rows((logp / temperature).softmax(-1), generator), device=device)  # [B]
+            nxt = sample_rows((logp / temperature).softmax(-1), generator)  # [B]
         for i in torch.nonzero(~done).flatten().tolist():
             answers[i].append(int(nxt[i]))
             tops[i].append((top.indices[i], top.values[i]))
