@@ -72,12 +72,12 @@ def detectable_tv(n: int, categories: int = 5, alpha: float = 1e-4, power: float
     return float(np.sqrt(lam / (4 * n)))
 
 
-def sizes(n_full: int, *values, id: str, fast: bool = True) -> list:
-    """Parameters ``(*values, N_FAST)`` for the default suite and ``(*values, n_full)`` marked slow (id + '-full');
+def sizes(n_full: int, *values, id: str, fast: bool = True, n_fast: int = N_FAST) -> list:
+    """Parameters ``(*values, n_fast)`` for the default suite and ``(*values, n_full)`` marked slow (id + '-full');
     ``fast=False``: the slow one only (a variant whose code a default case of the same test already runs, e.g. the
     same rule under another warping: the default suite stays within its time, ``make test-all`` runs every one)."""
     full = pytest.param(*values, n_full, id=f"{id}-full", marks=pytest.mark.slow)
-    return [pytest.param(*values, N_FAST, id=id), full] if fast else [full]
+    return [pytest.param(*values, n_fast, id=id), full] if fast else [full]
 
 
 def record_caches(monkeypatch, module, name: str) -> list:

@@ -5,6 +5,10 @@ exactly as each rule assumes (numpy, independent of the library), the verifier i
 seed, and the emitted tokens are compared with the exact target distribution by a chi-square goodness-of-fit
 test. Seeds are fixed, so the tests are deterministic; the thresholds (p > 1e-4 to pass, p < 1e-6 for the
 negative controls) leave a wide margin either way.
+
+Sizes: each sampled rule runs :data:`RULE_N` times in the default suite and at its full size (12,000-20,000) in the
+slow one (``make test-all``); the negative controls run at the default size too, so they show that it detects
+those biases (:func:`test_rule_sample_size_has_the_stated_power` states its power).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import chisq_pvalue
+from helpers import chisq_pvalue, detectable_tv, sizes
 
 from speculant.core.sampling import make_generator, nucleus, sample, warp
 from speculant.core.types import DraftTree, SamplingParams, Verdict
@@ -26,6 +30,19 @@ GREEDY = SamplingParams(temperature=0.0)
 PASS_P = 1e-4  # a correct verifier passes (fixed seeds: not flaky)
 FAIL_P = 1e-6  # a wrong rule must be rejected at least this clearly
 verify_module = importlib.import_module("speculant.core.verification")
+RULE_N = 6000
+"""Verifier runs per sampled rule in the default suite (the full sizes run under ``@pytest.mark.slow``)."""
+
+
+def rule_sizes(n_full: int, *values, id: str = "n") -> list:
+    """``(*values, RULE_N)`` for the default suite, ``(*values, n_full)`` for the slow one."""
+    return sizes(n_full, *values, id=id, n_fast=RULE_N)
+
+
+def test_rule_sample_size_has_the_stated_power():
+    """RULE_N runs detect, with probability >= 0.99 at the tests' level, a first-token error of total-variation
+    distance 0.05 (6 categories) and a joint error of 0.07 over the 25 cells of two tokens."""
+    assert detectable_tv(RULE_N, categories=6) <= 0.05 and detectable_tv(RULE_N, categories=25) <= 0.07
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -147,8 +164,8 @@ def _one_node_tree(token: int) -> tuple[DraftTree, torch.Tensor]:
     return DraftTree.chain([token], draft_probs), _logits(Q1, Q_AFTER)
 
 
-def test_chain_partial_acceptance_rate_and_residual():
-    n = 20000
+@pytest.mark.parametrize("n", rule_sizes(20000))
+def test_chain_partial_acceptance_rate_and_residual(n):
     tree, logits = _one_node_tree(X)
     gen = make_generator(1234)
     accepted = 0
@@ -193,8 +210,8 @@ def test_chain_draft_accepted_when_q_equals_p():
     assert accepted >= 1999
 
 
-def test_chain_first_token_distribution_equals_q():
-    n = 20000
+@pytest.mark.parametrize("n", rule_sizes(20000))
+def test_chain_first_token_distribution_equals_q(n):
     rng = np.random.default_rng(11)
     gen = make_generator(11)
     first = np.zeros(4)
@@ -214,7 +231,8 @@ def test_chain_first_token_distribution_equals_q():
             assert _chisq_pvalue(second[x], Q_AFTER) > PASS_P
 
 
-def test_chain_two_tokens_joint_equals_target():
+@pytest.mark.parametrize("n", rule_sizes(20000))
+def test_chain_two_tokens_joint_equals_target(n):
     """A chain of 2 drafted tokens: the first two emitted tokens follow q(a) q(b|a)."""
     rng = np.random.default_rng(5)
     V = 5
@@ -225,7 +243,6 @@ def test_chain_two_tokens_joint_equals_target():
     q_leaf = np.full(V, 1.0 / V)
     gen = make_generator(5)
     counts = np.zeros((V, V))
-    n = 20000
     for _ in range(n):
         a = int(rng.choice(V, p=p0))
         b = int(rng.choice(V, p=pc[a]))
@@ -275,24 +292,25 @@ def _first_token_counts(n: int, seed: int, draw, replacement: bool, merge: bool,
     return counts, n_dups
 
 
-@pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])  # k = 3: the slow suite (time)
-def test_rejection_without_replacement_marginal_is_q(k):
-    counts, _ = _first_token_counts(15000, 100 + k, _gumbel_top_k, replacement=False, merge=False, k=k)
+@pytest.mark.parametrize("k,n", [*rule_sizes(15000, 2, id="2"), pytest.param(3, 15000, id="3", marks=pytest.mark.slow)])
+def test_rejection_without_replacement_marginal_is_q(k, n):
+    counts, _ = _first_token_counts(n, 100 + k, _gumbel_top_k, replacement=False, merge=False, k=k)
     assert _chisq_pvalue(counts, QM) > PASS_P
 
 
-@pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])  # k = 3: the slow suite (time)
-def test_rejection_with_replacement_marginal_is_q(k):
+@pytest.mark.parametrize("k,n", [*rule_sizes(15000, 2, id="2"), pytest.param(3, 15000, id="3", marks=pytest.mark.slow)])
+def test_rejection_with_replacement_marginal_is_q(k, n):
     # i.i.d. siblings, each draw its own node (duplicates as separate siblings)
-    counts, n_dups = _first_token_counts(15000, 200 + k, _iid, replacement=True, merge=False, k=k)
-    assert n_dups > 1000
+    counts, n_dups = _first_token_counts(n, 200 + k, _iid, replacement=True, merge=False, k=k)
+    assert n_dups > n / 15
     assert _chisq_pvalue(counts, QM) > PASS_P
 
 
-def test_rejection_with_replacement_draw_order_with_duplicates():
+@pytest.mark.parametrize("n", rule_sizes(15000))
+def test_rejection_with_replacement_draw_order_with_duplicates(n):
     # i.i.d. siblings merged into distinct nodes; draw_order keeps the draws (duplicates repeated)
-    counts, n_dups = _first_token_counts(15000, 300, _iid, replacement=True, merge=True, k=3)
-    assert n_dups > 3000
+    counts, n_dups = _first_token_counts(n, 300, _iid, replacement=True, merge=True, k=3)
+    assert n_dups > n / 5
     assert _chisq_pvalue(counts, QM) > PASS_P
 
 
@@ -306,7 +324,7 @@ def test_draw_order_duplicate_is_rejected_but_updates_residual():
                      draw_order=[[0, 1, 0], [], []])
     logits = torch.tensor(np.log(np.stack([np.clip(q, 1e-30, None), p, p])), dtype=torch.float32)
     gen = make_generator(9)
-    n = 20000
+    n = 20000  # full size in the default suite: its last check (a residual missing one update) is a small bias
     accepted_first = 0
     rejected = np.zeros(4)
     for _ in range(n):
@@ -355,11 +373,10 @@ def test_kseq_rho_is_valid_and_near_the_root(k):
     assert disjoint == pytest.approx(k)
 
 
-@pytest.mark.parametrize("k", [2, pytest.param(3, marks=pytest.mark.slow)])  # k = 3: the slow suite (time)
-def test_kseq_marginal_is_q_and_acceptance_is_p_acc(k):
+@pytest.mark.parametrize("k,n", [*rule_sizes(15000, 2, id="2"), pytest.param(3, 15000, id="3", marks=pytest.mark.slow)])
+def test_kseq_marginal_is_q_and_acceptance_is_p_acc(k, n):
     """K i.i.d. draws merged with duplicates: the emitted token is distributed as q, and some draw is accepted
     with probability p_acc = 1 - (1 - beta(rho))^K, as the K-SEQ rule says."""
-    n = 15000
     rng = np.random.default_rng(900 + k)
     gen = make_generator(900 + k)
     counts, accepted, n_dups = np.zeros(len(QM)), 0, 0
@@ -370,7 +387,7 @@ def test_kseq_marginal_is_q_and_acceptance_is_p_acc(k):
         v = verify(tree, _logits(QM, *([QM_LEAF] * len(tree))), SAMPLE, gen)
         accepted += len(v.accepted)
         counts[_emitted(tree, v)[0]] += 1
-    assert n_dups > 1000
+    assert n_dups > n / 15
     assert _chisq_pvalue(counts, QM) > PASS_P
     rho = kseq_rho(torch.tensor(PM), torch.tensor(QM), k)
     p_acc = 1 - (1 - _beta(PM, QM, rho)) ** k
@@ -384,11 +401,12 @@ def test_kseq_tree_needs_iid_siblings():
         DraftTree(tokens=[1], parents=[-1], draft_probs=torch.ones(2, 4) / 4, replacement=True, coupling="optimal")
 
 
-def test_negative_control_kseq_with_too_small_rho_is_detected(monkeypatch):
+@pytest.mark.parametrize("n", rule_sizes(15000))
+def test_negative_control_kseq_with_too_small_rho_is_detected(monkeypatch, n):
     """K-SEQ with rho = 1 for K = 3 drafts (g(beta) > rho, so the residual would be negative and is clipped):
     biased, and detected."""
     monkeypatch.setattr(verify_module, "kseq_rho", lambda p, q, k, **kw: 1.0)
-    counts, _ = _first_token_counts(15000, 950, _iid, replacement=True, merge=True, k=3, coupling="kseq")
+    counts, _ = _first_token_counts(n, 950, _iid, replacement=True, merge=True, k=3, coupling="kseq")
     assert _chisq_pvalue(counts, QM) < FAIL_P
 
 
@@ -432,13 +450,14 @@ def _build_tree(rng, branching, rule, p0, pc):
                      coupling="kseq" if rule == "kseq" else "recursive"), V
 
 
-@pytest.mark.parametrize("rule", ["without", "with", "with_merged", "kseq"])
-def test_rejection_tree_depth2_joint_equals_target(rule):
+@pytest.mark.parametrize("rule,n", [p for rule in ["without", "with", "with_merged", "kseq"]
+                                    for p in rule_sizes(12000, rule, id=rule)])
+def test_rejection_tree_depth2_joint_equals_target(rule, n):
     q0, qc, p0, pc = _tables(42, 5)
     rng = np.random.default_rng(17)
     gen = make_generator(17)
     counts = np.zeros((5, 5))
-    for _ in range(12000):
+    for _ in range(n):
         tree, V = _build_tree(rng, (3, 2), rule, p0, pc)
         rows = [q0] + [qc[t] for t in tree.tokens]
         out = _emitted(tree, verify(tree, _logits(*rows), SAMPLE, gen))
@@ -451,20 +470,22 @@ def test_rejection_tree_depth2_joint_equals_target(rule):
 # -------------------------------------------------------------------------------------- negative controls
 
 
-def test_negative_control_wrong_rule_is_detected():
+@pytest.mark.parametrize("n", rule_sizes(15000))
+def test_negative_control_wrong_rule_is_detected(n):
     """Siblings drawn WITHOUT replacement but verified by the WITH-replacement rule: biased, and detected."""
-    counts, _ = _first_token_counts(15000, 400, _gumbel_top_k, replacement=True, merge=False, k=3)
+    counts, _ = _first_token_counts(n, 400, _gumbel_top_k, replacement=True, merge=False, k=3)
     assert _chisq_pvalue(counts, QM) < FAIL_P
 
 
-def test_negative_control_dropped_duplicates_are_detected():
+@pytest.mark.parametrize("n", rule_sizes(15000))
+def test_negative_control_dropped_duplicates_are_detected(n):
     """i.i.d. siblings whose draw_order lost the duplicate draws: the residual misses updates, detected."""
     rng = np.random.default_rng(500)
     gen = make_generator(500)
     q = np.array([0.05, 0.30, 0.10, 0.25, 0.20, 0.10])
     p = np.array([0.70, 0.05, 0.10, 0.05, 0.05, 0.05])  # peaked: duplicates of token 0 are frequent
     counts = np.zeros(6)
-    for _ in range(15000):
+    for _ in range(n):
         draws = list(dict.fromkeys(_iid(rng, p, 3)))  # duplicates dropped
         tree = _root_children_tree(draws, p, replacement=True, merge=True)
         v = verify(tree, _logits(q, *([QM_LEAF] * len(tree))), SAMPLE, gen)
@@ -482,7 +503,8 @@ def test_negative_control_ignoring_the_draft_is_detected():
 # ----------------------------------------------------------------------------------- deterministic drafts
 
 
-def test_deterministic_draft_tree_joint_equals_target():
+@pytest.mark.parametrize("n", rule_sizes(15000))
+def test_deterministic_draft_tree_joint_equals_target(n):
     q0, qc, _, _ = _tables(3, 5)
     # fixed tree: root -> 1 (-> 0, 3), root -> 4 (-> 4); root -> 2
     tree = DraftTree(tokens=[1, 4, 2, 0, 3, 4], parents=[-1, -1, -1, 0, 0, 1])
@@ -491,23 +513,23 @@ def test_deterministic_draft_tree_joint_equals_target():
     gen = make_generator(3)
     counts = np.zeros((5, 5))
     n_depth2 = 0
-    for _ in range(15000):
+    for _ in range(n):
         out = _emitted(tree, verify(tree, logits, SAMPLE, gen))
         n_depth2 += len(out) == 3
         if len(out) == 1:
             out.append(int(rng.choice(5, p=qc[out[0]])))
         counts[out[0], out[1]] += 1
-    assert n_depth2 > 500
+    assert n_depth2 > n / 30
     assert _chisq_pvalue(counts, q0[:, None] * qc) > PASS_P
 
 
-def test_deterministic_chain_marginal_is_q():
+@pytest.mark.parametrize("n", rule_sizes(15000))
+def test_deterministic_chain_marginal_is_q(n):
     tree = DraftTree.chain([1])
     logits = _logits(QM, QM_LEAF)
     gen = make_generator(4)
     counts = np.zeros(6)
     accepted = 0
-    n = 15000
     for _ in range(n):
         v = verify(tree, logits, SAMPLE, gen)
         accepted += bool(v.accepted)
