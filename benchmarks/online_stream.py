@@ -67,8 +67,8 @@ def stream_prompts(prompts: str, topic: str | None, seed: int, max_prompt_tokens
     return kept[:requests], len(records) - len(kept)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def stream_arguments(ap: argparse.ArgumentParser) -> None:
+    """The stream's and the online adapter's options (this script's and ``online_replay.py``'s)."""
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--method", default=None, help="default: the target's packaged default")
     ap.add_argument("--prompts", default="builtin:code-chat-train")
@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=OnlineConfig.lr)
     ap.add_argument("--loss", default=OnlineConfig.loss)
     ap.add_argument("--positions", default=OnlineConfig.positions)
+    ap.add_argument("--prompt-weight", type=float, default=OnlineConfig.prompt_weight,
+                    help="also train on each request's prompt text (next-token loss) with this weight; 0: off")
     ap.add_argument("--min-held", type=int, default=OnlineConfig.min_held,
                     help="held-back requests (one in 5) before an update is checked on them")
     ap.add_argument("--min-z", type=float, default=OnlineConfig.min_z,
@@ -97,6 +99,45 @@ def main() -> None:
                     help="the traffic memory only (--traffic N): no draft model trained, any --method")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+
+
+def online_config(args: argparse.Namespace) -> OnlineConfig:
+    """The adapter's settings from :func:`stream_arguments`' options."""
+    return OnlineConfig(update_every=args.online_every, steps=args.steps, lr=args.lr, loss=args.loss,
+                        positions=args.positions, prompt_weight=args.prompt_weight, min_held=args.min_held,
+                        min_z=args.min_z,
+                        traffic=args.traffic, traffic_min_ngram=args.traffic_min_ngram,
+                        distill=not args.no_distill, seed=args.seed)
+
+
+def online_settings(args: argparse.Namespace) -> str:
+    """The adapter's settings in words (the results' README)."""
+    prompt = f", prompt text at weight {args.prompt_weight}" if getattr(args, "prompt_weight", 0) else ""
+    return (("no distillation" if args.no_distill else
+             f"an update every {args.online_every} requests ({args.steps} steps, lr {args.lr}, {args.loss} at "
+             f"{args.positions} positions{prompt}), run between requests")
+            + (f"; traffic memory: up to {args.traffic} tokens per step from earlier requests (context n-grams >= "
+               f"{args.traffic_min_ngram})" if args.traffic else ""))
+
+
+def run_update(adapter: OnlineAdapter, updates: list[dict]) -> None:
+    """Run the adapter's due update (between requests), keep its history entry in ``updates`` and print it."""
+    u = adapter.update()
+    updates.append(u)
+    print(f"  update {'accepted' if u['accepted'] else 'rolled back'}: agreement {u['agreement_before']:.3f}"
+          f" -> {u['agreement_after']:.3f} on {u['held_requests']} held-back requests, gained {u['gained']}"
+          f" lost {u['lost']} (z {u['z']:.2f})", flush=True)
+
+
+def progress(i: int, n: int, rows: dict[str, list[dict]], version: int) -> None:
+    """Print request ``i``'s τ in both sessions."""
+    print(f"[{i + 1}/{n}] tau shipped {rows['shipped'][-1]['tau']:.2f} online {rows['online'][-1]['tau']:.2f} "
+          f"(drafter version {version})", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    stream_arguments(ap)
     ap.add_argument("--out", default="benchmarks/results/online-stream")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -104,11 +145,7 @@ def main() -> None:
     adapting = speculant.load(args.target, method=args.method, threads=args.threads)
     prompts, skipped = stream_prompts(args.prompts, args.topic, args.seed, args.max_prompt_tokens, args.requests,
                                       shipped.tokenizer)
-    config = OnlineConfig(update_every=args.online_every, steps=args.steps, lr=args.lr, loss=args.loss,
-                          positions=args.positions, min_held=args.min_held, min_z=args.min_z,
-                          traffic=args.traffic, traffic_min_ngram=args.traffic_min_ngram,
-                          distill=not args.no_distill, seed=args.seed)
-    adapter = OnlineAdapter(adapting, config)
+    adapter = OnlineAdapter(adapting, online_config(args))
     warm = prompt_ids(builtin_prompts("mt-bench", 1)[0], shipped.tokenizer)
     for s in (shipped, adapting):  # warm-up (not in the stream)
         s.generate(warm, max_new_tokens=16)
@@ -137,13 +174,8 @@ def main() -> None:
         if outputs["online"] != outputs["shipped"]:
             raise SystemExit(f"request {i}: the adapting session's output differs from the shipped one's")
         if adapter.due():  # between requests, outside their timings
-            u = adapter.update()
-            updates.append(u)
-            print(f"  update {'accepted' if u['accepted'] else 'rolled back'}: agreement {u['agreement_before']:.3f}"
-                  f" -> {u['agreement_after']:.3f} on {u['held_requests']} held-back requests, gained {u['gained']}"
-                  f" lost {u['lost']} (z {u['z']:.2f})", flush=True)
-        print(f"[{i + 1}/{len(prompts)}] tau shipped {rows['shipped'][-1]['tau']:.2f} online "
-              f"{rows['online'][-1]['tau']:.2f} (drafter version {adapter.version})", flush=True)
+            run_update(adapter, updates)
+        progress(i, len(prompts), rows, adapter.version)
     windows = {name: _window(r, args.window) for name, r in rows.items()}
     first, last = windows["online"][0]["tau"], windows["online"][-1]["tau"]
     p90 = {name: _p90(r["latency_s"] for r in rs) for name, rs in rows.items()}
@@ -161,13 +193,8 @@ def main() -> None:
     lines = [f"# Online adaptation on a held-out stream ({args.prompts}"
              f"{f', topic /{args.topic}/' if args.topic else ''}, {len(prompts)} requests)", "",
              f"Target {args.target}, method `{shipped.method.spec}` with its shipped drafter, greedy, "
-             f"{args.max_new_tokens} new tokens, {args.threads} threads; online: "
-             + ("no distillation" if args.no_distill else
-                f"an update every {args.online_every} requests ({args.steps} steps, lr {args.lr}, {args.loss} at "
-                f"{args.positions} positions), run between requests")
-             + (f"; traffic memory: up to {args.traffic} tokens per step from earlier requests (context n-grams >= "
-                f"{args.traffic_min_ngram})" if args.traffic else "")
-             + ". Every output identical between the two sessions.", "",
+             f"{args.max_new_tokens} new tokens, {args.threads} threads; online: {online_settings(args)}. Every "
+             "output identical between the two sessions.", "",
              "| window | τ shipped | τ online | tok/s shipped (median) | tok/s online (median) | p90 latency shipped | "
              "p90 latency online |", "|---|---|---|---|---|---|---|"]
     for a, b in zip(windows["shipped"], windows["online"]):

@@ -31,35 +31,53 @@ from draft_length import draft_matches
 from online_stream import stream_prompts
 
 
+def replay_request(ids: list[int], answer: list[int], match: list[bool] | None, k: int, lookup: int,
+                   memory: TrafficMemory | None, traffic: int, max_new_tokens: int
+                   ) -> tuple[int, int, list[tuple[int, int, bool]]]:
+    """One request replayed: its steps (target calls), draft tokens over all steps (the merged trees' sizes) and per
+    step ``(i, committed, refused)``: the answer index it started at, the tokens it committed (accepted + bonus) and
+    whether a draft token was offered after the accepted path (the bonus replaced a refused draft). A model chain
+    of ``k`` (its teacher-forced ``match``; 0: none), a prompt-lookup chain of ``lookup`` (ngram 3) and a traffic
+    chain of ``traffic`` tokens from ``memory`` (None or 0: none) are merged; where the model's token is not the
+    answer's its identity is unknown: it counts as a node of its own."""
+    n, i, calls, nodes = len(answer), 0, 0, 0  # the prompt's last token is the first step's root: it drafts too
+    steps: list[tuple[int, int, bool]] = []
+    while i < n:
+        limit = max_new_tokens - i - 1
+        context = ids + answer[:i]
+        model = [answer[i + j] if i + j < n and match[i + j] else -1 - j for j in range(min(k, limit))]
+        chains = [model,
+                  lookup_continuation(context, 3, min(lookup, limit)) if lookup else [],
+                  memory.continuation(context, min(traffic, limit)) if traffic and memory is not None else []]
+        best = 0
+        runs = []
+        tokens: list[int] = []
+        parents: list[int] = []
+        for chain in chains:
+            run = 0
+            while run < len(chain) and i + run < n and chain[run] == answer[i + run]:
+                run += 1
+            runs.append(run)
+            best = max(best, run)
+            tokens, parents = merge_chain(tokens, parents, chain)
+        step = min(best + 1, n - i)
+        refused = any(run >= best and len(chain) > best for run, chain in zip(runs, chains))
+        steps.append((i, step, refused))
+        i, calls, nodes = i + step, calls + 1, nodes + len(tokens)
+    return calls, nodes, steps
+
+
 def replay(prompts: list[list[int]], answers: list[list[int]], matches: list[list[bool]] | None, k: int,
            lookup: int, traffic: int, max_new_tokens: int, window: int, min_ngram: int = 1) -> dict[str, list[float]]:
-    """Per window of ``window`` requests, ``tau`` and ``nodes`` (draft tokens per step: the merged tree's size) of a
-    model chain of ``k`` (its teacher-forced ``matches``; 0: none), a prompt-lookup chain of ``lookup`` (ngram 3)
-    and a traffic chain of ``traffic`` tokens (0: none; its memory's shortest n-gram ``min_ngram``) merged. Where the
-    model's token is not the answer's its identity is unknown: it counts as a node of its own."""
+    """Per window of ``window`` requests, ``tau`` and ``nodes`` (draft tokens per step: the merged tree's size) of
+    :func:`replay_request` over the stream, every finished request added to the traffic memory (shortest n-gram
+    ``min_ngram``)."""
     memory = TrafficMemory(min_ngram=min_ngram)
     per_request = []
     for r, (ids, answer) in enumerate(zip(prompts, answers)):
-        n, i, calls, nodes = len(answer), 0, 0, 0  # the prompt's last token is the first step's root: it drafts too
-        while i < n:
-            limit = max_new_tokens - i - 1
-            context = ids + answer[:i]
-            model = [answer[i + j] if i + j < n and matches[r][i + j] else -1 - j for j in range(min(k, limit))]
-            chains = [model,
-                      lookup_continuation(context, 3, min(lookup, limit)) if lookup else [],
-                      memory.continuation(context, min(traffic, limit)) if traffic else []]
-            best = 0
-            tokens: list[int] = []
-            parents: list[int] = []
-            for chain in chains:
-                run = 0
-                while run < len(chain) and i + run < n and chain[run] == answer[i + run]:
-                    run += 1
-                best = max(best, run)
-                tokens, parents = merge_chain(tokens, parents, chain)
-            step = min(best + 1, n - i)
-            i, calls, nodes = i + step, calls + 1, nodes + len(tokens)
-        per_request.append((n, calls, nodes))
+        calls, nodes, _ = replay_request(ids, answer, matches[r] if matches else None, k, lookup, memory, traffic,
+                                         max_new_tokens)
+        per_request.append((len(answer), calls, nodes))
         memory.add(ids + answer)
     parts = [per_request[w: w + window] for w in range(0, len(per_request) - window + 1, window)]
     return {"tau": [sum(p[0] for p in part) / sum(p[1] for p in part) for part in parts],

@@ -108,6 +108,34 @@ def test_updates_raise_agreement_and_never_change_greedy_outputs():
     assert all(not p.requires_grad for p in adapter.session.draft.parameters())
 
 
+@pytest.mark.parametrize("positions", ["all", "rejected"])
+def test_the_prompt_text_adds_a_next_token_loss_on_the_prompts_rows(positions):
+    """prompt_weight w: an update's loss is the distillation loss plus w times the cross-entropy of the draft's
+    next-token prediction over the prompt's tokens inside the training window (each row's label: the token after
+    it), computed here from an independent full forward; w = 0 leaves the loss as it was."""
+    target, draft = _pair(scale=0.6)
+    prompt = torch.randint(2, VOCAB, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    observed = ObservedDrafter(build_drafter("chain:k=3", draft), top_k=8)
+    generate(target, prompt, observed, max_new_tokens=24, eos_token_id=[])
+    o = observed.observation()
+    assert int(o.positions.min()) == len(prompt) and o.rejected.any()
+    window = 30  # the window starts inside the prompt: only its last prompt rows count
+    plain = OnlineAdapter(_session(target, draft), OnlineConfig(positions=positions, window=window))
+    weighted = OnlineAdapter(_session(target, draft), OnlineConfig(positions=positions, window=window,
+                                                                   prompt_weight=0.5))
+    with torch.no_grad():
+        base, total = plain._loss(draft, o), weighted._loss(draft, o)
+        trained = o.positions if positions == "all" else o.positions[o.rejected]
+        start, end = int(trained.max()) - window, int(trained.max())
+        logits = draft(input_ids=o.ids[None, start:end].long()).logits[0].float()  # [window, V]: the forward's
+        rows = torch.arange(start, len(prompt) - 1)  # rows predicting prompt tokens start + 1 .. len(prompt) - 1
+        text = torch.nn.functional.cross_entropy(logits[rows - start], o.ids[rows + 1].long())
+    assert len(rows) > 0 and start > 0
+    torch.testing.assert_close(total, base + 0.5 * text, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="prompt_weight"):
+        OnlineConfig(prompt_weight=-1.0)
+
+
 def test_a_bad_update_is_rolled_back():
     target, draft = _pair(scale=0.2)
     adapter = OnlineAdapter(_session(target, draft), OnlineConfig(update_every=8, steps=5, lr=50.0, min_held=1,

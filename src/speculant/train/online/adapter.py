@@ -81,6 +81,10 @@ class OnlineConfig:
     """One request in this many is held back for the check."""
     window: int = 512
     """Context tokens a training forward reads before the positions it trains."""
+    prompt_weight: float = 0.0
+    """Weight of a next-token loss on each request's own text before its first drafted position (its prompt, within
+    the ``window`` a training forward reads), added to the distillation loss: the traffic's text itself, with the
+    token that follows as the label (no target distribution is known there); 0: off."""
     min_positions: int = 16
     """Refused positions the buffer must hold before an update."""
     min_held: int = 4
@@ -124,6 +128,8 @@ class OnlineConfig:
             raise ValueError(f"online loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.positions not in ("rejected", "all"):
             raise ValueError(f"online positions must be 'rejected' or 'all', got {self.positions!r}")
+        if not self.prompt_weight >= 0:  # also refuses nan
+            raise ValueError(f"online prompt_weight must be >= 0, got {self.prompt_weight}")
         if not self.min_z >= 0:  # also refuses nan
             raise ValueError(f"online min_z must be >= 0, got {self.min_z}")
         if self.traffic < 0:
@@ -335,28 +341,40 @@ class OnlineAdapter:
             raise ValueError("the draft model has no parameters of its own to adapt")
         return candidate, params
 
-    def _logits(self, model: torch.nn.Module, o: Observation, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(logits [P, V], selected [P'] bool)``: ``model``'s logits at the positions of ``o`` picked by ``keep``
-        ``[P']`` whose predicting row is inside the context window (``selected`` of those picked); one forward over
-        the window, the LM head on those rows only (most of a small drafter's cost is its head over the vocabulary)."""
+    def _logits(self, model: torch.nn.Module, o: Observation, keep: torch.Tensor, prompt: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(logits [P, V], selected [P'] bool, prompt rows [R])``: ``model``'s logits at the positions of ``o``
+        picked by ``keep`` ``[P']`` whose predicting row is inside the context window (``selected`` of those picked);
+        one forward over the window, the LM head on those rows only (most of a small drafter's cost is its head over
+        the vocabulary). ``prompt``: then also at the rows (indices in ``o.ids``, returned) predicting the prompt's
+        tokens inside the window, the text before the first drafted position (``[P + R, V]``); else R = 0."""
         positions = o.positions[keep]
         end = int(positions.max())
         start = max(0, end - self.config.window)
         selected = positions - 1 >= start
-        logits = model(input_ids=o.ids[start:end].long()[None],
-                       logits_to_keep=positions[selected] - 1 - start).logits[0]
-        return logits, selected
+        text = torch.arange(start, int(o.positions.min()) - 1 if prompt else start, dtype=torch.int64)  # [R]
+        rows = torch.cat([positions[selected] - 1, text]) - start
+        logits = model(input_ids=o.ids[start:end].long()[None], logits_to_keep=rows).logits[0]
+        return logits, selected, text
 
     def _loss(self, model: torch.nn.Module, o: Observation) -> torch.Tensor:
-        """The distillation loss of ``model`` on ``o``'s trained positions (within the context window)."""
+        """The distillation loss of ``model`` on ``o``'s trained positions (within the context window), plus
+        :attr:`OnlineConfig.prompt_weight` times the next-token loss on the prompt's tokens in that window."""
         keep = _trained(o, self.config.positions)
-        logits, selected = self._logits(model, o, keep)  # [P, V]
+        prompt = self.config.prompt_weight > 0
+        logits, selected, text_rows = self._logits(model, o, keep, prompt)  # [P + R, V]
         top_ids, top_p = o.top_ids[keep][selected].long(), o.top_p[keep][selected].float()
         vocab = logits.shape[-1]
+        own, text = logits[: len(top_ids)], logits[len(top_ids):]  # [P, V], [R, V]
         top_p = top_p * (top_ids < vocab)
-        q = torch.zeros_like(logits, dtype=torch.float32).scatter_(1, top_ids.clamp_max(vocab - 1), top_p)  # [P, V]
+        q = torch.zeros_like(own, dtype=torch.float32).scatter_(1, top_ids.clamp_max(vocab - 1), top_p)  # [P, V]
         q = q / q.sum(-1, keepdim=True).clamp_min(1e-12)
-        return distill_loss_probs(logits, q, self.config.loss)
+        loss = distill_loss_probs(own, q, self.config.loss)
+        if prompt and len(text):
+            labels = o.ids[text_rows + 1].long()  # [R]: the prompt token each row predicts
+            loss = loss + self.config.prompt_weight * torch.nn.functional.cross_entropy(
+                text.float(), labels.clamp_max(vocab - 1))
+        return loss
 
     def agreement(self, model: torch.nn.Module, observations: list[Observation]) -> float:
         """Share of the drafted positions of ``observations`` where ``model``'s greedy token is the target's most
@@ -369,7 +387,7 @@ class OnlineAdapter:
         hits = []
         for o in observations:
             with torch.no_grad():
-                logits, selected = self._logits(model, o, torch.ones_like(o.rejected))  # [P, V]
+                logits, selected, _ = self._logits(model, o, torch.ones_like(o.rejected))  # [P, V]
             hits.append(logits.argmax(-1) == o.top_ids[selected, 0].long())
             yield
         return torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool)
