@@ -19,14 +19,13 @@ run: the target's probabilities come from a teacher-forced forward instead of th
 rounding), which can move an update's training and so its check. ``--validate STREAM`` replays a live run's own
 settings and answers (an ``online_stream.json``) and prints its measured τ beside the replay's. No timing: τ only.
 
-Answers: the shipped session's greedy answers of ``--answers`` (an ``online_stream.json`` of the same stream: its first
-requests), then plain greedy decoding (the target's default method, whose output is plain decoding's) for the rest,
-kept in ``--answers-cache``.
+Answers: the shipped session's greedy answers of ``--answers`` (an ``online_stream.json`` of the same stream that
+keeps them: its first requests), then ``--answers-cache``, then greedy decoding with ``--method`` (plain decoding's
+output), kept in ``--answers-cache``.
 
-    python benchmarks/online_replay.py --prompts builtin:sharegpt --topic 'javascript|react' --requests 200 \\
-        --method chain:k=4 --online-every 8 --steps 32 --lr 0.001 --positions all [--traffic 10] \\
-        --answers benchmarks/results/online-stream-js-v3/online_stream.json --answers-cache runs/js-answers.json \\
-        --out benchmarks/results/online-replay-js
+    python benchmarks/online_replay.py --prompts builtin:sharegpt --topic 'javascript|react|typescript|node\\.?js' \\
+        --requests 150 --method chain:k=4 --online-every 8 --steps 32 --lr 0.001 --positions all --min-held 4 \\
+        [--traffic 10] --answers-cache benchmarks/results/online-replay-js-v1/answers.json --out OUT
 """
 
 from __future__ import annotations
@@ -100,19 +99,24 @@ def observation(session, ids: list[int], answer: list[int], steps: list[tuple[in
 def chains_of(session) -> tuple[int, int]:
     """The method's model chain length ``k`` (0: none) and prompt-lookup chain length, as the replay models them."""
     spec, options = session.method, session.method.options
-    if spec.name not in ("chain", "lookup") or options.get("stop") is not None:
-        raise SystemExit(f"the replay models chain[:k=N][:lookup=N] and lookup, not {spec.spec}")
+    if (spec.name not in ("chain", "lookup") or options.get("stop") is not None or "k" not in options
+            or int(options.get("ngram", 3)) != 3):
+        raise SystemExit(f"the replay models chain:k=N[:lookup=N] and lookup:k=N (ngram 3), k given; not {spec.spec}")
     k = int(options.get("k", 0)) if session.draft is not None and spec.name == "chain" else 0
     lookup = int(options.get("lookup", 0)) or (int(options.get("k", 8)) if spec.name == "lookup" else 0)
     return k, lookup
 
 
 def load_answers(args, shipped, prompts: list[list[int]]) -> list[list[int]]:
-    """The stream's greedy answers: ``--answers``' shipped rows, then ``--answers-cache``, then decoded (and cached)."""
+    """The stream's greedy answers: ``--answers``' shipped rows (where they hold them), then ``--answers-cache``,
+    then decoded with ``--method`` (greedy: plain decoding's output) and cached."""
     answers: list[list[int]] = []
     if args.answers:
         rows = json.loads(Path(args.answers).read_text())["requests"]["shipped"]
-        answers = [r["token_ids"] for r in rows][: len(prompts)]
+        if rows and "token_ids" not in rows[0]:
+            print(f"{args.answers} keeps no answers (token_ids): decoding them", flush=True)
+        else:
+            answers = [r["token_ids"] for r in rows][: len(prompts)]
     cache = Path(args.answers_cache) if args.answers_cache else None
     cached = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
     for i in range(len(answers), len(prompts)):
@@ -142,6 +146,8 @@ def main() -> None:
         for key, value in data["settings"].items():
             if key != "out":
                 setattr(args, key, value)
+        if "min_z" not in data["settings"]:  # a run from before the check's z bound kept what did not drop
+            args.min_z = 0.0
         args.answers = args.validate
         measured = {name: [w["tau"] for w in data["windows"][name]] for name in ("shipped", "online")}
     torch.set_num_threads(args.threads)

@@ -370,10 +370,10 @@ class OnlineAdapter:
         q = torch.zeros_like(own, dtype=torch.float32).scatter_(1, top_ids.clamp_max(vocab - 1), top_p)  # [P, V]
         q = q / q.sum(-1, keepdim=True).clamp_min(1e-12)
         loss = distill_loss_probs(own, q, self.config.loss)
-        if prompt and len(text):
-            labels = o.ids[text_rows + 1].long()  # [R]: the prompt token each row predicts
+        labels = o.ids[text_rows + 1].long()  # [R]: the prompt token each row predicts
+        if prompt and bool((labels < vocab).any()):  # (an id beyond the draft's vocabulary is no label)
             loss = loss + self.config.prompt_weight * torch.nn.functional.cross_entropy(
-                text.float(), labels.clamp_max(vocab - 1))
+                text.float(), labels.masked_fill(labels >= vocab, -100), ignore_index=-100)
         return loss
 
     def agreement(self, model: torch.nn.Module, observations: list[Observation]) -> float:
