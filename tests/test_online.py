@@ -132,6 +132,10 @@ def test_the_prompt_text_adds_a_next_token_loss_on_the_prompts_rows(positions):
         text = torch.nn.functional.cross_entropy(logits[rows - start], o.ids[rows + 1].long())
     assert len(rows) > 0 and start > 0
     torch.testing.assert_close(total, base + 0.5 * text, rtol=1e-4, atol=1e-5)
+    short = OnlineAdapter(_session(target, draft), OnlineConfig(positions="all", window=8, prompt_weight=0.5))
+    with torch.no_grad():  # a window that starts after the prompt: no prompt rows, the distillation loss alone
+        torch.testing.assert_close(short._loss(draft, o), OnlineAdapter(_session(target, draft), OnlineConfig(
+            positions="all", window=8))._loss(draft, o))
     with pytest.raises(ValueError, match="prompt_weight"):
         OnlineConfig(prompt_weight=-1.0)
 

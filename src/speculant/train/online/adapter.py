@@ -352,7 +352,8 @@ class OnlineAdapter:
         end = int(positions.max())
         start = max(0, end - self.config.window)
         selected = positions - 1 >= start
-        text = torch.arange(start, int(o.positions.min()) - 1 if prompt else start, dtype=torch.int64)  # [R]
+        first = int(o.positions.min()) - 1 if prompt else start  # the prompt's rows end before the first drafted one
+        text = torch.arange(start, max(start, first), dtype=torch.int64)  # [R]: none once the window starts later
         rows = torch.cat([positions[selected] - 1, text]) - start
         logits = model(input_ids=o.ids[start:end].long()[None], logits_to_keep=rows).logits[0]
         return logits, selected, text
