@@ -169,7 +169,10 @@ def main() -> None:
                                          args.max_new_tokens)
             rows["shipped"].append({"request": r, "tokens": len(answer), "target_calls": calls,
                                     "tau": len(answer) / calls, "version": 0})
-            match = draft_matches(adapting, [(ids, answer)])[0]["match"] if k else None
+            if k:  # the serving drafter's predictions; until an update is kept it is the shipped one (base)
+                match = base[r] if adapter.version == 0 else draft_matches(adapting, [(ids, answer)])[0]["match"]
+            else:
+                match = None
             calls, _, steps = replay_request(ids, answer, match, k, lookup, adapter.traffic, cfg.traffic,
                                              args.max_new_tokens)
             rows["online"].append({"request": r, "tokens": len(answer), "target_calls": calls,
