@@ -459,9 +459,12 @@ def test_the_default_method_follows_the_kernels_dot_products(monkeypatch, isa, m
     default there is a chain that stops when its draft is unsure; elsewhere (unmeasured paths, no compiled kernel)
     its usual default."""
     from speculant.core import kernels
+    from speculant.models import loading
     from speculant.models.loading import default_method_for
 
     monkeypatch.setattr(kernels, "q4_isa", lambda isa_=None: isa)
+    # what is tested is the choice per machine, whether or not `make qwen-models` installed the 0.5B drafter here
+    monkeypatch.setattr(loading, "packaged_installed", lambda name: True)
     assert default_method_for("qwen2.5-coder-1.5b-instruct") == method
     assert default_method_for("smollm2-135m-instruct") == "chain:k=2:lookup=10"  # none set: the same everywhere
 
