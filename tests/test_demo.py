@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from speculant import demo
+from speculant.models import loading
 from speculant.models.loading import bundled_dir
 from speculant.models.sources import PACKAGED
 
@@ -23,6 +24,7 @@ def installed(monkeypatch):
 
     monkeypatch.setattr(demo, "packaged_installed", lambda name: name in names)
     monkeypatch.setattr(demo, "default_draft_for", drafter)
+    monkeypatch.setattr(loading, "packaged_installed", lambda name: name in names)  # default_method_for's view
     return names
 
 
@@ -64,7 +66,7 @@ def test_packaged_defaults(monkeypatch, installed):
     assert demo.main(["--threads", "1", "--target", "nope"]) == 2
     # the method: a packaged default when measured, else chain:k=3 for a packaged target, else chain:k=K
     assert demo._method(SMOL, "smollm2-135m-instruct-draft", 4) == PACKAGED[SMOL].default_method
-    assert demo._method(QWEN, QWEN_DRAFT, 4) == (PACKAGED[QWEN].method_here() or "chain:k=3")  # this machine's
+    assert demo._method(QWEN, QWEN_DRAFT, 4) == (PACKAGED[QWEN].default_method or "chain:k=3")
     assert demo._method("some/dir", "other/dir", 4) == "chain:k=4"
 
 
@@ -84,10 +86,11 @@ def test_bundled_demo_runs(capsys):
     assert "bundled default target" in out and "x vs ar" in out
 
 
-def test_a_packaged_target_streams_in_its_own_process(monkeypatch):
+def test_a_packaged_target_streams_in_its_own_process(monkeypatch, installed):
     import argparse
     import subprocess
 
+    installed |= {QWEN, QWEN_DRAFT}
     calls = []
     monkeypatch.setattr(demo.subprocess, "run",
                         lambda cmd, check: calls.append(cmd) or subprocess.CompletedProcess(cmd, 1))
@@ -96,7 +99,7 @@ def test_a_packaged_target_streams_in_its_own_process(monkeypatch):
     cmd = calls[0]
     assert cmd[1:4] == ["-m", "speculant", "generate"] and "--raw" not in cmd  # a chat request
     assert cmd[cmd.index("--quantization") + 1] == "q4"
-    assert cmd[cmd.index("--method") + 1] == (PACKAGED[QWEN].method_here() or "chain:k=3")
+    assert cmd[cmd.index("--method") + 1] == (PACKAGED[QWEN].default_method or "chain:k=3")
 
 
 @pytest.mark.parametrize("built", [True, False])

@@ -216,9 +216,7 @@ def _packaged_methods() -> str:
     """``name: method`` for each packaged model with a default method (for the help of ``--method``)."""
     from ..models.sources import PACKAGED
 
-    return ", ".join(f"{m.name}: {m.default_method}" + (f" ({m.default_method_avx2} where the q4 kernel runs AVX2 "
-                                                        "without VNNI)" if m.default_method_avx2 else "")
-                     for m in PACKAGED.values() if m.default_method)
+    return ", ".join(f"{m.name}: {m.default_method}" for m in PACKAGED.values() if m.default_method)
 
 
 _BUNDLED = object()

@@ -341,18 +341,18 @@ def default_quantization_for(target: str | Path) -> str | None:
 
 
 def default_method_for(target: str | Path, draft: str | Path | None = None) -> str | None:
-    """The method spec measured fastest for a packaged ``target`` with the drafter speculant ships for it, on this
-    machine (:meth:`speculant.models.sources.PackagedModel.method_here`), when ``draft`` is None or that drafter (by name or
-    directory); else None, and callers use :data:`speculant.drafters.registry.DEFAULT_METHOD`."""
+    """The method spec measured fastest for a packaged ``target`` with the drafter speculant ships for it
+    (:attr:`speculant.models.sources.PackagedModel.default_method`), when ``draft`` is None or that drafter (by
+    name or directory); else None, and callers use :data:`speculant.drafters.registry.DEFAULT_METHOD`."""
     model = PACKAGED.get(str(target))
     shipped = default_draft_for(target)
     if model is None or model.default_method is None or shipped is None:
         return None
     if draft is None or str(draft) == shipped:
-        return model.method_here()
+        return model.default_method
     shipped_dir = bundled_dir(shipped)
     if shipped_dir is not None and Path(draft).expanduser().resolve() == shipped_dir.resolve():
-        return model.method_here()
+        return model.default_method
     return None
 
 
