@@ -1,8 +1,9 @@
 """Draft forwards shared by a batch (speculant.core.draft_batch) against each sequence drafting alone.
 
 Four (``--sequences``) ``builtin:code-chat`` requests decoded together in one :class:`speculant.core.batch.Batch`
-on the packaged 1.5B pair (its default weights and method, ``chain:k=3``), 64 new tokens each, greedy, decoding only
-(timed from the first step: every prompt is prefilled when it joins), interleaved per repetition after a warm-up:
+on the packaged 1.5B pair (its default weights and method: ``chain:k=3`` when benchmarks/results/batch_drafts.json
+was written, ``chain:k=3:stop=0.7`` since), 64 new tokens each, greedy, decoding only (timed from the first step:
+every prompt is prefilled when it joins), interleaved per repetition after a warm-up:
 speculation off (plain decoding of the four), on with each sequence's draft forwards alone, on with them shared, and
 auto with them shared and alone. Every mode's tokens must equal plain decoding's. Also the draft model's forward for
 one row, for the sequences' rows in one forward, and for as many forwards of one row. Writes JSON to ``--out``.

@@ -453,8 +453,9 @@ def test_default_method_belongs_to_the_shipped_drafter(monkeypatch):
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512-vnni", "avx2-vnni", "avx512", "scalar", None])
 def test_the_default_method_is_the_same_whatever_the_kernels_dot_products(monkeypatch, isa):
-    """The 1.5B's default, a chain that stops when its draft is unsure, was measured fastest both where the q4 kernel
-    runs AVX2 without VNNI and where it runs AVX-512 VNNI; paths not measured (no compiled kernel among them) keep it."""
+    """The 1.5B's default, a chain that stops when its draft is unsure, was measured ahead of (or level with) the
+    other draft lengths both where the q4 kernel runs AVX2 without VNNI and where it runs AVX-512 VNNI; paths not
+    measured (no compiled kernel among them) keep it: no per-machine choice."""
     from speculant.core import kernels
     from speculant.models import loading
     from speculant.models.loading import default_method_for

@@ -73,12 +73,12 @@ class PackagedModel:
 
     ``default_draft`` names the drafter speculant ships for it (a bundled asset directory, or another packaged
     model), if any; ``default_method`` the method spec used with that drafter when none is named (the one measured
-    fastest, on every kind of CPU it was measured on); ``default_quantization`` the weight quantization the demo
-    runs it in (``none``/``int8``/``int4``/``q4``; None: float weights). ``files``: ``(asset, name)`` pairs, files
-    speculant ships for the model (under ``speculant/assets``) that its cached directory holds as ``name`` (e.g. a
-    VocabTrim calibration, see :func:`install_files`). ``method_drafts``: ``(method, drafter)`` pairs, the drafter a method that needs its
-    own kind of draft model (``eagle3``: an EAGLE-3 feature drafter) uses for this target when none is given (a
-    bundled asset directory; used only when it is there)."""
+    fastest where it was measured); ``default_quantization`` the weight quantization the demo runs it in
+    (``none``/``int8``/``int4``/``q4``; None: float weights). ``files``: ``(asset, name)`` pairs, files speculant
+    ships for the model (under ``speculant/assets``) that its cached directory holds as ``name`` (e.g. a VocabTrim
+    calibration, see :func:`install_files`). ``method_drafts``: ``(method, drafter)`` pairs, the drafter a method that
+    needs its own kind of draft model (``eagle3``: an EAGLE-3 feature drafter) uses for this target when none is
+    given (a bundled asset directory; used only when it is there)."""
 
     name: str
     module: str = ""  # the import name of the package that holds the file (never imported: only located)
@@ -152,17 +152,19 @@ PACKAGED: dict[str, PackagedModel] = {
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             default_draft="qwen2.5-coder-0.5b-instruct",
-            # up to 3 draft tokens, the chain ending after one the draft gives < 0.7: the fastest draft length with
-            # that draft wherever it was measured. AVX2 without VNNI (2 cores of an AMD EPYC, Zen 3), where a
-            # 4-token verification costs 1.6x a one-token forward: ahead of chain:k=2 in every run (median per request
-            # 1.04x / 1.03x on code-chat, 1.06x on MT-Bench; benchmarks/results/qwen-code-chat-q4m-avx2-stop, -stop-v2,
-            # qwen-mtbench-q4m-avx2-stop; chosen by benchmarks/results/draft-length-avx2.json's replay), which beat
-            # chain:k=3 there (1.29x / 1.07x against 1.20x / 0.96x, qwen-code-chat-q4m-avx2, qwen-mtbench-q4m-avx2).
-            # AVX-512 with VNNI (2 cores of an AMD EPYC, Zen 4, where it costs 1.4x): the replay of 16 code-chat and
-            # 16 MT-Bench answers predicts 1.46x / 1.23x against chain:k=3's 1.41x / 1.07x (benchmarks/results/
-            # draft-length-avx512.json); measured, 16 requests each: 1.43x / 1.26x against 1.41x / 1.10x
-            # (qwen-code-chat-q4m-avx512-stop, qwen-mtbench-q4m-avx512-stop). Before, chain:k=3 was the default
-            # there (1.18x on 8 code-chat requests in bf16 on an earlier host, benchmarks/results/qwen-code-chat-q4-v2)
+            # up to 3 draft tokens, the chain ending after one the draft gives < 0.7: ahead of or level with every
+            # other draft length measured with that draft, on both kinds of CPU measured. AVX2 without VNNI (2 cores
+            # of an AMD EPYC, Zen 3), where a 4-token verification costs 1.6x a one-token forward: ahead of chain:k=2
+            # in every run (median per request 1.04x / 1.03x on code-chat, 1.06x on MT-Bench;
+            # benchmarks/results/qwen-code-chat-q4m-avx2-stop, -stop-v2, qwen-mtbench-q4m-avx2-stop; chosen by
+            # benchmarks/results/draft-length-avx2.json's replay), chain:k=2 ahead of chain:k=3 there (1.29x / 1.07x
+            # against 1.20x / 0.96x, qwen-code-chat-q4m-avx2, qwen-mtbench-q4m-avx2). AVX-512 with VNNI (2 cores of
+            # an AMD EPYC, Zen 4, where it costs 1.4x): the replay of 16 code-chat and 16 MT-Bench answers predicts
+            # 1.46x / 1.23x against chain:k=3's 1.41x / 1.07x (benchmarks/results/draft-length-avx512.json);
+            # measured, 16 requests each: 1.43x / 1.26x against 1.41x / 1.10x (qwen-code-chat-q4m-avx512-stop,
+            # qwen-mtbench-q4m-avx512-stop), 1.52x / 1.31x against 1.52x / 1.18x in the runs beside llama.cpp
+            # (-avx512-llamacpp): level on code, ahead on chat. Before, chain:k=3 was the default there (1.18x on 8
+            # code-chat requests in bf16 on an earlier host, benchmarks/results/qwen-code-chat-q4-v2)
             default_method="chain:k=3:stop=0.7",
             # int4 weights x int8 activations on our own kernel, the fastest format at 1..16 tokens per forward
             # (benchmarks/results/quant_matmul.json: 2.9x bf16 at 1 token, ahead of int4 and int8 at every T), with
