@@ -46,7 +46,8 @@ from speculant.drafters.observed import Observation
 from speculant.train.online import OnlineAdapter
 
 from draft_length import draft_matches
-from online_stream import _plot, online_config, online_settings, progress, run_update, stream_arguments, stream_prompts
+from online_stream import (_plot, online_config, online_settings, progress, run_update, stream_arguments,
+                           stream_prompts, stream_title, window_tau)
 from traffic_replay import replay_request
 
 
@@ -183,7 +184,7 @@ def main() -> None:
                 with torch.inference_mode(False):  # training
                     run_update(adapter, updates)
             progress(r, len(prompts), rows, adapter.version)
-    windows = {name: _windows(rs, args.window) for name, rs in rows.items()}
+    windows = {name: window_tau(rs, args.window) for name, rs in rows.items()}
     taus = {name: [w["tau"] for w in ws] for name, ws in windows.items()}
     result = {"settings": vars(args), "machine": machine_info(), "method": shipped.method.spec,
               "online": online_settings(args), "windows": windows,
@@ -212,8 +213,7 @@ def write_readme(out: Path, result: dict) -> None:
     """``README.md`` in ``out``: the settings in words and τ per window, from a replay's ``result``."""
     args = argparse.Namespace(**result["settings"])
     windows, n = result["windows"], len(result["requests"]["online"])
-    lines = [f"# Online adaptation replayed on a held-out stream ({args.prompts}"
-             f"{f', topic /{args.topic}/' if args.topic else ''}, {n} requests)", "",
+    lines = [stream_title(args, n, "Online adaptation replayed"), "",
              f"`benchmarks/online_replay.py`: target {args.target}, method `{result['method']}` with its shipped "
              f"drafter, greedy, {args.max_new_tokens} new tokens; online: {result['online']}. τ from the stream's "
              "greedy answers replayed through the real adapter (no decoding, no timing).", "",
@@ -226,12 +226,6 @@ def write_readme(out: Path, result: dict) -> None:
               f"{result['online_last_over_shipped_last_tau']:.2f}x. Updates: {len(updates)} "
               f"({sum(u['accepted'] for u in updates)} kept).", "", "![tau](tau.png)", ""]
     (out / "README.md").write_text("\n".join(lines))
-
-
-def _windows(rows: list[dict], size: int) -> list[dict]:
-    """τ (new tokens over target calls) per window of ``size`` requests."""
-    return [{"requests": [w, w + size], "tau": sum(r["tokens"] for r in rows[w: w + size])
-             / sum(r["target_calls"] for r in rows[w: w + size])} for w in range(0, len(rows) - size + 1, size)]
 
 
 if __name__ == "__main__":

@@ -41,16 +41,28 @@ def _p90(values) -> float:
     return v[int(0.9 * (len(v) - 1))]
 
 
+def window_tau(rows: list[dict], size: int) -> list[dict]:
+    """Per whole window of ``size`` requests: its ``requests`` range and ``tau`` (new tokens over target calls)."""
+    return [{"requests": [w, w + size], "tau": sum(r["tokens"] for r in rows[w : w + size])
+             / sum(r["target_calls"] for r in rows[w : w + size])} for w in range(0, len(rows) - size + 1, size)]
+
+
 def _window(rows: list[dict], size: int) -> list[dict]:
-    out = []
-    for w in range(0, len(rows) - size + 1, size):
-        part = rows[w : w + size]
-        tokens, calls = sum(r["tokens"] for r in part), sum(r["target_calls"] for r in part)
-        out.append({"requests": [w, w + size], "tau": tokens / calls,
-                    "tok_s_median": statistics.median(r["tok_s"] for r in part),
-                    "latency_p90": _p90(r["latency_s"] for r in part),
-                    "latency_median": statistics.median(r["latency_s"] for r in part)})
+    """:func:`window_tau` with each window's median tokens/s and its latencies (median, p90)."""
+    out = window_tau(rows, size)
+    for window in out:
+        part = rows[window["requests"][0] : window["requests"][1]]
+        window.update({"tok_s_median": statistics.median(r["tok_s"] for r in part),
+                       "latency_p90": _p90(r["latency_s"] for r in part),
+                       "latency_median": statistics.median(r["latency_s"] for r in part)})
     return out
+
+
+def stream_title(args: argparse.Namespace, n: int, what: str = "Online adaptation") -> str:
+    """The results README's heading: ``what`` on the held-out stream of ``args``' prompts (and topic), ``n``
+    requests."""
+    topic = f", topic /{args.topic}/" if args.topic else ""
+    return f"# {what} on a held-out stream ({args.prompts}{topic}, {n} requests)"
 
 
 def stream_prompts(prompts: str, topic: str | None, seed: int, max_prompt_tokens: int, requests: int,
@@ -190,8 +202,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "online_stream.json").write_text(json.dumps(result, indent=1))
     _plot(rows, windows, args.window, out / "tau.png")
-    lines = [f"# Online adaptation on a held-out stream ({args.prompts}"
-             f"{f', topic /{args.topic}/' if args.topic else ''}, {len(prompts)} requests)", "",
+    lines = [stream_title(args, len(prompts)), "",
              f"Target {args.target}, method `{shipped.method.spec}` with its shipped drafter, greedy, "
              f"{args.max_new_tokens} new tokens, {args.threads} threads; online: {online_settings(args)}. Every "
              "output identical between the two sessions.", "",
