@@ -9,8 +9,9 @@ position we compare its next-token distribution with float32's over the same seq
 * ``top1_agreement``: the quantized model's most likely token is float32's (the issue's target: >= 0.99);
 * ``mean_kl``: KL(p_fp32 || p_quant) in nats, averaged over positions (and its 99th percentile, ``p99_kl``).
 
-``KIND/7bit`` (e.g. ``q4m/7bit``): the kind with a GGUF file's 6-bit tensors requantized to 7-bit codes instead of 8
-(``quantize_loaded(wide_bits=7)``: the q4 kernel's cheaper route on AVX2 without VNNI).
+``KIND/8bit``, ``KIND/7bit`` (e.g. ``q4m/8bit``): the kind with a GGUF file's 6-bit tensors requantized to 8- or
+7-bit q8 codes instead of kept as q6 (``quantize_loaded(wide_bits=8)``: q4m before q6 existed; 7: the q4 kernel's
+cheaper route on AVX2 without VNNI).
 
 Also ``weights``: for each int4/q4/q8 kind, the matrices built from the file's own codes and how far their values
 are from the file's (int4: the kernel's ``(q - 8) * scale + zero`` form; q4, q8: scale and minimum in float16), in
@@ -74,27 +75,32 @@ def generate_answers(model, tokenizer, records: list[dict], max_new_tokens: int)
     return out
 
 
+def _base(kind: str) -> str:
+    """The quantization of a ``--kinds`` entry (``q4m/8bit`` -> ``q4m``)."""
+    return kind.removesuffix("/7bit").removesuffix("/8bit")
+
+
 def weight_error(path: Path, model) -> dict:
     """How far the quantized ``model``'s matrices built from the GGUF file's own codes (:data:`CODE_TYPES`) are
     from the file's values, in units of each group's quantization step (``scale``; groups whose scale is 0, all 32
     weights equal, are counted apart: there a step is undefined and only the minimum's float16 rounding can differ);
     and how many matrices the model holds of each kind (a q4 model keeps the file's 5- to 8-bit tensors in q8)."""
     from speculant.core.quant import ATTR, quantized_linears
-    from speculant.models.gguf import file_tensors
+    from speculant.models.gguf import Q6_K, file_tensors
 
     modules = {id(m.weight): m for m in quantized_linears(model)}
     params = dict(model.named_parameters())
     n = weights = off = flat = 0
     worst = total = 0.0
     kinds: dict[str, int] = defaultdict(int)
-    for name, _, codes, scale, minimum in file_tensors(path, model):
+    for name, qtype, codes, scale, minimum in file_tensors(path, model):
         module = modules.get(id(params[name]))
         if module is None:
             continue
         matrix = getattr(module, ATTR)
         kinds[matrix.kind] += 1
-        if codes is None or int(codes.max()) >= 1 << matrix.bits:  # requantized from values (8-bit codes, 4 bits)
-            continue
+        if codes is None or qtype == Q6_K or int(codes.max()) >= 1 << matrix.bits:
+            continue  # requantized from values (8-bit codes in 4 bits; Q6_K in q8), or q6: the file's values (exact)
         want = (codes.float().reshape(codes.shape[0], -1, 32) * scale[..., None] + minimum[..., None])
         got = matrix.dequantize().float().reshape(want.shape)
         stepped = scale != 0  # [out, groups]
@@ -156,9 +162,9 @@ def main() -> None:
                     "'.answers.json'): read when present, else generated and written")
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
-    if not kinds or any((k.removesuffix("/7bit") not in QUANTIZATIONS or k == "none") and k != "act8" for k in kinds):
-        raise SystemExit(f"--kinds: choose among {', '.join(QUANTIZATIONS[1:])} (KIND/7bit: a GGUF file's 6-bit "
-                         f"tensors in 7-bit codes) and act8 (see act8())")
+    if not kinds or any((_base(k) not in QUANTIZATIONS or k == "none") and k != "act8" for k in kinds):
+        raise SystemExit(f"--kinds: choose among {', '.join(QUANTIZATIONS[1:])} (KIND/8bit, KIND/7bit: a GGUF file's "
+                         f"6-bit tensors in 8- or 7-bit codes) and act8 (see act8())")
     torch.set_num_threads(args.threads)
     out = Path(args.out or f"benchmarks/results/quant-fidelity/{Path(str(args.target)).name}.json")
     directory = resolve_model(args.target)
@@ -197,13 +203,13 @@ def main() -> None:
             built = 0
             logprobs = answer_logprobs(model, sequences, forward="model")
         else:
-            base = kind.removesuffix("/7bit")
-            built = quantize_loaded(model, base, backing, wide_bits=7 if kind.endswith("/7bit") else 8)
+            base = _base(kind)
+            built = quantize_loaded(model, base, backing, wide_bits=int(kind[-4]) if base != kind else 6)
             assert quantization_of(model) == base
             logprobs = answer_logprobs(model, sequences)
         row = compare(reference, logprobs, categories)
         row["matrices_from_file_codes"] = built
-        if backing is not None and kind.removesuffix("/7bit") in ("int4", "q4", "q4m", "q8"):
+        if backing is not None and _base(kind) in ("int4", "q4", "q4m", "q8"):
             row["weights"] = weight_error(backing, model)
         results[kind] = row
         print(f"{kind}: top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.5f} nats "

@@ -129,9 +129,54 @@ def test_q8_weights_are_q4_with_8_bit_codes_and_q4_codes_carry_over():
         QuantMatrix.from_codes(codes, q.scale, q.zero, torch.float32, "q4")
 
 
-def test_the_reference_computes_the_quantized_product():
+def test_q6_weights_are_d_times_sub_scale_times_code_minus_32():
+    """q6 holds Q6_K's form: a float16 d per 32 inputs, an int8 sub-scale per 16, 6-bit codes around 32, in its
+    448-byte blocks (7 bits per weight where q8 takes 9); fused beside another kind it becomes q8 (requantized)."""
+    w = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))
+    q = QuantMatrix.quantize(w, "q6")
+    assert q.kind == "q6" and q.bits == 6 and q.kernel_bits == 6 and q.codes.shape == (40, 64)
+    assert q.scale.dtype == torch.float16 and q.scale.shape == (40, 2) and q.zero.dtype == torch.int8
+    assert q.zero.shape == (40, 4) and q.nbytes == 40 * 64 * 7 // 8
+    codes = q.unpacked_codes()
+    assert int(codes.max()) <= 63 and int(codes.min()) == 0  # each half's extreme weight at code 0, as Q6_K does
+    step = q.scale.float().repeat_interleave(2, 1) * q.zero.float()  # [40, 4]: d * sc per 16 inputs
+    want = (step.repeat_interleave(16, 1) * (codes.float() - 32))
+    assert torch.equal(q.dequantize(), want)
+    assert ((want - w).abs() <= 0.5 * step.abs().repeat_interleave(16, 1) + 1e-2 * w.abs().max()).all()
+    q4 = QuantMatrix.quantize(w, "q4")
+    assert float((q.dequantize() - w).abs().mean()) < float((q4.dequantize() - w).abs().mean()) / 3
+    # the packed layout: nibbles as q4's, then the high 2 bits, the sub-scales and d
+    packed = q._kernel[0]
+    assert packed.shape == (3, 2, kernels.Q6_BLOCK_BYTES)
+    nb, g, j, b = 1, 1, 5, 3
+    n = 16 * nb + j
+    for c in range(4):
+        for half in range(2):
+            k = 32 * g + 16 * half + 4 * c + b
+            nibble = (int(packed[nb, g, 64 * c + 4 * j + b]) >> (4 * half)) & 15
+            crumb = (int(packed[nb, g, 256 + 64 * half + 4 * j + b]) >> (2 * c)) & 3
+            assert nibble | (crumb << 4) == int(codes[n, k]), (c, half)
+            assert int(packed[nb, g, 384 + 16 * half + j].view(torch.int8)) == int(q.zero[n, 2 * g + half])
+    assert float(packed[nb, g, 416 + 2 * j : 418 + 2 * j].view(torch.float16)) == float(q.scale[n, g])
+    again = QuantMatrix.q6(codes, q.scale.float(), q.zero, torch.float32)
+    assert torch.equal(again.blocks, q.blocks)
+    fused = QuantMatrix.cat([q, q])
+    assert fused.kind == "q6" and torch.equal(fused.dequantize(), torch.cat([q.dequantize()] * 2))
+    mixed = QuantMatrix.cat([q4, q])
+    assert mixed.kind == "q8" and torch.equal(mixed.dequantize()[:40], q4.dequantize())
+    assert ((mixed.dequantize()[40:] - q.dequantize()).abs() <= 0.5 * mixed.scale[40:].float().repeat_interleave(32, 1)
+            * (1 + 1e-3) + 1e-6).all()
+    assert torch.equal(q.rows(torch.tensor([33, 2])).dequantize(), q.dequantize()[[33, 2]])
+    with pytest.raises(ValueError, match=r"\[0, 64\)"):
+        QuantMatrix.q6(codes.int() + 1, q.scale, q.zero, torch.float32)
+    with pytest.raises(ValueError, match="float16 values"):
+        QuantMatrix.q6(codes, q.scale.float() * (1 + 2 ** -20), q.zero, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ("q4", "q6"))
+def test_the_reference_computes_the_quantized_product(kind):
     """The reference (and so the kernel) multiplies the dequantized weights by the quantized activations."""
-    q = _matrix(48, 160, torch.float32)
+    q = _matrix(48, 160, torch.float32, kind=kind)
     x = _rows(4, 160, torch.float32)
     a, d, _ = q4_activations(x)
     want = (a * d[..., None]).reshape(4, 160).double() @ q.dequantize().double().T
@@ -147,12 +192,12 @@ def test_the_reference_computes_the_quantized_product():
 # ------------------------------------------------------------------------------------------- the kernel
 
 
-@pytest.mark.parametrize("kind", ("q4", "q8", "q7"))
+@pytest.mark.parametrize("kind", ("q4", "q8", "q7", "q6"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_the_kernel_equals_the_torch_reference(lib, dtype, n, k, kind):
     q = _matrix(n, k, dtype, kind=kind)
-    assert q.kernel_bits == {"q4": 4, "q8": 8, "q7": 7}[kind]
+    assert q.kernel_bits == {"q4": 4, "q8": 8, "q7": 7, "q6": 6}[kind]
     for m in (1, 4, 16, 33):
         x = _rows(m, k, dtype)
         got = kernels.q4_matmul(x, q._kernel[0], n, lib, bits=q.kernel_bits)
@@ -167,14 +212,14 @@ def test_the_kernel_equals_the_torch_reference(lib, dtype, n, k, kind):
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the ISA variants are x86 builds")
 def test_every_code_path_computes_the_same_bits(lib):
     """AVX-512 (VNNI or not), AVX2 and scalar code run the same float operations per lane, for 4-, 7- and 8-bit codes
-    (without VNNI an 8-bit code's dot product is taken nibble by nibble, a 7-bit one by AVX2's own route): the same
-    bits, so a result does not depend on the CPU it was computed on either."""
+    (without VNNI an 8-bit code's dot product is taken nibble by nibble, a 7-bit one by AVX2's own route) and q6's:
+    the same bits, so a result does not depend on the CPU it was computed on either."""
     isas = ("avx2", "generic") + (("avx512",) if kernels.q4_isa() == "avx512-vnni" else ())  # AVX-512 without VNNI
     paths = {isa: kernels.library(isa) for isa in isas}
     assert kernels.q4_isa("generic") == "scalar"
     if "avx512" in paths:
         assert kernels.q4_isa("avx512") == "avx512"
-    for kind in ("q4", "q8", "q7"):
+    for kind in ("q4", "q8", "q7", "q6"):
         for dtype in DTYPES:
             for n, k in ((97, 64), (300, 1536)):
                 q = _matrix(n, k, dtype, kind=kind)
@@ -255,7 +300,7 @@ def test_the_amx_tiles_compute_the_same_bits_as_the_vnni_path(lib):
 
 
 @pytest.mark.parametrize("dtype, kind", [(torch.float32, "q4"), (torch.bfloat16, "q4"), (torch.float32, "q8"),
-                                         (torch.float32, "q7")])
+                                         (torch.float32, "q7"), (torch.float32, "q6"), (torch.bfloat16, "q6")])
 def test_each_row_is_independent_of_the_row_count_and_the_threads(lib, dtype, kind):
     """Verification multiplies 1..16 rows where plain decoding multiplies one: a row's result is the same bits with
     any rows, on 1 or 2 threads (threads split the columns, never the reduction), on a real layer's shapes."""
@@ -347,8 +392,10 @@ def test_bad_operands_are_value_errors(lib):
         kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 40, lib)
     with pytest.raises(ValueError, match="do not fit"):  # q4 blocks read as q8 ones
         kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 16, lib, bits=8)
-    with pytest.raises(ValueError, match="4-, 7- or 8-bit"):
+    with pytest.raises(ValueError, match="do not fit"):  # q4 blocks read as q6 ones
         kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 16, lib, bits=6)
+    with pytest.raises(ValueError, match="4-, 6-, 7- or 8-bit"):
+        kernels.q4_matmul(torch.randn(2, 64), q._kernel[0], 16, lib, bits=5)
     with pytest.raises(ValueError, match="computes in torch.float32"):
         linear(torch.randn(2, 64).bfloat16(), q)
 
@@ -372,27 +419,32 @@ def test_a_q4_model_runs_its_kernel_in_the_lean_forward():
 SPECS = ("chain:k=3", "specinfer:width=2:depth=3", "lookup")
 
 
-def _mixed(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` quantized to q4m: q4 with some matrices in q8 (as a GGUF file's 6- and 8-bit tensors load): the
-    first layer's v and down projections and the LM head."""
+def _mixed(model: torch.nn.Module, wide: str = "q8") -> torch.nn.Module:
+    """``model`` quantized to q4m: q4 with some matrices in ``wide`` (q8 or q6, as a GGUF file's 5- to 8-bit tensors
+    load): the first layer's v and down projections and the LM head."""
     layer, free = model.model.layers[0], releasable(model)
     for m in (layer.self_attn.v_proj, layer.mlp.down_proj, model.lm_head):
-        attach(m, QuantMatrix.quantize(m.weight, "q8"), release_weight=id(m) in free)
+        attach(m, QuantMatrix.quantize(m.weight, wide), release_weight=id(m) in free)
     return quantize_model(model, "q4m")
 
 
 @pytest.mark.parametrize("arch, dtype, kind", [("llama", torch.float32, "q4"), ("qwen2", torch.bfloat16, "q4"),
-                                               ("qwen2", torch.float32, "q8"), ("llama", torch.float32, "mixed")])
+                                               ("qwen2", torch.float32, "q8"), ("llama", torch.float32, "mixed"),
+                                               ("qwen2", torch.float32, "mixed6"), ("llama", torch.bfloat16, "mixed6")])
 def test_greedy_output_of_every_method_equals_plain_decoding_of_the_q4_model(arch, dtype, kind):
     def quantized(model):
-        return _mixed(model) if kind == "mixed" else quantize_model(model, kind)
+        if kind.startswith("mixed"):
+            return _mixed(model, "q6" if kind == "mixed6" else "q8")
+        return quantize_model(model, kind)
 
     target = quantized(tiny_model(arch, seed=0, dtype=dtype))
     draft = quantized(perturbed(tiny_model(arch, seed=0, dtype=dtype), 0.05, seed=2))
-    if kind == "mixed":
-        w = lean_for(target).layers[0]
-        assert (w.qkv.kind, w.o.kind, w.gate_up.kind, w.down.kind) == ("q8", "q4", "q4", "q8")
-        assert lean_for(target)._q4_table(dtype)[0, 10:].tolist() == [8, 4, 4, 8]
+    if kind.startswith("mixed"):
+        w, six = lean_for(target).layers[0], kind == "mixed6"
+        # a q6 v projection fused with q4 q and k: the fused matrix is q8 (requantized); the down projection stays q6
+        assert (w.qkv.kind, w.o.kind, w.gate_up.kind, w.down.kind) == ("q8", "q4", "q4", "q6" if six else "q8")
+        assert lean_for(target)._q4_table(dtype)[0, 10:].tolist() == [8, 4, 4, 6 if six else 8]
+        assert lean_for(target).head_matrix().kind == ("q6" if six else "q8")
     prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7]
     plain = speculant.generate(target, prompt, max_new_tokens=24, eos_token_id=[])
     assert plain.stats.target_forward == "lean"
@@ -408,14 +460,15 @@ def test_greedy_output_of_every_method_equals_plain_decoding_of_the_q4_model(arc
 # ------------------------------------------------------------------------------------------- fused steps
 
 
+@pytest.mark.parametrize("kind", ("q4", "q6"))
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_norm_glu_bias_and_residual_equal_the_torch_steps(lib, dtype):
+def test_fused_norm_glu_bias_and_residual_equal_the_torch_steps(lib, dtype, kind):
     """One kernel call = RMSNorm (or silu(gate) * up), the product, + bias, + residual as separate torch ops, to the
     rounding of the norm's sum and of exp; each row still independent of the row count, bit for bit."""
     from speculant.core.ops import fused_linear, rms_norm
 
     n, k = 80, 96
-    q = _matrix(n, k, dtype, seed=4)
+    q = _matrix(n, k, dtype, seed=4, kind=kind)
     g = torch.Generator().manual_seed(5)
     x, gu = torch.randn(7, k, generator=g).to(dtype), torch.randn(7, 2 * k, generator=g).to(dtype)
     norm, bias = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype), torch.randn(n, generator=g).to(dtype)
@@ -435,6 +488,6 @@ def test_fused_norm_glu_bias_and_residual_equal_the_torch_steps(lib, dtype):
             kw_rows = {**kw, "residual": kw["residual"][:rows]} if "residual" in kw else kw
             assert torch.equal(fused_linear(inp[:rows], q, b, **kw_rows), got[:rows]), (name, rows)
     with pytest.raises(ValueError, match="not both"):
-        kernels.q4_matmul(gu, q._kernel[0], n, lib, norm=torch.ones(k, dtype=dtype), glu=True)
+        kernels.q4_matmul(gu, q._kernel[0], n, lib, norm=torch.ones(k, dtype=dtype), glu=True, bits=q.kernel_bits)
     with pytest.raises(ValueError, match="bias must be"):
-        kernels.q4_matmul(x, q._kernel[0], n, lib, bias=torch.ones(n + 1, dtype=dtype))
+        kernels.q4_matmul(x, q._kernel[0], n, lib, bias=torch.ones(n + 1, dtype=dtype), bits=q.kernel_bits)

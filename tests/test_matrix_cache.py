@@ -219,7 +219,7 @@ def test_an_unwritable_cache_still_loads(tmp_path, cache_dir, monkeypatch, caplo
     assert not list(cache.parent.glob(".matrices-*"))  # no temporary left behind
 
 
-@pytest.mark.parametrize("kind", ["q4", "q8"])
+@pytest.mark.parametrize("kind", ["q4", "q8", "q6"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("compiled", [True, False])
 def test_blocks_round_trip(kind, dtype, compiled, monkeypatch):
@@ -237,7 +237,7 @@ def test_blocks_round_trip(kind, dtype, compiled, monkeypatch):
     assert torch.equal(QuantMatrix.cat([back, back]).blocks, QuantMatrix.cat([m, m]).blocks)
     with pytest.raises(ValueError, match="blocks of a 40 x 64 matrix"):
         QuantMatrix.from_blocks(kind, (40, 64), m.blocks, dtype)
-    with pytest.raises(ValueError, match="q4 or q8"):
+    with pytest.raises(ValueError, match="q4, q8 or q6"):
         QuantMatrix.from_blocks("int4", (40, 96), m.blocks, dtype)
-    with pytest.raises(ValueError, match="no q4 / q8 kernel blocks"):
+    with pytest.raises(ValueError, match="no q4 / q8 / q6 kernel blocks"):
         _ = QuantMatrix.quantize(w, "int8").blocks

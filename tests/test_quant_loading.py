@@ -354,18 +354,31 @@ def test_q4m_and_q8_keep_4_5_and_8_bit_codes_exactly(gguf_files, cache_dir, qtyp
     assert table is not None and set(table[:, 10:].flatten().tolist()) == {getattr(m, ATTR).kernel_bits for m in layers}
 
 
-def test_a_q4m_model_keeps_6_bit_tensors_in_8_bits(gguf_files, cache_dir):
-    """Q6_K (16 scales per 256, no minimum) has no per-32 form: a q4m model requantizes it to q8 from its values,
-    within half a q8 step (1/510 of the group's range) of the file, 16x closer than q4 would be (``wide_bits=7``:
-    7-bit codes, the kernel's cheaper AVX2 route, within 1/254); int4 and q4 requantize it to their own kind (and the
-    8-bit codes of Q8_0 too)."""
+def test_a_q4m_model_keeps_6_bit_tensors_as_they_are(gguf_files, cache_dir):
+    """Q6_K (an int8 scale per 16, a float16 d per 256, no minimum) has no per-32 form: a q4m model keeps it as q6
+    matrices of the file's own codes, d and sub-scales, every weight the file's value bit for bit; the model's own
+    forward and the lean one multiply by it. ``wide_bits=8`` requantizes it to q8 from its values instead, within half
+    a q8 step (1/510 of the group's range) of the file, 16x closer than q4 would be (``wide_bits=7``: 7-bit codes, the
+    kernel's cheaper AVX2 route, within 1/254); int4 and q4 requantize it to their own kind (and the 8-bit codes of
+    Q8_0 too)."""
     want = _file_values(gguf_files["Q6_K"])
     model, matrices = _matrices(gguf_files["Q6_K"], "q4m")
+    assert len(matrices) == 8
+    for i, (m, q) in enumerate(zip(quantized_linears(model), matrices)):
+        assert q.kind == "q6" and q.kernel_bits == 6 and torch.equal(q.dequantize(), want[i]), i
+        x = torch.randn(3, want[i].shape[1])
+        assert torch.equal(m(x), q.linear(x))
+        assert torch.allclose(q.linear(x), x @ want[i].T, rtol=0.02, atol=0.02 * float((x @ want[i].T).abs().max()))
+    table = lean_for(model)._q4_table(torch.float32)
+    assert table is not None and set(table[:, 10:].flatten().tolist()) == {6}
+    eight, _ = load_pretrained(gguf_files["Q6_K"], dtype="float32")
+    assert quantize_loaded(eight, "q4m", gguf_files["Q6_K"], wide_bits=8) == 0
     seven, _ = load_pretrained(gguf_files["Q6_K"], dtype="float32")
     quantize_loaded(seven, "q4m", gguf_files["Q6_K"], wide_bits=7)
+    eights = [getattr(m, ATTR) for m in quantized_linears(eight)]
     sevens = [getattr(m, ATTR) for m in quantized_linears(seven)]
-    assert len(sevens) == len(matrices) == 8
-    for i, (q, q7) in enumerate(zip(matrices, sevens)):
+    assert len(sevens) == len(eights) == 8
+    for i, (q, q7) in enumerate(zip(eights, sevens)):
         assert q.kind == q7.kind == "q8" and q.kernel_bits == 8 and q7.kernel_bits == 7
         group = want[i].reshape(want[i].shape[0], -1, 32)
         span = (group.amax(-1) - group.amin(-1)).repeat_interleave(32, 1)
@@ -393,3 +406,19 @@ def test_other_types_are_requantized_from_their_values(gguf_files, cache_dir):
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECULANT_CACHE", str(tmp_path / "cache"))
+
+
+def test_q6_k_codes_are_gguf_s_dequantization():
+    """Q6_K's raw contents (codes, d, sub-scales) give gguf's own dequantized values bit for bit, in gguf's order of
+    operations ``(d * sc) * (q - 32)``: what a q6 matrix holds."""
+    from speculant.models.gguf import q6_k_codes
+
+    rng = np.random.default_rng(3)
+    blocks = _random_q6_k(np.zeros((4, 512)), rng).reshape(-1, 210)
+    codes, d, sc = q6_k_codes(torch.from_numpy(blocks.copy()))
+    assert codes.shape == (8, 256) and int(codes.max()) < 64 and d.shape == (8, 1) and sc.dtype == torch.int8
+    want = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q6_K)).reshape(8, 256)
+    step = (d * sc.float()).repeat_interleave(16, 1)
+    assert torch.equal(step * (codes.float() - 32), want)
+    m = QuantMatrix.q6(codes.reshape(4, 512), d.expand(-1, 8).reshape(4, 16), sc.reshape(4, 32), torch.float32)
+    assert torch.equal(m.dequantize(), want.reshape(4, 512))

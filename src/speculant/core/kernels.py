@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q8_BLOCK_BYTES", "SOURCES", "attend", "build_of", "cache_dir", "cpu_info",
+__all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q6_BLOCK_BYTES", "Q8_BLOCK_BYTES", "SOURCES", "attend", "build_of", "cache_dir", "cpu_info",
            "library", "q4_amx", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "q4_seven", "rope_attend", "using"]
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,10 @@ Q4_BLOCK_BYTES = 320
 """Bytes per packed q4 block: 16 columns x 32 inputs of 4-bit codes (256), 16 float16 scales, 16 float16 minimums."""
 Q8_BLOCK_BYTES = 576
 """Bytes per packed q8 block: 16 columns x 32 inputs of 8-bit codes (512), 16 float16 scales, 16 float16 minimums."""
-BLOCK_BYTES = {4: Q4_BLOCK_BYTES, 7: Q8_BLOCK_BYTES, 8: Q8_BLOCK_BYTES}
-"""Packed block bytes by code bits (7: q8 blocks whose codes all lie below 128, see :func:`q4_matmul`)."""
+Q6_BLOCK_BYTES = 448
+"""Bytes per packed q6 block: 16 columns x 32 inputs of 6-bit codes (384), 32 int8 sub-scales, 16 float16 ``d``."""
+BLOCK_BYTES = {4: Q4_BLOCK_BYTES, 6: Q6_BLOCK_BYTES, 7: Q8_BLOCK_BYTES, 8: Q8_BLOCK_BYTES}
+"""Packed block bytes by code bits (7: q8 blocks whose codes all lie below 128, see :func:`q4_matmul`; 6: q6)."""
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("q4.cpp", "attend.cpp", "layers.cpp"))
 """The C++ files compiled into the one library, in build order."""
@@ -236,9 +238,10 @@ def q4_amx(enabled: bool | None = None, isa: str = "native") -> bool:
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *,
               norm: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
               bias: torch.Tensor | None = None, residual: torch.Tensor | None = None, bits: int = 4) -> torch.Tensor:
-    """``x [M, K]`` (float32 or bfloat16, contiguous) times the packed q4 (``bits=4``) or q8 (``bits=8``) weights
-    ``packed`` (uint8 ``[ceil(n / 16), K / 32, 320 or 576]``, see :class:`speculant.core.quant.QuantMatrix`;
-    ``bits=7``: 8-bit blocks whose codes all lie below 128, which the caller guarantees, see :func:`q4_seven`) ->
+    """``x [M, K]`` (float32 or bfloat16, contiguous) times the packed q4 (``bits=4``), q8 (``bits=8``) or q6
+    (``bits=6``) weights ``packed`` (uint8 ``[ceil(n / 16), K / 32, 320, 576 or 448]``, see
+    :class:`speculant.core.quant.QuantMatrix`; ``bits=7``: 8-bit blocks whose codes all lie below 128, which the
+    caller guarantees, see :func:`q4_seven`) ->
     ``[M, n]`` in ``x``'s dtype, on ``torch.get_num_threads()`` threads.
 
     Fused around the product (each step rounded to the dtype as the separate torch op would be; see
@@ -252,7 +255,7 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *
         raise ValueError(f"q4_matmul takes a contiguous float32/bfloat16 [M, K] with K a multiple of 32 ([M, 2K] "
                          f"with glu), got {x.dtype} {tuple(x.shape)}")
     if bits not in BLOCK_BYTES:
-        raise ValueError(f"q4_matmul takes 4-, 7- or 8-bit codes, got bits={bits}")
+        raise ValueError(f"q4_matmul takes 4-, 6-, 7- or 8-bit codes, got bits={bits}")
     if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-n // Q4_COLUMNS), k // 32, BLOCK_BYTES[bits]):
         raise ValueError(f"packed q4 weights of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
     operands = {"norm": (norm, (k,)), "bias": (bias, (n,)), "residual": (residual, (m, n))}

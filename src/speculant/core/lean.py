@@ -48,7 +48,7 @@ from . import attention, draft_batch, kernels
 from .modes import normal_mode
 from .ops import fused_linear, rms_norm
 from .packed import PackedMatrix, linear, pack_enabled, packable
-from .quant import ATTR, QuantMatrix, quantization_of
+from .quant import ATTR, BLOCK_KINDS, QuantMatrix, quantization_of
 
 __all__ = ["COVERED", "LeanForward", "Segment", "sliding_window", "unsupported"]
 
@@ -318,7 +318,7 @@ class LeanForward:
         return kernels.library()
 
     def _q4_table(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """int64 ``[L, 14]`` addresses of every layer's q4 / q8 matrices, biases and norms and the matrices' code bits
+        """int64 ``[L, 14]`` addresses of every layer's q4 / q8 / q6 matrices, biases and norms and the matrices' code bits
         for :func:`speculant.core.kernels.q4_layers` (built once), or None when some layer cannot run there (another
         weight kind, a dtype or bias the q4 kernel does not take)."""
         if self._table_for == dtype:
@@ -338,7 +338,7 @@ class LeanForward:
         h, rows = self.embed.shape[1], []
         for w in self.layers:
             mats = (w.qkv, w.o, w.gate_up, w.down)
-            if not all(type(m) is QuantMatrix and m.kind in ("q4", "q8") and m.dtype == dtype for m in mats):
+            if not all(type(m) is QuantMatrix and m.kind in BLOCK_KINDS and m.dtype == dtype for m in mats):
                 return None
             inter = w.gate_up.shape[0] // 2
             if (w.qkv.shape != ((hq + 2 * hkv) * d, h) or w.o.shape != (h, hq * d) or w.down.shape != (h, inter)

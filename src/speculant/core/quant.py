@@ -28,10 +28,16 @@ int4 version, and from then on every method (plain decoding, chains, trees, look
   ``QuantMatrix.quantize(..., code_bits=7)``) goes to the kernel as 7-bit codes (:attr:`QuantMatrix.kernel_bits`),
   which an AVX2 CPU without VNNI multiplies with one ``maddubs`` per 4 inputs instead of two: the same bits, less
   time beyond one row (README "7-bit codes").
-* ``q4m`` (a model quantization, not a matrix kind): q4 matrices, except q8 ones for the tensors a GGUF file stores
-  in more than 4 bits (Q6_K, Q5_0, Q8_0 ...; :data:`HOLDS`), so the model stays as close to the file as q4's
-  activations allow (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file 0.996, where
-  all-4-bit q4 gives 0.961, for about 10% more time per forward; benchmarks/results/quant-fidelity).
+* ``q6``: a GGUF file's Q6_K tensors as they are, on the same kernel and activations: per 32 inputs a float16
+  ``d`` (Q6_K's, per 256, repeated) and two int8 sub-scales ``sc`` (one per 16 inputs), ``w = d * sc * (q - 32)``
+  with ``q`` in ``[0, 64)``; the product takes each half's exact integer dot ``sum (q - 32) a`` and
+  ``y = sum_g fma(d * dx, sc_0 D_0 + sc_1 D_1, acc)`` (``csrc/q4.cpp``, "q6"). 7 bits per weight where q8 takes 9,
+  and the file's values exactly (:meth:`QuantMatrix.q6`); :meth:`QuantMatrix.quantize` makes one from float values
+  too (tests).
+* ``q4m`` (a model quantization, not a matrix kind): q4 matrices, except wider ones for the tensors a GGUF file
+  stores in more than 4 bits (:data:`HOLDS`): Q6_K as q6, Q5_0, Q8_0 ... as q8, so the model stays as close to the
+  file as q4's activations allow (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file
+  0.996 with its Q6_K tensors in q8, where all-4-bit q4 gives 0.961; benchmarks/results/quant-fidelity).
 
 How it is wired: :func:`quantize_model` records the :class:`QuantMatrix` on each decoder-layer linear and the LM head
 (attribute :data:`ATTR`) and then drops the module's float weight (:func:`release`): the weight becomes
@@ -72,17 +78,17 @@ __all__ = ["ATTR", "BITS", "BLOCK_KINDS", "BLOCK_LAYOUT", "DRAFT_KIND", "GROUP",
 QUANTIZATIONS = ("none", "int8", "int4", "q4", "q4m", "q8")
 """Accepted values of ``quantization=`` (``--quantization``)."""
 
-KINDS = ("int8", "int4", "q4", "q8")
+KINDS = ("int8", "int4", "q4", "q8", "q6")
 """Kinds of :class:`QuantMatrix`."""
 
-BITS = {"int8": 8, "int4": 4, "q4": 4, "q8": 8}
+BITS = {"int8": 8, "int4": 4, "q4": 4, "q8": 8, "q6": 6}
 """Bits per weight code of each kind."""
 
-HOLDS = {"int8": ("int8",), "int4": ("int4",), "q4": ("q4",), "q4m": ("q4", "q8"), "q8": ("q8",)}
-"""The matrix kinds a model quantized to each kind may hold: a ``q4m`` ("q4, mixed as the file") model keeps
-8-bit blocks (q8, the same scheme and kernel) for the tensors a GGUF file stores in more than 4 bits (Q6_K, Q5_0,
-Q8_0 ...: see :func:`speculant.models.loading.quantize_loaded`), as the file itself spends more bits on them, and
-4-bit ones for the rest."""
+HOLDS = {"int8": ("int8",), "int4": ("int4",), "q4": ("q4",), "q4m": ("q4", "q8", "q6"), "q8": ("q8",)}
+"""The matrix kinds a model quantized to each kind may hold: a ``q4m`` ("q4, mixed as the file") model keeps a GGUF
+file's Q6_K tensors as q6 and its other tensors of more than 4 bits (Q5_0, Q8_0 ...) in 8-bit blocks (q8), all on
+the same kernel (see :func:`speculant.models.loading.quantize_loaded`), as the file itself spends more bits on
+them, and 4-bit ones for the rest."""
 
 MATRIX_KIND = {"q4m": "q4"}
 """The kind of the matrices :func:`quantize_model` makes for a model quantization, where it is not the same name
@@ -103,9 +109,12 @@ BLOCK_LAYOUT = 1
 another version (a model's matrix cache, :mod:`speculant.models.matrix_cache`) are rebuilt, never read. Bump it with
 any change to the layout."""
 
-BLOCK_KINDS = ("q4", "q8")
-"""The kinds of speculant's own kernel (int8 activations, codes with a scale and minimum per 32, packed in its blocks:
-:attr:`QuantMatrix.blocks`)."""
+BLOCK_KINDS = ("q4", "q8", "q6")
+"""The kinds of speculant's own kernel (int8 activations, codes with a scale and minimum per 32, or q6's scales,
+packed in its blocks: :attr:`QuantMatrix.blocks`)."""
+HALF = 16
+"""Inputs per q6 sub-scale (Q6_K's)."""
+_Q6_SCALES, _Q6_D = 384, 416  # a q6 block's int8 sub-scales and float16 d (csrc/q4.cpp)
 _N_ALIGN = 16  # the int4 CPU kernel packs output rows in blocks of 16: pad the rows up to a multiple
 _QUANTIZE_ROWS = 8192  # QuantMatrix.quantize works through this many rows at a time
 
@@ -116,10 +125,11 @@ class QuantMatrix:
 
     Build with :meth:`quantize` (from a float matrix), :meth:`from_codes` / :meth:`int4` (from codes, e.g. a GGUF
     file's) or :meth:`cat` (fused rows). ``codes``: int8 ``[out, in]`` (int8); uint8 ``[out, in / 2]``, two 4-bit
-    codes per byte, the even input's in the low nibble (int4, q4); uint8 ``[out, in]`` (q8)
+    codes per byte, the even input's in the low nibble (int4, q4); uint8 ``[out, in]`` (q8, q6)
     (:meth:`unpacked_codes`: one code per byte for every kind but int8); ``scale``: ``[out]`` (int8) or
-    ``[out, in / 32]`` (int4, q4, q8); ``zero``: None (int8) or ``[out, in / 32]`` (int4: the kernel's form
-    ``w = (q - 8) * scale + zero``; q4, q8: the minimum, ``w = q * scale + zero``, scale and zero in float16).
+    ``[out, in / 32]`` (int4, q4, q8; q6: ``d``, float16); ``zero``: None (int8), ``[out, in / 32]`` (int4: the
+    kernel's form ``w = (q - 8) * scale + zero``; q4, q8: the minimum, ``w = q * scale + zero``, scale and zero in
+    float16) or q6's int8 sub-scales ``[out, in / 16]`` (``w = scale * zero * (q - 32)``).
     q4 and q8 multiply ``x`` quantized per row to int8 (see the module doc); q8 is q4 with 8-bit codes
     (``q`` in ``[0, 256)``). ``kernel_bits``: the ``bits`` the kernel is called with (4 for q4; 7 for a q8 matrix whose
     codes all lie below 128, which an AVX2 CPU without VNNI multiplies by a cheaper route, the same bits; else 8)."""
@@ -136,13 +146,16 @@ class QuantMatrix:
         if kind != "int8" and inp % GROUP:
             raise ValueError(f"{kind} needs the input size to be a multiple of {GROUP}, got {inp}")
         want = (out,) if kind == "int8" else (out, inp // GROUP)
-        if tuple(scale.shape) != want or (zero is not None and tuple(zero.shape) != want):
+        want_zero = (out, inp // HALF) if kind == "q6" else want
+        if tuple(scale.shape) != want or (zero is not None and tuple(zero.shape) != want_zero):
             raise ValueError(f"{kind} scales must have shape {want}, got {tuple(scale.shape)}")
         self.kind, self.shape, self.dtype = kind, torch.Size((out, inp)), dtype
         sdtype = torch.float16 if kind in BLOCK_KINDS else dtype
-        self._codes, self.scale, self.zero = codes, scale.to(sdtype), None if zero is None else zero.to(sdtype)
+        self._codes, self.scale = codes, scale.to(sdtype)
+        self.zero = None if zero is None else zero.to(torch.int8 if kind == "q6" else sdtype)
         # what the kernel holds: int8 codes as they are (1 byte per weight); int4 codes two per byte (reordered);
-        # q4 / q8 codes at 4 / 8 bits and a float16 scale and minimum per 32 (5 / 9 bits per weight)
+        # q4 / q8 codes at 4 / 8 bits and a float16 scale and minimum per 32 (5 / 9 bits per weight); q6 codes at 6
+        # bits, a float16 d per 32 and an int8 sub-scale per 16 (7 bits per weight)
         # (int4 matrices also keep their own nibble codes for cat and dequantize: another half byte per weight; q4
         # and q8 ones read them back from the kernel's blocks when asked, unless the kernel is not built)
         self.nbytes = _nbytes(kind, out, inp)
@@ -168,9 +181,11 @@ class QuantMatrix:
     def quantize(cls, weight: torch.Tensor, kind: str, code_bits: int | None = None) -> QuantMatrix:
         """The ``kind`` (int8, int4, q4, q8) quantization of ``weight [out, in]``, in ``weight``'s dtype (round to
         nearest; int8 scale = max |w| / 127 per row; int4 scale = (max - min) / 15 and minimum = min per group; q4
-        the same rounded to float16 first, the codes taken against the rounded values; q8 as q4 with 255 steps).
-        ``code_bits=7`` (q8 only): 127 steps, codes below 128, which an AVX2 CPU without VNNI multiplies faster
-        (:attr:`kernel_bits`)."""
+        the same rounded to float16 first, the codes taken against the rounded values; q8 as q4 with 255 steps; q6
+        as Q6_K: per 16 inputs a scale ``-w_max / 32`` (``w_max`` the weight of largest magnitude), per 32 ``d = max
+        |scale| / 127`` in float16, ``sc = round(scale / d)`` in [-127, 127], ``q = round(w / (d * sc)) + 32`` in
+        [0, 64)). ``code_bits=7`` (q8 only):
+        127 steps, codes below 128, which an AVX2 CPU without VNNI multiplies faster (:attr:`kernel_bits`)."""
         if code_bits not in (None, BITS.get(kind)) and not (kind == "q8" and code_bits == 7):
             raise ValueError(f"code_bits={code_bits} is not a choice for {kind} (q8 takes 7 or 8)")
         w = weight.detach()
@@ -196,6 +211,22 @@ class QuantMatrix:
                 parts.append((codes.reshape(rows.shape), torch.where(torch.isinf(scale), 0.0, scale), low))
             codes, scale, low = (torch.cat(p) for p in zip(*parts))
             return cls.from_codes(codes, scale, low, weight.dtype, kind)
+        if kind == "q6":
+            if w.dim() != 2 or w.shape[1] % GROUP:
+                raise ValueError(f"q6 needs the input size to be a multiple of {GROUP}, got shape {tuple(w.shape)}")
+            parts = []
+            for rows in w.split(_QUANTIZE_ROWS):
+                h = rows.float().reshape(rows.shape[0], -1, 2, HALF)  # [rows, groups, 2, 16]
+                top = h.gather(-1, h.abs().argmax(-1, keepdim=True))[..., 0]  # the signed extreme
+                sub = top / -32  # [rows, groups, 2]: the extreme is code 0 exactly, as Q6_K's quantizer does
+                d = (sub.abs().amax(-1) / 127).half().float()  # [rows, groups]
+                sc = torch.where(d[..., None] > 0, sub / torch.where(d > 0, d, 1)[..., None], 0).round().clamp(-127, 127)
+                step = d[..., None] * sc  # [rows, groups, 2]
+                q = torch.where(step[..., None] != 0, h / torch.where(step != 0, step, 1)[..., None], 0)
+                q = (q.round() + 32).clamp(0, 63).to(torch.uint8)
+                parts.append((q.reshape(rows.shape), d, sc.to(torch.int8).reshape(rows.shape[0], -1)))
+            codes, d, sc = (torch.cat(p) for p in zip(*parts))
+            return cls.q6(codes, d, sc, weight.dtype)
         raise ValueError(f"quantization must be one of {', '.join(KINDS)} here, got {kind!r}")
 
     @classmethod
@@ -220,12 +251,27 @@ class QuantMatrix:
         return cls(kind, codes, scale, zero, dtype)
 
     @classmethod
+    def q6(cls, codes: torch.Tensor, d: torch.Tensor, sub: torch.Tensor, dtype: torch.dtype) -> QuantMatrix:
+        """A q6 matrix from a GGUF file's Q6_K contents (or :meth:`quantize`'s): codes uint8 ``[out, in]`` in
+        ``[0, 64)``, ``d`` ``[out, in / 32]`` (float16 values: Q6_K's per-256 ``d`` repeated per 32), ``sub`` integers
+        in ``[-128, 128)`` ``[out, in / 16]``: ``w = d * sub * (q - 32)`` (:meth:`dequantize`)."""
+        if codes.dim() != 2 or codes.shape[1] % GROUP:
+            raise ValueError(f"q6 codes must be [out, in] with in a multiple of {GROUP}, got {tuple(codes.shape)}")
+        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) > 63):
+            raise ValueError("q6 codes must lie in [0, 64)")
+        if sub.numel() and (int(sub.min()) < -128 or int(sub.max()) > 127):
+            raise ValueError("q6 sub-scales must lie in [-128, 128)")
+        if d.numel() and not torch.equal(d.float().half().float(), d.float()):
+            raise ValueError("q6 scales d must be float16 values")
+        return cls("q6", codes.to(torch.uint8), d, sub.to(torch.int8), dtype)
+
+    @classmethod
     def from_blocks(cls, kind: str, shape: tuple[int, int], blocks: torch.Tensor, dtype: torch.dtype) -> QuantMatrix:
         """A q4 or q8 matrix of ``shape`` ``(out, in)`` from the kernel's own blocks (:attr:`blocks` of a matrix of
         the same kind and shape, e.g. read back from a cache): the same matrix, bit for bit, without packing again.
         Raises ValueError for another kind or blocks of another shape or dtype."""
         if kind not in BLOCK_KINDS:
-            raise ValueError(f"kernel blocks make a q4 or q8 matrix, not {kind!r}")
+            raise ValueError(f"kernel blocks make a q4, q8 or q6 matrix, not {kind!r}")
         out, inp = int(shape[0]), int(shape[1])
         want = (-(-out // kernels.Q4_COLUMNS), inp // GROUP, kernels.BLOCK_BYTES[BITS[kind]])
         if inp % GROUP or blocks.dtype != torch.uint8 or tuple(blocks.shape) != want:
@@ -240,19 +286,24 @@ class QuantMatrix:
             v = m._kernel[0][..., at:at + 32].contiguous().view(torch.float16)  # [nb, groups, 16]
             return v.transpose(1, 2).reshape(-1, want[1])[:out].contiguous()
 
-        m.scale, m.zero = per_column(codes), per_column(codes + 32)
+        if kind == "q6":  # codes (384 bytes), the int8 sub-scales [half, j], then d
+            m.scale = per_column(_Q6_D)
+            sub = m._kernel[0][..., _Q6_SCALES:_Q6_D].contiguous().view(torch.int8).reshape(-1, want[1], 2, 16)
+            m.zero = sub.permute(0, 3, 1, 2).reshape(-1, 2 * want[1])[:out].contiguous()  # [out, 2 groups]
+        else:
+            m.scale, m.zero = per_column(codes), per_column(codes + 32)
         m.nbytes = _nbytes(kind, out, inp)
-        m.kernel_bits = _kernel_bits(kind, m._kernel[0][..., :codes])
+        m.kernel_bits = _kernel_bits(kind, m._kernel[0][..., :codes] if kind == "q8" else None)
         if kernels.library() is None:  # torch's reference reads the codes: keep them unpacked, as __init__ does
             m._codes = m._unpack()
         return m
 
     @property
     def blocks(self) -> torch.Tensor:
-        """uint8 ``[out' / 16, in / 32, 320 or 576]``: a q4 / q8 matrix's kernel blocks (:meth:`_pack`), what
-        :meth:`from_blocks` takes back. ValueError for another kind."""
+        """uint8 ``[out' / 16, in / 32, 320, 576 or 448]``: a q4 / q8 / q6 matrix's kernel blocks (:meth:`_pack`),
+        what :meth:`from_blocks` takes back. ValueError for another kind."""
         if self.kind not in BLOCK_KINDS:
-            raise ValueError(f"a {self.kind} matrix has no q4 / q8 kernel blocks")
+            raise ValueError(f"a {self.kind} matrix has no q4 / q8 / q6 kernel blocks")
         return self._kernel[0]
 
     @classmethod
@@ -267,9 +318,14 @@ class QuantMatrix:
     @classmethod
     def cat(cls, parts: list[QuantMatrix]) -> QuantMatrix:
         """The matrices stacked along the output rows (fused q/k/v, gate/up): one matrix, one kernel call. q4 and q8
-        parts fuse into a q8 matrix (each q4 part's codes and scales unchanged: the same values)."""
+        parts fuse into a q8 matrix (each q4 part's codes and scales unchanged: the same values); a q6 part beside
+        another kind is requantized to q8 first (within 1/510 of a group's range: q6 holds no other kind's values,
+        and q8 no q6 ones exactly; a Q4_K_M file's Q6_K value projections, fused with q and k)."""
         first = parts[0]
         kinds = {p.kind for p in parts}
+        if len(kinds) > 1 and "q6" in kinds:
+            parts = [cls.quantize(p.dequantize(), "q8") if p.kind == "q6" else p for p in parts]
+            first, kinds = parts[0], {p.kind for p in parts}
         if (len(kinds) > 1 and not kinds <= set(BLOCK_KINDS)) or any(
                 p.dtype != first.dtype or p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("only quantized matrices of one kind (or q4 with q8), dtype and input size can be fused")
@@ -308,37 +364,58 @@ class QuantMatrix:
             return packed, scale_zero
 
     def _pack(self) -> torch.Tensor:
-        """uint8 ``[out' / 16, in / 32, 320 or 576]``: the q4 / q8 kernel's blocks (``csrc/q4.cpp``), ``out`` padded
-        to ``out'``, a multiple of 16, with zero rows. Per block of 16 columns ``j`` x 32 inputs, q4: byte
-        ``64 c + 4 j + b`` holds input ``4 c + b`` of column ``j`` in its low nibble and input ``16 + 4 c + b`` in
-        its high nibble (c, b < 4); q8: byte ``64 s + 4 j + b`` holds input ``4 s + b`` (s < 8); then the 16
-        float16 scales and the 16 float16 minimums."""
+        """uint8 ``[out' / 16, in / 32, 320, 576 or 448]``: the q4 / q8 / q6 kernel's blocks (``csrc/q4.cpp``),
+        ``out`` padded to ``out'``, a multiple of 16, with zero rows. Per block of 16 columns ``j`` x 32 inputs, q4:
+        byte ``64 c + 4 j + b`` holds input ``4 c + b`` of column ``j`` in its low nibble and input ``16 + 4 c + b``
+        in its high nibble (c, b < 4); q8: byte ``64 s + 4 j + b`` holds input ``4 s + b`` (s < 8); then the 16
+        float16 scales and the 16 float16 minimums. q6: q4's nibbles of the codes' low 4 bits, then byte
+        ``256 + 64 h + 4 j + b`` holds the high 2 bits of input ``16 h + 4 k + b`` at bits ``2k`` (k < 4), then the
+        int8 sub-scales (byte ``384 + 16 h + j``) and the 16 float16 ``d``."""
         out, inp = self.shape
         groups, pad = inp // GROUP, -out % kernels.Q4_COLUMNS
         q, scale, minimum = self.unpacked_codes(), self.scale, self.zero  # [out, in], [out, groups] x 2
         if pad:
             q = torch.cat([q, q.new_zeros(pad, inp)])
             scale = torch.cat([scale, scale.new_zeros(pad, groups)])
-            minimum = torch.cat([minimum, minimum.new_zeros(pad, groups)])
+            if self.kind != "q6":
+                minimum = torch.cat([minimum, minimum.new_zeros(pad, groups)])
         blocks = (out + pad) // kernels.Q4_COLUMNS
+
+        def per_block(v: torch.Tensor) -> torch.Tensor:  # [out', groups] float16 -> [nb, groups, 32] bytes
+            return v.reshape(blocks, kernels.Q4_COLUMNS, groups).transpose(1, 2).contiguous().view(torch.uint8)
+
+        if self.kind == "q6":  # input k = 32 g + 16 half + 4 c + b of column 16 nb + j  ->  [nb, g, c, j, b, half]
+            q = q.reshape(blocks, kernels.Q4_COLUMNS, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+            low = q & 15
+            nibbles = (low[..., 0] | (low[..., 1] << 4)).reshape(blocks, groups, 256)
+            top = (q >> 4).permute(0, 1, 5, 3, 4, 2)  # [nb, g, half, j, b, k]: crumb k of byte [half, j, b]
+            crumbs = (top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6))
+            sub = self.zero if not pad else torch.cat([self.zero, self.zero.new_zeros(pad, 2 * groups)])
+            sub = sub.reshape(blocks, kernels.Q4_COLUMNS, groups, 2).permute(0, 2, 3, 1)  # [nb, g, half, j]
+            return torch.cat([nibbles, crumbs.reshape(blocks, groups, 128),
+                              sub.contiguous().view(torch.uint8).reshape(blocks, groups, 32), per_block(scale)],
+                             -1).contiguous()
         if self.kind == "q8":  # input k = 32 g + 4 s + b of column 16 nb + j  ->  [nb, g, s, j, b]
             q = q.reshape(blocks, kernels.Q4_COLUMNS, groups, 8, 4).permute(0, 2, 3, 1, 4)
             codes = q.reshape(blocks, groups, 512)
         else:  # input k = 32 g + 16 half + 4 c + b of column 16 nb + j  ->  [nb, g, c, j, b, half]
             q = q.reshape(blocks, kernels.Q4_COLUMNS, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
             codes = (q[..., 0] | (q[..., 1] << 4)).reshape(blocks, groups, 256)
-
-        def per_block(v: torch.Tensor) -> torch.Tensor:  # [out', groups] float16 -> [nb, groups, 32] bytes
-            return v.reshape(blocks, kernels.Q4_COLUMNS, groups).transpose(1, 2).contiguous().view(torch.uint8)
-
         return torch.cat([codes, per_block(scale), per_block(minimum)], -1).contiguous()
 
     def _unpack(self) -> torch.Tensor:
         """:attr:`codes` read back from the kernel's blocks (the inverse of :meth:`_pack`'s reordering): uint8
-        ``[out, in / 2]`` nibble pairs (q4) or ``[out, in]`` (q8)."""
+        ``[out, in / 2]`` nibble pairs (q4) or ``[out, in]`` (q8, q6)."""
         out, inp = self.shape
-        packed = self._kernel[0]  # [out' / 16, groups, 320 or 576]
+        packed = self._kernel[0]  # [out' / 16, groups, 320, 576 or 448]
         blocks, groups = packed.shape[0], packed.shape[1]
+        if self.kind == "q6":
+            b = packed[..., :256].reshape(blocks, groups, 4, kernels.Q4_COLUMNS, 4)  # [nb, g, c, j, b]
+            low = torch.stack([b & 15, b >> 4], -1)  # [nb, g, c, j, b, half]
+            crumbs = packed[..., 256:384].reshape(blocks, groups, 2, kernels.Q4_COLUMNS, 4)  # [nb, g, half, j, b]
+            top = torch.stack([(crumbs >> (2 * k)) & 3 for k in range(4)], -1)  # [nb, g, half, j, b, k]
+            q = low | (top.permute(0, 1, 5, 3, 4, 2) << 4)  # [nb, g, c, j, b, half]
+            return q.permute(0, 3, 1, 5, 2, 4).reshape(blocks * kernels.Q4_COLUMNS, inp)[:out]
         if self.kind == "q8":
             b = packed[..., :512].reshape(blocks, groups, 8, kernels.Q4_COLUMNS, 4)  # [nb, g, s, j, b]
             return b.permute(0, 3, 1, 2, 4).reshape(blocks * kernels.Q4_COLUMNS, inp)[:out]
@@ -351,15 +428,19 @@ class QuantMatrix:
     # ---------------------------------------------------------------------------------------------- use
 
     def unpacked_codes(self) -> torch.Tensor:
-        """uint8 ``[out, in]``: the int4 / q4 / q8 codes, one per byte."""
+        """uint8 ``[out, in]``: the int4 / q4 / q8 / q6 codes, one per byte."""
         if self.kind == "int8":
             raise ValueError(f"unpacked_codes of a {self.kind} matrix: its codes are int8 [out, in] already")
-        return self.codes if self.kind == "q8" else _nibbles(self.codes).reshape(self.shape)
+        return self.codes if self.kind in ("q8", "q6") else _nibbles(self.codes).reshape(self.shape)
 
     def dequantize(self) -> torch.Tensor:
         """``[out, in]`` in :attr:`dtype`: the matrix the quantized kernels multiply by (float32 arithmetic)."""
         if self.kind == "int8":
             w = self.codes.float() * self.scale.float()[:, None]
+        elif self.kind == "q6":  # as gguf's Q6_K decoder: (d * sc) * (q - 32) in float32
+            step = self.scale.float().repeat_interleave(2, 1) * self.zero.float()  # [out, in / 16]
+            q = self.unpacked_codes().float().reshape(self.shape[0], -1, HALF) - 32
+            w = (step[..., None] * q).reshape(self.shape)
         else:
             q = self.unpacked_codes().float().reshape(self.shape[0], -1, GROUP) - (8 if self.kind == "int4" else 0)
             w = (q * self.scale.float()[..., None] + self.zero.float()[..., None]).reshape(self.shape)
@@ -408,14 +489,14 @@ class QuantMatrix:
 def _kernel_bits(kind: str, codes: torch.Tensor) -> int:
     """The ``bits`` the kernel takes for a matrix of ``kind`` with these codes (q8 blocks or one code per byte): 7
     for q8 codes all below 128 (:func:`speculant.core.kernels.q4_seven`), else the kind's :data:`BITS`."""
-    if kind == "q8" and (codes.numel() == 0 or int(codes.max()) < 128):
+    if kind == "q8" and codes is not None and (codes.numel() == 0 or int(codes.max()) < 128):
         return 7
     return BITS[kind]
 
 
 def _nbytes(kind: str, out: int, inp: int) -> int:
     """Bytes the kernel holds for an ``out x inp`` matrix of ``kind``: the codes, plus a float16 scale and minimum
-    per 32 inputs for the block kinds."""
+    per 32 inputs for the block kinds (q6: a float16 d per 32 and an int8 sub-scale per 16, the same bytes)."""
     return out * inp * BITS[kind] // 8 + (out * inp // 8 if kind in BLOCK_KINDS else 0)
 
 
@@ -450,6 +531,8 @@ def q4_reference(x: torch.Tensor, matrix: QuantMatrix, columns: int = 4096) -> t
     a, d, s = q4_activations(x)  # [M, G, 32], [M, G], [M, G]
     n, k = matrix.shape
     out = torch.empty(x.shape[0], n)
+    if matrix.kind == "q6":
+        return _q6_reference(a, d, matrix, columns, out)
     for c0 in range(0, n, columns):
         c1 = min(n, c0 + columns)
         q = matrix.codes[c0:c1]
@@ -461,6 +544,25 @@ def q4_reference(x: torch.Tensor, matrix: QuantMatrix, columns: int = 4096) -> t
             t = d[:, g, None] * sw[None, :, g]  # float32, as the kernel's multiply
             acc = (acc.double() + t.double() * dot.double()).float()  # fma(t, dot, acc)
             acc = (acc.double() + mw[None, :, g].double() * s[:, g, None].double()).float()  # fma(mw, s, acc)
+        out[:, c0:c1] = acc
+    return out
+
+
+def _q6_reference(a: torch.Tensor, d: torch.Tensor, matrix: QuantMatrix, columns: int, out: torch.Tensor) -> torch.Tensor:
+    """:func:`q4_reference` for a q6 matrix (``a [M, G, 32]``, ``d [M, G]``): per half the exact ``sum (q - 32) a``,
+    ``S = sc_0 D_0 + sc_1 D_1`` (exact in float32), ``acc = fma(d_w * dx, S, acc)``."""
+    n, k = matrix.shape
+    halves = a.reshape(a.shape[0], -1, 2, HALF)  # [M, G, 2, 16]
+    for c0 in range(0, n, columns):
+        c1 = min(n, c0 + columns)
+        q = matrix.codes[c0:c1].reshape(c1 - c0, -1, 2, HALF).float() - 32  # [C, G, 2, 16]
+        sub = matrix.zero[c0:c1].float().reshape(c1 - c0, -1, 2)  # [C, G, 2]
+        dw = matrix.scale[c0:c1].float()  # [C, G]
+        acc = torch.zeros(a.shape[0], c1 - c0)
+        for g in range(k // GROUP):
+            big = halves[:, g, 0] @ q[:, g, 0].T * sub[None, :, g, 0] + halves[:, g, 1] @ q[:, g, 1].T * sub[None, :, g, 1]
+            t = d[:, g, None] * dw[None, :, g]  # [M, C] float32, as the kernel's multiply
+            acc = (acc.double() + t.double() * big.double()).float()  # fma(t, S, acc)
         out[:, c0:c1] = acc
     return out
 

@@ -11,7 +11,8 @@ Decoding runs gguf's own numpy block decoders (the reference itself) over chunks
 into the output (:func:`decode`); vectorised torch decoders for Q4_K/Q6_K/Q5_0/Q8_0, written bit-exact, were
 1.5-3x slower than gguf's numpy on this 2-core machine, so there are none. :func:`file_tensors` exposes the raw
 block codes (per-group codes, scales and minimums, as tensors) of the types whose blocks have that shape (Q4_K,
-Q4_1, Q4_0, Q5_0, Q5_1, Q8_0: :data:`CODE_TYPES`) for quantized linears.
+Q4_1, Q4_0, Q5_0, Q5_1, Q8_0: :data:`CODE_TYPES`), and Q6_K's codes, ``d`` and sub-scales (:func:`q6_k_codes`), for
+quantized linears.
 
 Only architectures whose transform is per tensor are read directly (:data:`DIRECT_ARCHITECTURES`); anything else
 takes transformers' full conversion (:func:`speculant.models.sources.convert_gguf`).
@@ -26,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["CODE_TYPES", "DIRECT_ARCHITECTURES", "INT4_TYPES", "WIDE_TYPES", "decode", "file_tensors",
+__all__ = ["CODE_TYPES", "DIRECT_ARCHITECTURES", "INT4_TYPES", "Q6_K", "WIDE_TYPES", "decode", "file_tensors",
            "gguf_architecture", "int4_tensors", "load_gguf_model", "q4_0_codes", "q4_1_codes", "q4_k_codes",
-           "q5_0_codes", "q5_1_codes", "q8_0_codes"]
+           "q5_0_codes", "q5_1_codes", "q6_k_codes", "q8_0_codes"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,22 @@ def q8_0_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     return q.to(torch.uint8).reshape(-1, 1, 32), d, 128 * d
 
 
+def q6_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The raw contents of Q6_K super-blocks ``blocks`` (uint8 ``[nb, 210]``: 128 bytes of low nibbles, 64 of high
+    2-bit pairs, 16 int8 scales, fp16 ``d``): ``(codes, d, sc)`` with ``codes`` uint8 ``[nb, 256]`` in ``[0, 64)``,
+    ``d`` float32 ``[nb, 1]`` and ``sc`` int8 ``[nb, 16]`` (one per 16 inputs), value ``(d * sc) * (code - 32)`` in
+    float32, bit-equal to ``gguf.dequantize`` (tested; the order of gguf's ``dequantize_blocks``)."""
+    nb = blocks.shape[0]
+    low = blocks[:, :128].reshape(nb, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
+    high = blocks[:, 128:192].reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    codes = (low & 0x0F).reshape(nb, 256) | ((high & 0x03).reshape(nb, 256) << 4)
+    return codes, _half(blocks, 208), blocks[:, 192:208].contiguous().view(torch.int8)
+
+
+Q6_K = 14
+"""GGML's type number of Q6_K: 6-bit codes, an int8 scale per 16 and a float16 ``d`` per 256, which a q4m model keeps
+as they are (q6 matrices: :meth:`speculant.core.quant.QuantMatrix.q6`)."""
+
 CODE_TYPES = {12: (q4_k_codes, 144, 4), 3: (q4_1_codes, 20, 4), 2: (q4_0_codes, 18, 4), 6: (q5_0_codes, 22, 8),
               7: (q5_1_codes, 24, 8), 8: (q8_0_codes, 34, 8)}
 """GGML types whose blocks are codes with one scale and one minimum per 32 inputs (Q4_K, Q4_1, Q4_0; Q5_0, Q5_1,
@@ -126,7 +143,9 @@ def file_tensors(path: str | Path, model: torch.nn.Module, codes: bool = True):
     """Yield ``(parameter name, ggml type, codes, scale, minimum)`` for each of ``model``'s 2-D parameters in GGUF
     file ``path``. For a :data:`CODE_TYPES` tensor (and ``codes``): codes uint8 ``[out, in]`` (in ``[0, 16)``, or
     ``[0, 256)`` for 5- and 8-bit types), scale and minimum float32 ``[out, in / 32]``, value = ``scale * code +
-    minimum``, equal to the file's dequantized value (float32), rows in the model's order: the architecture's
+    minimum``, equal to the file's dequantized value (float32); for a Q6_K tensor (:data:`Q6_K`) codes in ``[0, 64)``,
+    ``d`` float32 ``[out, in / 32]`` (each super-block's, repeated per 32) and the int8 sub-scales ``[out, in / 16]``
+    in place of scale and minimum (:func:`q6_k_codes`: value ``(d * sc) * (code - 32)``); rows in the model's order: the architecture's
     ``TensorProcessor`` (Llama's reverse Q/K permutation) is run on the row indices and the codes follow it, so they
     line up with :func:`load_gguf_model`'s weights; for other types ``None`` three times. One tensor at a time (a
     caller quantizes it before the next is unpacked)."""
@@ -140,10 +159,15 @@ def file_tensors(path: str | Path, model: torch.nn.Module, codes: bool = True):
         rows = data.shape[0]
         result = processor.process(weights=np.arange(rows)[:, None], name=name, tensor_key_mapping=names,
                                    parsed_parameters={"tensors": {}})
-        if qtype not in CODE_TYPES or not codes:
+        if (qtype not in CODE_TYPES and qtype != Q6_K) or not codes:
             yield names[result.name], qtype, None, None, None
             continue
         order = torch.from_numpy(np.ascontiguousarray(result.weights).reshape(rows))  # model row i = file row order[i]
+        if qtype == Q6_K:
+            c, d, sc = q6_k_codes(torch.from_numpy(np.array(data)).reshape(-1, 210))
+            d = d.expand(-1, 8).reshape(rows, -1)  # [out, in / 32]
+            yield names[result.name], qtype, c.reshape(rows, -1)[order], d[order], sc.reshape(rows, -1)[order]
+            continue
         unpack, size, _ = CODE_TYPES[qtype]
         c, scales, mins = unpack(torch.from_numpy(np.array(data)).reshape(-1, size))  # a copy: the map is read-only
         c, scales, mins = c.reshape(rows, -1), scales.reshape(rows, -1), mins.reshape(rows, -1)
@@ -330,13 +354,16 @@ CODED = ("int4", "q4", "q4m", "q8")
 """The quantizations whose matrices can take a GGUF file's codes unchanged (:func:`speculant.models.loading.quantize_loaded`)."""
 
 
-def code_kind(qtype: int, quantization: str) -> tuple[str, bool]:
+def code_kind(qtype: int, quantization: str, six: bool = True) -> tuple[str, bool]:
     """The kind of matrix that keeps a GGUF tensor of ggml type ``qtype`` in a model quantized to ``quantization``
-    (one of :data:`CODED`: a wide type in q8 where the model holds q8, as q4m and q8 do; else the quantization's
-    matrix kind), and whether it takes the file's codes unchanged (codes with a scale and minimum per 32, of at most
-    the kind's bits: :data:`CODE_TYPES`) rather than being requantized from its values."""
+    (one of :data:`CODED`: Q6_K in q6 where the model holds q6, as q4m does; another wide type in q8 where the model
+    holds q8, as q4m and q8 do; else the quantization's matrix kind), and whether it takes the file's codes unchanged
+    (Q6_K in q6; codes with a scale and minimum per 32, of at most the kind's bits: :data:`CODE_TYPES`) rather than
+    being requantized from its values. ``six=False``: Q6_K as the other wide types (q8 in q4m, requantized)."""
     from ..core.quant import BITS, HOLDS, MATRIX_KIND
 
+    if qtype == Q6_K and six and "q6" in HOLDS[quantization]:
+        return "q6", True
     kind = "q8" if qtype in WIDE_TYPES and "q8" in HOLDS[quantization] else MATRIX_KIND.get(quantization, quantization)
     return kind, qtype in CODE_TYPES and CODE_TYPES[qtype][2] <= BITS[kind]
 

@@ -82,7 +82,7 @@ def check_quantization(quantization: str | None) -> str:
 
 @normal_tensors
 def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | Path | None = None,
-                    undecoded: frozenset[str] | set[str] = frozenset(), wide_bits: int = 8) -> int:
+                    undecoded: frozenset[str] | set[str] = frozenset(), wide_bits: int = 6) -> int:
     """Quantize a freshly loaded ``model`` in place to ``quantization`` (:func:`speculant.core.quant.quantize_model`)
     and return how many matrices were built from a GGUF file's own codes.
 
@@ -96,13 +96,16 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
     float16 and whose minimums 8 d, 16 d, 128 d are too; Q4_K's ``d * sc`` has up to 17 significant bits: a relative
     rounding of at most 2^-11 of the scale and of the minimum).
 
-    In a q4m model the file's other 5- to 8-bit tensors (Q6_K, Q5_K: :data:`speculant.models.gguf.WIDE_TYPES`)
-    become q8 matrices requantized from their values (8-bit codes per 32 inputs: within 1/510 of a group's range of
-    the file's value, where 4 bits would be 1/30): the file spent more bits on them (a Q4_K_M file's LM head, half of
-    its value and down projections), and q4m keeps them. ``wide_bits=7`` requantizes them to 7-bit codes instead
-    (within 1/254), which an AVX2 CPU without VNNI multiplies faster (:func:`speculant.core.kernels.q4_seven`), at a
-    measured cost in fidelity (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file
-    0.986 where the same run's 8-bit q4m gives 0.994, README "7-bit codes"): a benchmark's choice, not a default.
+    In a q4m model the file's Q6_K tensors (a Q4_K_M file's LM head, half of its value and down projections: the
+    file spent more bits on them) become q6 matrices of their own codes, d and sub-scales
+    (:meth:`~speculant.core.quant.QuantMatrix.q6`, 7 bits per weight): exactly the file's values. Its other 5- to
+    8-bit tensors without per-32 blocks (Q5_K: :data:`speculant.models.gguf.WIDE_TYPES`) become q8 matrices
+    requantized from their values (8-bit codes per 32 inputs: within 1/510 of a group's range of the file's value,
+    where 4 bits would be 1/30). ``wide_bits`` 8 or 7 requantizes the Q6_K tensors that way too (q4m before q6
+    existed; 7: 7-bit codes, within 1/254, which an AVX2 CPU without VNNI multiplies faster,
+    :func:`speculant.core.kernels.q4_seven`, at a measured cost in fidelity: Qwen2.5-Coder-1.5B Q4_K_M's
+    teacher-forced top-1 agreement with the float32 file 0.986 where 8-bit codes gave 0.994, README "7-bit codes"):
+    benchmarks' choices, not defaults.
     Every other matrix (F16/F32 tensors, fewer-bit types, any wider tensor for int4 and q4, or any tensor for int8)
     is requantized to the kind from its values.
 
@@ -110,8 +113,8 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
     must take the file's codes here; a RuntimeError if one would be requantized from its (absent) values."""
     from ..core.quant import ATTR, QuantMatrix, attach, quantization_of, quantize_model, quantized_linears, releasable
 
-    if wide_bits not in (7, 8):
-        raise ValueError(f"wide_bits must be 7 or 8, got {wide_bits!r}")
+    if wide_bits not in (6, 7, 8):
+        raise ValueError(f"wide_bits must be 6, 7 or 8, got {wide_bits!r}")
     built = 0
     if gguf_file is not None and quantization in CODED and quantization_of(model) == "none":
         from .gguf import WIDE_TYPES, file_tensors
@@ -123,15 +126,18 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
             module = targets.get(id(params[name]))
             if module is None:  # e.g. a Q4_K token embedding under an untied head: not a quantized linear
                 continue
-            kind, coded = code_kind(qtype, quantization)
+            kind, coded = code_kind(qtype, quantization, six=wide_bits == 6)
             dtype = module.weight.dtype
-            if codes is not None and coded:
+            if codes is not None and coded and kind == "q6":  # Q6_K: its codes, d and sub-scales
+                matrix = QuantMatrix.q6(codes, scale, minimum, dtype)
+                built += 1
+            elif codes is not None and coded:
                 matrix = QuantMatrix.from_codes(codes, scale, minimum, dtype, kind)
                 built += 1
             elif name in undecoded:
                 raise RuntimeError(f"{name} was left undecoded but is not taken as codes")
-            elif qtype in WIDE_TYPES and kind == "q8":  # a wide type without per-32 blocks (Q6_K): from its values
-                matrix = QuantMatrix.quantize(module.weight, kind, code_bits=wide_bits)
+            elif qtype in WIDE_TYPES and kind == "q8":  # a wide type without per-32 blocks (Q6_K in q8): from its values
+                matrix = QuantMatrix.quantize(module.weight, kind, code_bits=7 if wide_bits == 7 else 8)
             else:
                 continue  # requantized with the rest below
             attach(module, matrix, release_weight=id(module) in free)

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 CACHED = tuple(q for q, kinds in HOLDS.items() if set(kinds) <= set(BLOCK_KINDS))
 """The quantizations whose matrices are cached: those made of q4 / q8 kernel blocks only (q4, q4m, q8)."""
 
-BUILD = 1  # (2 was taken by a build that requantized Q6_K to 7 bits, then undone: the next bump is 3)
+BUILD = 3  # (2 was taken by a build that requantized Q6_K to 7 bits, then undone; 3: Q6_K as q6 in q4m)
 """Version of how a GGUF model's matrices are made (:func:`speculant.models.loading.quantize_loaded`: which tensors
 keep their codes and in which kind, requantization from values, the decoders): bump it with any change there, so
 that caches made the old way are rebuilt."""

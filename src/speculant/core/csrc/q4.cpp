@@ -534,6 +534,211 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
 #endif
 }
 
+// ---------------------------------------------------------------------------------------- 6-bit codes ("q6")
+//
+// A GGUF file's Q6_K tensors as they are (the LM head and half the down projections of a Q4_K_M file), where q8 held
+// them requantized in 9 bits per weight: per column n, input block g of 32 and half h (16 inputs),
+//   w[n, 32 g + 16 h + i] = d[n, g] * sc[n, g, h] * (q[n, 32 g + 16 h + i] - 32),  q in [0, 64), sc int8, d float16
+// (Q6_K's d belongs to 256 inputs: each of its 8 blocks repeats it). Against the same activations (a, dx):
+//   D_h = dot_h(q, a) - 32 sum_h(a)                    exact integers, |D_h| <= 16 * 32 * 127
+//   S   = fma(float(D_1), sc_1, float(D_0) * sc_0)      exact: every product and the sum stay below 2^24
+//   acc = fma(d * dx, S, acc)                          over the blocks in increasing order, from 0
+// so every path and every row count computes the same bits, as for q4 and q8. The activations' half sums
+// 32 sum_h(a) (int32 [M, 2 G]) come in place of sx.
+// Packed block (448 bytes, 7 bits per weight; 16 columns j x 32 inputs):
+//   bytes [64 c + 4 j + b], c < 4: low nibble = the low 4 bits of q[j, 4 c + b], high nibble those of
+//                                  q[j, 16 + 4 c + b] (q4's layout)
+//   bytes [256 + 64 h + 4 j + b], h < 2: bits 2k, 2k + 1 = the high 2 bits of q[j, 16 h + 4 k + b], k < 4
+//   bytes [384 + 16 h + j]: sc[j, h] (int8);  bytes [416 + 2 j]: d[j] (float16)
+// Step s (inputs 4 s .. 4 s + 3, s = 4 h + k) is the nibble of byte row s % 4 ORed with crumb k of row h, shifted to
+// bits 4-5: the 6-bit codes are rebuilt once per block and shared by all rows.
+constexpr int Q6_BYTES = 448, Q6_CRUMBS = 256, Q6_SCALES = 384, Q6_D = 416;
+
+// The code of column j, input i (< 32) of a packed 6-bit block.
+inline int code6_at(const uint8_t* w, int j, int i) {
+    const int s = i / 4, b = i % 4, h = s / 4, k = s % 4;
+    const uint8_t byte = w[64 * (s % 4) + 4 * j + b];
+    const int low = s < 4 ? byte & 15 : byte >> 4;
+    return low | (((w[Q6_CRUMBS + 64 * h + 4 * j + b] >> (2 * k)) & 3) << 4);
+}
+
+#if defined(Q4_AVX512)
+// c[s] for s < 8: per 32-bit lane j, the 6-bit codes of inputs 4s .. 4s + 3 of column j.
+inline void codes6_512(const uint8_t* w, __m512i* c) {
+    const __m512i low = _mm512_set1_epi8(0x0f), even = _mm512_set1_epi8(0x33), odd = _mm512_set1_epi8((char)0xcc);
+    // crumb k moved to bits 4-5 with bits 6-7 clear (its neighbours masked off first; bits 0-3 are not read)
+    __m512i top[8];
+    for (int h = 0; h < 2; ++h) {
+        const __m512i raw = _mm512_loadu_si512((const void*)(w + Q6_CRUMBS + 64 * h));
+        const __m512i e = _mm512_and_si512(raw, even), o = _mm512_and_si512(raw, odd);
+        top[4 * h] = _mm512_slli_epi16(e, 4);
+        top[4 * h + 1] = _mm512_slli_epi16(o, 2);
+        top[4 * h + 2] = e;
+        top[4 * h + 3] = _mm512_srli_epi16(o, 2);
+    }
+    for (int i = 0; i < 4; ++i) {  // bitwise "low ? nibble : top" (ternary logic 0xE4)
+        const __m512i raw = _mm512_loadu_si512((const void*)(w + 64 * i));
+        c[i] = _mm512_ternarylogic_epi32(raw, top[i], low, 0xE4);
+        c[i + 4] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(raw, 4), top[i + 4], low, 0xE4);
+    }
+}
+
+// The exact integer dots of each lane's two halves of 16 codes with a row's activations ar: d[0] inputs 0-15, d[1]
+// inputs 16-31.
+inline void dots6_512(const __m512i* c, const int8_t* ar, __m512i* d) {
+    const auto act = [&](int s) { return _mm512_set1_epi32(load_i32(ar + 4 * s)); };
+#if defined(__AVX512VNNI__)
+    __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], act(0));
+    __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[4], act(4));
+    for (int s = 1; s < 4; ++s) {
+        d0 = _mm512_dpbusd_epi32(d0, c[s], act(s));
+        d1 = _mm512_dpbusd_epi32(d1, c[s + 4], act(s + 4));
+    }
+    d[0] = d0;
+    d[1] = d1;
+#else
+    // u8 (< 64) x s8 pairs summed to int16, two steps added: at most 2 * 2 * 63 * 127 = 32004, no saturation
+    const __m512i ones = _mm512_set1_epi16(1);
+    const auto two = [&](int s) {
+        return _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(c[s], act(s)),
+                                                  _mm512_maddubs_epi16(c[s + 1], act(s + 1))), ones);
+    };
+    d[0] = _mm512_add_epi32(two(0), two(2));
+    d[1] = _mm512_add_epi32(two(4), two(6));
+#endif
+}
+
+// One 6-bit block's float step for one row (16 columns): the operations above, in their order.
+inline __m512 accumulate6_512(__m512 acc, __m512 dw, __m512 sc0, __m512 sc1, const __m512i* d, float dx,
+                              const int32_t* as) {
+    const __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(d[0], _mm512_set1_epi32(as[0])));
+    const __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(d[1], _mm512_set1_epi32(as[1])));
+    return _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx)), _mm512_fmadd_ps(s1, sc1, _mm512_mul_ps(s0, sc0)), acc);
+}
+#elif defined(Q4_AVX2)
+// c[s] for s < 8: per 32-bit lane j, the 6-bit codes of inputs 4s .. 4s + 3 of column 8h + j.
+inline void codes6_256(const uint8_t* w, int h, __m256i* c) {
+    const __m256i low = _mm256_set1_epi8(0x0f), mid = _mm256_set1_epi8(0x30);
+    __m256i top[8];  // crumb k at bits 4-5, every other bit clear
+    for (int e = 0; e < 2; ++e) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + Q6_CRUMBS + 64 * e + 32 * h));
+        top[4 * e] = _mm256_and_si256(_mm256_slli_epi16(raw, 4), mid);
+        top[4 * e + 1] = _mm256_and_si256(_mm256_slli_epi16(raw, 2), mid);
+        top[4 * e + 2] = _mm256_and_si256(raw, mid);
+        top[4 * e + 3] = _mm256_and_si256(_mm256_srli_epi16(raw, 2), mid);
+    }
+    for (int i = 0; i < 4; ++i) {
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + 64 * i + 32 * h));
+        c[i] = _mm256_or_si256(_mm256_and_si256(raw, low), top[i]);
+        c[i + 4] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), top[i + 4]);
+    }
+}
+
+// dots6_512's halves for 8 columns, act[s] a row's activations 4s .. 4s + 3 in every lane.
+inline void dots6_256(const __m256i* c, const __m256i* act, __m256i* d) {
+#if defined(__AVXVNNI__)
+    __m256i d0 = _mm256_setzero_si256(), d1 = _mm256_setzero_si256();
+    for (int s = 0; s < 4; ++s) {
+        d0 = _mm256_dpbusd_avx_epi32(d0, c[s], act[s]);
+        d1 = _mm256_dpbusd_avx_epi32(d1, c[s + 4], act[s + 4]);
+    }
+    d[0] = d0;
+    d[1] = d1;
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    const auto two = [&](int s) {
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c[s], act[s]),
+                                                  _mm256_maddubs_epi16(c[s + 1], act[s + 1])), ones);
+    };
+    d[0] = _mm256_add_epi32(two(0), two(2));
+    d[1] = _mm256_add_epi32(two(4), two(6));
+#endif
+}
+
+inline __m256 accumulate6_256(__m256 acc, __m256 dw, __m256 sc0, __m256 sc1, const __m256i* d, float dx,
+                              const int32_t* as) {
+    const __m256 s0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(d[0], _mm256_set1_epi32(as[0])));
+    const __m256 s1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(d[1], _mm256_set1_epi32(as[1])));
+    return _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_fmadd_ps(s1, sc1, _mm256_mul_ps(s0, sc0)), acc);
+}
+#endif
+
+// tile() for 6-bit blocks: MT rows x 16 columns over all G blocks of one column block (sx: the half sums, int32).
+template <int MT>
+void tile6(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const float* sx, int64_t K, float* out) {
+    const int32_t* as = (const int32_t*)sx;  // [MT, 2 G]
+#if defined(Q4_AVX512)
+    __m512 acc[MT];
+    for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; ++g, w += Q6_BYTES) {
+        prefetch_ahead(w, Q6_BYTES);
+        __m512i c[8];
+        codes6_512(w, c);
+        const __m512 sc0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + Q6_SCALES))));
+        const __m512 sc1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + Q6_SCALES + 16))));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + Q6_D)));
+        for (int r = 0; r < MT; ++r) {
+            __m512i d[2];
+            dots6_512(c, a + r * K + g * QK, d);
+            acc[r] = accumulate6_512(acc[r], dw, sc0, sc1, d, dx[r * G + g], as + r * 2 * G + 2 * g);
+        }
+    }
+    for (int r = 0; r < MT; ++r) _mm512_storeu_ps(out + NC * r, acc[r]);
+#elif defined(Q4_AVX2)
+    __m256 acc[MT][2];
+    for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g, w += Q6_BYTES) {
+        prefetch_ahead(w, Q6_BYTES);
+        for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7
+            __m256i c[8];
+            codes6_256(w, h, c);
+            const __m256 sc0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + Q6_SCALES + 8 * h))));
+            const __m256 sc1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + Q6_SCALES + 16 + 8 * h))));
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + Q6_D + 16 * h)));
+            for (int r = 0; r < MT; ++r) {
+                __m256i act[8], d[2];
+                activations256(a + r * K + g * QK, act);
+                dots6_256(c, act, d);
+                acc[r][h] = accumulate6_256(acc[r][h], dw, sc0, sc1, d, dx[r * G + g], as + r * 2 * G + 2 * g);
+            }
+        }
+    }
+    for (int r = 0; r < MT; ++r) {
+        _mm256_storeu_ps(out + NC * r, acc[r][0]);
+        _mm256_storeu_ps(out + NC * r + 8, acc[r][1]);
+    }
+#else
+    float acc[MT][NC] = {};
+    for (int64_t g = 0; g < G; ++g, w += Q6_BYTES) {
+        int q[NC][QK];
+        float sc0[NC], sc1[NC], dw[NC];
+        for (int j = 0; j < NC; ++j) {
+            for (int i = 0; i < QK; ++i) q[j][i] = code6_at(w, j, i);
+            sc0[j] = (float)(int8_t)w[Q6_SCALES + j];
+            sc1[j] = (float)(int8_t)w[Q6_SCALES + 16 + j];
+            uint16_t h;
+            memcpy(&h, w + Q6_D + 2 * j, 2);
+            dw[j] = half_to_float(h);
+        }
+        for (int r = 0; r < MT; ++r) {
+            const int8_t* ar = a + r * K + g * QK;
+            const int32_t* s = as + r * 2 * G + 2 * g;
+            const float t = dx[r * G + g];
+            for (int j = 0; j < NC; ++j) {
+                int32_t d0 = 0, d1 = 0;
+                for (int i = 0; i < 16; ++i) {
+                    d0 += q[j][i] * ar[i];
+                    d1 += q[j][16 + i] * ar[16 + i];
+                }
+                const float S = fmaf((float)(d1 - s[1]), sc1[j], (float)(d0 - s[0]) * sc0[j]);
+                acc[r][j] = fmaf(dw[j] * t, S, acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < MT; ++r) memcpy(out + NC * r, acc[r], sizeof(acc[r]));
+#endif
+}
+
 #if defined(Q4_AMX)
 // Whether this process may use the AMX tile state (Linux asks each process to request it once).
 bool amx_permitted() {
@@ -664,6 +869,13 @@ template <int BITS, int... I>
 constexpr TileFn Tiles<BITS, I...>::table[sizeof...(I)];
 using Table4 = Tiles<4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
 using Table8 = Tiles<8, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
+template <int... I>
+struct Tiles6 {  // 6-bit blocks (every row count on the VNNI / maddubs path: AMX takes no 6-bit codes)
+    static constexpr TileFn table[sizeof...(I)] = {&tile6<I + 1>...};
+};
+template <int... I>
+constexpr TileFn Tiles6<I...>::table[sizeof...(I)];
+using Table6 = Tiles6<0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15>;
 #if defined(Q4_SEVEN)
 template <int... I>
 struct Tiles7 {  // one row (plain decoding) reads more than it computes: the 8-bit route's loop streams it better
@@ -737,35 +949,38 @@ int q4_isa(void) {
 // y[M, N] = q4 product of x[M, K] (float32, or bfloat16 when bf16) by the packed weights w ([ceil(N / 16)][K / 32]
 // blocks of `bits` (4 or 8) bit codes, see the top of the file; 7: 8-bit blocks whose codes are all below 128, which
 // the caller guarantees: an AVX2 build without VNNI multiplies them by a cheaper route, every other build as 8-bit
-// ones, the same bits either way), written in x's dtype. K must be a multiple of 32. Uses `threads` OpenMP threads
+// ones, the same bits either way; 6: 6-bit blocks, see "q6" above), written in x's dtype. K must be a multiple of 32. Uses `threads` OpenMP threads
 // over the column blocks. Fused steps, each rounded to the dtype as torch's separate ops would round it (all
 // optional; pass null / 0):
 //   before: norm_w [K] (RMSNorm of each row with eps) or glu (x is [M, 2K] = [gate | up], see prologue());
 //   after:  y = y + bias[N], then y = residual[M, N] + y  (residual may be y itself).
-// Returns 0, -1 when out of memory, -3 for bits other than 4, 7 and 8.
+// Returns 0, -1 when out of memory, -3 for bits other than 4, 6, 7 and 8.
 int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, int bits, int64_t N, void* y,
               const void* norm_w, float eps, int glu, const void* bias, const void* residual, int threads) {
-    if (bits != 4 && bits != 7 && bits != 8) return -3;
+    if (bits != 4 && bits != 6 && bits != 7 && bits != 8) return -3;
     const bool seven = bits == 7 && seven_mode;  // 8-bit blocks whose codes are all below 128
     if (bits == 7) bits = 8;
     const int64_t G = K / QK, NB = (N + NC - 1) / NC, XK = glu ? 2 * K : K;
-    const int64_t B = bits == 4 ? block_bytes<4>() : block_bytes<8>();
-    const TileFn* table = bits == 4 ? Table4::table : Table8::table;
+    const bool six = bits == 6;
+    const int64_t B = six ? Q6_BYTES : bits == 4 ? block_bytes<4>() : block_bytes<8>();
+    const TileFn* table = six ? Table6::table : bits == 4 ? Table4::table : Table8::table;
 #if defined(Q4_SEVEN)
     if (seven) table = Table7::table;
 #endif
     (void)seven;
-    const bool amx = M >= AMX_MIN_ROWS && amx_active();
+    const bool amx = M >= AMX_MIN_ROWS && !six && amx_active();
 #if defined(Q4_AMX)
     if (amx) table = bits == 4 ? Amx4::table : Amx8::table;
 #endif
     int8_t* a = (int8_t*)malloc((size_t)(M * K + 64));
     float* dxs = (float*)malloc(sizeof(float) * (size_t)(2 * M * G + 1));
     float* vs = (float*)malloc(sizeof(float) * (size_t)(M * K + 1));
-    if (!a || !dxs || !vs) {
+    int32_t* halves = six ? (int32_t*)malloc(sizeof(int32_t) * (size_t)(2 * M * G)) : nullptr;  // 6-bit codes: 32 sum_h(a)
+    if (!a || !dxs || !vs || (six && !halves)) {
         free(a);
         free(dxs);
         free(vs);
+        free(halves);
         return -1;
     }
     float* dx = dxs;
@@ -776,6 +991,12 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
         const void* xm = bf16 ? (const void*)((const uint16_t*)x + m * XK) : (const void*)((const float*)x + m * XK);
         prologue(xm, bf16, K, norm_w, eps, glu, vs + m * K);
         quantize_row(vs + m * K, K, a + m * K, dx + m * G, sx + m * G);
+        if (six)
+            for (int64_t h = 0; h < 2 * G; ++h) {
+                int32_t sum = 0;
+                for (int i = 0; i < QK / 2; ++i) sum += a[m * K + 16 * h + i];
+                halves[m * 2 * G + h] = 32 * sum;
+            }
     }
     free(vs);
     (void)threads;
@@ -794,7 +1015,8 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
                 configured = mt;
             }
 #endif
-            table[mt - 1](w + nb * G * B, G, a + m0 * K, dx + m0 * G, sx + m0 * G, K, out);
+            table[mt - 1](w + nb * G * B, G, a + m0 * K, dx + m0 * G,
+                          six ? (const float*)(halves + m0 * 2 * G) : sx + m0 * G, K, out);
             for (int r = 0; r < mt; ++r) {
                 const float* o = out + NC * r;
                 const int64_t at = (m0 + r) * N + n0;
@@ -817,6 +1039,7 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
     }
     free(a);
     free(dxs);
+    free(halves);
     return 0;
 }
 
