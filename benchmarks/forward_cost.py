@@ -11,8 +11,7 @@ Weight formats: ``--quantizations`` (each variant is a dtype x a kind, loaded as
 file's codes kept where the kind holds them; ``KIND/values`` requantizes every matrix from its float values instead,
 e.g. ``q4/values``: every matrix in 4 bits, where ``q4m`` keeps a Q4_K_M file's 6-bit tensors as q6; tags after the
 kind change how a GGUF file's tensors are held: ``/8bit`` and ``/7bit``: its 6-bit tensors requantized to 8- or 7-bit
-codes (q8, ``quantize_loaded(wide_bits=8)``, as q4m held them before q6); ``/q4``: its Q4_K tensors in q4, their
-scales rounded to float16, instead of q4k (``superblocks=False``); e.g. ``q4m/q4/8bit``: q4m before both). ``--seven both``
+codes (q8, ``quantize_loaded(wide_bits=8)``, as q4m held them before q6). ``--seven both``
 times each variant also with the kernel's 7-bit route off (``:8bit``: q8 codes below 128 multiplied as 8-bit ones,
 the same bits), interleaved.
 
@@ -49,8 +48,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--forward", choices=["lean", "model"], default="lean")
     ap.add_argument("--quantizations", default="none", help="weight kinds, ',' separated (none, int8, int4, q4, q8; "
-                    "KIND/values: requantized from the float values, ignoring a GGUF file's codes; tags KIND/8bit, "
-                    "KIND/7bit: a GGUF file's 6-bit tensors in 8- or 7-bit codes; KIND/q4: its Q4_K tensors in q4)")
+                    "KIND/values: requantized from the float values, ignoring a GGUF file's codes; KIND/8bit, "
+                    "KIND/7bit: a GGUF file's 6-bit tensors in 8- or 7-bit codes)")
     ap.add_argument("--amx", choices=["on", "off", "both"], default="on",
                     help="the q4/q8 kernel's AMX tiles for 10-16 rows (where the CPU has them); both: each variant "
                     "twice, ':vnni' with the tiles off, interleaved")
@@ -71,11 +70,10 @@ def main() -> None:
             elif "/" in kind:  # the file's codes where the kind holds them, as the tags say
                 base, *tags = kind.split("/")
                 backing = gguf_backing(resolve_model(args.target))
-                if backing is None or not set(tags) <= {"7bit", "8bit", "q4"}:
+                if backing is None or not set(tags) <= {"7bit", "8bit"} or len(tags) != 1:
                     raise SystemExit(f"{kind}: {args.target} is not read from a GGUF file, or unknown tags")
                 model = load_pretrained(args.target, dtype=dt)[0]
-                wide = 8 if "8bit" in tags else 7 if "7bit" in tags else 6
-                quantize_loaded(model, base, backing, wide_bits=wide, superblocks="q4" not in tags)
+                quantize_loaded(model, base, backing, wide_bits=8 if "8bit" in tags else 7)
             else:
                 model = load_pretrained(args.target, dtype=dt, quantization=kind)[0]
             for amx in ("on", "off"):

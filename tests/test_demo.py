@@ -57,7 +57,7 @@ def test_packaged_defaults(monkeypatch, installed):
     monkeypatch.setattr(demo, "_packaged", lambda pair, args: seen.append((pair.target, args)) or 0)
     assert demo.main(["--threads", "1"]) == 0
     target, args = seen[-1]
-    assert (target, args.quantization, args.max_new_tokens, args.repeats) == (QWEN, "q4m", 64, 2)
+    assert (target, args.quantization, args.max_new_tokens, args.repeats) == (QWEN, "q4m", 64, 3)
     assert demo.main(["--threads", "1", "--quantization", "none", "--dtype", "bfloat16"]) == 0
     assert (seen[-1][1].quantization, seen[-1][1].dtype) == ("none", "bfloat16")
     assert demo.main(["--threads", "1", "--target", SMOL]) == 0
