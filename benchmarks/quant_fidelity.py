@@ -84,7 +84,8 @@ def weight_error(path: Path, model) -> dict:
     """How far the quantized ``model``'s matrices built from the GGUF file's own codes (:data:`CODE_TYPES`) are
     from the file's values, in units of each group's quantization step (``scale``; groups whose scale is 0, all 32
     weights equal, are counted apart: there a step is undefined and only the minimum's float16 rounding can differ);
-    and how many matrices the model holds of each kind (a q4 model keeps the file's 5- to 8-bit tensors in q8)."""
+    and how many matrices the model holds of each kind (a q4m model keeps the file's Q6_K tensors in q6, its 5- and
+    8-bit ones in q8). q6 matrices hold the file's values exactly (tests/test_quant_loading.py) and are not counted."""
     from speculant.core.quant import ATTR, quantized_linears
     from speculant.models.gguf import Q6_K, file_tensors
 
@@ -204,7 +205,8 @@ def main() -> None:
             logprobs = answer_logprobs(model, sequences, forward="model")
         else:
             base = _base(kind)
-            built = quantize_loaded(model, base, backing, wide_bits=int(kind[-4]) if base != kind else 6)
+            wide = 8 if kind.endswith("/8bit") else 7 if kind.endswith("/7bit") else 6
+            built = quantize_loaded(model, base, backing, wide_bits=wide)
             assert quantization_of(model) == base
             logprobs = answer_logprobs(model, sequences)
         row = compare(reference, logprobs, categories)

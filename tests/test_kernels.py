@@ -169,6 +169,8 @@ def test_q6_weights_are_d_times_sub_scale_times_code_minus_32():
     assert torch.equal(q.rows(torch.tensor([33, 2])).dequantize(), q.dequantize()[[33, 2]])
     with pytest.raises(ValueError, match=r"\[0, 64\)"):
         QuantMatrix.q6(codes.int() + 1, q.scale, q.zero, torch.float32)
+    with pytest.raises(ValueError, match=r"\[-128, 128\)"):
+        QuantMatrix.q6(codes, q.scale, q.zero.int() - 200, torch.float32)
     with pytest.raises(ValueError, match="float16 values"):
         QuantMatrix.q6(codes, q.scale.float() * (1 + 2 ** -20), q.zero, torch.float32)
 
@@ -491,3 +493,50 @@ def test_fused_norm_glu_bias_and_residual_equal_the_torch_steps(lib, dtype, kind
         kernels.q4_matmul(gu, q._kernel[0], n, lib, norm=torch.ones(k, dtype=dtype), glu=True, bits=q.kernel_bits)
     with pytest.raises(ValueError, match="bias must be"):
         kernels.q4_matmul(x, q._kernel[0], n, lib, bias=torch.ones(n + 1, dtype=dtype), bits=q.kernel_bits)
+
+
+def test_q6_at_its_extremes_computes_the_reference_s_bits_on_every_path(lib):
+    """A real Q6_K file's sub-scales reach -128 (ggml maps each super-block's largest there) and its codes 0 and 63:
+    with activations at +-127 every half dot and S = sc0 D0 + sc1 D1 stay exact (|S| < 2^24), and every ISA build and
+    row count gives the reference's bits."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 48, 256
+    codes = torch.randint(0, 64, (n, k), generator=g)
+    codes[:, :16] = 0  # a half of codes all at -32
+    sub = torch.randint(-128, 128, (n, k // 16), generator=g)
+    sub[:, 0], sub[:, 1] = -128, 127
+    d = (torch.rand(n, k // 32, generator=g) * 1e-3).half().float()
+    q = QuantMatrix.q6(codes, d, sub, torch.float32)
+    x = _rows(17, k, torch.float32)
+    x[:, :32] = torch.where(torch.arange(32) % 2 == 0, 1.0, -1.0) * 5  # activations +-127 in the first block
+    want = q4_reference(x, q)
+    builds = [lib] + [kernels.library(isa) for isa in ("avx2", "generic")] if platform.machine() in ("x86_64", "AMD64") \
+        else [lib]
+    for other in builds:
+        if other is None:
+            continue
+        got = kernels.q4_matmul(x, q.blocks, n, other, bits=6)
+        torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=1e-6)
+        for rows in (1, 4, 16):
+            assert torch.equal(kernels.q4_matmul(x[:rows], q.blocks, n, other, bits=6), got[:rows])
+        assert torch.equal(got, kernels.q4_matmul(x, q.blocks, n, lib, bits=6))
+
+
+def test_a_q6_part_fused_with_another_kind_is_held_as_the_fused_q8_on_the_model_too():
+    """The lean forward multiplies q/k/v as one matrix; a q6 v projection beside q4 q and k becomes q8 there. After
+    :func:`unify_fused` the model's own linear holds that very q8 matrix, so both forwards multiply by the same
+    weights (a group of one kind is left as it is)."""
+    from speculant.core.lean import fused_groups
+    from speculant.core.quant import ATTR, unify_fused
+
+    model = _mixed(tiny_model("qwen2", seed=0), "q6")
+    a = model.model.layers[0].self_attn
+    assert getattr(a.v_proj, ATTR).kind == "q6"
+    q6 = getattr(a.v_proj, ATTR)
+    assert unify_fused(fused_groups(model)) == 1
+    q8 = getattr(a.v_proj, ATTR)
+    assert q8.kind == "q8" and torch.equal(q8.dequantize(), QuantMatrix.cat([getattr(a.q_proj, ATTR), q6]).dequantize()[-q6.shape[0]:])
+    fused = lean_for(model).layers[0].qkv
+    assert fused.kind == "q8" and torch.equal(fused.dequantize()[-q8.shape[0]:], q8.dequantize())
+    assert getattr(model.model.layers[0].mlp.down_proj, ATTR).kind == "q6"  # not fused: as it is
+    assert unify_fused(fused_groups(model)) == 0

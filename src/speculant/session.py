@@ -18,7 +18,7 @@ they resolve the same defaults and agree on the same rules:
   separately run plain decode); **device** None: the best available (:func:`speculant.core.checks.resolve_device`).
 * **quantization** None: a packaged target's own format
   (:attr:`speculant.models.sources.PackagedModel.default_quantization`: ``q4m`` for Qwen2.5-Coder-1.5B: its GGUF
-  file's 4-bit tensors in q4, its 6-bit ones in q8, within 0.99 top-1 agreement of the float32 file), else
+  file's 4-bit tensors in q4, its 6-bit ones as they are (q6), within 0.99 top-1 agreement of the float32 file), else
   ``"none"`` (:data:`speculant.core.quant.QUANTIZATIONS`); the models loaded by name are quantized as they load
   (:func:`speculant.models.loading.load_model_dir`: a GGUF file's own codes are kept where the kind holds them,
   :func:`speculant.models.loading.quantize_loaded`). **draft_quantization** None: the target's kind, in its

@@ -50,7 +50,7 @@ from .ops import fused_linear, rms_norm
 from .packed import PackedMatrix, linear, pack_enabled, packable
 from .quant import ATTR, BLOCK_KINDS, QuantMatrix, quantization_of
 
-__all__ = ["COVERED", "LeanForward", "Segment", "sliding_window", "unsupported"]
+__all__ = ["COVERED", "LeanForward", "Segment", "fused_groups", "sliding_window", "unsupported"]
 
 COVERED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 """Model classes the lean forward reproduces."""
@@ -200,13 +200,25 @@ def _quantized(*linears: torch.nn.Module) -> QuantMatrix:
     return QuantMatrix.cat(matrices)
 
 
-def _quantize_layer(layer: torch.nn.Module, w: _Layer) -> _Layer:
-    """``w`` with its four matrices replaced by the layer's quantized ones (biases and norms unchanged)."""
+def _groups(layer: torch.nn.Module) -> tuple[tuple[torch.nn.Module, ...], tuple[torch.nn.Module, ...]]:
+    """A decoder layer's linears that the lean forward multiplies as one matrix: ``(q/k/v, gate/up)``."""
     a, m = layer.self_attn, layer.mlp
     qkv = (a.qkv_proj,) if hasattr(a, "qkv_proj") else (a.q_proj, a.k_proj, a.v_proj)
     gate_up = (m.gate_up_proj,) if hasattr(m, "gate_up_proj") else (m.gate_proj, m.up_proj)
-    return dataclasses.replace(w, qkv=_quantized(*qkv), o=_quantized(a.o_proj), gate_up=_quantized(*gate_up),
-                               down=_quantized(m.down_proj))
+    return qkv, gate_up
+
+
+def fused_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
+    """Every group of linears of ``model``'s decoder layers that the lean forward fuses into one matrix (q/k/v,
+    gate/up): what :func:`speculant.core.quant.unify_fused` takes."""
+    return [group for layer in model.model.layers for group in _groups(layer)]
+
+
+def _quantize_layer(layer: torch.nn.Module, w: _Layer) -> _Layer:
+    """``w`` with its four matrices replaced by the layer's quantized ones (biases and norms unchanged)."""
+    qkv, gate_up = _groups(layer)
+    return dataclasses.replace(w, qkv=_quantized(*qkv), o=_quantized(layer.self_attn.o_proj),
+                               gate_up=_quantized(*gate_up), down=_quantized(layer.mlp.down_proj))
 
 
 def sliding_window(cfg) -> int | None:

@@ -1,4 +1,4 @@
-"""Quantized matrices (int8, int4 weight-only on torch's CPU kernels; q4 on speculant's own) for the lean forward.
+"""Quantized matrices (int8, int4 weight-only on torch's CPU kernels; q4, q8, q6 on speculant's own) for the lean forward.
 
 Quantization is a choice of model, not of decoding method: :func:`quantize_model` turns a model into its int8 or
 int4 version, and from then on every method (plain decoding, chains, trees, lookup ...) runs that model, so
@@ -37,7 +37,9 @@ int4 version, and from then on every method (plain decoding, chains, trees, look
 * ``q4m`` (a model quantization, not a matrix kind): q4 matrices, except wider ones for the tensors a GGUF file
   stores in more than 4 bits (:data:`HOLDS`): Q6_K as q6, Q5_0, Q8_0 ... as q8, so the model stays as close to the
   file as q4's activations allow (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file
-  0.996 with its Q6_K tensors in q8, where all-4-bit q4 gives 0.961; benchmarks/results/quant-fidelity).
+  0.993 with its Q6_K tensors in q6, 0.996 with them in q8, where all-4-bit q4 gives 0.961;
+  benchmarks/results/quant-fidelity). A q6 value projection fused with q4 q and k (the lean forward's one q/k/v
+  matrix) is held as q8 on the model too (:func:`unify_fused`), so that both forwards multiply by the same matrices.
 
 How it is wired: :func:`quantize_model` records the :class:`QuantMatrix` on each decoder-layer linear and the LM head
 (attribute :data:`ATTR`) and then drops the module's float weight (:func:`release`): the weight becomes
@@ -73,7 +75,7 @@ from .modes import normal_mode
 
 __all__ = ["ATTR", "BITS", "BLOCK_KINDS", "BLOCK_LAYOUT", "DRAFT_KIND", "GROUP", "HOLDS", "KINDS", "MATRIX_KIND", "QUANTIZATIONS", "QuantMatrix", "ReleasedLinear", "attach",
            "q4_activations", "q4_reference", "quantization_of", "quantize_model", "quantized_linears", "releasable",
-           "release"]
+           "release", "unify_fused"]
 
 QUANTIZATIONS = ("none", "int8", "int4", "q4", "q4m", "q8")
 """Accepted values of ``quantization=`` (``--quantization``)."""
@@ -105,7 +107,7 @@ ATTR = "speculant_quant"
 """The attribute of a quantized ``nn.Linear`` that holds its :class:`QuantMatrix`."""
 
 BLOCK_LAYOUT = 1
-"""Version of the q4 / q8 kernel's block layout (:meth:`QuantMatrix._pack`, ``csrc/q4.cpp``): blocks saved under
+"""Version of the q4 / q8 / q6 kernel's block layouts (:meth:`QuantMatrix._pack`, ``csrc/q4.cpp``): blocks saved under
 another version (a model's matrix cache, :mod:`speculant.models.matrix_cache`) are rebuilt, never read. Bump it with
 any change to the layout."""
 
@@ -132,7 +134,7 @@ class QuantMatrix:
     float16) or q6's int8 sub-scales ``[out, in / 16]`` (``w = scale * zero * (q - 32)``).
     q4 and q8 multiply ``x`` quantized per row to int8 (see the module doc); q8 is q4 with 8-bit codes
     (``q`` in ``[0, 256)``). ``kernel_bits``: the ``bits`` the kernel is called with (4 for q4; 7 for a q8 matrix whose
-    codes all lie below 128, which an AVX2 CPU without VNNI multiplies by a cheaper route, the same bits; else 8)."""
+    codes all lie below 128, which an AVX2 CPU without VNNI multiplies by a cheaper route, the same bits; 6 for q6; else 8)."""
 
     __slots__ = ("kind", "shape", "dtype", "_codes", "scale", "zero", "nbytes", "_kernel", "kernel_bits")
 
@@ -179,7 +181,7 @@ class QuantMatrix:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, kind: str, code_bits: int | None = None) -> QuantMatrix:
-        """The ``kind`` (int8, int4, q4, q8) quantization of ``weight [out, in]``, in ``weight``'s dtype (round to
+        """The ``kind`` (int8, int4, q4, q8, q6) quantization of ``weight [out, in]``, in ``weight``'s dtype (round to
         nearest; int8 scale = max |w| / 127 per row; int4 scale = (max - min) / 15 and minimum = min per group; q4
         the same rounded to float16 first, the codes taken against the rounded values; q8 as q4 with 255 steps; q6
         as Q6_K: per 16 inputs a scale ``-w_max / 32`` (``w_max`` the weight of largest magnitude), per 32 ``d = max
@@ -267,7 +269,7 @@ class QuantMatrix:
 
     @classmethod
     def from_blocks(cls, kind: str, shape: tuple[int, int], blocks: torch.Tensor, dtype: torch.dtype) -> QuantMatrix:
-        """A q4 or q8 matrix of ``shape`` ``(out, in)`` from the kernel's own blocks (:attr:`blocks` of a matrix of
+        """A q4, q8 or q6 matrix of ``shape`` ``(out, in)`` from the kernel's own blocks (:attr:`blocks` of a matrix of
         the same kind and shape, e.g. read back from a cache): the same matrix, bit for bit, without packing again.
         Raises ValueError for another kind or blocks of another shape or dtype."""
         if kind not in BLOCK_KINDS:
@@ -345,8 +347,8 @@ class QuantMatrix:
 
     def _prepare(self):
         """The kernel's operands: int8 ``(codes, scale)``; int4 ``(packed codes, [groups, out', 2] scale/zero,
-        out')`` with the rows padded to a multiple of 16 (padding rows are zero: code 8, scale and zero 0); q4 and q8
-        ``(packed,)``, see :meth:`_pack`."""
+        out')`` with the rows padded to a multiple of 16 (padding rows are zero: code 8, scale and zero 0); q4, q8
+        and q6 ``(packed,)``, see :meth:`_pack`."""
         with normal_mode():
             if self.kind == "int8":
                 return self.codes.contiguous(), self.scale.contiguous()
@@ -384,23 +386,21 @@ class QuantMatrix:
         def per_block(v: torch.Tensor) -> torch.Tensor:  # [out', groups] float16 -> [nb, groups, 32] bytes
             return v.reshape(blocks, kernels.Q4_COLUMNS, groups).transpose(1, 2).contiguous().view(torch.uint8)
 
-        if self.kind == "q6":  # input k = 32 g + 16 half + 4 c + b of column 16 nb + j  ->  [nb, g, c, j, b, half]
-            q = q.reshape(blocks, kernels.Q4_COLUMNS, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-            low = q & 15
-            nibbles = (low[..., 0] | (low[..., 1] << 4)).reshape(blocks, groups, 256)
-            top = (q >> 4).permute(0, 1, 5, 3, 4, 2)  # [nb, g, half, j, b, k]: crumb k of byte [half, j, b]
-            crumbs = (top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6))
-            sub = self.zero if not pad else torch.cat([self.zero, self.zero.new_zeros(pad, 2 * groups)])
-            sub = sub.reshape(blocks, kernels.Q4_COLUMNS, groups, 2).permute(0, 2, 3, 1)  # [nb, g, half, j]
-            return torch.cat([nibbles, crumbs.reshape(blocks, groups, 128),
-                              sub.contiguous().view(torch.uint8).reshape(blocks, groups, 32), per_block(scale)],
-                             -1).contiguous()
         if self.kind == "q8":  # input k = 32 g + 4 s + b of column 16 nb + j  ->  [nb, g, s, j, b]
             q = q.reshape(blocks, kernels.Q4_COLUMNS, groups, 8, 4).permute(0, 2, 3, 1, 4)
             codes = q.reshape(blocks, groups, 512)
         else:  # input k = 32 g + 16 half + 4 c + b of column 16 nb + j  ->  [nb, g, c, j, b, half]
             q = q.reshape(blocks, kernels.Q4_COLUMNS, groups, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-            codes = (q[..., 0] | (q[..., 1] << 4)).reshape(blocks, groups, 256)
+            low = q & 15
+            codes = (low[..., 0] | (low[..., 1] << 4)).reshape(blocks, groups, 256)  # q6: the low 4 bits
+        if self.kind == "q6":
+            top = (q >> 4).permute(0, 1, 5, 3, 4, 2)  # [nb, g, half, j, b, k]: crumb k of byte [half, j, b]
+            crumbs = (top[..., 0] | (top[..., 1] << 2) | (top[..., 2] << 4) | (top[..., 3] << 6))
+            sub = self.zero if not pad else torch.cat([self.zero, self.zero.new_zeros(pad, 2 * groups)])
+            sub = sub.reshape(blocks, kernels.Q4_COLUMNS, groups, 2).permute(0, 2, 3, 1)  # [nb, g, half, j]
+            return torch.cat([codes, crumbs.reshape(blocks, groups, _Q6_SCALES - 256),
+                              sub.contiguous().view(torch.uint8).reshape(blocks, groups, _Q6_D - _Q6_SCALES),
+                              per_block(scale)], -1).contiguous()
         return torch.cat([codes, per_block(scale), per_block(minimum)], -1).contiguous()
 
     def _unpack(self) -> torch.Tensor:
@@ -409,19 +409,18 @@ class QuantMatrix:
         out, inp = self.shape
         packed = self._kernel[0]  # [out' / 16, groups, 320, 576 or 448]
         blocks, groups = packed.shape[0], packed.shape[1]
-        if self.kind == "q6":
-            b = packed[..., :256].reshape(blocks, groups, 4, kernels.Q4_COLUMNS, 4)  # [nb, g, c, j, b]
-            low = torch.stack([b & 15, b >> 4], -1)  # [nb, g, c, j, b, half]
-            crumbs = packed[..., 256:384].reshape(blocks, groups, 2, kernels.Q4_COLUMNS, 4)  # [nb, g, half, j, b]
-            top = torch.stack([(crumbs >> (2 * k)) & 3 for k in range(4)], -1)  # [nb, g, half, j, b, k]
-            q = low | (top.permute(0, 1, 5, 3, 4, 2) << 4)  # [nb, g, c, j, b, half]
-            return q.permute(0, 3, 1, 5, 2, 4).reshape(blocks * kernels.Q4_COLUMNS, inp)[:out]
         if self.kind == "q8":
             b = packed[..., :512].reshape(blocks, groups, 8, kernels.Q4_COLUMNS, 4)  # [nb, g, s, j, b]
             return b.permute(0, 3, 1, 2, 4).reshape(blocks * kernels.Q4_COLUMNS, inp)[:out]
         b = packed[..., :256].reshape(blocks, groups, 4, kernels.Q4_COLUMNS, 4)  # [nb, g, c, j, b]
         q = torch.stack([b & 15, b >> 4], -1)  # [nb, g, c, j, b, half]
+        if self.kind == "q6":  # and the high 2 bits
+            crumbs = packed[..., 256:_Q6_SCALES].reshape(blocks, groups, 2, kernels.Q4_COLUMNS, 4)  # [nb, g, half, j, b]
+            top = torch.stack([(crumbs >> (2 * k)) & 3 for k in range(4)], -1)  # [nb, g, half, j, b, k]
+            q = q | (top.permute(0, 1, 5, 3, 4, 2) << 4)  # [nb, g, c, j, b, half]
         q = q.permute(0, 3, 1, 5, 2, 4).reshape(blocks * kernels.Q4_COLUMNS, inp)[:out]  # [out, in]
+        if self.kind == "q6":
+            return q
         pairs = q.reshape(out, -1, 2)
         return pairs[..., 0] | (pairs[..., 1] << 4)
 
@@ -448,7 +447,7 @@ class QuantMatrix:
 
     def fused(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, norm: torch.Tensor | None = None,
               eps: float = 0.0, glu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        """:func:`speculant.core.ops.fused_linear` in one call of speculant's q4 kernel (q4 and q8 matrices), or
+        """:func:`speculant.core.ops.fused_linear` in one call of speculant's q4 kernel (q4, q8 and q6 matrices), or
         None where it cannot run here (another kind, no compiled kernel, a dtype or device it does not take)."""
         dtype, k = x.dtype, self.shape[1]
         if (self.kind not in BLOCK_KINDS or dtype != self.dtype or dtype not in (torch.float32, torch.bfloat16)
@@ -524,7 +523,7 @@ def q4_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 
 def q4_reference(x: torch.Tensor, matrix: QuantMatrix, columns: int = 4096) -> torch.Tensor:
-    """The q4 (or q8) product ``x [M, K] -> [M, N]`` (float32) in torch: the kernel's scheme, op for op, with each
+    """The q4 (or q8, q6) product ``x [M, K] -> [M, N]`` (float32) in torch: the kernel's scheme, op for op, with each
     fused multiply-add done in float64 and rounded to float32 (the same result but for rare double rounding). Row
     independent (integer-valued matmuls are exact; the rest is elementwise). Used without a compiler and by the
     tests; ``columns`` output columns at a time bound its memory."""
@@ -560,9 +559,10 @@ def _q6_reference(a: torch.Tensor, d: torch.Tensor, matrix: QuantMatrix, columns
         dw = matrix.scale[c0:c1].float()  # [C, G]
         acc = torch.zeros(a.shape[0], c1 - c0)
         for g in range(k // GROUP):
-            big = halves[:, g, 0] @ q[:, g, 0].T * sub[None, :, g, 0] + halves[:, g, 1] @ q[:, g, 1].T * sub[None, :, g, 1]
+            # S = sc_0 D_0 + sc_1 D_1 [M, C]: exact integers
+            s = halves[:, g, 0] @ q[:, g, 0].T * sub[None, :, g, 0] + halves[:, g, 1] @ q[:, g, 1].T * sub[None, :, g, 1]
             t = d[:, g, None] * dw[None, :, g]  # [M, C] float32, as the kernel's multiply
-            acc = (acc.double() + t.double() * big.double()).float()  # fma(t, S, acc)
+            acc = (acc.double() + t.double() * s.double()).float()  # fma(t, S, acc)
         out[:, c0:c1] = acc
     return out
 
@@ -583,6 +583,27 @@ def attach(module: torch.nn.Module, matrix: QuantMatrix, release_weight: bool = 
     setattr(module, ATTR, matrix)
     if release_weight:
         release(module)
+
+
+def unify_fused(groups: list[tuple[torch.nn.Module, ...]]) -> int:
+    """Give every quantized linear of a group that is multiplied as one matrix (``groups``: e.g.
+    :func:`speculant.core.lean.fused_groups`) a kind the fused matrix holds exactly: a q6 matrix beside another kind
+    becomes the q8 matrix :meth:`QuantMatrix.cat` would make of it, so that the model's own forward multiplies by the
+    very matrix the fused call does (a Q4_K_M file's Q6_K value projections, fused with Q4_K q and k). Returns the
+    matrices replaced."""
+    replaced = 0
+    for group in groups:
+        matrices = [getattr(m, ATTR, None) for m in group]
+        if any(q is None for q in matrices) or len({q.kind for q in matrices}) < 2:
+            continue
+        for module, q in zip(group, matrices):
+            if q.kind == "q6":
+                setattr(module, ATTR, QuantMatrix.quantize(q.dequantize(), "q8"))
+                if module.weight.device.type != "meta":  # a float weight kept: it follows the matrix
+                    with normal_mode():
+                        module.weight.copy_(getattr(module, ATTR).dequantize())
+                replaced += 1
+    return replaced
 
 
 def quantized_linears(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -139,13 +139,14 @@ WIDE_TYPES = frozenset({6, 7, 8, 13, 14, 15})
 spends more than 4 bits on, kept at 8 bits (q8) in a q4 model (:func:`speculant.models.loading.quantize_loaded`)."""
 
 
-def file_tensors(path: str | Path, model: torch.nn.Module, codes: bool = True):
+def file_tensors(path: str | Path, model: torch.nn.Module, codes: bool = True, six: bool = True):
     """Yield ``(parameter name, ggml type, codes, scale, minimum)`` for each of ``model``'s 2-D parameters in GGUF
     file ``path``. For a :data:`CODE_TYPES` tensor (and ``codes``): codes uint8 ``[out, in]`` (in ``[0, 16)``, or
     ``[0, 256)`` for 5- and 8-bit types), scale and minimum float32 ``[out, in / 32]``, value = ``scale * code +
     minimum``, equal to the file's dequantized value (float32); for a Q6_K tensor (:data:`Q6_K`) codes in ``[0, 64)``,
     ``d`` float32 ``[out, in / 32]`` (each super-block's, repeated per 32) and the int8 sub-scales ``[out, in / 16]``
-    in place of scale and minimum (:func:`q6_k_codes`: value ``(d * sc) * (code - 32)``); rows in the model's order: the architecture's
+    in place of scale and minimum (:func:`q6_k_codes`: value ``(d * sc) * (code - 32)``; ``six=False``: None three
+    times, for a caller that takes no q6 matrices); rows in the model's order: the architecture's
     ``TensorProcessor`` (Llama's reverse Q/K permutation) is run on the row indices and the codes follow it, so they
     line up with :func:`load_gguf_model`'s weights; for other types ``None`` three times. One tensor at a time (a
     caller quantizes it before the next is unpacked)."""
@@ -159,7 +160,7 @@ def file_tensors(path: str | Path, model: torch.nn.Module, codes: bool = True):
         rows = data.shape[0]
         result = processor.process(weights=np.arange(rows)[:, None], name=name, tensor_key_mapping=names,
                                    parsed_parameters={"tensors": {}})
-        if (qtype not in CODE_TYPES and qtype != Q6_K) or not codes:
+        if (qtype not in CODE_TYPES and not (qtype == Q6_K and six)) or not codes:
             yield names[result.name], qtype, None, None, None
             continue
         order = torch.from_numpy(np.ascontiguousarray(result.weights).reshape(rows))  # model row i = file row order[i]

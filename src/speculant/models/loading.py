@@ -111,7 +111,8 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
 
     ``undecoded``: parameters the loader left undecoded (:func:`speculant.models.gguf.coded_weights`), each of which
     must take the file's codes here; a RuntimeError if one would be requantized from its (absent) values."""
-    from ..core.quant import ATTR, QuantMatrix, attach, quantization_of, quantize_model, quantized_linears, releasable
+    from ..core.quant import ATTR, HOLDS, QuantMatrix, attach, quantization_of, quantize_model, quantized_linears, \
+        releasable
 
     if wide_bits not in (6, 7, 8):
         raise ValueError(f"wide_bits must be 6, 7 or 8, got {wide_bits!r}")
@@ -122,7 +123,8 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
         targets = {id(m.weight): m for m in quantized_linears(model)}
         params = dict(model.named_parameters())
         free = releasable(model)
-        for name, qtype, codes, scale, minimum in file_tensors(gguf_file, model):
+        six = wide_bits == 6 and "q6" in HOLDS[quantization]  # Q6_K's codes are wanted
+        for name, qtype, codes, scale, minimum in file_tensors(gguf_file, model, six=six):
             module = targets.get(id(params[name]))
             if module is None:  # e.g. a Q4_K token embedding under an untied head: not a quantized linear
                 continue
@@ -147,6 +149,10 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
         raise RuntimeError(f"{left[0]} was left undecoded but took no matrix from the file's codes")
     quantize_model(model, quantization)
     if built:
+        from ..core.lean import fused_groups
+        from ..core.quant import unify_fused
+
+        unify_fused(fused_groups(model))  # the model's own forward and the fused lean one: the same matrices
         log.info("%d of the model's matrices quantized to %s from %s's own codes", built, quantization,
                  Path(gguf_file).name)
     return built

@@ -1,4 +1,4 @@
-"""A GGUF model's quantized matrices, cached on disk in the q4 / q8 kernel's own block layout.
+"""A GGUF model's quantized matrices, cached on disk in the q4 / q8 / q6 kernel's own block layout.
 
 Building a q4, q4m or q8 model from a GGUF file means decoding the file's tensors, taking its codes (or
 requantizing the wider ones) and packing them into the kernel's blocks (:meth:`speculant.core.quant.QuantMatrix
@@ -15,7 +15,7 @@ It records what made it: the block layout (:data:`speculant.core.quant.BLOCK_LAY
 (:data:`BUILD`), torch's and transformers' versions, the quantization and dtype, and the GGUF file (resolved path,
 size, modification time); a file that differs in any of these, cannot be read, or does not hold exactly the model's
 quantized linears is ignored with a warning and rewritten (files of older block layouts, and temporaries of
-interrupted writes, are deleted then). Only q4 and q8 matrices are cached (the int4 and int8 kinds
+interrupted writes, are deleted then). Only q4, q8 and q6 matrices are cached (the int4 and int8 kinds
 run torch's kernels, whose packed forms are torch's own). Deleting the file, or the whole cache, is always safe. On
 disk: about the quantized model's size per quantization and dtype loaded.
 """
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 CACHED = tuple(q for q, kinds in HOLDS.items() if set(kinds) <= set(BLOCK_KINDS))
 """The quantizations whose matrices are cached: those made of q4 / q8 kernel blocks only (q4, q4m, q8)."""
 
-BUILD = 3  # (2 was taken by a build that requantized Q6_K to 7 bits, then undone; 3: Q6_K as q6 in q4m)
+BUILD = 4  # (2: a build that requantized Q6_K to 7 bits, undone; 3: Q6_K as q6 in q4m; 4: fused parts unified)
 """Version of how a GGUF model's matrices are made (:func:`speculant.models.loading.quantize_loaded`: which tensors
 keep their codes and in which kind, requantization from values, the decoders): bump it with any change there, so
 that caches made the old way are rebuilt."""
@@ -151,7 +151,7 @@ def load_matrices(model: torch.nn.Module, cached: Cached, quantization: str) -> 
 
 
 def save_matrices(model: torch.nn.Module, path: Path, quantization: str, dtype: torch.dtype, gguf_file: Path) -> bool:
-    """Write the q4 / q8 matrices of ``model`` (made from ``gguf_file`` in ``quantization`` and ``dtype``) to
+    """Write the q4 / q8 / q6 matrices of ``model`` (made from ``gguf_file`` in ``quantization`` and ``dtype``) to
     ``path``, atomically; False, writing nothing, when a linear holds another kind or the write fails (a read-only
     or full disk: the model is still usable, only not cached)."""
     tensors, matrices = {}, {}

@@ -168,8 +168,9 @@ PACKAGED: dict[str, PackagedModel] = {
             default_method="chain:k=3:stop=0.7",
             # int4 weights x int8 activations on our own kernel, the fastest format at 1..16 tokens per forward
             # (benchmarks/results/quant_matmul.json: 2.9x bf16 at 1 token, ahead of int4 and int8 at every T), with
-            # the file's 6-bit tensors (LM head, half the v/down projections) in 8 bits: top-1 agreement with the
-            # float32 file 0.996 where all-4-bit q4 gives 0.961 (benchmarks/results/quant-fidelity), ~10% slower
+            # the file's 6-bit tensors (LM head, half the v/down projections) as they are (q6, 7 bits per weight;
+            # until session 33 in 8-bit q8 blocks, ~15% slower at one token: forward_cost_qwen_q6_avx512.json): top-1
+            # agreement with the float32 file 0.993 where all-4-bit q4 gives 0.961 (benchmarks/results/quant-fidelity)
             default_quantization="q4m",
             # the EAGLE-3 and ConFu drafters trained for it (speculant train draft --kind eagle3 / confu)
             method_drafts=(("eagle3", "qwen2.5-coder-1.5b-instruct-eagle3"),

@@ -23,7 +23,7 @@ int rope_attend(const void* qkv, int bf16, int64_t T, int64_t Hq, int64_t Hkv, i
 // weight block read once for up to 16 rows), attention runs per sequence over its own cache.
 // weights [L, 14] per layer: 10 addresses (0 = none): q/k/v packed q4 matrix, its bias, the input RMSNorm weight, o
 // matrix, its bias, the post-attention RMSNorm weight, gate/up matrix, its bias, down matrix, its bias; then the
-// code bits (4, 7 or 8: see q4_matmul) of the q/k/v, o, gate/up and down matrices.
+// code bits (4, 6, 7 or 8: see q4_matmul) of the q/k/v, o, gate/up and down matrices.
 // segments [S, 8] per sequence: its first row in x, its rows T_s, the cache slot its first row is written to (start),
 // the address of its [T_s, start + T_s] attention mask bytes (0: causal), and its key/value buffers' head and slot
 // strides k_hs, k_rs, v_hs, v_rs (element (h, j, i) at base + h * hs + j * rs + i).

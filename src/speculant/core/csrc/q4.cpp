@@ -1,6 +1,7 @@
 // speculant's "q4" matrix product: int4 weights (GGUF Q4_1-like blocks) x int8-quantized activations
-// (Q8_1-like blocks), for the 1..16 rows of a decoding / verification forward on a CPU; and its 8-bit sibling
-// "q8" (the same scheme with 8-bit weight codes), for the tensors a GGUF file stores in more than 4 bits.
+// (Q8_1-like blocks), for the 1..16 rows of a decoding / verification forward on a CPU; its 8-bit sibling "q8" (the
+// same scheme with 8-bit weight codes), for the tensors a GGUF file stores in 5 or 8 bits; and "q6" (a GGUF file's
+// Q6_K blocks as they are, below).
 //
 // Built by speculant/core/kernels.py on first use (-O3 -march=native -fopenmp) and called through ctypes: plain
 // C ABI, no torch headers, so the build takes a couple of seconds and needs no ninja.
@@ -975,7 +976,7 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
     int8_t* a = (int8_t*)malloc((size_t)(M * K + 64));
     float* dxs = (float*)malloc(sizeof(float) * (size_t)(2 * M * G + 1));
     float* vs = (float*)malloc(sizeof(float) * (size_t)(M * K + 1));
-    int32_t* halves = six ? (int32_t*)malloc(sizeof(int32_t) * (size_t)(2 * M * G)) : nullptr;  // 6-bit codes: 32 sum_h(a)
+    int32_t* halves = six ? (int32_t*)malloc(sizeof(int32_t) * (size_t)(2 * M * G + 1)) : nullptr;  // q6: 32 sum_h(a)
     if (!a || !dxs || !vs || (six && !halves)) {
         free(a);
         free(dxs);
