@@ -510,8 +510,8 @@ def test_q6_at_its_extremes_computes_the_reference_s_bits_on_every_path(lib):
     x = _rows(17, k, torch.float32)
     x[:, :32] = torch.where(torch.arange(32) % 2 == 0, 1.0, -1.0) * 5  # activations +-127 in the first block
     want = q4_reference(x, q)
-    builds = [lib] + [kernels.library(isa) for isa in ("avx2", "generic")] if platform.machine() in ("x86_64", "AMD64") \
-        else [lib]
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    builds = [lib] + ([kernels.library(isa) for isa in ("avx2", "generic")] if x86 else [])
     for other in builds:
         if other is None:
             continue
@@ -535,7 +535,8 @@ def test_a_q6_part_fused_with_another_kind_is_held_as_the_fused_q8_on_the_model_
     q6 = getattr(a.v_proj, ATTR)
     assert unify_fused(fused_groups(model)) == 1
     q8 = getattr(a.v_proj, ATTR)
-    assert q8.kind == "q8" and torch.equal(q8.dequantize(), QuantMatrix.cat([getattr(a.q_proj, ATTR), q6]).dequantize()[-q6.shape[0]:])
+    fused_here = QuantMatrix.cat([getattr(a.q_proj, ATTR), q6]).dequantize()[-q6.shape[0]:]
+    assert q8.kind == "q8" and torch.equal(q8.dequantize(), fused_here)
     fused = lean_for(model).layers[0].qkv
     assert fused.kind == "q8" and torch.equal(fused.dequantize()[-q8.shape[0]:], q8.dequantize())
     assert getattr(model.model.layers[0].mlp.down_proj, ATTR).kind == "q6"  # not fused: as it is

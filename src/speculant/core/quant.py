@@ -222,7 +222,8 @@ class QuantMatrix:
                 top = h.gather(-1, h.abs().argmax(-1, keepdim=True))[..., 0]  # the signed extreme
                 sub = top / -32  # [rows, groups, 2]: the extreme is code 0 exactly, as Q6_K's quantizer does
                 d = (sub.abs().amax(-1) / 127).half().float()  # [rows, groups]
-                sc = torch.where(d[..., None] > 0, sub / torch.where(d > 0, d, 1)[..., None], 0).round().clamp(-127, 127)
+                sc = torch.where(d[..., None] > 0, sub / torch.where(d > 0, d, 1)[..., None], 0)
+                sc = sc.round().clamp(-127, 127)
                 step = d[..., None] * sc  # [rows, groups, 2]
                 q = torch.where(step[..., None] != 0, h / torch.where(step != 0, step, 1)[..., None], 0)
                 q = (q.round() + 32).clamp(0, 63).to(torch.uint8)
@@ -415,7 +416,7 @@ class QuantMatrix:
         b = packed[..., :256].reshape(blocks, groups, 4, kernels.Q4_COLUMNS, 4)  # [nb, g, c, j, b]
         q = torch.stack([b & 15, b >> 4], -1)  # [nb, g, c, j, b, half]
         if self.kind == "q6":  # and the high 2 bits
-            crumbs = packed[..., 256:_Q6_SCALES].reshape(blocks, groups, 2, kernels.Q4_COLUMNS, 4)  # [nb, g, half, j, b]
+            crumbs = packed[..., 256:_Q6_SCALES].reshape(blocks, groups, 2, kernels.Q4_COLUMNS, 4)  # [nb,g,half,j,b]
             top = torch.stack([(crumbs >> (2 * k)) & 3 for k in range(4)], -1)  # [nb, g, half, j, b, k]
             q = q | (top.permute(0, 1, 5, 3, 4, 2) << 4)  # [nb, g, c, j, b, half]
         q = q.permute(0, 3, 1, 5, 2, 4).reshape(blocks * kernels.Q4_COLUMNS, inp)[:out]  # [out, in]
@@ -547,7 +548,8 @@ def q4_reference(x: torch.Tensor, matrix: QuantMatrix, columns: int = 4096) -> t
     return out
 
 
-def _q6_reference(a: torch.Tensor, d: torch.Tensor, matrix: QuantMatrix, columns: int, out: torch.Tensor) -> torch.Tensor:
+def _q6_reference(a: torch.Tensor, d: torch.Tensor, matrix: QuantMatrix, columns: int,
+                  out: torch.Tensor) -> torch.Tensor:
     """:func:`q4_reference` for a q6 matrix (``a [M, G, 32]``, ``d [M, G]``): per half the exact ``sum (q - 32) a``,
     ``S = sc_0 D_0 + sc_1 D_1`` (exact in float32), ``acc = fma(d_w * dx, S, acc)``."""
     n, k = matrix.shape
@@ -560,7 +562,8 @@ def _q6_reference(a: torch.Tensor, d: torch.Tensor, matrix: QuantMatrix, columns
         acc = torch.zeros(a.shape[0], c1 - c0)
         for g in range(k // GROUP):
             # S = sc_0 D_0 + sc_1 D_1 [M, C]: exact integers
-            s = halves[:, g, 0] @ q[:, g, 0].T * sub[None, :, g, 0] + halves[:, g, 1] @ q[:, g, 1].T * sub[None, :, g, 1]
+            s = (halves[:, g, 0] @ q[:, g, 0].T * sub[None, :, g, 0]
+                 + halves[:, g, 1] @ q[:, g, 1].T * sub[None, :, g, 1])
             t = d[:, g, None] * dw[None, :, g]  # [M, C] float32, as the kernel's multiply
             acc = (acc.double() + t.double() * s.double()).float()  # fma(t, S, acc)
         out[:, c0:c1] = acc

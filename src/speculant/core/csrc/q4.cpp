@@ -614,19 +614,20 @@ inline __m512 accumulate6_512(__m512 acc, __m512 dw, __m512 sc0, __m512 sc1, con
                               const int32_t* as) {
     const __m512 s0 = _mm512_cvtepi32_ps(_mm512_sub_epi32(d[0], _mm512_set1_epi32(as[0])));
     const __m512 s1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(d[1], _mm512_set1_epi32(as[1])));
-    return _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx)), _mm512_fmadd_ps(s1, sc1, _mm512_mul_ps(s0, sc0)), acc);
+    const __m512 S = _mm512_fmadd_ps(s1, sc1, _mm512_mul_ps(s0, sc0));
+    return _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx)), S, acc);
 }
 #elif defined(Q4_AVX2)
 // c[s] for s < 8: per 32-bit lane j, the 6-bit codes of inputs 4s .. 4s + 3 of column 8h + j.
 inline void codes6_256(const uint8_t* w, int h, __m256i* c) {
     const __m256i low = _mm256_set1_epi8(0x0f), mid = _mm256_set1_epi8(0x30);
     __m256i top[8];  // crumb k at bits 4-5, every other bit clear
-    for (int e = 0; e < 2; ++e) {
-        const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + Q6_CRUMBS + 64 * e + 32 * h));
-        top[4 * e] = _mm256_and_si256(_mm256_slli_epi16(raw, 4), mid);
-        top[4 * e + 1] = _mm256_and_si256(_mm256_slli_epi16(raw, 2), mid);
-        top[4 * e + 2] = _mm256_and_si256(raw, mid);
-        top[4 * e + 3] = _mm256_and_si256(_mm256_srli_epi16(raw, 2), mid);
+    for (int half = 0; half < 2; ++half) {  // inputs 16 half ..
+        const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + Q6_CRUMBS + 64 * half + 32 * h));
+        top[4 * half] = _mm256_and_si256(_mm256_slli_epi16(raw, 4), mid);
+        top[4 * half + 1] = _mm256_and_si256(_mm256_slli_epi16(raw, 2), mid);
+        top[4 * half + 2] = _mm256_and_si256(raw, mid);
+        top[4 * half + 3] = _mm256_and_si256(_mm256_srli_epi16(raw, 2), mid);
     }
     for (int i = 0; i < 4; ++i) {
         const __m256i raw = _mm256_loadu_si256((const __m256i*)(w + 64 * i + 32 * h));
@@ -660,7 +661,8 @@ inline __m256 accumulate6_256(__m256 acc, __m256 dw, __m256 sc0, __m256 sc1, con
                               const int32_t* as) {
     const __m256 s0 = _mm256_cvtepi32_ps(_mm256_sub_epi32(d[0], _mm256_set1_epi32(as[0])));
     const __m256 s1 = _mm256_cvtepi32_ps(_mm256_sub_epi32(d[1], _mm256_set1_epi32(as[1])));
-    return _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_fmadd_ps(s1, sc1, _mm256_mul_ps(s0, sc0)), acc);
+    const __m256 S = _mm256_fmadd_ps(s1, sc1, _mm256_mul_ps(s0, sc0));
+    return _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), S, acc);
 }
 #endif
 
@@ -675,8 +677,10 @@ void tile6(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const 
         prefetch_ahead(w, Q6_BYTES);
         __m512i c[8];
         codes6_512(w, c);
-        const __m512 sc0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + Q6_SCALES))));
-        const __m512 sc1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + Q6_SCALES + 16))));
+        const auto sub = [&](int half) {  // the 16 int8 sub-scales of a half, as floats
+            return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + Q6_SCALES + 16 * half))));
+        };
+        const __m512 sc0 = sub(0), sc1 = sub(1);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(w + Q6_D)));
         for (int r = 0; r < MT; ++r) {
             __m512i d[2];
@@ -693,8 +697,11 @@ void tile6(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const 
         for (int h = 0; h < 2; ++h) {  // columns 8h .. 8h + 7
             __m256i c[8];
             codes6_256(w, h, c);
-            const __m256 sc0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + Q6_SCALES + 8 * h))));
-            const __m256 sc1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + Q6_SCALES + 16 + 8 * h))));
+            const auto sub = [&](int half) {  // 8 int8 sub-scales of a half (columns 8h ..), as floats
+                const __m128i s8 = _mm_loadl_epi64((const __m128i*)(w + Q6_SCALES + 16 * half + 8 * h));
+                return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8));
+            };
+            const __m256 sc0 = sub(0), sc1 = sub(1);
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(w + Q6_D + 16 * h)));
             for (int r = 0; r < MT; ++r) {
                 __m256i act[8], d[2];
