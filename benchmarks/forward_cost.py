@@ -34,7 +34,7 @@ from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
 from speculant.core.kernels import q4_amx, q4_seven
 from speculant.core.forward import TargetForward
-from speculant.models.loading import load_pretrained, quantize_loaded, resolve_model
+from speculant.models.loading import load_pretrained, quantize_loaded, resolve_model, wide_variant
 from speculant.models.sources import gguf_backing
 
 
@@ -67,13 +67,16 @@ def main() -> None:
             if kind.endswith("/values"):  # every matrix from its float values
                 model = load_pretrained(args.target, dtype=dt)[0]
                 quantize_loaded(model, kind.split("/")[0])
-            elif "/" in kind:  # the file's codes where the kind holds them, as the tags say
-                base, *tags = kind.split("/")
+            elif "/" in kind:  # the file's codes where the kind holds them, its 6-bit tensors as the tag says
+                try:
+                    base, wide = wide_variant(kind)
+                except ValueError as e:
+                    raise SystemExit(str(e)) from None
                 backing = gguf_backing(resolve_model(args.target))
-                if backing is None or not set(tags) <= {"7bit", "8bit"} or len(tags) != 1:
-                    raise SystemExit(f"{kind}: {args.target} is not read from a GGUF file, or unknown tags")
+                if backing is None:
+                    raise SystemExit(f"{kind}: {args.target} is not read from a GGUF file (no 6-bit tensors)")
                 model = load_pretrained(args.target, dtype=dt)[0]
-                quantize_loaded(model, base, backing, wide_bits=8 if "8bit" in tags else 7)
+                quantize_loaded(model, base, backing, wide_bits=wide)
             else:
                 model = load_pretrained(args.target, dtype=dt, quantization=kind)[0]
             for amx in ("on", "off"):

@@ -41,7 +41,7 @@ from speculant.core.forward import TargetForward
 from speculant.core.quant import QUANTIZATIONS, quantization_of
 from speculant.data.prompts import load_prompts, prompt_ids
 from speculant.models.chat import stop_ids
-from speculant.models.loading import load_model_dir, quantize_loaded, resolve_model
+from speculant.models.loading import load_model_dir, quantize_loaded, resolve_model, wide_variant
 from speculant.models.sources import gguf_backing
 
 
@@ -76,8 +76,11 @@ def generate_answers(model, tokenizer, records: list[dict], max_new_tokens: int)
 
 
 def _base(kind: str) -> str:
-    """The quantization of a ``--kinds`` entry (``q4m/8bit`` -> ``q4m``)."""
-    return kind.removesuffix("/7bit").removesuffix("/8bit")
+    """The quantization of a ``--kinds`` entry (``q4m/8bit`` -> ``q4m``; an unknown tag leaves it unknown)."""
+    try:
+        return wide_variant(kind)[0]
+    except ValueError:
+        return kind
 
 
 def weight_error(path: Path, model) -> dict:
@@ -204,8 +207,7 @@ def main() -> None:
             built = 0
             logprobs = answer_logprobs(model, sequences, forward="model")
         else:
-            base = _base(kind)
-            wide = 8 if kind.endswith("/8bit") else 7 if kind.endswith("/7bit") else 6
+            base, wide = wide_variant(kind)
             built = quantize_loaded(model, base, backing, wide_bits=wide)
             assert quantization_of(model) == base
             logprobs = answer_logprobs(model, sequences)

@@ -324,11 +324,9 @@ class QuantMatrix:
         parts fuse into a q8 matrix (each q4 part's codes and scales unchanged: the same values); a q6 part beside
         another kind is requantized to q8 first (within 1/510 of a group's range: q6 holds no other kind's values,
         and q8 no q6 ones exactly; a Q4_K_M file's Q6_K value projections, fused with q and k)."""
+        parts = cls.fusable(parts)
         first = parts[0]
         kinds = {p.kind for p in parts}
-        if len(kinds) > 1 and "q6" in kinds:
-            parts = [cls.quantize(p.dequantize(), "q8") if p.kind == "q6" else p for p in parts]
-            first, kinds = parts[0], {p.kind for p in parts}
         if (len(kinds) > 1 and not kinds <= set(BLOCK_KINDS)) or any(
                 p.dtype != first.dtype or p.shape[1] != first.shape[1] for p in parts):
             raise ValueError("only quantized matrices of one kind (or q4 with q8), dtype and input size can be fused")
@@ -340,6 +338,14 @@ class QuantMatrix:
         zero = None if first.zero is None else torch.cat([p.zero for p in parts])
         return cls(first.kind, torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), zero,
                    first.dtype)
+
+    @classmethod
+    def fusable(cls, parts: list[QuantMatrix]) -> list[QuantMatrix]:
+        """``parts`` as :meth:`cat` fuses them: a q6 part beside another kind requantized to q8 (the others, and a
+        group of one kind, as they are)."""
+        if len({p.kind for p in parts}) < 2:
+            return list(parts)
+        return [cls.quantize(p.dequantize(), "q8") if p.kind == "q6" else p for p in parts]
 
     def rows(self, keep: torch.Tensor) -> QuantMatrix:
         """The matrix of the output rows ``keep [M]`` (long) only, the same codes and scales: a VocabTrim'd head."""
@@ -597,14 +603,14 @@ def unify_fused(groups: list[tuple[torch.nn.Module, ...]]) -> int:
     replaced = 0
     for group in groups:
         matrices = [getattr(m, ATTR, None) for m in group]
-        if any(q is None for q in matrices) or len({q.kind for q in matrices}) < 2:
+        if any(q is None for q in matrices):
             continue
-        for module, q in zip(group, matrices):
-            if q.kind == "q6":
-                setattr(module, ATTR, QuantMatrix.quantize(q.dequantize(), "q8"))
-                if module.weight.device.type != "meta":  # a float weight kept: it follows the matrix
-                    with normal_mode():
-                        module.weight.copy_(getattr(module, ATTR).dequantize())
+        for module, q, fused in zip(group, matrices, QuantMatrix.fusable(matrices)):
+            if fused is not q:
+                if module.weight.device.type == "meta":  # released: the matrix alone
+                    setattr(module, ATTR, fused)
+                else:  # a float weight kept: it takes the new matrix's values
+                    attach(module, fused)
                 replaced += 1
     return replaced
 

@@ -20,7 +20,7 @@ from .vlm import is_vision_language, text_view
 from .sources import (ASSETS, PACKAGED, convert_gguf, gguf_backing, hub_cached_dir, install_files, is_hub_id,
                       packaged_gguf, packaged_installed)
 
-__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "default_method_for", "load_tokenizer", "draft_context", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED", "check_quantization", "quantize_loaded"]
+__all__ = ["check_model_dir", "load_model_dir", "load_pretrained", "load_draft", "default_draft_for", "default_method_for", "load_tokenizer", "draft_context", "bundled_dir", "tokenizers_match", "resolve_model", "DTYPES", "BUNDLED", "check_quantization", "quantize_loaded", "wide_variant"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,20 @@ def check_quantization(quantization: str | None) -> str:
     return quantization
 
 
+WIDE_TAGS = {"8bit": 8, "7bit": 7}
+"""Benchmark variants of a quantization (``KIND/TAG``, e.g. ``q4m/8bit``): a GGUF file's Q6_K tensors requantized
+to 8- or 7-bit q8 codes instead of kept as q6 (:func:`quantize_loaded`'s ``wide_bits``)."""
+
+
+def wide_variant(kind: str) -> tuple[str, int]:
+    """``KIND`` or ``KIND/TAG`` (:data:`WIDE_TAGS`) -> ``(KIND, wide_bits)`` (6, the default, without a tag).
+    ValueError for another tag."""
+    base, _, tag = kind.partition("/")
+    if tag and tag not in WIDE_TAGS:
+        raise ValueError(f"{kind!r}: the tag after '/' must be one of {', '.join(WIDE_TAGS)}")
+    return base, WIDE_TAGS.get(tag, 6)
+
+
 @normal_tensors
 def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | Path | None = None,
                     undecoded: frozenset[str] | set[str] = frozenset(), wide_bits: int = 6) -> int:
@@ -123,18 +137,16 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
         targets = {id(m.weight): m for m in quantized_linears(model)}
         params = dict(model.named_parameters())
         free = releasable(model)
-        six = wide_bits == 6 and "q6" in HOLDS[quantization]  # Q6_K's codes are wanted
+        six = wide_bits == 6 and "q6" in HOLDS[quantization]  # Q6_K kept as q6 (its codes wanted)
         for name, qtype, codes, scale, minimum in file_tensors(gguf_file, model, six=six):
             module = targets.get(id(params[name]))
             if module is None:  # e.g. a Q4_K token embedding under an untied head: not a quantized linear
                 continue
-            kind, coded = code_kind(qtype, quantization, six=wide_bits == 6)
+            kind, coded = code_kind(qtype, quantization, six=six)
             dtype = module.weight.dtype
-            if codes is not None and coded and kind == "q6":  # Q6_K: its codes, d and sub-scales
-                matrix = QuantMatrix.q6(codes, scale, minimum, dtype)
-                built += 1
-            elif codes is not None and coded:
-                matrix = QuantMatrix.from_codes(codes, scale, minimum, dtype, kind)
+            if codes is not None and coded:  # Q6_K: codes, d and sub-scales; the others: codes, scale and minimum
+                matrix = (QuantMatrix.q6(codes, scale, minimum, dtype) if kind == "q6"
+                          else QuantMatrix.from_codes(codes, scale, minimum, dtype, kind))
                 built += 1
             elif name in undecoded:
                 raise RuntimeError(f"{name} was left undecoded but is not taken as codes")
