@@ -207,6 +207,45 @@ def test_a_new_sequence_starts_drafting_only_where_it_pays_for_the_drafts_prefil
     assert not flat._starts(_waiting(target, draft, prompt, 2), [], [], False)
 
 
+class _KnownDear(_Dear):
+    """:class:`_Dear` as a batch that has measured its forwards: no draft row can pay, and the planner knows it."""
+
+    known = True
+
+
+def test_no_probe_or_exploration_where_drafting_could_not_pay_at_any_acceptance():
+    """Probes (one level past the plan every few steps) and explorations (a turned-down sequence started for fresh
+    figures) measure acceptance and costs; once the target's forward costs are known and not even an acceptance of
+    0.95 could make a draft row pay, neither is made: the first sequence drafts its measuring proposals only, the
+    others never start (with the costs unknown, as in the test above, they do); outputs never change."""
+    from speculant.core.adaptive import _OPTIMISTIC
+
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB)
+    draft = perturbed(tiny_model("llama", seed=0, vocab_size=VOCAB), 0.05, seed=2)
+    prompt = [3, 4, 5, 6, 7]
+    want = generate(target, prompt, max_new_tokens=24, eos_token_id=[]).token_ids
+    batch = Batch(target, speculation=Speculation("auto", _KnownDear()))
+    runs = [_decode(batch, prompt, build_drafter("chain:k=3", draft)) for _ in range(12)]
+    assert all(r.token_ids == want for r in runs)
+    assert [i for i, r in enumerate(runs) if r.stats.draft_tokens > 0] == [0]
+    assert runs[0].stats.draft_tokens <= 2 * 3  # its first two proposals (filling its cache, then measuring)
+    # the rule itself: at 0.95 one row a whole forward never pays; at half a forward a row, a poor drafter does not
+    # draft, but its probe could pay (its own acceptance is what the probe measures)
+    poor = _Profile(0.3, 3, 1.0, 0.0)
+    assert not Speculation("auto", _cost({1: 1.0, 2: 2.0}))._could_pay(poor, [], False)
+    middle = Speculation("auto", _cost({1: 1.0, 3: 2.0}))
+    assert middle.depths([poor]) == [0] and middle._could_pay(poor, [], False)
+    assert Speculation("auto")._could_pay(poor, [], False)  # nothing measured: measure
+    # draft forwards shared: drafting could pay for a sequence only together with its model's others (whose own
+    # acceptance keeps them at 0 now): free rows, a shared level 0.3 of a forward
+    flat = Speculation("auto", _cost({1: 1.0, 32: 1.0}))
+    others, me = [_Profile(0.4, 3, 1.0, 0.3, model=1) for _ in range(3)], _Profile(0.1, 3, 1.0, 0.3, model=1)
+    assert flat.depths(others + [me], shared=True) == [0] * 4
+    assert not flat._could_pay(me, [(p, 0) for p in others], False)
+    assert flat._could_pay(me, [(p, 0) for p in others], True)
+    assert _OPTIMISTIC > 0.88  # above the 1.5B sibling's measured per-level acceptance
+
+
 def _waiting(target, draft, prompt, tokens: int):
     """A sequence added to a throwaway batch, prefilled, that has not drafted yet."""
     batch = Batch(target, speculation="off")

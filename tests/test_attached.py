@@ -182,6 +182,30 @@ def test_a_run_grows_with_more_prompts(target_dir, tmp_path):
     assert [json.loads(r)["messages"] for r in saved] == [json.loads(r)["messages"] for r in rows]
 
 
+def test_an_interrupted_run_keeps_its_answering_time(target_dir, tmp_path):
+    """A batched-engine run killed while answering is finished by the next run: the run's DONE counts the killed
+    run's seconds too (from RUNS.json, which records every answering run shard by shard), not only the last run's."""
+    from speculant.train.drafter.pipeline import DraftRunConfig, run_answers
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n"
+                               for i in range(8)))
+    cfg = DraftRunConfig(target=target_dir, out=str(tmp_path / "run"), prompts=str(prompts), max_new_tokens=4,
+                         gen_batch=4, engine="speculant", quantization="q4")
+    folder = run_answers(cfg, progress=False)
+    runs = json.loads((folder / "RUNS.json").read_text())
+    parts = json.loads((folder / "PARTS.json").read_text())
+    (folder / "shard-00001.npz").unlink()  # killed while answering: its part never closed, its run was recorded
+    parts[-1]["seconds"] = None
+    (folder / "PARTS.json").write_text(json.dumps(parts))
+    (folder / "DONE").unlink()
+    runs[0]["seconds"] = 1000.0
+    (folder / "RUNS.json").write_text(json.dumps(runs))
+    run_answers(cfg, progress=False)
+    done = json.loads((folder / "DONE").read_text())
+    assert done["seconds"] >= 1000.0 and len(json.loads((folder / "RUNS.json").read_text())) == 2
+
+
 def test_a_run_grows_with_self_written_prompts(target_dir, tmp_path, capsys):
     """--self-prompts N: the target writes N user requests after its template's user-turn prefix (Magpie); they
     follow the configured prompts in the run's prompts file and are answered like them; the requests are a
@@ -309,6 +333,84 @@ def test_train_eagle3_draft_end_to_end(target_dir, tmp_path, capsys):
                              quantization="q4m")
     ref = speculant.load(target_dir, method="ar", quantization="q4m")
     assert session.generate(prompt, max_new_tokens=10).token_ids == ref.generate(prompt, max_new_tokens=10).token_ids
+
+
+@pytest.fixture(scope="module")
+def sibling_dir(target_dir, tmp_path_factory):
+    """A smaller model with the target's tokenizer: a draft model of its own for ``--kind model``."""
+    from speculant.models.loading import load_tokenizer
+
+    tok = load_tokenizer(target_dir)
+    path = tmp_path_factory.mktemp("sibling") / "sibling"
+    tiny_model("llama", seed=3, vocab_size=len(tok), hidden=16, layers=2, heads=2, kv_heads=1).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_train_model_draft_end_to_end(target_dir, sibling_dir, tmp_path, capsys):
+    """--kind model: a draft model of its own (smaller, the target's tokenizer) is fine-tuned whole but
+    for its embedding and head, exported with its tokenizer, described, and drafts exactly through the CLI; its
+    untrained export (--loss none) is the same model."""
+    from speculant.models.loading import load_model_dir
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n"
+                               for i in range(8)))
+    out = tmp_path / "run"
+    argv = ["train", "draft", "--target", target_dir, "--out", str(out), "--prompts", str(prompts), "--kind", "model",
+            "--draft", sibling_dir, "--max-new-tokens", "6", "--gen-batch", "4", "--gen-dtype", "float32", "--steps",
+            "3", "--batch-size", "3", "--warmup", "1", "--keep", "64", "--validation-fraction", "0.25", "--lr", "1e-2"]
+    assert cli.main(argv + ["--loss", "tvd++"]) == 0, capsys.readouterr().err
+    export = out / "model-tvdpp" / "draft"
+    assert capsys.readouterr().out.strip() == str(export)
+    meta = json.loads((export / "draft_model.json").read_text())
+    assert meta["kind"] == "model" and meta["draft"] == sibling_dir and meta["loss"] == "tvd++" and meta["steps"] == 3
+    assert not (export / "attached.json").exists()
+    card = (export / "MODEL_CARD.md").read_text()
+    assert f"the draft model `{sibling_dir}`" in card and "| model | `tvd++` | 3 |" in card
+    before, _ = load_model_dir(sibling_dir, dtype=torch.float32)
+    after, _ = load_model_dir(export, dtype=torch.float32)
+    assert after.config.hidden_size == 16 and after.config.num_hidden_layers == 2
+    frozen = before.get_input_embeddings().weight.to(torch.bfloat16).float()
+    assert torch.equal(after.get_input_embeddings().weight, frozen)  # embedding (tied head) frozen
+    for layer in (0, 1):
+        moved = after.model.layers[layer].mlp.up_proj.weight - before.model.layers[layer].mlp.up_proj.weight
+        assert moved.abs().max() > 1e-2  # every layer trained (beyond bfloat16 rounding)
+    _exact_through_cli(target_dir, export, capsys)
+    # --train-last 1: the first layer stays as it was
+    assert cli.main(argv + ["--loss", "fkl", "--train-last", "1"]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    last = load_model_dir(out / "model-fkl" / "draft", dtype=torch.float32)[0].model.layers
+    assert torch.equal(last[0].mlp.up_proj.weight, before.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16).float())
+    assert (last[1].mlp.up_proj.weight - before.model.layers[1].mlp.up_proj.weight).abs().max() > 1e-2
+    assert "its last 1 decoder layers and final norm trained" in (out / "model-fkl" / "draft" / "MODEL_CARD.md").read_text()
+    assert cli.main(argv + ["--loss", "none"]) == 0, capsys.readouterr().err
+    untrained, _ = load_model_dir(out / "model-none" / "draft", dtype=torch.float32)
+    for a, b in zip(untrained.parameters(), before.parameters()):
+        assert torch.equal(a, b.to(torch.bfloat16).float())
+    assert "| model | `none` | 0 |" in (out / "model-none" / "draft" / "MODEL_CARD.md").read_text()
+
+
+def test_train_model_draft_bad_input(target_dir, sibling_dir, tmp_path, capsys):
+    """--kind model without --draft, --draft without --kind model, --init or --taps with it, and a draft model
+    of another vocabulary: one line each, before any work."""
+    from speculant.testing import save_model_pair, tiny_tokenizer
+
+    other = save_model_pair(tmp_path / "other", tiny_tokenizer(vocab_size=200), hidden=16, layers=1)[1]
+    capsys.readouterr()  # the save's progress bars
+    base = ["train", "draft", "--target", target_dir, "--out", str(tmp_path / "r")]
+    for extra, needle in ((["--kind", "model"], "--draft"), (["--draft", sibling_dir], "--kind model"),
+                          (["--kind", "model", "--draft", sibling_dir, "--init", sibling_dir], "--init"),
+                          (["--kind", "model", "--draft", sibling_dir, "--taps", "0"], "--taps"),
+                          (["--train-last", "1"], "--train-last"),
+                          (["--kind", "model", "--draft", sibling_dir, "--train-last", "0"], "--train-last"),
+                          (["--kind", "model", "--draft", sibling_dir, "--train-last", "3"], "has 2 layers"),
+                          (["--kind", "model", "--draft", str(other)], "tokenizer is not the target's"),
+                          (["--kind", "model", "--draft", str(tmp_path / "nowhere")], "--draft")):
+        assert cli.main(base + extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, (extra, err)
+    assert not (tmp_path / "r").exists()
 
 
 def test_train_draft_bad_input(target_dir, tmp_path, capsys):

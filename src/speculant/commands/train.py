@@ -121,7 +121,13 @@ _DRAFT_DOCS = {
             "OUT/eagle3-<loss>/draft); confu: ConFu (Qin et al. 2026), EAGLE-3 plus a future vector the target "
             "computes for a contemplate token over a learned soft prompt, trained through the frozen target "
             "(--soft, --mixture, --window; --init may name an EAGLE-3 drafter to grow from; exported to "
-            "OUT/confu-<loss>/draft)",
+            "OUT/confu-<loss>/draft); model: the draft model --draft names (e.g. a smaller sibling with the "
+            "target's tokenizer, as Direct Alignment does) fine-tuned whole but for its embedding and LM head, "
+            "exported in bfloat16 with its tokenizer to OUT/model-<loss>/draft, a directory --draft takes as it is",
+    "train_last": "--kind model: fine-tune only the draft model's last N decoder layers and its final norm (a step "
+                  "then costs the earlier layers' forward only); default: every layer",
+    "draft": "--kind model: the draft model to fine-tune (a packaged name, directory or .gguf file whose tokenizer "
+             "is the target's); default: none",
     "layers": "target layers the drafter starts from, separated by '/'",
     "taps": "feature drafters: target layers whose outputs they also read (EAGLE-3 style), separated by '/'",
     "regression": "feature drafters: weight of the hidden-state regression loss (EAGLE)",
@@ -214,6 +220,7 @@ def _run_train_draft(args: argparse.Namespace) -> int:
         FEATURE_KINDS,
         KINDS,
         DraftRunConfig,
+        check_draft,
         check_extra_data,
         check_init,
         resolve_kind,
@@ -249,6 +256,8 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     cfg = resolve_kind(dataclass_from_args(DraftRunConfig, args))
     check_extra_data(cfg)  # before any work: the other runs must fit this one
     check_init(cfg)  # and the drafter to continue must be one this run trains
+    if cfg.kind == "model":
+        check_draft(cfg)  # and the model to fine-tune must draft the target's token ids
     if args.train_only:
         if not (Path(cfg.out) / "answers").is_dir():
             raise ValueError(f"--train-only: {cfg.out} has no answers yet (run without --train-only first)")

@@ -32,7 +32,11 @@ drafting is expected to save over the tokens it may still commit exceed that pre
 what the earlier sequences of its draft model measured (acceptance, depth, width, seconds per level and per
 context token, answer length; see ``Speculation._starts``). The first sequence of a draft model always starts, and
 one after eight turned down too (fresh figures; the wait doubles after each such start, up to 64, until the rule
-itself starts one again). Under load with a drafter that predicts the traffic poorly, a new request then decodes
+itself starts one again). Such explorations, and the probes that take a drafting sequence one level past its plan
+every eight steps, are made only where drafting could pay at all: at an acceptance of 0.95 (or the drafter's own
+where higher) some depth must raise the step's goodput. Where a batch's forward grows faster than any draft row
+could return (four sequences on a 2-core CPU), what they would measure cannot change the plan, and their catch-up
+forwards, draft levels and verification rows would be spent for nothing while the batch waits. Under load with a drafter that predicts the traffic poorly, a new request then decodes
 plainly from its first step instead of paying the draft's prefill for little or nothing. Drafting, and starting to,
 must promise 3% more goodput than none: the model leaves out per-step work that grows with drafting.
 
@@ -144,8 +148,12 @@ class Speculation:
         fixed += [_Profile.of(s, given=0) for s in waiting]  # not drafting unless started below
         profiles = [_Profile.of(s) for s in rest]
         depths = self.depths(profiles, fixed=fixed, shared=shared_drafts)
-        for s, p, k in zip(rest, profiles, depths):
-            if s.drafter is not None and _due(s):  # one level deeper than planned: fresh figures, at a level's cost
+        planned = list(zip(profiles, depths))
+        given = [(f, f.depth) for f in fixed]
+        for i, (s, p, k) in enumerate(zip(rest, profiles, depths)):
+            # due: one level deeper than planned, fresh figures at a level's cost, where they could change the plan
+            if s.drafter is not None and _due(s) and self._could_pay(p, given + planned[:i] + planned[i + 1:],
+                                                                     shared_drafts):
                 k = min(p.depth, k + 1)
                 s.probed_at = s.stats.target_calls
             s.state.max_draft = k
@@ -202,14 +210,17 @@ class Speculation:
         draft model's earlier sequences measured (finished ones too). The first sequence of a model always starts
         (nothing is measured yet), and after ``explore_after`` sequences turned down (8, doubling after each such
         start up to 64, back to 8 when the rule starts one) the next starts at its next step (the figures of a model
-        whose sequences all decode plainly would never change)."""
+        whose sequences all decode plainly would never change), once drafting could pay at all (:meth:`_could_pay`:
+        under a load where even a well-accepted drafter loses, no sequence explores)."""
         pool = self._pools.get(_model_key(seq))
         if pool is None or pool.level_s is None or pool.start_s_per_token is None:
             return True
-        if self._pays(seq, pool, planned, fixed, shared):  # drafting pays again: explorations at the first rate
+        others = [(p, p.depth) for p in fixed if p.seq is not seq] + planned
+        if self._pays(seq, pool, others, shared):  # drafting pays again: explorations at the first rate
             pool.refused, pool.explore_after = 0, _EXPLORE
             return True
-        if pool.refused >= pool.explore_after:  # explore, then wait twice as long for the next exploration
+        if pool.refused >= pool.explore_after and self._could_pay(pool.profile(seq), others, shared):
+            # explore (where fresh figures could change the plan), then wait twice as long for the next exploration
             pool.refused, pool.explore_after = 0, min(2 * pool.explore_after, _EXPLORE_MAX)
             return True
         if seq not in self._refused:
@@ -217,10 +228,10 @@ class Speculation:
             pool.refused += 1
         return False
 
-    def _pays(self, seq, pool: _Pool, planned: list, fixed: list[_Profile], shared: bool) -> bool:
-        """The start rule of :meth:`_starts`: whether drafting saves ``seq`` more than its draft's prefill costs."""
+    def _pays(self, seq, pool: _Pool, others: list, shared: bool) -> bool:
+        """The start rule of :meth:`_starts`: whether drafting saves ``seq`` more than its draft's prefill costs,
+        the batch's ``others`` ``(profile, depth)`` drafting as planned."""
         me = pool.profile(seq)
-        others = [(p, p.depth) for p in fixed if p.seq is not seq] + planned
         g0 = self.goodput(others + [(me, 0)], shared)
         g1, depth = max(((self.goodput(others + [(me, d)], shared), d) for d in range(1, me.depth + 1)),
                         default=(g0, 0))
@@ -231,6 +242,31 @@ class Speculation:
             e1 = me.expected(depth)
             n1 = sum(p.expected(d) for p, d in others) + e1
             return remaining / e1 * n1 * (1 / g0 - 1 / g1) > pool.start_s_per_token * len(seq.state.ids)
+        return False
+
+    def _could_pay(self, me: _Profile, others: list, shared: bool) -> bool:
+        """Whether drafting could pay for ``me`` at all, beside ``others`` ``(profile, depth)``: at an acceptance of
+        at least ``_OPTIMISTIC`` (its own where higher) and its measured costs, some depth raises the step's
+        goodput past the margin, drafting alone or (draft forwards shared) with its draft model's other sequences
+        at the same level, as :meth:`depths` may raise them. A probe or an exploration measures acceptance and
+        costs; where even this could
+        not make drafting pay (a batch whose forward grows by more than a draft row can return, as four sequences
+        on a 2-core CPU), nothing it measures would change the plan, and its catch-up forward, draft levels and
+        verification row are spent for nothing, while the whole batch waits. Always True before any target
+        forward was measured."""
+        if not self.cost.known:
+            return True
+        if me.depth < 1:
+            return False
+        best = _Profile(max(_OPTIMISTIC, me.acceptance), me.depth, me.width, me.draft_s, me.model, me.seq)
+        g0 = self.goodput(others + [(best, 0)], shared)
+        for d in range(1, best.depth + 1):
+            alone = others + [(best, d)]
+            # with shared draft forwards, also the model's other sequences at that level (their own acceptance)
+            joint = [(p, max(k, min(d, p.depth)) if p.model == me.model else k) for p, k in others] + [(best, d)]
+            for pairs in ([alone, joint] if shared and me.model is not None else [alone]):
+                if self.goodput(pairs, shared) > g0 * _MARGIN:
+                    return True
         return False
 
     def observe(self, sequences: list) -> None:
@@ -265,6 +301,8 @@ class Speculation:
             self._counted[s] = (reached, accepted, level, started, finished)
 
 
+_OPTIMISTIC = 0.95  # the per-level acceptance that probes and explorations are made for (Speculation._could_pay):
+# above what the 1.5B's 0.5B sibling reaches on code (0.87-0.88), a drafter's own where higher
 _POOL_MEMORY = 4096  # draft levels reached after which a draft model's pooled acceptance halves its history
 _EXPLORE = 8  # sequences of a draft model turned down, after which the next one starts (fresh figures) ...
 _EXPLORE_MAX = 64  # ... doubling after each such start, up to this, until the rule itself starts one again
@@ -353,7 +391,8 @@ def _unmeasured(seq) -> bool:
 def _due(seq) -> bool:
     """Whether ``seq`` is due for a probe: ``_REPROBE`` steps since it last drafted past its plan (acceptance and
     costs drift, and a sequence capped to no drafts measures nothing). It then drafts one level deeper than
-    planned, not uncapped (under load a full-depth probe of every sequence cost more than what it measured)."""
+    planned, not uncapped (under load a full-depth probe of every sequence cost more than what it measured), once
+    drafting could pay at all (:meth:`Speculation._could_pay`)."""
     return seq.probed_at is not None and seq.stats.target_calls - seq.probed_at >= _REPROBE
 
 

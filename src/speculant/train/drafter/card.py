@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from ...models.attached import stored_parameters
 from .answers import run_list, shard_totals
+from .pipeline import DRAFT_MODEL_FILE
 from ..card import _vocab_trim_section
 
 __all__ = ["write_drafter_card"]
@@ -58,10 +61,9 @@ def ablation_section(run: str | Path) -> str:
     """A table of every drafter trained in ``run`` (one row per loss folder): its final validation figures."""
     rows = []
     for history_path in sorted(Path(run).glob("*/history.json")):
-        meta_path = history_path.parent / "draft" / "attached.json"
-        if not meta_path.exists():
+        meta = _meta(history_path.parent / "draft")
+        if meta is None:
             continue
-        meta = json.loads(meta_path.read_text())
         last = json.loads(history_path.read_text())[-1]
         rows.append(f"| {meta.get('kind', 'token')} | `{meta['loss']}` | {meta['steps']} | {last['greedy_agreement']:.3f} "
                     f"| {last['alpha_t1']:.3f} |")
@@ -69,6 +71,29 @@ def ablation_section(run: str | Path) -> str:
         return ""
     return ("\n## Loss ablation (same data and learning rate per kind; held-out answers)\n"
             "| kind | loss | steps | greedy agreement | α (T=1) |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+
+
+def _meta(export: Path) -> dict | None:
+    """What an exported drafter records of itself: ``attached.json`` (built from the target's layers) or
+    ``draft_model.json`` (a draft model of its own, ``--kind model``); None when there is neither."""
+    for name in ("attached.json", DRAFT_MODEL_FILE):
+        if (export / name).exists():
+            return json.loads((export / name).read_text())
+    return None
+
+
+def _origin(meta: dict, cfg: dict) -> str:
+    """The card's opening sentence on what the drafter was made from."""
+    if meta.get("kind") == "model":
+        trained = ("untrained: exported as it loads, the baseline of its fine-tuned exports" if meta["loss"] == "none"
+                   else f"its last {meta['train_last']} decoder layers and final norm trained, the rest frozen"
+                   if meta.get("train_last") else "its own embedding and LM head frozen, the rest trained")
+        return f"the draft model `{meta['draft']}` ({trained})"
+    return (f"{len(meta['layers_from_target'])} transformer layers initialised from the target's layers "
+            f"{meta['layers_from_target']}\nand its final norm"
+            + (f" (continued from the drafter in `{cfg['init']}`, --init)" if cfg.get('init') else "")
+            + ", sharing the target's token embedding and LM head (not stored here: they are the target's own\n"
+            "tensors when loaded, see `speculant.models.attached`)")
 
 
 def _extra_summary(extra_data: str | None) -> str:
@@ -88,18 +113,30 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     run, export = Path(run), Path(export)
     own_cfg = export.parent / "run_config.json"  # the training stage's settings (the run's first call saved its own)
     cfg = json.loads((own_cfg if own_cfg.exists() else run / "run_config.json").read_text())
-    meta = json.loads((export / "attached.json").read_text())
+    meta = _meta(export)
+    if meta is None:
+        raise ValueError(f"{export} is not an exported drafter (no attached.json or {DRAFT_MODEL_FILE})")
     config = json.loads((export / "config.json").read_text())
     history = json.loads((export.parent / "history.json").read_text())
     answers = run / "answers"
     done = json.loads((answers / "DONE").read_text()) if (answers / "DONE").exists() else None
     # forced: the prompts' own answers read by the target (--answers dataset), told by the shards themselves
     n_answers, n_tokens, forced = shard_totals(answers)
-    own, storages = stored_parameters(export)
-    stored = ("matrices in 4 bits with a float16 scale and minimum per 32 inputs (q4)"
-              + (", those of other input sizes int8 with a float32 scale per row" if "int8" in storages else "")
-              if "q4" in storages else "matrices int8 with a float32 scale per row")
     size_mb = (export / "model.safetensors").stat().st_size / 2**20
+    if meta.get("kind") == "model":
+        from safetensors import safe_open
+
+        with safe_open(str(export / "model.safetensors"), "pt") as f:
+            total = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
+        params = (f"{total:,} in all ({size_mb:.1f} MB in bfloat16; the validation below is of the trained float32 "
+                  "weights before that rounding); embedding and LM head its own, frozen")
+    else:
+        own, storages = stored_parameters(export)
+        stored = ("matrices in 4 bits with a float16 scale and minimum per 32 inputs (q4)"
+                  + (", those of other input sizes int8 with a float32 scale per row" if "int8" in storages else "")
+                  if "q4" in storages else "matrices int8 with a float32 scale per row")
+        params = (f"{own:,} ({size_mb:.1f} MB: {stored}, norms bfloat16; the validation below is of the trained "
+                  "weights before that rounding); embedding and LM head shared with the target")
     temps = "/".join(str(t) for t in cfg["temperatures"])
     machine = meta.get("machine") or "machine not recorded"
     prompts_file = run / "prompts.jsonl"  # a grown run holds more rows than its first --num-prompts
@@ -126,15 +163,13 @@ def write_drafter_card(run: str | Path, export: str | Path, command: str, name: 
     text = f"""# {name or export.name}
 
 A drafter for `{meta['target']}`, made by `speculant train draft` the Direct Alignment way (Goel et al. 2024):
-{len(meta['layers_from_target'])} transformer layers initialised from the target's layers {meta['layers_from_target']}
-and its final norm{f" (continued from the drafter in `{cfg['init']}`, --init)" if cfg.get('init') else ""}, sharing the target's token embedding and LM head (not stored here: they are the target's own
-tensors when loaded, see `speculant.models.attached`), fine-tuned on {"text the target read" if forced else "the target's own answers"}{" and more runs' answers" if more else ""} with the `{meta['loss']}`
+{_origin(meta, cfg)}, fine-tuned on {"text the target read" if forced else "the target's own answers"}{" and more runs' answers" if more else ""} with the `{meta['loss']}`
 loss.
 {_kind_paragraph(meta, cfg)}
 | | |
 |---|---|
 | architecture | {config['model_type']}: {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, {config['num_attention_heads']} heads ({config['num_key_value_heads']} KV), MLP {config['intermediate_size']} |
-| own parameters | {own:,} ({size_mb:.1f} MB: {stored}, norms bfloat16; the validation below is of the trained weights before that rounding); embedding and LM head shared with the target |
+| {"parameters" if meta.get("kind") == "model" else "own parameters"} | {params} |
 | distillation data | {data} |
 | objective | `{meta['loss']}` between the target's top-{cfg['topk']} and the drafter over the {cfg['keep']:,} most frequent answer tokens (the VocabTrim set it drafts from) |
 | steps | {meta['steps']} × {cfg['batch_size']} answers (each with its prompt's last 96 tokens), AdamW, peak lr {cfg['lr']}, {cfg['warmup']} warm-up steps, cosine to 0.1× |

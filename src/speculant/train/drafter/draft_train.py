@@ -179,8 +179,10 @@ def evaluate(draft, batches: list, head: torch.Tensor, objective: Objective = TO
 def train_attached(draft, samples: list[Sample], validation: list[Sample], kept: list[int], out: Path, *,
                    loss: str, steps: int, batch_size: int, lr: float, warmup: int, seed: int, pad: int,
                    amp: torch.dtype | None = None, eval_every: int = 50, ckpt_every: int = 50,
-                   progress: bool = True, objective: Objective = TOKEN, group_by_length: bool = False) -> list[dict]:
-    """Train the drafter's own parameters (resumable from ``out/checkpoint.pt``); return the history. ``amp``:
+                   progress: bool = True, objective: Objective = TOKEN, group_by_length: bool = False,
+                   frozen: tuple[str, ...] = ()) -> list[dict]:
+    """Train the drafter's own parameters but those whose names start with one of ``frozen`` (resumable from
+    ``out/checkpoint.pt``); return the history. ``amp``:
     the autocast dtype of the drafter's forward (the loss is computed in float32); ``objective``: what it
     learns to predict (:class:`TokenObjective`, or a feature drafter's). ``group_by_length``: each batch is a
     random run of samples of similar length (less padding: a batch costs its longest sample) instead of a
@@ -193,7 +195,7 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
     kept_index, head = kept_head(draft, kept)  # [V], [K, H] frozen
     for p in draft.parameters():
         p.requires_grad_(False)
-    own = [p for n, p in draft.named_parameters() if n in own_state(draft)]
+    own = [p for n, p in draft.named_parameters() if n in own_state(draft) and not n.startswith(frozen)]
     for p in own:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(own, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)

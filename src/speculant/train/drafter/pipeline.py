@@ -10,12 +10,15 @@ Goel et al. 2024, "Direct Alignment of Draft Model for Speculative Decoding with
    (:mod:`.forced_answers`);
 3. **fine-tune**: a small drafter, initialised from a few of the target's own layers and sharing its embedding and
    LM head (frozen), learns the target's answers with a distillation loss (FKL, TVD or TVD++,
-   :mod:`..losses`) over the VocabTrim kept set it will draft from (:mod:`.draft_train`). ``kind="feature"``
+   :mod:`..losses`) over the VocabTrim kept set it will draft from (:mod:`.draft_train`). ``kind="model"``
+   fine-tunes a draft model of its own instead (``draft``: e.g. a smaller sibling sharing the target's tokenizer,
+   as the paper does), all of it but its embedding and LM head; ``kind="feature"``
    makes a feature (EAGLE) drafter instead, which also reads the target's hidden states: the target's states
    over the answers are extracted first (``RUN/features/``, :mod:`.features`) and the drafter also regresses
    them (:mod:`.feature_train`);
 4. **export**: the drafter's own layers and norm (``model.safetensors``), its config, ``attached.json`` (what
-   it shares with which target), ``vocab_trim.json`` from the target's answers, the training history and a
+   it shares with which target; a ``model`` drafter: the whole model in bfloat16 with its tokenizer and
+   ``draft_model.json``, a directory ``--draft`` takes as it is), ``vocab_trim.json`` from the target's answers, the training history and a
    ``MODEL_CARD.md``.
 
 Every stage writes its result before the next starts and is skipped when that result exists, so an interrupted
@@ -35,7 +38,8 @@ import torch
 
 from ...models.attached import EXPORT_STORAGES
 
-__all__ = ["ANSWERS", "DraftRunConfig", "FEATURE_KINDS", "KINDS", "check_extra_data", "check_init", "dataset_answer", "has_answer", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
+__all__ = ["ANSWERS", "DraftRunConfig", "DRAFT_MODEL_FILE", "FEATURE_KINDS", "KINDS", "check_draft", "check_extra_data",
+           "check_init", "dataset_answer", "has_answer", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
            "run_training"]
 
 log = logging.getLogger(__name__)
@@ -62,7 +66,9 @@ class DraftRunConfig:
     answers: str = "target"  # target: the target writes its answers; dataset: it reads the prompts' own (forced)
     quantization: str | None = None  # the target's weights when speculant answers (None: its packaged default)
     topk: int = 32
-    kind: str = "token"  # token-level drafter, feature (EAGLE) or eagle3 drafter reading the target's states
+    kind: str = "token"  # token-level, feature (EAGLE), eagle3 or confu drafter, or model (``draft`` fine-tuned)
+    draft: str | None = None  # kind model: the draft model fine-tuned (a name, directory or .gguf; target's tokenizer)
+    train_last: int | None = None  # kind model: fine-tune only its last N decoder layers and final norm (None: all)
     layers: list[int] = field(default_factory=lambda: [0, 1])  # target layers the drafter starts from
     taps: list[int] = field(default_factory=list)  # feature drafters: target layers whose outputs they also read
     regression: float = 1.0  # feature drafters: weight of the hidden-state regression loss
@@ -265,6 +271,9 @@ def _finish_answers(folder: Path, parts: list[dict], part: dict, start: float, c
     part["batches"] = cfg.answer_batches
     (folder / "PARTS.json").write_text(json.dumps(parts, indent=1))
     seconds = sum(p["seconds"] for p in parts)
+    runs = folder / "RUNS.json"  # the batched engines' record of every answering run, shard by shard: it keeps the
+    if runs.exists():  # time of a run that was interrupted, which its part lost when a later run finished it
+        seconds = max(seconds, sum(r["seconds"] for r in json.loads(runs.read_text())))
     tokens = shard_totals(folder)[1]
     (folder / "DONE").write_text(json.dumps({"rows": rows, "seconds": seconds, "answer_tokens": tokens,
                                              "answer_tokens_per_s": round(tokens / max(seconds, 1e-9), 2),
@@ -272,7 +281,7 @@ def _finish_answers(folder: Path, parts: list[dict], part: dict, start: float, c
     return folder
 
 
-KINDS = ("token", "feature", "eagle3", "confu")
+KINDS = ("token", "feature", "eagle3", "confu", "model")
 FEATURE_KINDS = ("feature", "eagle3", "confu")
 """The kinds that read the target's states: ``feature`` (EAGLE: the final state, optional taps, hidden-state
 regression), ``eagle3`` (EAGLE-3, Li et al. 2025: the outputs of a low, a middle and a high layer plus the
@@ -287,6 +296,14 @@ def resolve_kind(cfg: DraftRunConfig) -> DraftRunConfig:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {cfg.kind!r}")
     if cfg.store not in EXPORT_STORAGES:  # checked before any work (the export stores it)
         raise ValueError(f"store must be one of {', '.join(EXPORT_STORAGES)}, got {cfg.store!r}")
+    if (cfg.kind == "model") != bool(cfg.draft):
+        raise ValueError("--kind model fine-tunes the draft model --draft names: give both or neither")
+    if cfg.train_last is not None and (cfg.kind != "model" or cfg.train_last < 1):
+        raise ValueError(f"--train-last: a number of the draft model's last layers (>= 1) for --kind model, got "
+                         f"{cfg.train_last} for --kind {cfg.kind}")
+    if cfg.kind == "model" and (cfg.init or cfg.taps):
+        raise ValueError(f"--kind model: {'--init' if cfg.init else '--taps'} is for drafters built from the target's "
+                         "layers (to continue an exported model drafter, give it as --draft)")
     if cfg.kind in ("eagle3", "confu"):
         if not cfg.taps:
             from transformers import AutoConfig
@@ -427,6 +444,65 @@ def check_init(cfg: DraftRunConfig) -> None:
                              f"run's target has {key} {getattr(target, key, None)!r}")
 
 
+DRAFT_MODEL_FILE = "draft_model.json"
+"""What an exported ``model`` drafter was made from and how (beside its ``config.json``)."""
+
+
+def check_draft(cfg: DraftRunConfig) -> tuple:
+    """``(target tokenizer, draft tokenizer)`` of a ``model`` run, a one-line ValueError unless ``cfg.draft`` is a
+    model whose tokenizer is the target's (it drafts the target's token ids). Checked before any work."""
+    from ...models.loading import load_tokenizer, resolve_model, tokenizers_match
+
+    target_tokenizer = load_tokenizer(resolve_model(cfg.target))
+    try:
+        draft_tokenizer = load_tokenizer(resolve_model(cfg.draft))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--draft {cfg.draft}: {e}") from None
+    if not tokenizers_match(target_tokenizer, draft_tokenizer):
+        raise ValueError(f"--draft {cfg.draft}: its tokenizer is not the target's (a model drafter proposes the "
+                         "target's token ids; another vocabulary drafts through cross-vocab)")
+    if cfg.train_last is not None:
+        from transformers import AutoConfig
+
+        n = AutoConfig.from_pretrained(str(resolve_model(cfg.draft)), local_files_only=True).num_hidden_layers
+        if cfg.train_last > n:
+            raise ValueError(f"--train-last {cfg.train_last}: the draft model has {n} layers")
+    return target_tokenizer, draft_tokenizer
+
+
+def _draft_model(cfg: DraftRunConfig) -> tuple:
+    """``(draft model in float32, its tokenizer, the target's stop ids)`` of a ``model`` run."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, GenerationConfig
+
+    from ...models.chat import stop_ids
+    from ...models.loading import load_pretrained, resolve_model
+
+    tokenizer, _ = check_draft(cfg)
+    config = AutoConfig.from_pretrained(str(resolve_model(cfg.target)), local_files_only=True)
+    generation = SimpleNamespace(generation_config=GenerationConfig.from_model_config(config))  # as the model's own
+    draft, draft_tokenizer = load_pretrained(cfg.draft, dtype="float32")
+    return draft, draft_tokenizer, stop_ids(tokenizer, generation)
+
+
+def _frozen(cfg: DraftRunConfig, draft) -> tuple[str, ...]:
+    """Name prefixes of the parameters a ``model`` run keeps as they are: with ``train_last`` N, the decoder layers
+    before the last N (their outputs need no gradient, so a step costs their forward only)."""
+    if cfg.kind != "model" or cfg.train_last is None:
+        return ()
+    return tuple(f"model.layers.{i}." for i in range(draft.config.num_hidden_layers - cfg.train_last))
+
+
+def _save_draft_model(draft, tokenizer, out: Path, meta: dict) -> None:
+    """Export a fine-tuned ``model`` drafter (its last use: it is left in bfloat16): the whole model, its tokenizer
+    and ``meta``."""
+    out.mkdir(parents=True, exist_ok=True)
+    draft.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / DRAFT_MODEL_FILE).write_text(json.dumps(meta, indent=1))
+
+
 def _add_contemplation(cfg: DraftRunConfig, draft, target, samples: list) -> None:
     """Give a drafter that has none ConFu's parameters (:mod:`speculant.models.contemplate`), the soft prompt
     started from the target's own keys and values over the first training answer's tokens."""
@@ -514,8 +590,12 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
         return export
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    target, tokenizer = load_pretrained(cfg.target, dtype="float32")
-    stops = stop_ids(tokenizer, target)
+    if cfg.kind == "model":  # a draft model of its own: the target's answers hold all it teaches, no weights needed
+        draft, tokenizer, stops = _draft_model(cfg)  # tokenizer: the draft's own (the target's vocabulary)
+        target = None
+    else:
+        target, tokenizer = load_pretrained(cfg.target, dtype="float32")
+        stops = stop_ids(tokenizer, target)
     out.mkdir(parents=True, exist_ok=True)
     earlier = out / "run_config.json"
     if (out / "checkpoint.pt").exists() and earlier.exists():  # resuming: the same start, or the card would lie
@@ -526,12 +606,12 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
                              f"{cfg.init or 'none'}), or train into another --out")
     earlier.write_text(json.dumps({**asdict(cfg), "loss": loss}, indent=1))
     train, validation = _split_samples(cfg, run)
-    vocab = target.get_input_embeddings().weight.shape[0]
+    vocab = (target if target is not None else draft).get_input_embeddings().weight.shape[0]
     kept = kept_ids(train, vocab, cfg.keep, stops)
     if cfg.init:  # continue an earlier drafter (e.g. the shipped one) on this run's data
         check_init(cfg)
         draft = load_attached(cfg.init, target)
-    else:
+    elif target is not None:
         draft = build_attached(target, cfg.layers, features=cfg.kind in FEATURE_KINDS, taps=cfg.taps)
     objective = TOKEN
     if cfg.kind == "confu":
@@ -556,13 +636,19 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
         history = train_attached(draft, train, validation, kept, out, loss=loss, steps=cfg.steps,
                                  batch_size=cfg.batch_size, lr=cfg.lr, warmup=cfg.warmup, seed=cfg.seed,
                                  pad=stops[0], amp=autocast_dtype(cfg.precision, torch.device("cpu")),
-                                 progress=progress, objective=objective, group_by_length=cfg.group_by_length)
+                                 progress=progress, objective=objective, group_by_length=cfg.group_by_length,
+                                 frozen=_frozen(cfg, draft))
     # the training's own clock across resumed runs (the history's last row), else this run's time
     seconds = max(time.perf_counter() - start, float(history[-1].get("seconds") or 0.0))
     tmp = out / "draft.tmp"
-    save_attached(draft, target, tmp, target_name=cfg.target, storage=cfg.store, extra={
-        "kind": cfg.kind, "layers_from_target": cfg.layers, "taps": cfg.taps, "init": cfg.init, "loss": loss, "steps": cfg.steps if loss != "none" else 0,
-        "train_seconds": round(seconds, 1), "validation": history[-1], "machine": _machine(cfg)})
+    meta = {"kind": cfg.kind, "loss": loss, "steps": cfg.steps if loss != "none" else 0,
+            "train_seconds": round(seconds, 1), "validation": history[-1], "machine": _machine(cfg)}
+    if target is None:
+        _save_draft_model(draft, tokenizer, tmp, {"target": cfg.target, "draft": cfg.draft,
+                                                  "train_last": cfg.train_last, **meta})
+    else:
+        save_attached(draft, target, tmp, target_name=cfg.target, storage=cfg.store, extra={
+            **meta, "layers_from_target": cfg.layers, "taps": cfg.taps, "init": cfg.init})
     answers = np.concatenate([s.answer for s in train])
     seen = int((np.bincount(answers.astype(np.int64)) > 0).sum())
     write_calibration_tokens(tmp, answers, "the training answers (distillation data)",
