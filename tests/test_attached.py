@@ -384,6 +384,17 @@ def test_train_model_draft_end_to_end(target_dir, sibling_dir, tmp_path, capsys)
     assert torch.equal(last[0].mlp.up_proj.weight, before.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16).float())
     assert (last[1].mlp.up_proj.weight - before.model.layers[1].mlp.up_proj.weight).abs().max() > 1e-2
     assert "its last 1 decoder layers and final norm trained" in (out / "model-fkl" / "draft" / "MODEL_CARD.md").read_text()
+    kept = torch.load(out / "model-fkl" / "checkpoint.pt", weights_only=False)["own"]
+    assert kept and all(k.startswith(("model.layers.1.", "model.norm.")) for k in kept)  # the trained ones only
+    assert json.loads((out / "model-fkl" / "run_config.json").read_text())["lr"] == 1e-2  # given
+    assert json.loads((out / "model-tvdpp" / "run_config.json").read_text())["lr"] == 1e-2
+    import shutil
+
+    shutil.rmtree(out / "model-fkl" / "draft")  # a checkpoint without its export: resuming must train the same
+    capsys.readouterr()
+    assert cli.main(argv + ["--loss", "fkl", "--train-last", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--train-last 1" in err
     assert cli.main(argv + ["--loss", "none"]) == 0, capsys.readouterr().err
     untrained, _ = load_model_dir(out / "model-none" / "draft", dtype=torch.float32)
     for a, b in zip(untrained.parameters(), before.parameters()):
@@ -392,9 +403,14 @@ def test_train_model_draft_end_to_end(target_dir, sibling_dir, tmp_path, capsys)
 
 
 def test_train_model_draft_bad_input(target_dir, sibling_dir, tmp_path, capsys):
-    """--kind model without --draft, --draft without --kind model, --init or --taps with it, and a draft model
-    of another vocabulary: one line each, before any work."""
+    """--kind model without --draft, --draft without --kind model, --init, --taps or another kind's settings
+    with it, and a draft model of another vocabulary: one line each, before any work. The learning rate defaults
+    to the kind's."""
     from speculant.testing import save_model_pair, tiny_tokenizer
+    from speculant.train.drafter.pipeline import MODEL_LR, DraftRunConfig, resolve_kind
+
+    assert resolve_kind(DraftRunConfig(target_dir, "o", kind="model", draft=sibling_dir)).lr == MODEL_LR
+    assert resolve_kind(DraftRunConfig(target_dir, "o")).lr == 2e-3
 
     other = save_model_pair(tmp_path / "other", tiny_tokenizer(vocab_size=200), hidden=16, layers=1)[1]
     capsys.readouterr()  # the save's progress bars
@@ -405,6 +421,8 @@ def test_train_model_draft_bad_input(target_dir, sibling_dir, tmp_path, capsys):
                           (["--train-last", "1"], "--train-last"),
                           (["--kind", "model", "--draft", sibling_dir, "--train-last", "0"], "--train-last"),
                           (["--kind", "model", "--draft", sibling_dir, "--train-last", "3"], "has 2 layers"),
+                          (["--kind", "model", "--draft", sibling_dir, "--store", "q4"], "--store"),
+                          (["--kind", "model", "--draft", sibling_dir, "--layers", "1"], "--layers"),
                           (["--kind", "model", "--draft", str(other)], "tokenizer is not the target's"),
                           (["--kind", "model", "--draft", str(tmp_path / "nowhere")], "--draft")):
         assert cli.main(base + extra) == 2

@@ -136,7 +136,7 @@ _DRAFT_DOCS = {
     "loss": "distillation loss: fkl, tvd, tvd++, or none (export the untrained initialisation)",
     "steps": "optimizer steps",
     "batch_size": "answers per step",
-    "lr": "peak learning rate",
+    "lr": "peak learning rate (default: 0.002; 3e-5 for --kind model, a pretrained model fine-tuned whole)",
     "warmup": "linear warm-up steps",
     "precision": "drafter training precision: auto (bf16 autocast on CPUs with native bf16), fp32 or bf16",
     "keep": "VocabTrim set trained over and drafted from when sampling (most frequent answer tokens)",

@@ -152,10 +152,10 @@ class Speculation:
         given = [(f, f.depth) for f in fixed]
         for i, (s, p, k) in enumerate(zip(rest, profiles, depths)):
             # due: one level deeper than planned, fresh figures at a level's cost, where they could change the plan
-            if s.drafter is not None and _due(s) and self._could_pay(p, given + planned[:i] + planned[i + 1:],
-                                                                     shared_drafts):
-                k = min(p.depth, k + 1)
-                s.probed_at = s.stats.target_calls
+            if s.drafter is not None and _due(s):
+                if self._could_pay(p, given + planned[:i] + planned[i + 1:], shared_drafts):
+                    k = min(p.depth, k + 1)
+                s.probed_at = s.stats.target_calls  # probed or not, asked again in _REPROBE steps
             s.state.max_draft = k
         for s in waiting:
             s.state.max_draft = None if self._starts(s, list(zip(profiles, depths)), fixed, shared_drafts) else 0
@@ -246,27 +246,29 @@ class Speculation:
 
     def _could_pay(self, me: _Profile, others: list, shared: bool) -> bool:
         """Whether drafting could pay for ``me`` at all, beside ``others`` ``(profile, depth)``: at an acceptance of
-        at least ``_OPTIMISTIC`` (its own where higher) and its measured costs, some depth raises the step's
-        goodput past the margin, drafting alone or (draft forwards shared) with its draft model's other sequences
-        at the same level, as :meth:`depths` may raise them. A probe or an exploration measures acceptance and
-        costs; where even this could
-        not make drafting pay (a batch whose forward grows by more than a draft row can return, as four sequences
-        on a 2-core CPU), nothing it measures would change the plan, and its catch-up forward, draft levels and
-        verification row are spent for nothing, while the whole batch waits. Always True before any target
-        forward was measured."""
+        at least ``_OPTIMISTIC`` (its own where higher) and the lower of its own and its draft model's pooled cost
+        per level, some depth raises the step's goodput (by any amount: one sequence of many moves a batch's
+        goodput little), drafting alone or with its draft model's (or kind's) other sequences at the same level,
+        as :meth:`depths` may raise them. A probe or an exploration measures acceptance and costs; where even
+        this could not make drafting pay (a batch whose forward grows by more than a draft row can return, as
+        four sequences on a 2-core CPU), nothing it measures would change the plan, and its catch-up forward,
+        draft levels and verification row are spent for nothing, while the whole batch waits. Always True before
+        any target forward was measured."""
         if not self.cost.known:
             return True
         if me.depth < 1:
             return False
-        best = _Profile(max(_OPTIMISTIC, me.acceptance), me.depth, me.width, me.draft_s, me.model, me.seq)
+        pool = self._pools.get(_model_key(me.seq)) if me.seq is not None else None
+        cost = min(me.draft_s, pool.level_s) if pool is not None and pool.level_s is not None else me.draft_s
+        best = _Profile(max(_OPTIMISTIC, me.acceptance), me.depth, me.width, cost, me.model, me.seq)
         g0 = self.goodput(others + [(best, 0)], shared)
+        mine = _profile_key(me)
         for d in range(1, best.depth + 1):
             alone = others + [(best, d)]
-            # with shared draft forwards, also the model's other sequences at that level (their own acceptance)
-            joint = [(p, max(k, min(d, p.depth)) if p.model == me.model else k) for p, k in others] + [(best, d)]
-            for pairs in ([alone, joint] if shared and me.model is not None else [alone]):
-                if self.goodput(pairs, shared) > g0 * _MARGIN:
-                    return True
+            # the other sequences of its draft model (or drafter kind) at that level too, at their own acceptance
+            joint = [(p, max(k, min(d, p.depth)) if _profile_key(p) == mine else k) for p, k in others] + [(best, d)]
+            if any(self.goodput(pairs, shared) > g0 * (1 + 1e-9) for pairs in (alone, joint)):
+                return True
         return False
 
     def observe(self, sequences: list) -> None:
@@ -322,6 +324,11 @@ def _model_key(seq) -> object:
     """What a sequence's drafter's figures are pooled under: its draft model, or its kind when it has none."""
     model = draft_model_id(seq)
     return type(seq.drafter) if model is None else model
+
+
+def _profile_key(p: _Profile) -> object:
+    """What a profile's figures pool under (:func:`_model_key` of its sequence; a made-up profile: its model)."""
+    return p.model if p.seq is None else _model_key(p.seq)
 
 
 def _acceptance(accepted: float, reached: float) -> float:

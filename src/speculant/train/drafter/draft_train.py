@@ -248,7 +248,8 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
                             alpha=f"{row['alpha_t1']:.3f}")
         if step % ckpt_every == 0 or step == steps:
             tmp = ckpt.with_suffix(".tmp")
-            torch.save({"own": own_state(draft), "optimizer": opt.state_dict(), "rng": rng.bit_generator.state,
+            trained = {k: v for k, v in own_state(draft).items() if not k.startswith(frozen)}
+            torch.save({"own": trained, "optimizer": opt.state_dict(), "rng": rng.bit_generator.state,
                         "step": step, "history": history}, tmp)
             tmp.replace(ckpt)
     bar.close()

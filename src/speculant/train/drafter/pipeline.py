@@ -18,8 +18,8 @@ Goel et al. 2024, "Direct Alignment of Draft Model for Speculative Decoding with
    them (:mod:`.feature_train`);
 4. **export**: the drafter's own layers and norm (``model.safetensors``), its config, ``attached.json`` (what
    it shares with which target; a ``model`` drafter: the whole model in bfloat16 with its tokenizer and
-   ``draft_model.json``, a directory ``--draft`` takes as it is), ``vocab_trim.json`` from the target's answers, the training history and a
-   ``MODEL_CARD.md``.
+   ``draft_model.json``, a directory ``--draft`` takes as it is), ``vocab_trim.json`` from the target's answers,
+   the training history and a ``MODEL_CARD.md``.
 
 Every stage writes its result before the next starts and is skipped when that result exists, so an interrupted
 run resumes where it stopped (the training stage from its last checkpoint).
@@ -38,9 +38,9 @@ import torch
 
 from ...models.attached import EXPORT_STORAGES
 
-__all__ = ["ANSWERS", "DraftRunConfig", "DRAFT_MODEL_FILE", "FEATURE_KINDS", "KINDS", "check_draft", "check_extra_data",
-           "check_init", "dataset_answer", "has_answer", "resolve_kind", "tokenize_prompts", "run_answers", "run_features",
-           "run_training"]
+__all__ = ["ANSWERS", "DraftRunConfig", "DRAFT_MODEL_FILE", "FEATURE_KINDS", "KINDS", "MODEL_LR", "check_draft",
+           "check_extra_data", "check_init", "dataset_answer", "has_answer", "resolve_kind", "tokenize_prompts",
+           "run_answers", "run_features", "run_training"]
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class DraftRunConfig:
     loss: str = "fkl"  # the best of fkl / tvd / tvd++ for a drafter starting far from the target (MODEL_CARD)
     steps: int = 400
     batch_size: int = 16
-    lr: float = 2e-3
+    lr: float | None = None  # peak learning rate; None: the kind's (2e-3, or 3e-5 for a pretrained model fine-tuned)
     warmup: int = 20
     precision: str = "auto"  # drafter training: auto (bf16 autocast where the CPU has native bf16) | fp32 | bf16
     keep: int = 8192  # VocabTrim kept set trained over (the most frequent tokens of the answers)
@@ -272,7 +272,7 @@ def _finish_answers(folder: Path, parts: list[dict], part: dict, start: float, c
     (folder / "PARTS.json").write_text(json.dumps(parts, indent=1))
     seconds = sum(p["seconds"] for p in parts)
     runs = folder / "RUNS.json"  # the batched engines' record of every answering run, shard by shard: it keeps the
-    if runs.exists():  # time of a run that was interrupted, which its part lost when a later run finished it
+    if runs.exists():  # answering time of an interrupted run (to its last shard), which its part lost
         seconds = max(seconds, sum(r["seconds"] for r in json.loads(runs.read_text())))
     tokens = shard_totals(folder)[1]
     (folder / "DONE").write_text(json.dumps({"rows": rows, "seconds": seconds, "answer_tokens": tokens,
@@ -298,6 +298,14 @@ def resolve_kind(cfg: DraftRunConfig) -> DraftRunConfig:
         raise ValueError(f"store must be one of {', '.join(EXPORT_STORAGES)}, got {cfg.store!r}")
     if (cfg.kind == "model") != bool(cfg.draft):
         raise ValueError("--kind model fine-tunes the draft model --draft names: give both or neither")
+    if cfg.lr is None:
+        cfg.lr = MODEL_LR if cfg.kind == "model" else 2e-3
+    if cfg.kind == "model":  # settings of drafters built from the target's layers: refused rather than ignored
+        defaults = DraftRunConfig(target="", out="")
+        for name in _NOT_FOR_MODEL:
+            if getattr(cfg, name) != getattr(defaults, name):
+                raise ValueError(f"--{name.replace('_', '-')} is for drafters built from the target's layers, not "
+                                 "--kind model")
     if cfg.train_last is not None and (cfg.kind != "model" or cfg.train_last < 1):
         raise ValueError(f"--train-last: a number of the draft model's last layers (>= 1) for --kind model, got "
                          f"{cfg.train_last} for --kind {cfg.kind}")
@@ -444,6 +452,12 @@ def check_init(cfg: DraftRunConfig) -> None:
                              f"run's target has {key} {getattr(target, key, None)!r}")
 
 
+MODEL_LR = 3e-5
+"""The default peak learning rate of ``--kind model``: a pretrained model fine-tuned whole (2e-3, the other kinds',
+is for layers that start as copies of the target's and learn a new role)."""
+
+_NOT_FOR_MODEL = ("layers", "regression", "unroll", "soft", "mixture", "window", "store")
+
 DRAFT_MODEL_FILE = "draft_model.json"
 """What an exported ``model`` drafter was made from and how (beside its ``config.json``)."""
 
@@ -480,10 +494,18 @@ def _draft_model(cfg: DraftRunConfig) -> tuple:
     from ...models.loading import load_pretrained, resolve_model
 
     tokenizer, _ = check_draft(cfg)
-    config = AutoConfig.from_pretrained(str(resolve_model(cfg.target)), local_files_only=True)
-    generation = SimpleNamespace(generation_config=GenerationConfig.from_model_config(config))  # as the model's own
+    target_dir = resolve_model(cfg.target)
+    try:  # the target's generation config, as loading it would give: its file, else derived from its config
+        generation = GenerationConfig.from_pretrained(str(target_dir), local_files_only=True)
+    except OSError:
+        generation = GenerationConfig.from_model_config(AutoConfig.from_pretrained(str(target_dir),
+                                                                                   local_files_only=True))
     draft, draft_tokenizer = load_pretrained(cfg.draft, dtype="float32")
-    return draft, draft_tokenizer, stop_ids(tokenizer, generation)
+    names = {n for n, _ in draft.named_parameters()}
+    if not {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"} <= names:
+        raise ValueError(f"--draft {cfg.draft}: --kind model fine-tunes Llama-family models (model.embed_tokens, "
+                         f"model.layers.N), not {type(draft).__name__}")
+    return draft, draft_tokenizer, stop_ids(tokenizer, SimpleNamespace(generation_config=generation))
 
 
 def _frozen(cfg: DraftRunConfig, draft) -> tuple[str, ...]:
@@ -498,7 +520,7 @@ def _save_draft_model(draft, tokenizer, out: Path, meta: dict) -> None:
     """Export a fine-tuned ``model`` drafter (its last use: it is left in bfloat16): the whole model, its tokenizer
     and ``meta``."""
     out.mkdir(parents=True, exist_ok=True)
-    draft.to(torch.bfloat16).save_pretrained(out)
+    draft.to(torch.bfloat16).save_pretrained(out, max_shard_size="1000GB")  # one model.safetensors
     tokenizer.save_pretrained(out)
     (out / DRAFT_MODEL_FILE).write_text(json.dumps(meta, indent=1))
 
@@ -590,21 +612,27 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
         return export
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    earlier = out / "run_config.json"
+    if (out / "checkpoint.pt").exists() and earlier.exists():  # resuming: the same start, or the card would lie
+        before = json.loads(earlier.read_text())
+        started = before.get("init")
+        if started != cfg.init:
+            raise ValueError(f"{out} holds a checkpoint of a training started from "
+                             f"{started or 'the target layers'}; resume it with the same --init (now: "
+                             f"{cfg.init or 'none'}), or train into another --out")
+        for name in ("draft", "train_last"):  # a model drafter: the same model, the same layers trained
+            if before.get(name) != getattr(cfg, name):
+                raise ValueError(f"{out} holds a checkpoint of a training with --{name.replace('_', '-')} "
+                                 f"{before.get(name)}; resume it with the same (now: {getattr(cfg, name)}), or train "
+                                 "into another --out")
+    earlier.write_text(json.dumps({**asdict(cfg), "loss": loss}, indent=1))
     if cfg.kind == "model":  # a draft model of its own: the target's answers hold all it teaches, no weights needed
         draft, tokenizer, stops = _draft_model(cfg)  # tokenizer: the draft's own (the target's vocabulary)
         target = None
     else:
         target, tokenizer = load_pretrained(cfg.target, dtype="float32")
         stops = stop_ids(tokenizer, target)
-    out.mkdir(parents=True, exist_ok=True)
-    earlier = out / "run_config.json"
-    if (out / "checkpoint.pt").exists() and earlier.exists():  # resuming: the same start, or the card would lie
-        started = json.loads(earlier.read_text()).get("init")
-        if started != cfg.init:
-            raise ValueError(f"{out} holds a checkpoint of a training started from "
-                             f"{started or 'the target layers'}; resume it with the same --init (now: "
-                             f"{cfg.init or 'none'}), or train into another --out")
-    earlier.write_text(json.dumps({**asdict(cfg), "loss": loss}, indent=1))
     train, validation = _split_samples(cfg, run)
     vocab = (target if target is not None else draft).get_input_embeddings().weight.shape[0]
     kept = kept_ids(train, vocab, cfg.keep, stops)
