@@ -383,7 +383,8 @@ def test_train_model_draft_end_to_end(target_dir, sibling_dir, tmp_path, capsys)
     last = load_model_dir(out / "model-fkl" / "draft", dtype=torch.float32)[0].model.layers
     assert torch.equal(last[0].mlp.up_proj.weight, before.model.layers[0].mlp.up_proj.weight.to(torch.bfloat16).float())
     assert (last[1].mlp.up_proj.weight - before.model.layers[1].mlp.up_proj.weight).abs().max() > 1e-2
-    assert "its last 1 decoder layers and final norm trained" in (out / "model-fkl" / "draft" / "MODEL_CARD.md").read_text()
+    card = (out / "model-fkl" / "draft" / "MODEL_CARD.md").read_text()
+    assert "its last 1 decoder layers and final norm trained" in card
     kept = torch.load(out / "model-fkl" / "checkpoint.pt", weights_only=False)["own"]
     assert kept and all(k.startswith(("model.layers.1.", "model.norm.")) for k in kept)  # the trained ones only
     assert json.loads((out / "model-fkl" / "run_config.json").read_text())["lr"] == 1e-2  # given

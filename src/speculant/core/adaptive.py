@@ -36,8 +36,9 @@ itself starts one again). Such explorations, and the probes that take a drafting
 every eight steps, are made only where drafting could pay at all: at an acceptance of 0.95 (or the drafter's own
 where higher) some depth must raise the step's goodput. Where a batch's forward grows faster than any draft row
 could return (four sequences on a 2-core CPU), what they would measure cannot change the plan, and their catch-up
-forwards, draft levels and verification rows would be spent for nothing while the batch waits. Under load with a drafter that predicts the traffic poorly, a new request then decodes
-plainly from its first step instead of paying the draft's prefill for little or nothing. Drafting, and starting to,
+forwards, draft levels and verification rows would be spent for nothing while the batch waits. Under load with a
+drafter that predicts the traffic poorly, a new request then decodes plainly from its first step instead of paying
+the draft's prefill for little or nothing. Drafting, and starting to,
 must promise 3% more goodput than none: the model leaves out per-step work that grows with drafting.
 
 Exactness is untouched: the verifier does not care how deep a drafter drafted (a depth of 0 is plain decoding).
