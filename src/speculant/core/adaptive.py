@@ -159,7 +159,7 @@ class Speculation:
                 s.probed_at = s.stats.target_calls  # probed or not, asked again in _REPROBE steps
             s.state.max_draft = k
         for s in waiting:
-            s.state.max_draft = None if self._starts(s, list(zip(profiles, depths)), fixed, shared_drafts) else 0
+            s.state.max_draft = None if self._starts(s, planned, fixed, shared_drafts) else 0
 
     def depths(self, profiles: list[_Profile], fixed: Seq[_Profile] = (), shared: bool = False) -> list[int]:
         """The goodput-maximising draft depths of ``profiles`` (all 0 unless they promise ``_MARGIN`` times the goodput

@@ -195,7 +195,8 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
     kept_index, head = kept_head(draft, kept)  # [V], [K, H] frozen
     for p in draft.parameters():
         p.requires_grad_(False)
-    own = [p for n, p in draft.named_parameters() if n in own_state(draft) and not n.startswith(frozen)]
+    trained = {n for n in own_state(draft) if not n.startswith(frozen)}  # the parameters learning (and saved)
+    own = [p for n, p in draft.named_parameters() if n in trained]
     for p in own:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(own, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -248,8 +249,8 @@ def train_attached(draft, samples: list[Sample], validation: list[Sample], kept:
                             alpha=f"{row['alpha_t1']:.3f}")
         if step % ckpt_every == 0 or step == steps:
             tmp = ckpt.with_suffix(".tmp")
-            trained = {k: v for k, v in own_state(draft).items() if not k.startswith(frozen)}
-            torch.save({"own": trained, "optimizer": opt.state_dict(), "rng": rng.bit_generator.state,
+            torch.save({"own": {k: v for k, v in own_state(draft).items() if k in trained},
+                        "optimizer": opt.state_dict(), "rng": rng.bit_generator.state,
                         "step": step, "history": history}, tmp)
             tmp.replace(ckpt)
     bar.close()
