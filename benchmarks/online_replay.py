@@ -166,17 +166,17 @@ def main() -> None:
     start = time.perf_counter()
     with torch.inference_mode():
         for r, (ids, answer) in enumerate(zip(prompts, answers)):
-            calls, _, _ = replay_request(ids, answer, base[r] if base else None, k, lookup, None, 0,
-                                         args.max_new_tokens)
-            rows["shipped"].append({"request": r, "tokens": len(answer), "target_calls": calls,
+            calls, nodes, _ = replay_request(ids, answer, base[r] if base else None, k, lookup, None, 0,
+                                             args.max_new_tokens)
+            rows["shipped"].append({"request": r, "tokens": len(answer), "target_calls": calls, "draft_tokens": nodes,
                                     "tau": len(answer) / calls, "version": 0})
             if k:  # the serving drafter's predictions; until an update is kept it is the shipped one (base)
                 match = base[r] if adapter.version == 0 else draft_matches(adapting, [(ids, answer)])[0]["match"]
             else:
                 match = None
-            calls, _, steps = replay_request(ids, answer, match, k, lookup, adapter.traffic, cfg.traffic,
-                                             args.max_new_tokens)
-            rows["online"].append({"request": r, "tokens": len(answer), "target_calls": calls,
+            calls, nodes, steps = replay_request(ids, answer, match, k, lookup, adapter.traffic, cfg.traffic,
+                                                 args.max_new_tokens)
+            rows["online"].append({"request": r, "tokens": len(answer), "target_calls": calls, "draft_tokens": nodes,
                                    "tau": len(answer) / calls, "version": adapter.version})
             seen = observation(adapting, ids, answer, steps, cfg.top_k) if cfg.distill else None
             adapter.observe(Replayed(seen, ids + answer))
@@ -185,6 +185,10 @@ def main() -> None:
                     run_update(adapter, updates)
             progress(r, len(prompts), rows, adapter.version)
     windows = {name: window_tau(rs, args.window) for name, rs in rows.items()}
+    for name, ws in windows.items():  # draft tokens per step: the merged trees' sizes (what verification reads)
+        for w in ws:
+            part = rows[name][w["requests"][0] : w["requests"][1]]
+            w["draft_tokens_per_step"] = sum(r["draft_tokens"] for r in part) / sum(r["target_calls"] for r in part)
     taus = {name: [w["tau"] for w in ws] for name, ws in windows.items()}
     result = {"settings": vars(args), "machine": machine_info(), "method": shipped.method.spec,
               "online": online_settings(args), "windows": windows,
@@ -217,8 +221,9 @@ def write_readme(out: Path, result: dict) -> None:
              f"`benchmarks/online_replay.py`: target {args.target}, method `{result['method']}` with its shipped "
              f"drafter, greedy, {args.max_new_tokens} new tokens; online: {result['online']}. τ from the stream's "
              "greedy answers replayed through the real adapter (no decoding, no timing).", "",
-             "| window | τ shipped | τ online |", "|---|---|---|"]
-    lines += [f"| {a['requests'][0]}-{a['requests'][1] - 1} | {a['tau']:.3f} | {b['tau']:.3f} |"
+             "| window | τ shipped | τ online | draft tokens per step, shipped | online |", "|---|---|---|---|---|"]
+    lines += [f"| {a['requests'][0]}-{a['requests'][1] - 1} | {a['tau']:.3f} | {b['tau']:.3f} | "
+              f"{a.get('draft_tokens_per_step', float('nan')):.2f} | {b.get('draft_tokens_per_step', float('nan')):.2f} |"
               for a, b in zip(windows["shipped"], windows["online"])]
     updates = result["updates"]
     lines += ["", f"τ of the last window over the first (online): **{result['online_last_over_first_tau']:.2f}x** "

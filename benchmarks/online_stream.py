@@ -32,6 +32,7 @@ import torch
 import speculant
 from speculant.bench.speed import machine_info
 from speculant.data.prompts import builtin_prompts, prompt_ids
+from speculant.drafters.traffic import SCORINGS
 from speculant.train.online import OnlineAdapter, OnlineConfig
 
 
@@ -107,6 +108,10 @@ def stream_arguments(ap: argparse.ArgumentParser) -> None:
                          "speculant.drafters.traffic); 0: none")
     ap.add_argument("--traffic-min-ngram", type=int, default=OnlineConfig.traffic_min_ngram, metavar="N",
                     help="the memory's shortest context n-gram (1-3): 2 no longer drafts from a one-token match")
+    ap.add_argument("--traffic-scoring", choices=SCORINGS, default=OnlineConfig.traffic_scoring,
+                    help="recent: copy what followed the context's latest occurrence; frequent: what most often did")
+    ap.add_argument("--traffic-min-score", type=float, default=OnlineConfig.traffic_min_score,
+                    help="frequent scoring: end the memory's chain where its estimated chance falls below this")
     ap.add_argument("--no-distill", action="store_true",
                     help="the traffic memory only (--traffic N): no draft model trained, any --method")
     ap.add_argument("--threads", type=int, default=2)
@@ -119,6 +124,7 @@ def online_config(args: argparse.Namespace) -> OnlineConfig:
                         positions=args.positions, prompt_weight=args.prompt_weight, min_held=args.min_held,
                         min_z=args.min_z,
                         traffic=args.traffic, traffic_min_ngram=args.traffic_min_ngram,
+                        traffic_scoring=args.traffic_scoring, traffic_min_score=args.traffic_min_score,
                         distill=not args.no_distill, seed=args.seed)
 
 
@@ -129,7 +135,15 @@ def online_settings(args: argparse.Namespace) -> str:
              f"an update every {args.online_every} requests ({args.steps} steps, lr {args.lr}, {args.loss} at "
              f"{args.positions} positions{prompt}), run between requests")
             + (f"; traffic memory: up to {args.traffic} tokens per step from earlier requests (context n-grams >= "
-               f"{args.traffic_min_ngram})" if args.traffic else ""))
+               f"{args.traffic_min_ngram}, {_scoring(args)})" if args.traffic else ""))
+
+
+def _scoring(args: argparse.Namespace) -> str:
+    """The memory's scoring in words (runs from before session 35 hold no scoring: recent)."""
+    scoring = getattr(args, "traffic_scoring", "recent")
+    if scoring != "frequent":
+        return f"{scoring} scoring"
+    return f"frequent scoring, chains down to an estimated chance of {getattr(args, 'traffic_min_score', 0.0)}"
 
 
 def run_update(adapter: OnlineAdapter, updates: list[dict]) -> None:

@@ -72,7 +72,7 @@ def replay(prompts: list[list[int]], answers: list[list[int]], matches: list[lis
     """Per window of ``window`` requests, ``tau`` and ``nodes`` (draft tokens per step: the merged tree's size) of
     :func:`replay_request` over the stream, every finished request added to the traffic memory (shortest n-gram
     ``min_ngram``)."""
-    memory = TrafficMemory(min_ngram=min_ngram)
+    memory = TrafficMemory(min_ngram=min_ngram, scoring="recent")  # as online-stream-traffic-v1 ran
     per_request = []
     for r, (ids, answer) in enumerate(zip(prompts, answers)):
         calls, nodes, _ = replay_request(ids, answer, matches[r] if matches else None, k, lookup, memory, traffic,

@@ -237,6 +237,21 @@ def test_body_grace_and_online_options_are_checked(models, capsys):
     with pytest.raises(ValueError, match="--online-traffic-min-ngram"):
         check_settings(ServeSettings(target=models["target"], draft=models["draft"], online=True, online_traffic=4,
                                      online_traffic_min_ngram=0))
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic", "4", "--online-traffic-scoring",
+                                            "often")], "--online-traffic-scoring")
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic-scoring", "recent")],
+                   "--online-traffic-scoring needs --online-traffic")
+    with pytest.raises(ValueError, match="--online-traffic-scoring"):
+        check_settings(ServeSettings(target=models["target"], draft=models["draft"], online=True, online_traffic=4,
+                                     online_traffic_scoring="often"))
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic", "4", "--online-traffic-min-score",
+                                            "1")], "--online-traffic-min-score")
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic", "4", "--online-traffic-scoring",
+                                            "recent", "--online-traffic-min-score", "0.2")],
+                   "--online-traffic-min-score needs")
+    with pytest.raises(ValueError, match="--online-traffic-min-score"):
+        check_settings(ServeSettings(target=models["target"], draft=models["draft"], online=True, online_traffic=4,
+                                     online_traffic_min_score=float("nan")))
 
 
 # ---------------------------------------------------------------------------------------------- item 7

@@ -17,7 +17,7 @@ from helpers import sizes
 
 
 def test_the_latest_occurrence_of_the_longest_suffix_is_continued_within_its_request():
-    memory = TrafficMemory(ngram=3)
+    memory = TrafficMemory(ngram=3, scoring="recent")
     assert memory.continuation([1, 2, 3], 4) == []  # empty memory
     memory.add([1, 2, 3, 4, 5, 6])
     memory.add([9, 2, 3, 7, 8])
@@ -29,6 +29,61 @@ def test_the_latest_occurrence_of_the_longest_suffix_is_continued_within_its_req
     assert memory.continuation([42], 3) == []
     memory.add([8, 1])  # n-grams never span two requests
     assert memory.continuation([7, 8], 2) == [1]  # "7 8" -> the end; the 1-gram "8" -> 1 in the third request
+
+
+def test_frequent_scoring_walks_what_most_often_followed_the_longest_known_suffix():
+    memory = TrafficMemory(ngram=2, scoring="frequent")
+    for ids in ([1, 2, 3, 4], [1, 2, 3, 5], [9, 2, 7, 8], [1, 2, 3, 4]):
+        memory.add(ids)
+    recent = TrafficMemory(ngram=2, scoring="recent")
+    for ids in ([1, 2, 3, 4], [1, 2, 3, 5], [9, 2, 7, 8], [1, 2, 3, 5]):
+        recent.add(ids)
+    assert recent.continuation([1, 2], 2) == [3, 5]  # the latest occurrence's continuation
+    # "1 2" was followed by 3 three times; "2 3" by 4 twice and 5 once; "3 4" ends its requests
+    assert memory.continuation([1, 2], 4) == [3, 4]
+    assert memory.continuation([0, 2], 1) == [3]  # "0 2" unknown: "2" -> 3 (3 times) over 7 (once)
+    memory.add([9, 2, 7, 8])  # "2 7" twice now, "2 3" still 3 times: counts, not recency, decide
+    assert memory.continuation([5, 2], 1) == [3]
+    memory.add([6, 3, 5])
+    assert memory.continuation([2, 3], 1) == [4]  # "2 3" -> 4 twice, 5 once: "3" alone is not consulted
+    memory.add([1, 2, 3, 5])  # now a tie on "2 3" (4 twice, 5 twice): the most recent continuation
+    assert memory.continuation([2, 3], 1) == [5]
+    # min_score: each share is count / (total + 1), the chain ends where their product falls below the bound
+    once = TrafficMemory(ngram=2, min_score=0.3)
+    once.add([1, 2, 3, 4, 5])
+    assert once.continuation([1, 2], 4) == [3]  # 1/2, then 1/4 < 0.3
+    unbounded = TrafficMemory(ngram=2, min_score=0)
+    unbounded.add([1, 2, 3, 4, 5])
+    assert unbounded.continuation([1, 2], 4) == [3, 4, 5]  # "4 5" ends its request: nothing follows
+    once.add([1, 2, 3, 4, 5])
+    assert once.continuation([1, 2], 4) == [3, 4]  # 2/3, then 4/9 >= 0.3, then 8/27 < 0.3
+    once.add([1, 2, 3, 4, 5])  # 3/4, 9/16, 27/64 >= 0.3
+    assert once.continuation([1, 2], 4) == [3, 4, 5]
+    from speculant.drafters.traffic import MIN_SCORE
+    from speculant.serve.settings import ServeSettings
+    assert ServeSettings().online_traffic_min_score == OnlineConfig().traffic_min_score == MIN_SCORE  # one default
+    assert ServeSettings().online_traffic_scoring == OnlineConfig().traffic_scoring == TrafficMemory().scoring
+    for bad in (-0.1, 1.0, True, "0.5"):
+        with pytest.raises(ValueError, match="min_score"):
+            TrafficMemory(min_score=bad)
+    with pytest.raises(ValueError, match="scoring"):
+        TrafficMemory(scoring="often")
+    with pytest.raises(ValueError, match="traffic_scoring"):
+        OnlineConfig(traffic=8, traffic_scoring="often")
+
+
+def test_frequent_counts_follow_eviction_and_a_reload():
+    memory = TrafficMemory(ngram=2, max_tokens=40, scoring="frequent")
+    for i in range(30):
+        memory.add([100 + i, 1, 2, 3 if i < 20 else 4])  # early requests continue "1 2" with 3, late ones with 4
+    assert memory.continuation([1, 2], 1) == [4]  # the requests that counted 3 are gone
+    rebuilt = {}
+    for a, b in zip(memory._starts, memory._starts[1:] + [len(memory)]):
+        memory._index_request(memory._tokens, a, b, {}, rebuilt)
+    assert memory._counts == rebuilt  # counts of exactly what is held
+    again = TrafficMemory(ngram=2, max_tokens=40, scoring="frequent")
+    again.load_state_dict(memory.state_dict())
+    assert again._counts == memory._counts
 
 
 def test_the_memory_stays_within_its_bound_and_forgets_the_oldest_requests():
@@ -136,9 +191,10 @@ def test_online_adaptation_fills_the_memory_drafts_from_it_and_keeps_it_across_a
     adapter.stop()  # saves
     resumed = OnlineAdapter(speculant.load(target=target, draft=draft, method="chain:k=2"), config,
                             state_dir=tmp_path)
-    assert resumed.traffic._tokens == adapter.traffic._tokens
-    assert resumed.generate(prompt, max_new_tokens=40, eos_token_id=[]).stats.target_calls == \
-        again.stats.target_calls
+    assert resumed.traffic._tokens == adapter.traffic._tokens and resumed.traffic._counts == adapter.traffic._counts
+    assert resumed.traffic.continuation(prompt, 6) == adapter.traffic.continuation(prompt, 6) != []
+    resumed_run = resumed.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    assert resumed_run.token_ids == plain and resumed_run.stats.target_calls < first.stats.target_calls / 2
 
 
 def test_the_memory_alone_serves_any_method_without_a_draft_model(pair, tmp_path):

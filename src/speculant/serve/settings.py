@@ -64,7 +64,9 @@ class ServeSettings:
     kept only if held-back agreement rises by McNemar's z >= ``online_min_z``
     (:class:`speculant.train.online.OnlineConfig`); ``online_traffic``: also draft up to that many tokens per step
     from earlier requests' tokens (:mod:`speculant.drafters.traffic`; 0: none), matching context suffixes of at least
-    ``online_traffic_min_ngram`` tokens; ``online_distill`` False: the traffic
+    ``online_traffic_min_ngram`` tokens, continued by what followed them most often (``online_traffic_scoring``
+    "frequent", the chain ending where its estimated chance falls below ``online_traffic_min_score``) or most
+    recently ("recent"); ``online_distill`` False: the traffic
     memory only, no draft model trained (any method, any draft); ``online_state``: a directory the
     adapted drafter, its buffer and history are saved to on shutdown and resumed from."""
 
@@ -94,6 +96,8 @@ class ServeSettings:
     online_min_z: float = 1.64
     online_traffic: int = 0
     online_traffic_min_ngram: int = 1
+    online_traffic_scoring: str = "frequent"
+    online_traffic_min_score: float = 0.1
     online_distill: bool = True
     online_state: str | None = None
 
@@ -140,6 +144,15 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         raise ValueError("--online-traffic needs --online")
     if not 1 <= settings.online_traffic_min_ngram <= 3:
         raise ValueError(f"--online-traffic-min-ngram must be 1, 2 or 3, got {settings.online_traffic_min_ngram}")
+    if settings.online_traffic_scoring not in ("frequent", "recent"):  # speculant.drafters.traffic.SCORINGS
+        raise ValueError(f"--online-traffic-scoring must be frequent or recent, got {settings.online_traffic_scoring!r}")
+    if settings.online_traffic_scoring != "frequent" and not settings.online_traffic:
+        raise ValueError("--online-traffic-scoring needs --online-traffic N")
+    if not 0 <= settings.online_traffic_min_score < 1:  # also refuses nan; traffic.MIN_SCORE is the default
+        raise ValueError(f"--online-traffic-min-score must be in [0, 1), got {settings.online_traffic_min_score}")
+    if settings.online_traffic_min_score != 0.1 and not (settings.online_traffic
+                                                         and settings.online_traffic_scoring == "frequent"):
+        raise ValueError("--online-traffic-min-score needs --online-traffic N with frequent scoring")
     if settings.online_traffic_min_ngram != 1 and not settings.online_traffic:
         raise ValueError("--online-traffic-min-ngram needs --online-traffic N")
     if not settings.online_distill and not (settings.online and settings.online_traffic):

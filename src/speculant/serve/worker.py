@@ -275,6 +275,8 @@ class Worker:
             config = OnlineConfig(update_every=self.settings.online_every, min_held=self.settings.online_min_held,
                                   min_z=self.settings.online_min_z, traffic=self.settings.online_traffic,
                                   traffic_min_ngram=self.settings.online_traffic_min_ngram,
+                                  traffic_scoring=self.settings.online_traffic_scoring,
+                                  traffic_min_score=self.settings.online_traffic_min_score,
                                   distill=self.settings.online_distill)
             self.online = OnlineAdapter(session, config, state_dir=self.settings.online_state)
             self.metrics.online_version.set(self.online.version)

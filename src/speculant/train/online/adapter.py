@@ -46,7 +46,7 @@ import torch
 
 from ...core.checks import vocab_size
 from ...drafters.observed import Observation, ObservedDrafter
-from ...drafters.traffic import TrafficMemory, WithTraffic
+from ...drafters.traffic import MIN_SCORE, SCORINGS, TrafficMemory, WithTraffic
 from ..losses import LOSSES, distill_loss_probs
 from .buffer import OnlineBuffer
 
@@ -115,9 +115,22 @@ class OnlineConfig:
     latest continuation offers: replaying the 200-request code-chat-train stream with SmolLM2's drafter and 8 tokens
     per step (``benchmarks/traffic_replay.py``, online-stream-traffic-v1) gave 9.8-11.1 draft nodes per step instead
     of 12.6-13.8 for about 1% less τ, for CPUs where every verified row costs."""
+    traffic_scoring: str = "frequent"
+    """How the traffic memory picks among earlier occurrences of the context (:data:`~speculant.drafters.traffic.
+    SCORINGS`): ``"frequent"`` walks its n-gram counts (what most often followed), which sharpen as the traffic grows;
+    ``"recent"`` copies what followed the most recent one. Replayed with SmolLM2 and prompt lookup
+    (``benchmarks/online_replay.py``, benchmarks/results/online-replay-cc-v1): on a 400-request code-chat-train stream
+    τ per 50-request window -0.7% (the first) to +3.9% (the last) against ``"recent"`` with a third fewer draft tokens
+    per step (with the default ``traffic_min_score``; +0.3% to +6% without it), and level or ahead on a 150-request
+    ShareGPT JavaScript stream with 23-33% fewer."""
+    traffic_min_score: float = MIN_SCORE
+    """``"frequent"`` scoring: end the memory's chain where its estimated chance of being right falls below this
+    (:class:`~speculant.drafters.traffic.TrafficMemory`'s ``min_score``); 0: no bound. Raise it where a verified row
+    costs more (a quantized 1.5B target on a CPU), lower it where rows are nearly free."""
     traffic_tokens: int = 1 << 17
-    """Bound of the traffic memory, in tokens (with its index 89 bytes each measured on code requests, 300 at worst:
-    12-40 MB at this default)."""
+    """Bound of the traffic memory, in tokens (with its index and counts about 250 bytes each measured on code
+    requests with ``"frequent"`` scoring, 80 with ``"recent"``, 900 at worst: about 33 MB at this default, 120 at
+    worst)."""
     quiet_s: float = 0.25
     """In a server, the idle time before training steps: under steady load (no idle gap that long) updates wait, so
     requests never queue behind training; a request that arrives meanwhile waits for one step at most."""
@@ -137,6 +150,11 @@ class OnlineConfig:
         if not 1 <= self.traffic_min_ngram <= 3:
             raise ValueError(f"online traffic_min_ngram must be 1, 2 or 3 (the memory matches suffixes of at most 3 "
                              f"tokens), got {self.traffic_min_ngram}")
+        if self.traffic_scoring not in SCORINGS:
+            raise ValueError(f"online traffic_scoring must be one of {', '.join(SCORINGS)}, got "
+                             f"{self.traffic_scoring!r}")
+        if not 0 <= self.traffic_min_score < 1:  # also refuses nan
+            raise ValueError(f"online traffic_min_score must be in [0, 1), got {self.traffic_min_score}")
         if not self.distill and not self.traffic:
             raise ValueError("online adaptation without distillation adapts nothing: give traffic > 0 (the traffic "
                              "memory's tokens per step)")
@@ -169,7 +187,8 @@ class OnlineAdapter:
                              "speculant.load(..., draft_quantization='none'))")
         self.session, self.config = session, config
         self.buffer = OnlineBuffer(self.config.max_bytes, self.config.holdout_every)
-        self.traffic = (TrafficMemory(max_tokens=self.config.traffic_tokens, min_ngram=self.config.traffic_min_ngram)
+        self.traffic = (TrafficMemory(max_tokens=self.config.traffic_tokens, min_ngram=self.config.traffic_min_ngram,
+                                      scoring=self.config.traffic_scoring, min_score=self.config.traffic_min_score)
                         if self.config.traffic else None)
         self.version = 0
         self.history: list[dict[str, Any]] = []
