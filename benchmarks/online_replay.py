@@ -17,7 +17,8 @@ give τ per window with and without adaptation without decoding anything:
 The shipped drafter's τ comes from the same replay with no updates and no memory. A replay is not bit for bit a live
 run: the target's probabilities come from a teacher-forced forward instead of the verification forwards (float
 rounding), which can move an update's training and so its check. ``--validate STREAM`` replays a live run's own
-settings and answers (an ``online_stream.json``) and prints its measured τ beside the replay's. No timing: τ only.
+settings and answers (an ``online_stream.json``) and prints its measured τ beside the replay's. No timing: τ and
+draft tokens per step only.
 
 Answers: the shipped session's greedy answers of ``--answers`` (an ``online_stream.json`` of the same stream that
 keeps them: its first requests), then ``--answers-cache``, then greedy decoding with ``--method`` (plain decoding's
@@ -185,10 +186,6 @@ def main() -> None:
                     run_update(adapter, updates)
             progress(r, len(prompts), rows, adapter.version)
     windows = {name: window_tau(rs, args.window) for name, rs in rows.items()}
-    for name, ws in windows.items():  # draft tokens per step: the merged trees' sizes (what verification reads)
-        for w in ws:
-            part = rows[name][w["requests"][0] : w["requests"][1]]
-            w["draft_tokens_per_step"] = sum(r["draft_tokens"] for r in part) / sum(r["target_calls"] for r in part)
     taus = {name: [w["tau"] for w in ws] for name, ws in windows.items()}
     result = {"settings": vars(args), "machine": machine_info(), "method": shipped.method.spec,
               "online": online_settings(args), "windows": windows,
@@ -223,7 +220,7 @@ def write_readme(out: Path, result: dict) -> None:
              "greedy answers replayed through the real adapter (no decoding, no timing).", "",
              "| window | τ shipped | τ online | draft tokens per step, shipped | online |", "|---|---|---|---|---|"]
     lines += [f"| {a['requests'][0]}-{a['requests'][1] - 1} | {a['tau']:.3f} | {b['tau']:.3f} | "
-              f"{a.get('draft_tokens_per_step', float('nan')):.2f} | {b.get('draft_tokens_per_step', float('nan')):.2f} |"
+              f"{a['draft_tokens_per_step']:.2f} | {b['draft_tokens_per_step']:.2f} |"
               for a, b in zip(windows["shipped"], windows["online"])]
     updates = result["updates"]
     lines += ["", f"τ of the last window over the first (online): **{result['online_last_over_first_tau']:.2f}x** "

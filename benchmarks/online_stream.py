@@ -43,9 +43,17 @@ def _p90(values) -> float:
 
 
 def window_tau(rows: list[dict], size: int) -> list[dict]:
-    """Per whole window of ``size`` requests: its ``requests`` range and ``tau`` (new tokens over target calls)."""
-    return [{"requests": [w, w + size], "tau": sum(r["tokens"] for r in rows[w : w + size])
-             / sum(r["target_calls"] for r in rows[w : w + size])} for w in range(0, len(rows) - size + 1, size)]
+    """Per whole window of ``size`` requests: its ``requests`` range, ``tau`` (new tokens over target calls) and,
+    where the rows count them, ``draft_tokens_per_step`` (the merged trees' sizes: the rows verification reads)."""
+    out = []
+    for w in range(0, len(rows) - size + 1, size):
+        part = rows[w : w + size]
+        calls = sum(r["target_calls"] for r in part)
+        window = {"requests": [w, w + size], "tau": sum(r["tokens"] for r in part) / calls}
+        if all("draft_tokens" in r for r in part):
+            window["draft_tokens_per_step"] = sum(r["draft_tokens"] for r in part) / calls
+        out.append(window)
+    return out
 
 
 def _window(rows: list[dict], size: int) -> list[dict]:
@@ -141,9 +149,10 @@ def online_settings(args: argparse.Namespace) -> str:
 def _scoring(args: argparse.Namespace) -> str:
     """The memory's scoring in words (runs from before session 35 hold no scoring: recent)."""
     scoring = getattr(args, "traffic_scoring", "recent")
+    bound = getattr(args, "traffic_min_score", 0.0)
     if scoring != "frequent":
         return f"{scoring} scoring"
-    return f"frequent scoring, chains down to an estimated chance of {getattr(args, 'traffic_min_score', 0.0)}"
+    return "frequent scoring, " + (f"chains down to an estimated chance of {bound}" if bound else "no bound")
 
 
 def run_update(adapter: OnlineAdapter, updates: list[dict]) -> None:

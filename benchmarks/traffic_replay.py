@@ -68,11 +68,12 @@ def replay_request(ids: list[int], answer: list[int], match: list[bool] | None, 
 
 
 def replay(prompts: list[list[int]], answers: list[list[int]], matches: list[list[bool]] | None, k: int,
-           lookup: int, traffic: int, max_new_tokens: int, window: int, min_ngram: int = 1) -> dict[str, list[float]]:
+           lookup: int, traffic: int, max_new_tokens: int, window: int, min_ngram: int = 1,
+           scoring: str = "recent") -> dict[str, list[float]]:
     """Per window of ``window`` requests, ``tau`` and ``nodes`` (draft tokens per step: the merged tree's size) of
     :func:`replay_request` over the stream, every finished request added to the traffic memory (shortest n-gram
-    ``min_ngram``)."""
-    memory = TrafficMemory(min_ngram=min_ngram, scoring="recent")  # as online-stream-traffic-v1 ran
+    ``min_ngram``, ``scoring`` as the stream's run had it: streams from before session 35 ran "recent")."""
+    memory = TrafficMemory(min_ngram=min_ngram, scoring=scoring)
     per_request = []
     for r, (ids, answer) in enumerate(zip(prompts, answers)):
         calls, nodes, _ = replay_request(ids, answer, matches[r] if matches else None, k, lookup, memory, traffic,
@@ -107,7 +108,7 @@ def main() -> None:
     if session.method.name not in ("chain", "lookup"):
         raise SystemExit(f"the replay models chain[:lookup=N] and lookup, not {session.method.spec}")
     matches = [m["match"] for m in draft_matches(session, list(zip(prompts, answers)))] if k else None
-    w, new = st["window"], st["max_new_tokens"]
+    w, new, scoring = st["window"], st["max_new_tokens"], st.get("traffic_scoring", "recent")
     result = {"stream": args.stream, "method": session.method.spec, "window": w, "policies": {}}
 
     def add(label: str, got: dict[str, list[float]]) -> None:
@@ -118,12 +119,14 @@ def main() -> None:
 
     add(session.method.spec, replay(prompts, answers, matches, k, lookup, 0, new, w))
     for t in (int(x) for x in args.traffic.split(",")):
-        add(f"{session.method.spec} + traffic {t}", replay(prompts, answers, matches, k, lookup, t, new, w))
+        add(f"{session.method.spec} + traffic {t}",
+            replay(prompts, answers, matches, k, lookup, t, new, w, scoring=scoring))
         add(f"{session.method.spec} + traffic {t} (n-grams >= 2)",
-            replay(prompts, answers, matches, k, lookup, t, new, w, min_ngram=2))
+            replay(prompts, answers, matches, k, lookup, t, new, w, min_ngram=2, scoring=scoring))
     if lookup:
         add(f"lookup:k={lookup}", replay(prompts, answers, None, 0, lookup, 0, new, w))
-        add(f"lookup:k={lookup} + traffic {lookup}", replay(prompts, answers, None, 0, lookup, lookup, new, w))
+        add(f"lookup:k={lookup} + traffic {lookup}",
+            replay(prompts, answers, None, 0, lookup, lookup, new, w, scoring=scoring))
     measured = {name: [x["tau"] for x in data["windows"][name]] for name in ("shipped", "online")}
     result["measured"] = measured
     print(f"measured: shipped {[round(t, 3) for t in measured['shipped']]}, online "

@@ -9,7 +9,7 @@ import torch
 import speculant
 from speculant.core.engine import generate
 from speculant.core.types import SamplingParams
-from speculant.drafters.traffic import TrafficMemory, WithTraffic
+from speculant.drafters.traffic import SCORINGS, TrafficMemory, WithTraffic
 from speculant.testing import perturbed, tiny_model
 from speculant.train.online import OnlineAdapter, OnlineConfig
 
@@ -46,9 +46,30 @@ def test_frequent_scoring_walks_what_most_often_followed_the_longest_known_suffi
     assert memory.continuation([5, 2], 1) == [3]
     memory.add([6, 3, 5])
     assert memory.continuation([2, 3], 1) == [4]  # "2 3" -> 4 twice, 5 once: "3" alone is not consulted
-    memory.add([1, 2, 3, 5])  # now a tie on "2 3" (4 twice, 5 twice): the most recent continuation
+    memory.add([1, 2, 3, 5])  # now a tie on "2 3" (4 twice, 5 twice): the one that reached the count last
     assert memory.continuation([2, 3], 1) == [5]
-    # min_score: each share is count / (total + 1), the chain ends where their product falls below the bound
+    short = TrafficMemory(ngram=3, min_ngram=2)
+    short.add([1, 2, 3, 4])
+    assert short.continuation([1, 2], 2) == [3, 4]  # a context shorter than ngram: its own 2-gram is found
+
+
+def test_frequent_ties_go_to_the_continuation_that_reached_the_count_last():
+    memory = TrafficMemory(ngram=2, min_score=0)
+    for last in (7, 8, 9):
+        memory.add([1, 2, last])
+    assert memory.continuation([1, 2], 1) == [9]  # 7, 8, 9 once each: 9 reached 1 last
+    memory.add([1, 2, 7])
+    assert memory.continuation([1, 2], 1) == [7]  # 7 twice
+    memory.add([1, 2, 8])
+    assert memory.continuation([1, 2], 1) == [8]  # 7 and 8 twice: 8 reached 2 last
+    memory.add([5, 1, 2, 9])  # the latest occurrence of "1 2" is followed by 9 (once more: 2), which ties again
+    assert memory.continuation([1, 2], 1) == [9]
+    memory.add([1, 2, 6])  # the latest continuation is 6 (once): not a tie with the leaders
+    assert memory.continuation([1, 2], 1) == [9]
+
+
+def test_frequent_chains_end_where_their_estimated_chance_falls_below_min_score():
+    # each share is count / (total + 1), the chain ends where their product falls below the bound
     once = TrafficMemory(ngram=2, min_score=0.3)
     once.add([1, 2, 3, 4, 5])
     assert once.continuation([1, 2], 4) == [3]  # 1/2, then 1/4 < 0.3
@@ -59,10 +80,27 @@ def test_frequent_scoring_walks_what_most_often_followed_the_longest_known_suffi
     assert once.continuation([1, 2], 4) == [3, 4]  # 2/3, then 4/9 >= 0.3, then 8/27 < 0.3
     once.add([1, 2, 3, 4, 5])  # 3/4, 9/16, 27/64 >= 0.3
     assert once.continuation([1, 2], 4) == [3, 4, 5]
-    from speculant.drafters.traffic import MIN_SCORE
-    from speculant.serve.settings import ServeSettings
-    assert ServeSettings().online_traffic_min_score == OnlineConfig().traffic_min_score == MIN_SCORE  # one default
+    half = TrafficMemory(ngram=2, min_score=0.5)
+    half.add([1, 2, 3])
+    assert half.continuation([1, 2], 2) == [3]  # exactly 1/2: kept (the bound is inclusive)
+    above = TrafficMemory(ngram=2, min_score=0.51)
+    above.add([1, 2, 3])
+    assert above.continuation([1, 2], 2) == []  # one observation is not enough for more than 1/2
+
+
+def test_the_memory_settings_share_one_default_and_bad_ones_are_refused():
+    from speculant.drafters.traffic import MIN_SCORE, SCORINGS
+    from speculant.serve.settings import TRAFFIC_SCORINGS, ServeSettings
+    from speculant.serve.worker import online_config
+
+    assert TRAFFIC_SCORINGS == SCORINGS  # the server names them without importing torch
+    assert ServeSettings().online_traffic_min_score == OnlineConfig().traffic_min_score == MIN_SCORE
     assert ServeSettings().online_traffic_scoring == OnlineConfig().traffic_scoring == TrafficMemory().scoring
+    custom = ServeSettings(online=True, online_every=5, online_min_held=2, online_min_z=0.5, online_traffic=6,
+                           online_traffic_min_ngram=2, online_traffic_scoring="recent", online_traffic_min_score=0.3,
+                           online_distill=False)
+    assert online_config(custom) == OnlineConfig(update_every=5, min_held=2, min_z=0.5, traffic=6, traffic_min_ngram=2,
+                                                 traffic_scoring="recent", traffic_min_score=0.3, distill=False)
     for bad in (-0.1, 1.0, True, "0.5"):
         with pytest.raises(ValueError, match="min_score"):
             TrafficMemory(min_score=bad)
@@ -70,20 +108,24 @@ def test_frequent_scoring_walks_what_most_often_followed_the_longest_known_suffi
         TrafficMemory(scoring="often")
     with pytest.raises(ValueError, match="traffic_scoring"):
         OnlineConfig(traffic=8, traffic_scoring="often")
+    with pytest.raises(ValueError, match="traffic_min_score"):
+        OnlineConfig(traffic=8, traffic_min_score=float("nan"))
 
 
-def test_frequent_counts_follow_eviction_and_a_reload():
-    memory = TrafficMemory(ngram=2, max_tokens=40, scoring="frequent")
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_the_counts_follow_eviction_and_a_reload(scoring):
+    memory = TrafficMemory(ngram=2, max_tokens=40, scoring=scoring, min_score=0)
     for i in range(30):
         memory.add([100 + i, 1, 2, 3 if i < 20 else 4])  # early requests continue "1 2" with 3, late ones with 4
-    assert memory.continuation([1, 2], 1) == [4]  # the requests that counted 3 are gone
-    rebuilt = {}
+    assert memory.continuation([1, 2], 1) == [4]  # the requests that had 3 are gone
+    index, counts, best = {}, {}, {}
     for a, b in zip(memory._starts, memory._starts[1:] + [len(memory)]):
-        memory._index_request(memory._tokens, a, b, {}, rebuilt)
-    assert memory._counts == rebuilt  # counts of exactly what is held
-    again = TrafficMemory(ngram=2, max_tokens=40, scoring="frequent")
+        memory._index_request(memory._tokens, a, b, index, counts, best)
+    assert (memory._index, memory._counts, memory._best) == (index, counts, best)  # exactly what is held
+    assert bool(index) == (scoring == "recent") and bool(counts) == bool(best) == (scoring == "frequent")
+    again = TrafficMemory(ngram=2, max_tokens=40, scoring=scoring, min_score=0)
     again.load_state_dict(memory.state_dict())
-    assert again._counts == memory._counts
+    assert (again._index, again._counts, again._best) == (memory._index, memory._counts, memory._best)
 
 
 def test_the_memory_stays_within_its_bound_and_forgets_the_oldest_requests():
@@ -96,8 +138,8 @@ def test_the_memory_stays_within_its_bound_and_forgets_the_oldest_requests():
     assert memory.continuation([1000], 3) == []  # the first request is gone, and so is its index
     assert memory.continuation([1059], 1) != []  # the last one is there
     held = {t for t in memory._tokens}
-    assert all(after < len(memory) for after in memory._index.values())
-    assert {k[0] for k in memory._index} <= held
+    assert {k[0] for k in memory._counts} <= held and memory._counts.keys() == memory._best.keys()
+    assert all(sum(follow.values()) == memory._best[key][2] for key, follow in memory._counts.items())
     memory.add(list(range(500)))  # longer than the bound: its last 100 tokens
     assert len(memory) == 100 and memory.continuation([450], 2) == [451, 452]
 
@@ -108,7 +150,8 @@ def test_the_state_round_trips_and_bad_values_are_refused():
         memory.add(ids)
     again = TrafficMemory()
     again.load_state_dict(memory.state_dict())
-    assert again._tokens == memory._tokens and again._starts == memory._starts and again._index == memory._index
+    assert again._tokens == memory._tokens and again._starts == memory._starts
+    assert (again._index, again._counts, again._best) == (memory._index, memory._counts, memory._best)
     for starts in ([0, 9, 4], [1, 4, 8], [0, 4, 11], []):
         with pytest.raises(ValueError, match="inconsistent"):
             again.load_state_dict({**memory.state_dict(), "starts": torch.tensor(starts, dtype=torch.int64)})

@@ -64,7 +64,7 @@ def epilog() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant serve``'s options on ``p``."""
-    from ..serve.settings import DEFAULT_TARGET
+    from ..serve.settings import DEFAULT_TARGET, TRAFFIC_SCORINGS
 
     d = _defaults()
     common.add_model_arguments(p, target_default=d["target"],
@@ -111,11 +111,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --online-traffic: draft from the memory only where the context's last N tokens (1-3) "
                    "occurred before; 2 drafts fewer rows per step for slightly fewer accepted tokens, for CPUs where "
                    "every row costs; default: %(default)s")
-    p.add_argument("--online-traffic-scoring", choices=("frequent", "recent"), default=d["online_traffic_scoring"],
+    p.add_argument("--online-traffic-scoring", choices=TRAFFIC_SCORINGS, default=d["online_traffic_scoring"],
                    help="with --online-traffic: continue the context with what most often followed it in earlier "
                    "requests (frequent: n-gram counts, which sharpen as the traffic grows) or with what followed its "
                    "latest occurrence (recent); replayed on a 400-request code stream, frequent had 4%% more tokens "
-                   "accepted per step by the last 50 requests, from a third fewer drafted; default: %(default)s")
+                   "accepted per step by the last 50 requests, from 25-33%% fewer drafted; default: %(default)s")
     p.add_argument("--online-traffic-min-score", type=float, metavar="P", default=d["online_traffic_min_score"],
                    help="with frequent scoring: end the memory's chain where its estimated chance of being right (the "
                    "product of each token's count over all that followed its context, plus one) falls below P; "

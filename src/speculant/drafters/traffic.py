@@ -9,9 +9,8 @@ tokens the memory predicts after the context's longest suffix it knows (``ngram`
 ``scoring="frequent"`` (the default) counts what followed every n-gram and walks those counts, each drafted token
 the most frequent continuation of the context so far (SuffixDecoding's frequency scoring, as a chain), a prediction
 that sharpens as the traffic grows; ``"recent"`` copies what followed the context's most recent occurrence, up to
-that request's end. The memory grows as requests finish
-(:class:`speculant.train.online.OnlineAdapter` adds each one), so the drafter improves with its traffic, at no
-training cost.
+that request's end. The memory grows as requests finish (:class:`speculant.train.online.OnlineAdapter` adds each
+one), so the drafter improves with its traffic, at no training cost.
 
 The merged draft is deterministic (``draft_probs`` None) and is verified like prompt lookup's (greedy rule, or the
 deterministic-draft rule when sampling): exact whatever the memory holds. A memory holding other users' requests
@@ -20,16 +19,18 @@ reports accepted (and its latency) tells whether what followed its context had f
 earlier request, so one memory should serve users who may learn that much of each other's traffic (and its saved
 state holds their prompts).
 
-Thread use: :meth:`TrafficMemory.add` and the lookups run on the thread that decodes (a server's decoding thread);
-the eviction swaps its rebuilt lists and index in at once, so a lookup from another thread sees the old or the new
-memory (a torn view could only draft wrong tokens, never emit one).
+Thread use: :meth:`TrafficMemory.add` and the lookups run on the thread that decodes (a server's decoding thread).
+A lookup from another thread stays safe: ``"frequent"`` reads one dict whose entries are replaced whole (a walk keeps
+the dict it started with), ``"recent"`` reads the index, the ids and the request starts with bounds-safe slicing; the
+eviction swaps its rebuilt structures in together, so such a lookup sees the old or the new memory, or entries of
+both, which could only draft other tokens, never emit one.
 
-Memory: the ids (a Python list) and one index entry per distinct n-gram (at most ``ngram`` per token, about 100
-bytes each), with ``"frequent"`` also a small dict of continuation counts per entry: measured on 400 code-chat-train
-requests (105k tokens, 63-67k entries) 80-84 bytes per token ``"recent"``, 242-258 ``"frequent"``; about 300 and 900
-at worst. :attr:`TrafficMemory.max_tokens` bounds them: past it the oldest requests are dropped until the new one
-fits in half the bound, and the index and counts are rebuilt (once per ``max_tokens / 2`` tokens added; a Python loop
-over what is kept).
+Memory: the ids (a Python list) and, per distinct n-gram (at most ``ngram`` per token), an index entry
+(``"recent"``) or a small dict of continuation counts and the best continuation (``"frequent"``):
+``benchmarks/traffic_memory_size.py`` measures the bytes per token (benchmarks/results/traffic_memory_size.json: on
+400 code-chat-train requests, 105k tokens). :attr:`TrafficMemory.max_tokens` bounds them: past it the oldest requests
+are dropped until the new one fits in half the bound, and the index or counts are rebuilt (once per
+``max_tokens / 2`` tokens added; a Python loop over what is kept).
 """
 
 from __future__ import annotations
@@ -43,16 +44,16 @@ from ..core.checks import check_positive_int
 from .base import DecodeState
 from .with_chain import WithChain
 
-__all__ = ["SCORINGS", "TrafficMemory", "WithTraffic"]
+__all__ = ["MIN_SCORE", "SCORINGS", "TrafficMemory", "WithTraffic"]
 
 
 SCORINGS = ("frequent", "recent")
 """How :meth:`TrafficMemory.continuation` picks among earlier occurrences of the context (module doc)."""
 
 MIN_SCORE = 0.1
-""":class:`TrafficMemory`'s default ``min_score``: replaying a 400-request code stream with SmolLM2 and prompt lookup
-(benchmarks/results/online-replay-cc-v1) it drafted 35% fewer memory-and-lookup tokens per step than no bound (7.7 against
-11.8 in the last window) for 2% less τ."""
+""":class:`TrafficMemory`'s default ``min_score``: replaying a 400-request code stream with SmolLM2 and prompt
+lookup (benchmarks/results/online-replay-cc-v1) it drafted 25-35% fewer memory-and-lookup tokens per step than no
+bound (7.7 against 11.8 in the last window) for 1-2% less τ."""
 
 
 class TrafficMemory:
@@ -60,10 +61,11 @@ class TrafficMemory:
 
     Args:
         ngram: the longest context suffix looked up.
-        min_ngram: the shortest (1: a single token's latest continuation when nothing longer matches).
+        min_ngram: the shortest (1: what followed a single token when nothing longer matches).
         max_tokens: the bound on the tokens held (module doc).
         scoring: ``"frequent"``: walk the memory's n-gram counts, each token the one that most often followed the
-            context's longest known suffix (SuffixDecoding's frequency scoring; ties to the most recent);
+            context's longest known suffix (SuffixDecoding's frequency scoring; ties: the one that reached the
+            count last);
             ``"recent"``: copy what followed the context's most recent occurrence.
         min_score: ``"frequent"`` only: end the chain before a token where the product of the chain's shares,
             ``count / (total + 1)`` each (what followed the suffix that often, against everything that did plus one
@@ -87,8 +89,9 @@ class TrafficMemory:
         self.min_score = float(min_score)
         self._tokens: list[int] = []
         self._starts: list[int] = []  # index in _tokens where each request begins (increasing)
-        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
+        self._index: dict[tuple[int, ...], int] = {}  # "recent": n-gram -> index of the token after its last occurrence
         self._counts: dict[tuple[int, ...], dict[int, int]] = {}  # "frequent": n-gram -> {next token: occurrences}
+        self._best: dict[tuple[int, ...], tuple[int, int, int]] = {}  # "frequent": n-gram -> (token, its count, total)
 
     def __len__(self) -> int:
         """Tokens held."""
@@ -110,12 +113,12 @@ class TrafficMemory:
         start = len(self._tokens)
         self._starts.append(start)
         self._tokens.extend(ids)
-        self._index_request(self._tokens, start, len(self._tokens), self._index)
+        self._index_request(self._tokens, start, len(self._tokens), self._index, self._counts, self._best)
 
     def continuation(self, ids: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed, in an earlier request, the most recent occurrence of the longest suffix
-        of ``ids`` (``ngram`` .. ``min_ngram`` tokens); ``[]`` when none occurs. The continuation stops at its
-        request's end."""
+        """Up to ``k`` tokens the memory predicts after ``ids``; ``[]`` when no suffix of ``ids`` (``ngram`` ..
+        ``min_ngram`` tokens) occurred in an earlier request. ``"recent"``: what followed the most recent occurrence
+        of the longest such suffix, up to that request's end; ``"frequent"``: :meth:`_frequent`."""
         if k < 1 or not self._tokens:
             return []
         if self.scoring == "frequent":
@@ -131,18 +134,19 @@ class TrafficMemory:
         return []
 
     def _frequent(self, ids: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens, each the one that most often followed the longest suffix (``ngram`` .. ``min_ngram``
-        tokens) of the context extended by the tokens before it (ties: the most recent occurrence's), while the
-        chain's score stays at least ``min_score`` (the class doc)."""
-        context, out, score = [int(t) for t in ids[len(ids) - self.ngram :]], [], 1.0
+        """Up to ``k`` tokens, each the one that most often followed the longest known suffix (``ngram`` ..
+        ``min_ngram`` tokens) of the context extended by the tokens before it (ties: the one that reached the count
+        last), while the chain's score stays at least ``min_score`` (the class doc). Reads one dict of the memory
+        (``_best``, its entries replaced whole), so a lookup beside :meth:`add` on another thread sees old or new
+        entries, never a torn one."""
+        best = self._best  # one generation for the whole walk (an eviction swaps in a new dict)
+        context, out, score = [int(t) for t in ids[max(0, len(ids) - self.ngram) :]], [], 1.0
         while len(out) < k:
             for n in range(min(self.ngram, len(context)), self.min_ngram - 1, -1):
-                key = tuple(context[len(context) - n :])
-                counts = self._counts.get(key)
-                if counts:
-                    latest = self._tokens[self._index[key]]
-                    token = max(counts, key=lambda t: (counts[t], t == latest))
-                    score *= counts[token] / (sum(counts.values()) + 1)
+                entry = best.get(tuple(context[len(context) - n :]))
+                if entry is not None:
+                    token, count, total = entry
+                    score *= count / (total + 1)
                     break
             else:
                 break
@@ -152,32 +156,38 @@ class TrafficMemory:
             context = (context + [token])[-self.ngram :]
         return out
 
-    def _index_request(self, tokens: list[int], start: int, end: int, index: dict,
-                       counts: dict | None = None) -> None:
-        """Index into ``index`` the n-grams of the request ``tokens[start:end]`` (within it only), later occurrences
-        winning, and count their continuations into ``counts`` (default: this memory's, when it scores by
-        frequency)."""
-        counts = counts if counts is not None else self._counts if self.scoring == "frequent" else None
+    def _index_request(self, tokens: list[int], start: int, end: int, index: dict, counts: dict, best: dict) -> None:
+        """Index the n-grams of the request ``tokens[start:end]`` (within it only): ``"recent"``: into ``index``,
+        later occurrences winning; ``"frequent"``: their continuations counted into ``counts``, each n-gram's most
+        frequent one (ties: the one that reached the count last) with its count and the total in ``best``."""
+        frequent = self.scoring == "frequent"
         for j in range(start + 1, end):  # the token at j follows n-grams ending at j - 1
+            token = tokens[j]
             for n in range(self.min_ngram, min(self.ngram, j - start) + 1):
                 key = tuple(tokens[j - n : j])
-                index[key] = j
-                if counts is not None:
-                    follow = counts.setdefault(key, {})
-                    follow[tokens[j]] = follow.get(tokens[j], 0) + 1
+                if not frequent:
+                    index[key] = j
+                    continue
+                follow = counts.setdefault(key, {})
+                count = follow[token] = follow.get(token, 0) + 1
+                top, top_count, total = best.get(key, (token, 0, 0))
+                best[key] = (token, count, total + 1) if count >= top_count else (top, top_count, total + 1)
 
     def _evict(self, keep: int) -> None:
-        """Drop the oldest requests until at most ``keep`` tokens are left (>= 0), then rebuild the index."""
+        """Drop the oldest requests until at most ``keep`` tokens are left (>= 0), then rebuild the index (or the
+        counts)."""
         cut = len(self._tokens) - max(0, keep)
         r = bisect.bisect_left(self._starts, cut)  # the first request starting at or after the cut survives
         drop = self._starts[r] if r < len(self._starts) else len(self._tokens)
-        tokens, starts, index, counts = self._tokens[drop:], [s - drop for s in self._starts[r:]], {}, {}
+        tokens, starts, index, counts, best = self._tokens[drop:], [s - drop for s in self._starts[r:]], {}, {}, {}
         for a, b in _spans(starts, len(tokens)):
-            self._index_request(tokens, a, b, index, counts if self.scoring == "frequent" else None)
-        self._tokens, self._starts, self._index, self._counts = tokens, starts, index, counts  # at once (module doc)
+            self._index_request(tokens, a, b, index, counts, best)
+        # swapped in together (module doc): a lookup reads one of index or best, each whole
+        self._tokens, self._starts, self._index, self._counts, self._best = tokens, starts, index, counts, best
 
     def state_dict(self) -> dict[str, torch.Tensor | int]:
-        """The memory as tensors, ``tokens`` [T] int32 and ``starts`` [R] int64 (the index is rebuilt on load)."""
+        """The memory as tensors, ``tokens`` [T] int32 and ``starts`` [R] int64 (the index or counts are rebuilt on
+        load)."""
         return {"tokens": torch.tensor(self._tokens, dtype=torch.int32),
                 "starts": torch.tensor(self._starts, dtype=torch.int64), "ngram": self.ngram,
                 "max_tokens": self.max_tokens}
@@ -197,7 +207,7 @@ class TrafficMemory:
         if tokens and (min(tokens) < 0 or (vocab_size is not None and max(tokens) >= vocab_size)):
             raise ValueError("the traffic memory's state holds token ids outside this model's vocabulary (saved "
                              "for another model?)")
-        self._tokens, self._starts, self._index, self._counts = [], [], {}, {}
+        self._tokens, self._starts, self._index, self._counts, self._best = [], [], {}, {}, {}
         for a, b in _spans(starts, len(tokens)):
             self.add(tokens[a:b])
 

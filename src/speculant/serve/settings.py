@@ -23,6 +23,11 @@ MAX_PORT = 65535
 """The largest TCP port."""
 
 
+TRAFFIC_SCORINGS = ("frequent", "recent")
+"""The traffic memory's scorings, the default first (:data:`speculant.drafters.traffic.SCORINGS`, named here without
+importing torch)."""
+
+
 def default_target() -> str:
     """:data:`DEFAULT_TARGET` when its package is installed, else a one-line ValueError saying what to install or
     pass: the server does not fall back to a model that cannot chat."""
@@ -96,8 +101,8 @@ class ServeSettings:
     online_min_z: float = 1.64
     online_traffic: int = 0
     online_traffic_min_ngram: int = 1
-    online_traffic_scoring: str = "frequent"
-    online_traffic_min_score: float = 0.1
+    online_traffic_scoring: str = TRAFFIC_SCORINGS[0]
+    online_traffic_min_score: float = 0.1  # speculant.drafters.traffic.MIN_SCORE (tests hold them equal)
     online_distill: bool = True
     online_state: str | None = None
 
@@ -144,14 +149,15 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         raise ValueError("--online-traffic needs --online")
     if not 1 <= settings.online_traffic_min_ngram <= 3:
         raise ValueError(f"--online-traffic-min-ngram must be 1, 2 or 3, got {settings.online_traffic_min_ngram}")
-    if settings.online_traffic_scoring not in ("frequent", "recent"):  # speculant.drafters.traffic.SCORINGS
-        raise ValueError(f"--online-traffic-scoring must be frequent or recent, got {settings.online_traffic_scoring!r}")
-    if settings.online_traffic_scoring != "frequent" and not settings.online_traffic:
+    if settings.online_traffic_scoring not in TRAFFIC_SCORINGS:
+        raise ValueError(f"--online-traffic-scoring must be one of {', '.join(TRAFFIC_SCORINGS)}, got "
+                         f"{settings.online_traffic_scoring!r}")
+    if settings.online_traffic_scoring != ServeSettings.online_traffic_scoring and not settings.online_traffic:
         raise ValueError("--online-traffic-scoring needs --online-traffic N")
-    if not 0 <= settings.online_traffic_min_score < 1:  # also refuses nan; traffic.MIN_SCORE is the default
+    if not 0 <= settings.online_traffic_min_score < 1:  # also refuses nan
         raise ValueError(f"--online-traffic-min-score must be in [0, 1), got {settings.online_traffic_min_score}")
-    if settings.online_traffic_min_score != 0.1 and not (settings.online_traffic
-                                                         and settings.online_traffic_scoring == "frequent"):
+    if settings.online_traffic_min_score != ServeSettings.online_traffic_min_score and not (
+            settings.online_traffic and settings.online_traffic_scoring == "frequent"):
         raise ValueError("--online-traffic-min-score needs --online-traffic N with frequent scoring")
     if settings.online_traffic_min_ngram != 1 and not settings.online_traffic:
         raise ValueError("--online-traffic-min-ngram needs --online-traffic N")

@@ -270,15 +270,9 @@ class Worker:
         if self.settings.speculation == "auto":  # a first measure of what rows cost, before any request
             self.speculation.cost.calibrate(row_cost(session.target, self._forward()))
         if self.settings.online:
-            from ..train.online import OnlineAdapter, OnlineConfig
+            from ..train.online import OnlineAdapter
 
-            config = OnlineConfig(update_every=self.settings.online_every, min_held=self.settings.online_min_held,
-                                  min_z=self.settings.online_min_z, traffic=self.settings.online_traffic,
-                                  traffic_min_ngram=self.settings.online_traffic_min_ngram,
-                                  traffic_scoring=self.settings.online_traffic_scoring,
-                                  traffic_min_score=self.settings.online_traffic_min_score,
-                                  distill=self.settings.online_distill)
-            self.online = OnlineAdapter(session, config, state_dir=self.settings.online_state)
+            self.online = OnlineAdapter(session, online_config(self.settings), state_dir=self.settings.online_state)
             self.metrics.online_version.set(self.online.version)
             self.metrics.online_buffer.set(self.online.buffer.nbytes)
             self.online.on_update = lambda entry: self.metrics.online_update(entry["accepted"], entry["version"])
@@ -585,6 +579,17 @@ class Worker:
         a = _Active(self, job, index, start)
         a.drafter = observed
         return a
+
+def online_config(settings: ServeSettings):
+    """The :class:`speculant.train.online.OnlineConfig` of a server's ``--online-*`` options."""
+    from ..train.online import OnlineConfig
+
+    return OnlineConfig(update_every=settings.online_every, min_held=settings.online_min_held,
+                        min_z=settings.online_min_z, traffic=settings.online_traffic,
+                        traffic_min_ngram=settings.online_traffic_min_ngram,
+                        traffic_scoring=settings.online_traffic_scoring,
+                        traffic_min_score=settings.online_traffic_min_score, distill=settings.online_distill)
+
 
 def _stats(method: str, steps: dict, decode_s: float) -> dict[str, Any]:
     """The ``speculant`` field of a response from its step counts (``{}``: a job that never ran)."""

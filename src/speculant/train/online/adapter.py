@@ -112,25 +112,25 @@ class OnlineConfig:
     train there (as with ``lookup=N``)."""
     traffic_min_ngram: int = 1
     """The shortest context suffix (tokens, 1-3) the traffic memory drafts from; 2 drops the chains a single token's
-    latest continuation offers: replaying the 200-request code-chat-train stream with SmolLM2's drafter and 8 tokens
-    per step (``benchmarks/traffic_replay.py``, online-stream-traffic-v1) gave 9.8-11.1 draft nodes per step instead
-    of 12.6-13.8 for about 1% less τ, for CPUs where every verified row costs."""
+    continuation offers: replaying the 200-request code-chat-train stream with SmolLM2's drafter and 8 tokens per step
+    (``benchmarks/traffic_replay.py``, online-stream-traffic-v1, ``"recent"`` scoring) gave 9.8-11.1 draft nodes per
+    step instead of 12.6-13.8 for about 1% less τ, for CPUs where every verified row costs."""
     traffic_scoring: str = "frequent"
-    """How the traffic memory picks among earlier occurrences of the context (:data:`~speculant.drafters.traffic.
-    SCORINGS`): ``"frequent"`` walks its n-gram counts (what most often followed), which sharpen as the traffic grows;
-    ``"recent"`` copies what followed the most recent one. Replayed with SmolLM2 and prompt lookup
-    (``benchmarks/online_replay.py``, benchmarks/results/online-replay-cc-v1): on a 400-request code-chat-train stream
-    τ per 50-request window -0.7% (the first) to +3.9% (the last) against ``"recent"`` with a third fewer draft tokens
-    per step (with the default ``traffic_min_score``; +0.3% to +6% without it), and level or ahead on a 150-request
-    ShareGPT JavaScript stream with 23-33% fewer."""
+    """How the traffic memory picks among earlier occurrences of the context
+    (:data:`~speculant.drafters.traffic.SCORINGS`): ``"frequent"`` walks its n-gram counts (what most often
+    followed), which sharpen as the traffic grows; ``"recent"`` copies what followed the most recent one. Replayed
+    with SmolLM2 and prompt lookup (``benchmarks/online_replay.py``, benchmarks/results/online-replay-cc-v1): on a
+    400-request code-chat-train stream τ per 50-request window -0.7% (the first) to +3.9% (the last) against
+    ``"recent"`` with 25-33% fewer draft tokens per step (with the default ``traffic_min_score``; +0.3% to +6% τ
+    without it), and level or ahead on a 150-request ShareGPT JavaScript stream with 23-33% fewer."""
     traffic_min_score: float = MIN_SCORE
     """``"frequent"`` scoring: end the memory's chain where its estimated chance of being right falls below this
     (:class:`~speculant.drafters.traffic.TrafficMemory`'s ``min_score``); 0: no bound. Raise it where a verified row
     costs more (a quantized 1.5B target on a CPU), lower it where rows are nearly free."""
     traffic_tokens: int = 1 << 17
-    """Bound of the traffic memory, in tokens (with its index and counts about 250 bytes each measured on code
-    requests with ``"frequent"`` scoring, 80 with ``"recent"``, 900 at worst: about 33 MB at this default, 120 at
-    worst)."""
+    """Bound of the traffic memory, in tokens (with its counts 270-290 bytes each measured on code requests with
+    ``"frequent"`` scoring, 80 with ``"recent"``'s index, benchmarks/results/traffic_memory_size.json; about 1,200 at
+    worst: about 37 MB at this default, 160 MB at worst)."""
     quiet_s: float = 0.25
     """In a server, the idle time before training steps: under steady load (no idle gap that long) updates wait, so
     requests never queue behind training; a request that arrives meanwhile waits for one step at most."""
