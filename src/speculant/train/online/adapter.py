@@ -120,8 +120,8 @@ class OnlineConfig:
     (:data:`~speculant.drafters.traffic.SCORINGS`): ``"frequent"`` walks its n-gram counts (what most often
     followed), which sharpen as the traffic grows; ``"recent"`` copies what followed the most recent one. Replayed
     with SmolLM2 and prompt lookup (``benchmarks/online_replay.py``, benchmarks/results/online-replay-cc-v1): on a
-    400-request code-chat-train stream τ per 50-request window -0.7% (the first) to +3.9% (the last) against
-    ``"recent"`` with 25-33% fewer draft tokens per step (with the default ``traffic_min_score``; +0.3% to +6% τ
+    400-request code-chat-train stream τ per 50-request window -0.7% (the first) to +3.8% (the last) against
+    ``"recent"`` with 25-33% fewer draft tokens per step (with the default ``traffic_min_score``; +0.3% to +5.8% τ
     without it), and level or ahead on a 150-request ShareGPT JavaScript stream with 23-33% fewer."""
     traffic_min_score: float = MIN_SCORE
     """``"frequent"`` scoring: end the memory's chain where its estimated chance of being right falls below this
@@ -129,8 +129,8 @@ class OnlineConfig:
     costs more (a quantized 1.5B target on a CPU), lower it where rows are nearly free."""
     traffic_tokens: int = 1 << 17
     """Bound of the traffic memory, in tokens (with its counts 270-290 bytes each measured on code requests with
-    ``"frequent"`` scoring, 80 with ``"recent"``'s index, benchmarks/results/traffic_memory_size.json; about 1,200 at
-    worst: about 37 MB at this default, 160 MB at worst)."""
+    ``"frequent"`` scoring, 80 with ``"recent"``'s index, benchmarks/results/traffic_memory_size.json: about 37 MB
+    at this default; more where the traffic repeats few n-grams)."""
     quiet_s: float = 0.25
     """In a server, the idle time before training steps: under steady load (no idle gap that long) updates wait, so
     requests never queue behind training; a request that arrives meanwhile waits for one step at most."""
