@@ -116,10 +116,49 @@ inline int32_t load_i32(const int8_t* p) {
 
 // ---------------------------------------------------------------------------------------- activations
 
-// One row v[K] (float32) -> a[K] int8, dx[K/32], sx[K/32].
+// One row v[K] (float32) -> a[K] int8, dx[K/32], sx[K/32]. The vector routes compute the scalar loop's very values:
+// a max in any order is the same max (a NaN input skipped, as fmaxf skips it: maxps returns its second operand when
+// one is NaN), the product and its rounding to an integer (cvtps2dq in the default rounding mode, as nearbyintf) are
+// per element, the int8 is the int32's low byte (as the cast), and the integer sum is exact in any order.
 void quantize_row(const float* v, int64_t K, int8_t* a, float* dx, float* sx) {
     for (int64_t g = 0; g < K / QK; ++g) {
         const float* b = v + g * QK;
+#if defined(Q4_AVX512)
+        const __m512 x0 = _mm512_loadu_ps(b), x1 = _mm512_loadu_ps(b + 16);
+        const __m512 m = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+        const float d = _mm512_reduce_max_ps(m) / 127.f;
+        const __m512 id = _mm512_set1_ps(d != 0.f ? 1.f / d : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+        _mm_storeu_si128((__m128i*)(a + g * QK), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(a + g * QK + 16), _mm512_cvtepi32_epi8(q1));
+        dx[g] = d;
+        sx[g] = d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif defined(Q4_AVX2)
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        __m256 x[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            x[i] = _mm256_loadu_ps(b + 8 * i);
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, x[i]), m);
+        }
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
+        const float d = _mm_cvtss_f32(h) / 127.f;
+        const __m256 id = _mm256_set1_ps(d != 0.f ? 1.f / d : 0.f);
+        alignas(32) int32_t q[QK];
+        __m256i sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; ++i) {
+            const __m256i qi = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], id));
+            _mm256_store_si256((__m256i*)(q + 8 * i), qi);
+            sum = _mm256_add_epi32(sum, qi);
+        }
+        for (int i = 0; i < QK; ++i) a[g * QK + i] = (int8_t)q[i];
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        dx[g] = d;
+        sx[g] = d * (float)_mm_cvtsi128_si32(s4);
+#else
         float amax = 0.f;
         for (int i = 0; i < QK; ++i) amax = fmaxf(amax, fabsf(b[i]));
         const float d = amax / 127.f;
@@ -133,6 +172,7 @@ void quantize_row(const float* v, int64_t K, int8_t* a, float* dx, float* sx) {
         }
         dx[g] = d;
         sx[g] = d * (float)sum;
+#endif
     }
 }
 
@@ -156,17 +196,53 @@ void prologue(const void* x, bool bf16, int64_t K, const void* norm_w, float eps
         }
         return;
     }
-    for (int64_t i = 0; i < K; ++i) v[i] = load(x, i, bf16);
+    if (bf16)
+        for (int64_t i = 0; i < K; ++i) v[i] = load(x, i, bf16);
+    else
+        memcpy(v, x, sizeof(float) * (size_t)K);
     if (!norm_w) return;
-    float lane[16] = {};
+    alignas(64) float lane[16] = {};
     int64_t i = 0;
+#if defined(Q4_AVX512)
+    {  // the 16 lanes in 16 vector lanes: the same products and sums in the same order
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= K; i += 16) {
+            const __m512 t = _mm512_loadu_ps(v + i);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(t, t));
+        }
+        _mm512_store_ps(lane, acc);
+    }
+#elif defined(Q4_AVX2)
+    {
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        for (; i + 16 <= K; i += 16) {
+            const __m256 t0 = _mm256_loadu_ps(v + i), t1 = _mm256_loadu_ps(v + i + 8);
+            acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(t0, t0));
+            acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(t1, t1));
+        }
+        _mm256_store_ps(lane, acc0);
+        _mm256_store_ps(lane + 8, acc1);
+    }
+#endif
     for (; i + 16 <= K; i += 16)
         for (int l = 0; l < 16; ++l) lane[l] += v[i + l] * v[i + l];
     for (int l = 0; i + l < K; ++l) lane[l] += v[i + l] * v[i + l];
     for (int w = 8; w > 0; w /= 2)
         for (int l = 0; l < w; ++l) lane[l] += lane[l + w];
     const float r = 1.f / sqrtf(lane[0] / (float)K + eps);
-    for (int64_t j = 0; j < K; ++j) v[j] = as_dtype(load(norm_w, j, bf16) * as_dtype(v[j] * r, bf16), bf16);
+    int64_t j = 0;
+#if defined(Q4_AVX512)
+    if (!bf16)  // float32: w * (v * r), two products per element as below
+        for (const __m512 rv = _mm512_set1_ps(r); j + 16 <= K; j += 16)
+            _mm512_storeu_ps(v + j, _mm512_mul_ps(_mm512_loadu_ps((const float*)norm_w + j),
+                                                  _mm512_mul_ps(_mm512_loadu_ps(v + j), rv)));
+#elif defined(Q4_AVX2)
+    if (!bf16)
+        for (const __m256 rv = _mm256_set1_ps(r); j + 8 <= K; j += 8)
+            _mm256_storeu_ps(v + j, _mm256_mul_ps(_mm256_loadu_ps((const float*)norm_w + j),
+                                                  _mm256_mul_ps(_mm256_loadu_ps(v + j), rv)));
+#endif
+    for (; j < K; ++j) v[j] = as_dtype(load(norm_w, j, bf16) * as_dtype(v[j] * r, bf16), bf16);
 }
 
 // ---------------------------------------------------------------------------------------- one tile
@@ -993,8 +1069,11 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
     }
     float* dx = dxs;
     float* sx = dxs + M * G;
-    // rows prepared and quantized in parallel (each row by the same code whichever thread: the same bits)
-#pragma omp parallel for schedule(static) num_threads(threads) if (M > 1)
+    // One parallel region (a fork and join per product, not two): the rows prepared and quantized in parallel (each
+    // row by the same code whichever thread: the same bits), then, after the barrier, the column blocks.
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
         const void* xm = bf16 ? (const void*)((const uint16_t*)x + m * XK) : (const void*)((const float*)x + m * XK);
         prologue(xm, bf16, K, norm_w, eps, glu, vs + m * K);
@@ -1002,14 +1081,14 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
         if (six)
             for (int64_t h = 0; h < 2 * G; ++h) {
                 int32_t sum = 0;
+#if defined(Q4_AVX512)
+                sum = _mm512_reduce_add_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(a + m * K + 16 * h))));
+#else
                 for (int i = 0; i < QK / 2; ++i) sum += a[m * K + 16 * h + i];
+#endif
                 halves[m * 2 * G + h] = 32 * sum;
             }
     }
-    free(vs);
-    (void)threads;
-#pragma omp parallel num_threads(threads)
-    {
     int configured = 0;  // the rows this thread's tile state is configured for (AMX)
 #pragma omp for schedule(static)
     for (int64_t nb = 0; nb < NB; ++nb) {
@@ -1028,6 +1107,15 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
             for (int r = 0; r < mt; ++r) {
                 const float* o = out + NC * r;
                 const int64_t at = (m0 + r) * N + n0;
+#if defined(Q4_AVX512)
+                if (!bf16 && cols == NC) {  // float32, a whole block: the same sums per element as below
+                    __m512 f = _mm512_load_ps(o);
+                    if (bias) f = _mm512_add_ps(f, _mm512_loadu_ps((const float*)bias + n0));
+                    if (residual) f = _mm512_add_ps(_mm512_loadu_ps((const float*)residual + at), f);
+                    _mm512_storeu_ps((float*)y + at, f);
+                    continue;
+                }
+#endif
                 for (int64_t j = 0; j < cols; ++j) {
                     float f = as_dtype(o[j], bf16);
                     if (bias) f = as_dtype(f + load(bias, n0 + j, bf16), bf16);
@@ -1045,6 +1133,8 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
 #endif
     (void)configured;
     }
+    (void)threads;
+    free(vs);
     free(a);
     free(dxs);
     free(halves);
