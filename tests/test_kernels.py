@@ -235,6 +235,35 @@ def test_every_code_path_computes_the_same_bits(lib):
                             assert torch.equal(got, want), (isa, kind, dtype, n, k, m)
 
 
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the ISA variants are x86 builds")
+def test_every_code_path_fuses_the_same_bits(lib):
+    """The fused steps around the product (the RMSNorm's lane sums, silu(gate) * up, + bias, + residual, and the
+    activations' int8 quantization before it) have vector routes of their own on AVX-512 and AVX2: every build gives
+    the scalar build's bits, rows with an odd tail of 16 inputs and a block of huge values included."""
+    isas = ("avx2", "generic") + (("avx512",) if kernels.q4_isa() == "avx512-vnni" else ())
+    paths = {isa: kernels.library(isa) for isa in isas}
+    assert all(paths.values()), paths
+    g = torch.Generator().manual_seed(7)
+    for kind in ("q4", "q6"):
+        for dtype in DTYPES:
+            for n, k in ((40, 96), (300, 1536)):
+                q = _matrix(n, k, dtype, seed=3, kind=kind)
+                x, gu = _rows(5, k, dtype), torch.randn(5, 2 * k, generator=g).to(dtype)
+                x[2, -GROUP:] = 3e4  # a block whose largest value sits last
+                norm, bias = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype), torch.randn(n, generator=g).to(dtype)
+                residual = torch.randn(5, n, generator=g).to(dtype)
+                cases = {"norm": (x, dict(norm=norm, eps=1e-6)), "glu": (gu, dict(glu=True)),
+                         "bias+residual": (x, dict(bias=bias, residual=residual))}
+                for name, (inp, kw) in cases.items():
+                    for m in (1, 3, 5):
+                        kw_m = {**kw, "residual": kw["residual"][:m]} if "residual" in kw else kw
+                        want = kernels.q4_matmul(inp[:m], q._kernel[0], n, lib, bits=q.kernel_bits, **kw_m)
+                        for isa, other in paths.items():
+                            if other is not None:
+                                got = kernels.q4_matmul(inp[:m], q._kernel[0], n, other, bits=q.kernel_bits, **kw_m)
+                                assert torch.equal(got, want), (isa, kind, dtype, n, k, name, m)
+
+
 def test_7_bit_codes_take_their_own_route_to_the_same_bits(lib):
     """q8 codes below 128 (``kernel_bits`` 7: a GGUF file's 4- and 5-bit codes in q8 blocks as they are, or 127-step
     requantization) go to the kernel as bits 7: on AVX2 without VNNI one ``maddubs`` per 4 inputs instead of two, the
