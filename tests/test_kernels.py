@@ -264,6 +264,34 @@ def test_every_code_path_fuses_the_same_bits(lib):
                                 assert torch.equal(got, want), (isa, kind, dtype, n, k, name, m)
 
 
+def test_the_glu_step_is_silu_times_up_to_a_few_ulp_and_the_same_bits_on_every_path(lib):
+    """The kernel's GLU (its own ``1 + exp``, vectorised) against float64's silu(g) * u: within a few float32 ulp
+    wherever float32's exp(-g) is finite (the saturated right end included: silu(g) = g), at most a tiny negative
+    value beyond, inf and NaN kept; every ISA build the same bits, float32 and bfloat16."""
+    g = torch.cat([torch.linspace(-120, 120, 24001), torch.randn(4000) * 4, torch.tensor(
+        [0.0, -0.0, -20.0, 20.0, -88.7, 88.7, -89.0, 89.0, -104.0, 1e-30, -1e-30, float("inf"), float("-inf")])])
+    u = torch.rand(g.numel(), generator=torch.Generator().manual_seed(3)) + 0.5
+    x = torch.cat([g, u]).contiguous()
+    got = kernels.glu(x, lib)
+    g64, u64 = g.double(), u.double()
+    want = (g64 * torch.sigmoid(g64) * u64).float()
+    inside = torch.isfinite(g) & (g > -88)  # below, exp(-g) passes float32's largest value: g / inf = -0
+    ulp = (want[inside].abs().clamp_min(torch.finfo(torch.float32).tiny) * 2.0 ** -23)
+    err = ((got[inside] - want[inside]).abs() / ulp).max().item()
+    assert err <= 4, err
+    far_left = torch.isfinite(g) & (g <= -88)
+    assert (got[far_left] <= 0).all() and (got[far_left].abs() < 1e-35).all()
+    assert got[g == float("inf")].item() == float("inf") and got[g == float("-inf")].isnan().all()
+    assert torch.isnan(kernels.glu(torch.tensor([float("nan"), 1.0]), lib)).all()
+    if platform.machine() in ("x86_64", "AMD64"):
+        isas = ("avx2", "generic") + (("avx512",) if kernels.q4_isa() == "avx512-vnni" else ())
+        for dtype in DTYPES:
+            xd = x.to(dtype)
+            want_bits = kernels.glu(xd, lib).view(torch.int32)  # as bits: NaN's included
+            for isa in isas:
+                assert torch.equal(kernels.glu(xd, kernels.library(isa)).view(torch.int32), want_bits), (isa, dtype)
+
+
 def test_7_bit_codes_take_their_own_route_to_the_same_bits(lib):
     """q8 codes below 128 (``kernel_bits`` 7: a GGUF file's 4- and 5-bit codes in q8 blocks as they are, or 127-step
     requantization) go to the kernel as bits 7: on AVX2 without VNNI one ``maddubs`` per 4 inputs instead of two, the

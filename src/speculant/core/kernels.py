@@ -186,6 +186,9 @@ def _load(path: Path) -> ctypes.CDLL:
                               ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_int,
                               ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.q4_isa.restype = ctypes.c_int
+    if hasattr(lib, "q4_glu"):  # (an earlier revision's build, benchmarks/kernel_ab.py, may lack it)
+        lib.q4_glu.restype = None
+        lib.q4_glu.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_void_p]
     lib.q4_amx.restype = ctypes.c_int
     lib.q4_amx.argtypes = [ctypes.c_int]
     if hasattr(lib, "q4_seven"):  # (an earlier revision's build, benchmarks/kernel_ab.py, may lack it)
@@ -266,6 +269,17 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *
     if norm is not None and glu:
         raise ValueError("q4_matmul fuses a norm or a GLU before the product, not both")
     return q4_call(x, k, packed, bits, n, lib, norm, eps, glu, bias, residual)
+
+
+def glu(x: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
+    """The GLU step a ``glu=True`` product applies before it, on its own: ``x [2K]`` = ``[gate | up]`` (float32 or
+    bfloat16, contiguous) -> ``silu(gate) * up`` ``[K]`` as float32 (holding values of ``x``'s dtype), with the
+    kernel's own ``1 + exp`` (``csrc/q4.cpp``: the same bits on every code path)."""
+    if x.dim() != 1 or x.numel() % 2 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+        raise ValueError(f"glu takes a contiguous float32/bfloat16 [2K], got {x.dtype} {tuple(x.shape)}")
+    out = torch.empty(x.numel() // 2, dtype=torch.float32)
+    lib.q4_glu(x.data_ptr(), x.dtype == torch.bfloat16, out.numel(), out.data_ptr())
+    return out
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
