@@ -249,7 +249,8 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *
 
     Fused around the product (each step rounded to the dtype as the separate torch op would be; see
     ``csrc/q4.cpp``): ``norm [K]`` RMSNorm of each row first (with ``eps``), or ``glu``: ``x`` is ``[M, 2K]`` =
-    ``[gate | up]`` and the product takes ``silu(gate) * up``; after it ``+ bias [n]``, then ``residual [M, n] +``.
+    ``[gate | up]`` and the product takes ``silu(gate) * up`` (silu's exp the kernel's own, within about an ulp of
+    torch's: :func:`glu`); after it ``+ bias [n]``, then ``residual [M, n] +``.
     """
     m, xk = x.shape
     k = xk // 2 if glu else xk

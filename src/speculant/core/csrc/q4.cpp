@@ -184,7 +184,8 @@ void quantize_row(const float* v, int64_t K, int8_t* a, float* dx, float* sx) {
 // element, cost ~3 ns (0.8 ms per row of the 1.5B's forward, on one thread for a one-row product). y is clamped to
 // [-20, 89] first (a NaN becomes -20; silu's g keeps it NaN): below -20, exp(y) < 2^-28 and 1 + exp(y) rounds to 1
 // either way; from 88.73 on, exp(y) overflows to inf either way. exp(y) = 2^k exp(r) with k = round(y log2(e)) and
-// r = y - k ln(2) in two steps (Cody and Waite: k ln2_hi is exact), exp(r) by its Taylor polynomial of degree 7 in
+// r = y - k ln(2) in two steps (Cody and Waite: k ln2_hi is exact; k rounded in the current rounding mode on every
+// path, as nearbyintf), exp(r) by its Taylor polynomial of degree 7 in
 // Horner form (|r| <= 0.35: the truncation stays below 2^-27), and 2^k applied as 2^(k - 1) * 2 so that k = 128 only
 // overflows where the product does. tests/test_kernels.py holds silu(g) * u (q4_glu below) to float64's within a few
 // float32 ulp, and every build to the same bits.
@@ -210,7 +211,7 @@ inline float one_plus_exp(float y) {
 inline __m512 one_plus_exp512(__m512 y) {
     y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(EXP_LO)), _mm512_set1_ps(EXP_HI));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(EXP_LOG2E)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                                          _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(EXP_LN2_HI), y);
     r = _mm512_fnmadd_ps(k, _mm512_set1_ps(EXP_LN2_LO), r);
     __m512 p = _mm512_set1_ps(EXP_C[0]);
@@ -223,7 +224,7 @@ inline __m512 one_plus_exp512(__m512 y) {
 inline __m256 one_plus_exp256(__m256 y) {
     y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(EXP_LO)), _mm256_set1_ps(EXP_HI));
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(y, _mm256_set1_ps(EXP_LOG2E)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                                     _MM_FROUND_CUR_DIRECTION | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(EXP_LN2_HI), y);
     r = _mm256_fnmadd_ps(k, _mm256_set1_ps(EXP_LN2_LO), r);
     __m256 p = _mm256_set1_ps(EXP_C[0]);
@@ -252,9 +253,10 @@ void prologue(const void* x, bool bf16, int64_t K, const void* norm_w, float eps
         if (!bf16) {  // float32: 16 (8) lanes at a time, the same operations as the loop below
             const float* gu = (const float*)x;
 #if defined(Q4_AVX512)
-            for (const __m512 sign = _mm512_set1_ps(-0.f); i + 16 <= K; i += 16) {
-                const __m512 g = _mm512_loadu_ps(gu + i);
-                const __m512 silu = _mm512_div_ps(g, one_plus_exp512(_mm512_xor_ps(g, sign)));
+            for (const __m512i sign = _mm512_set1_epi32(INT32_MIN); i + 16 <= K; i += 16) {
+                const __m512 g = _mm512_loadu_ps(gu + i);  // -g: the sign bit flipped (integer xor: AVX-512F)
+                const __m512 neg = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), sign));
+                const __m512 silu = _mm512_div_ps(g, one_plus_exp512(neg));
                 _mm512_storeu_ps(v + i, _mm512_mul_ps(silu, _mm512_loadu_ps(gu + K + i)));
             }
 #elif defined(Q4_AVX2)
@@ -1113,7 +1115,8 @@ void q4_glu(const void* x, int bf16, int64_t K, float* out) { prologue(x, bf16 !
 // blocks of `bits` (4 or 8) bit codes, see the top of the file; 7: 8-bit blocks whose codes are all below 128, which
 // the caller guarantees: an AVX2 build without VNNI multiplies them by a cheaper route, every other build as 8-bit
 // ones, the same bits either way; 6: 6-bit blocks, see "q6" above), written in x's dtype. K must be a multiple of 32. Uses `threads` OpenMP threads
-// over the column blocks. Fused steps, each rounded to the dtype as torch's separate ops would round it (all
+// over the rows (their preparation), then over the column blocks. Fused steps, each rounded to the dtype as torch's
+// separate ops would round it (silu's exp is the kernel's own, one_plus_exp: within about an ulp of torch's) (all
 // optional; pass null / 0):
 //   before: norm_w [K] (RMSNorm of each row with eps) or glu (x is [M, 2K] = [gate | up], see prologue());
 //   after:  y = y + bias[N], then y = residual[M, N] + y  (residual may be y itself).
