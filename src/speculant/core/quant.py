@@ -38,8 +38,9 @@ int4 version, and from then on every method (plain decoding, chains, trees, look
   stores in more than 4 bits (:data:`HOLDS`): Q6_K as q6, Q5_0, Q8_0 ... as q8, so the model stays as close to the
   file as q4's activations allow (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file
   0.993 with its Q6_K tensors in q6, 0.996 with them in q8, where all-4-bit q4 gives 0.961, on 16 MT-Bench answers;
-  0.992 with q6 over all 80 since the kernel's GLU computes its own exp; benchmarks/results/quant-fidelity). A q6 value projection fused with q4 q and k (the lean forward's one q/k/v
-  matrix) is held as q8 on the model too (:func:`unify_fused`), so that both forwards multiply by the same matrices.
+  0.992 with q6 over all 80 since the kernel's GLU computes its own exp; benchmarks/results/quant-fidelity). A q6
+  value projection fused with q4 q and k (the lean forward's one q/k/v matrix) is held as q8 on the model too
+  (:func:`unify_fused`), so that both forwards multiply by the same matrices.
 
 How it is wired: :func:`quantize_model` records the :class:`QuantMatrix` on each decoder-layer linear and the LM head
 (attribute :data:`ATTR`) and then drops the module's float weight (:func:`release`): the weight becomes
