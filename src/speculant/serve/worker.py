@@ -580,6 +580,7 @@ class Worker:
         a.drafter = observed
         return a
 
+
 def online_config(settings: ServeSettings):
     """The :class:`speculant.train.online.OnlineConfig` of a server's ``--online-*`` options."""
     from ..train.online import OnlineConfig

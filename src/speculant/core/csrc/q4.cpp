@@ -1159,8 +1159,9 @@ int q4_matmul(const void* x, int bf16, int64_t M, int64_t K, const uint8_t* w, i
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m) {
         const void* xm = bf16 ? (const void*)((const uint16_t*)x + m * XK) : (const void*)((const float*)x + m * XK);
-        prologue(xm, bf16, K, norm_w, eps, glu, vs + m * K);
-        quantize_row(vs + m * K, K, a + m * K, dx + m * G, sx + m * G);
+        const bool as_is = !bf16 && !norm_w && !glu;  // a float32 row quantized as it is: no copy into vs
+        if (!as_is) prologue(xm, bf16, K, norm_w, eps, glu, vs + m * K);
+        quantize_row(as_is ? (const float*)xm : vs + m * K, K, a + m * K, dx + m * G, sx + m * G);
         if (six)
             for (int64_t h = 0; h < 2 * G; ++h) {
                 int32_t sum = 0;
