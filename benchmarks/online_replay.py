@@ -176,7 +176,7 @@ def main() -> None:
             else:
                 match = None
             calls, nodes, steps = replay_request(ids, answer, match, k, lookup, adapter.traffic, cfg.traffic,
-                                                 args.max_new_tokens)
+                                                 args.max_new_tokens, cfg.traffic_tree)
             rows["online"].append({"request": r, "tokens": len(answer), "target_calls": calls, "draft_tokens": nodes,
                                    "tau": len(answer) / calls, "version": adapter.version})
             seen = observation(adapting, ids, answer, steps, cfg.top_k) if cfg.distill else None

@@ -120,6 +120,8 @@ def stream_arguments(ap: argparse.ArgumentParser) -> None:
                     help="recent: copy what followed the context's latest occurrence; frequent: what most often did")
     ap.add_argument("--traffic-min-score", type=float, default=OnlineConfig.traffic_min_score,
                     help="frequent scoring: end the memory's chain where its estimated chance falls below this")
+    ap.add_argument("--traffic-tree", type=int, default=OnlineConfig.traffic_tree, metavar="N",
+                    help="frequent scoring: draft the memory's tree of up to N nodes instead of one chain; 0: chain")
     ap.add_argument("--no-distill", action="store_true",
                     help="the traffic memory only (--traffic N): no draft model trained, any --method")
     ap.add_argument("--threads", type=int, default=2)
@@ -133,7 +135,7 @@ def online_config(args: argparse.Namespace) -> OnlineConfig:
                         min_z=args.min_z,
                         traffic=args.traffic, traffic_min_ngram=args.traffic_min_ngram,
                         traffic_scoring=args.traffic_scoring, traffic_min_score=args.traffic_min_score,
-                        distill=not args.no_distill, seed=args.seed)
+                        traffic_tree=getattr(args, "traffic_tree", 0), distill=not args.no_distill, seed=args.seed)
 
 
 def online_settings(args: argparse.Namespace) -> str:
@@ -152,7 +154,9 @@ def _scoring(args: argparse.Namespace) -> str:
     bound = getattr(args, "traffic_min_score", 0.0)
     if scoring != "frequent":
         return f"{scoring} scoring"
-    return "frequent scoring, " + (f"chains down to an estimated chance of {bound}" if bound else "no bound")
+    tree = getattr(args, "traffic_tree", 0)
+    shape = f"a tree of up to {tree} nodes" if tree else "chains"
+    return f"frequent scoring, {shape} " + (f"down to an estimated chance of {bound}" if bound else "with no bound")
 
 
 def run_update(adapter: OnlineAdapter, updates: list[dict]) -> None:

@@ -32,23 +32,25 @@ from online_stream import stream_prompts
 
 
 def replay_request(ids: list[int], answer: list[int], match: list[bool] | None, k: int, lookup: int,
-                   memory: TrafficMemory | None, traffic: int, max_new_tokens: int
+                   memory: TrafficMemory | None, traffic: int, max_new_tokens: int, tree: int = 0
                    ) -> tuple[int, int, list[tuple[int, int, bool]]]:
     """One request replayed: its steps (target calls), draft tokens over all steps (the merged trees' sizes) and per
     step ``(i, committed, refused)``: the answer index it started at, the tokens it committed (accepted + bonus) and
     whether a draft token was offered after the accepted path (the bonus replaced a refused draft). A model chain
     of ``k`` (its teacher-forced ``match``; 0: none), a prompt-lookup chain of ``lookup`` (ngram 3) and a traffic
-    chain of ``traffic`` tokens from ``memory`` (None or 0: none) are merged; where the model's token is not the
-    answer's its identity is unknown: it counts as a node of its own."""
+    chain of ``traffic`` tokens from ``memory`` (None or 0: none) are merged, or with ``tree`` > 0 the memory's tree of
+    that many nodes (:meth:`TrafficMemory.tree`, ``traffic`` deep); where the model's token is not the answer's its
+    identity is unknown: it counts as a node of its own."""
     n, i, calls, nodes = len(answer), 0, 0, 0  # the prompt's last token is the first step's root: it drafts too
     steps: list[tuple[int, int, bool]] = []
     while i < n:
         limit = max_new_tokens - i - 1
         context = ids + answer[:i]
         model = [answer[i + j] if i + j < n and match[i + j] else -1 - j for j in range(min(k, limit))]
-        chains = [model,
-                  lookup_continuation(context, 3, min(lookup, limit)) if lookup else [],
-                  memory.continuation(context, min(traffic, limit)) if traffic and memory is not None else []]
+        chains = [model, lookup_continuation(context, 3, min(lookup, limit)) if lookup else []]
+        if traffic and memory is not None:
+            chains += (memory.tree(context, min(traffic, limit), tree) if tree else
+                       [memory.continuation(context, min(traffic, limit))])
         best = 0
         runs = []
         tokens: list[int] = []

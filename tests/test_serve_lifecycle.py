@@ -252,6 +252,15 @@ def test_body_grace_and_online_options_are_checked(models, capsys):
     with pytest.raises(ValueError, match="--online-traffic-min-score"):
         check_settings(ServeSettings(target=models["target"], draft=models["draft"], online=True, online_traffic=4,
                                      online_traffic_min_score=float("nan")))
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic", "4", "--online-traffic-tree",
+                                            "-1")], "--online-traffic-tree")
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic-tree", "8")],
+                   "--online-traffic-tree needs")
+    cli_error_line(capsys, ["serve", *_args(models, "--online", "--online-traffic", "4", "--online-traffic-scoring",
+                                            "recent", "--online-traffic-tree", "8")], "--online-traffic-tree needs")
+    with pytest.raises(ValueError, match="--online-traffic-tree"):
+        check_settings(ServeSettings(target=models["target"], draft=models["draft"], online=True, online_traffic=4,
+                                     online_traffic_tree=-2))
 
 
 # ---------------------------------------------------------------------------------------------- item 7

@@ -101,6 +101,9 @@ def test_the_memory_settings_share_one_default_and_bad_ones_are_refused():
                            online_distill=False)
     assert online_config(custom) == OnlineConfig(update_every=5, min_held=2, min_z=0.5, traffic=6, traffic_min_ngram=2,
                                                  traffic_scoring="recent", traffic_min_score=0.3, distill=False)
+    tree = ServeSettings(online=True, online_traffic=6, online_traffic_tree=12)
+    assert online_config(tree) == OnlineConfig(traffic=6, traffic_tree=12)
+    assert ServeSettings().online_traffic_tree == OnlineConfig().traffic_tree == 0
     for bad in (-0.1, 1.0, True, "0.5"):
         with pytest.raises(ValueError, match="min_score"):
             TrafficMemory(min_score=bad)
@@ -171,6 +174,38 @@ def test_the_state_round_trips_and_bad_values_are_refused():
             OnlineConfig(traffic=4, traffic_min_ngram=bad)
 
 
+def test_the_memory_tree_holds_the_best_scoring_continuations_side_by_side():
+    memory = TrafficMemory(ngram=2, min_score=0)
+    assert memory.tree([1, 2], 3, 4) == []  # empty memory
+    for ids in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 6], [1, 2, 5, 7]):
+        memory.add(ids)
+    # "1 2" -> 3 (3 times, score 3/5), 5 (once, 1/5); "2 3" -> 4 (twice), 6 (once): "1 2 3 4" scores 3/5 * 2/4
+    assert memory.tree([1, 2], 1, 8) == [[3], [5]]  # one deep: both continuations side by side
+    assert memory.tree([1, 2], 2, 2) == [[3, 4]]  # the two best nodes: 3 (0.6), then 3 4 (0.3) over 5 (0.2)
+    full = memory.tree([1, 2], 3, 100)
+    assert sorted(map(tuple, full)) == [(3, 4), (3, 6), (5, 7)]  # every path (4 and 6, 7 end their requests)
+    assert [p[0] for p in memory.tree([1, 2], 3, 100)][0] == 3
+    for budget in range(1, 6):  # at most budget nodes, each a distinct prefix of a path
+        nodes = {tuple(p[:j]) for p in memory.tree([1, 2], 3, budget) for j in range(1, len(p) + 1)}
+        assert len(nodes) == min(budget, 5)
+    assert memory.continuation([1, 2], 3) in full  # the chain is one of the tree's paths
+    bounded = TrafficMemory(ngram=2, min_score=0.25)
+    for ids in ([1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 6], [1, 2, 5, 7]):
+        bounded.add(ids)
+    assert bounded.tree([1, 2], 3, 100) == [[3, 4]]  # 5 (0.2) and 3 6 (0.15) fall below the bound
+    recent = TrafficMemory(ngram=2, scoring="recent")
+    recent.add([1, 2, 3, 4])
+    assert recent.tree([1, 2], 3, 8) == [[3, 4]]  # recent scoring: its chain
+    with pytest.raises(ValueError, match="budget"):
+        memory.tree([1, 2], 3, 0)
+    with pytest.raises(ValueError, match="node budget"):
+        WithTraffic(speculant.build_drafter("lookup"), memory, k=4, tree=-1)
+    with pytest.raises(ValueError, match="traffic_tree"):
+        OnlineConfig(traffic=8, traffic_tree=-1)
+    with pytest.raises(ValueError, match="frequent"):
+        OnlineConfig(traffic=8, traffic_tree=8, traffic_scoring="recent")
+
+
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_model("llama", seed=1)
@@ -189,17 +224,25 @@ def test_drafting_from_earlier_requests_is_exact_and_accepted(pair):
     gen = generate(target, prompt, drafter, max_new_tokens=40, eos_token_id=[])
     assert gen.token_ids == plain.token_ids == alone.token_ids
     assert gen.stats.target_calls < alone.stats.target_calls / 2  # the memory's chain was accepted
+    branching = WithTraffic(speculant.build_drafter("chain:k=2", draft), memory, k=8, tree=12)
+    gen = generate(target, prompt, branching, max_new_tokens=40, eos_token_id=[])
+    assert gen.token_ids == plain.token_ids and gen.stats.target_calls < alone.stats.target_calls / 2
     other = [9, 8, 7]  # another prompt: whatever is drafted, plain's output; mask probes' trees go unmerged
     want = generate(target, other, None, max_new_tokens=30, eos_token_id=[]).token_ids
+    noise = torch.Generator().manual_seed(0)
+    for _ in range(30):  # contexts followed by several continuations: the tree branches
+        memory.add(torch.randint(0, 12, (20,), generator=noise).tolist())
+    assert any(len(memory.tree(list(t), 4, 16)) > 1 for t in torch.randint(0, 12, (20, 2), generator=noise).tolist())
     for inner in ("lookup", "mask-probe"):
-        drafter = WithTraffic(speculant.build_drafter(inner), memory, k=4)
-        assert generate(target, other, drafter, max_new_tokens=30, eos_token_id=[]).token_ids == want
+        for nodes in (0, 16):
+            drafter = WithTraffic(speculant.build_drafter(inner), memory, k=4, tree=nodes)
+            assert generate(target, other, drafter, max_new_tokens=30, eos_token_id=[]).token_ids == want
 
 
-@pytest.mark.parametrize("n", sizes(2000, id="n"))
-def test_sampling_with_the_traffic_chain_matches_the_target_distribution(n):
-    """The memory's chain is a deterministic draft merged into a sampled chain (which then drops its q): the
-    deterministic-draft rule keeps the target's distribution."""
+@pytest.mark.parametrize("tree,n", [*sizes(2000, 0, id="chain"), *sizes(2000, 12, id="tree")])
+def test_sampling_with_the_traffic_chain_matches_the_target_distribution(tree, n):
+    """The memory's chain (or its tree) is a deterministic draft merged into a sampled chain (which then drops its
+    q): the deterministic-draft rule keeps the target's distribution."""
     from test_sampling_distribution import PROMPT, VOCAB, exact_joint, pvalues, sample_counts
 
     target = tiny_model("llama", vocab_size=VOCAB, init_std=0.2, seed=0)
@@ -212,8 +255,10 @@ def test_sampling_with_the_traffic_chain_matches_the_target_distribution(n):
                                      eos_token_id=[]).token_ids)
         memory.add(torch.randint(0, VOCAB, (8,), generator=g).tolist())
     assert memory.continuation(PROMPT, 3)  # the prompt's continuation is drafted from the memory
+    assert not tree or len(memory.tree(PROMPT, 3, tree)) > 1  # the tree branches there
     counts, hist, drafted = sample_counts(
-        target, lambda: WithTraffic(speculant.build_drafter("chain:k=2", draft), memory, k=3), params, 3, n, seed0=99)
+        target, lambda: WithTraffic(speculant.build_drafter("chain:k=2", draft), memory, k=3, tree=tree), params, 3,
+        n, seed0=99)
     assert hist[1:].sum() > 100  # drafts were accepted
     bad = {name: p for name, p in pvalues(counts, exact_joint(target, params, 3)).items() if not p > 1e-4}
     assert not bad, f"empirical distribution differs from the target's: p-values {bad}"
@@ -264,5 +309,15 @@ def test_the_memory_alone_serves_any_method_without_a_draft_model(pair, tmp_path
     assert two.traffic.min_ngram == 2 and two.traffic._tokens == adapter.traffic._tokens  # resumed at its own setting
     assert two.traffic.continuation([prompt[-1]], 4) == []  # one token of context: too short to draft from now
     assert adapter.traffic.continuation([prompt[-1]], 4)  # where n-grams of 1 did
+    branching = OnlineAdapter(speculant.load(target=target, method="lookup"),
+                              OnlineConfig(distill=False, traffic=6, traffic_tree=12, traffic_min_score=0.01),
+                              state_dir=tmp_path)
+    assert branching.drafter().inner.tree == 12  # the served drafter merges the memory's tree
+    grown = branching.generate(prompt, max_new_tokens=40, eos_token_id=[])
+    assert grown.token_ids == plain and grown.stats.target_calls < first.stats.target_calls / 2
+    with pytest.raises(ValueError, match="traffic_tree needs traffic"):
+        OnlineConfig(traffic_tree=8)
+    with pytest.raises(ValueError, match="traffic_tree"):
+        OnlineConfig(traffic=8, traffic_tree=2.5)
     with pytest.raises(ValueError, match="draft model"):
         OnlineAdapter(speculant.load(target=target, method="lookup"), OnlineConfig(traffic=6))

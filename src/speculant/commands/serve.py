@@ -101,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the held-back positions where exactly one of the old and the new drafter agrees; 0: swap in "
                    "whenever agreement did not drop, which a few requests' noise often passes; default: %(default)s")
     p.add_argument("--online-traffic", type=nonnegative_int, metavar="N", default=d["online_traffic"],
-                   help="with --online: also draft up to N tokens per step from the tokens of earlier requests (a "
+                   help="with --online: also draft up to N tokens per step (a chain, or the depth of "
+                   "--online-traffic-tree) from the tokens of earlier requests (a "
                    "bounded memory looked up like prompt lookup: repeated instructions and answer phrasing are "
                    "drafted again, with no training). Output is unchanged, but the memory is shared: a response's "
                    "accepted-token count tells whether its continuation followed the same context in an earlier "
@@ -120,6 +121,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with frequent scoring: end the memory's chain where its estimated chance of being right (the "
                    "product of each token's count over all that followed its context, plus one) falls below P; "
                    "raise it where verifying a row costs more (a quantized 1.5B on a CPU), 0 for no bound; "
+                   "default: %(default)s")
+    p.add_argument("--online-traffic-tree", type=nonnegative_int, metavar="N", default=d["online_traffic_tree"],
+                   help="with frequent scoring: draft the memory's tree of up to N nodes, --online-traffic tokens "
+                   "deep (its likeliest continuations side by side, grown best first) instead of one chain: more "
+                   "tokens accepted per step as the traffic grows, for more rows verified per step; pair it with a "
+                   "lower --online-traffic-min-score (0.05 for 16 nodes, 0.01 for 64). On 2 CPU cores a 64-node "
+                   "tree cost more than it gained; it should pay where a row costs little; 0: the chain; "
                    "default: %(default)s")
     p.add_argument("--online-distill", action=argparse.BooleanOptionalAction, default=d["online_distill"],
                    help="with --online: distil the draft model on the traffic (needs a float draft model); "

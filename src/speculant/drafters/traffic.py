@@ -9,7 +9,11 @@ tokens the memory predicts after the context's longest suffix it knows (``ngram`
 ``scoring="frequent"`` (the default) counts what followed every n-gram and walks those counts, each drafted token
 the most frequent continuation of the context so far (SuffixDecoding's frequency scoring, as a chain), a prediction
 that sharpens as the traffic grows; ``"recent"`` copies what followed the context's most recent occurrence, up to
-that request's end. The memory grows as requests finish (:class:`speculant.train.online.OnlineAdapter` adds each
+that request's end. With a node budget (``WithTraffic(tree=N)``) the memory drafts a tree instead of its one chain
+(:meth:`TrafficMemory.tree`, SuffixDecoding's tree speculation): the best-scoring continuations side by side, grown
+best first, so that where several continuations followed a context the likely ones are all verified; the memory's
+counts cover more of the traffic as it grows, and a tree turns more of that coverage into accepted tokens, for more
+verified rows per step. The memory grows as requests finish (:class:`speculant.train.online.OnlineAdapter` adds each
 one), so the drafter improves with its traffic, at no training cost.
 
 The merged draft is deterministic (``draft_probs`` None) and is verified like prompt lookup's (greedy rule, or the
@@ -21,9 +25,10 @@ state holds their prompts).
 
 Thread use: :meth:`TrafficMemory.add` and the lookups run on the thread that decodes (a server's decoding thread).
 A lookup from another thread stays safe: ``"frequent"`` reads one dict whose entries are replaced whole (a walk keeps
-the dict it started with), ``"recent"`` reads the index, the ids and the request starts with bounds-safe slicing; the
-eviction swaps its rebuilt structures in together, so such a lookup sees the old or the new memory, or entries of
-both, which could only draft other tokens, never emit one.
+the dict it started with; a tree copies each count dict it reads, which the GIL makes atomic), ``"recent"`` reads the
+index, the ids and the request starts with bounds-safe slicing; the eviction swaps its rebuilt structures in
+together, so such a lookup sees the old or the new memory, or entries of both, which could only draft other tokens,
+never emit one.
 
 Memory: the ids (a Python list) and, per distinct n-gram (at most ``ngram`` per token), an index entry
 (``"recent"``) or a small dict of continuation counts and the best continuation (``"frequent"``):
@@ -36,6 +41,8 @@ are dropped until the new one fits in half the bound, and the index or counts ar
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -156,6 +163,58 @@ class TrafficMemory:
             context = (context + [token])[-self.ngram :]
         return out
 
+    def tree(self, ids: Sequence[int], k: int, budget: int) -> list[list[int]]:
+        """The memory's draft tree after ``ids``, as its root-to-leaf paths: at most ``budget`` nodes, at most ``k``
+        deep, grown best first (SuffixDecoding's tree speculation). A node's score is its path's product of
+        ``count / (total + 1)`` (what followed the longest known suffix of the context extended by the path, as
+        :meth:`continuation` scores its chain); the tree holds the ``budget`` best-scoring nodes whose score is at
+        least ``min_score`` (a child scores less than its parent, so they form a tree), so where the memory has seen
+        several continuations of a context it proposes the likely ones side by side instead of the most frequent
+        alone. The chain is the path of each node's best child; a budget too small for it keeps its likelier
+        prefix. ``[]`` when no suffix is known; ``"recent"`` scoring: :meth:`continuation`'s chain as the one path.
+        Each count dict read is copied first (``add`` updates them in place; a dict copy of int keys and values is
+        atomic under CPython's GIL), so a lookup beside :meth:`add` on another thread stays safe: an eviction between
+        its reads of the counts and of the best continuations can only reorder tied tokens."""
+        check_positive_int("budget", budget)
+        if self.scoring != "frequent" or k < 1 or not self._tokens:
+            chain = self.continuation(ids, k)
+            return [chain] if chain else []
+        counts, best = self._counts, self._best  # one generation (an eviction swaps in new dicts)
+        context = [int(t) for t in ids[max(0, len(ids) - self.ngram) :]]
+        heap: list[tuple[float, int, list[int]]] = []  # (-score, order pushed, path)
+        order = itertools.count()
+
+        def grow(path: list[int], score: float, room: int) -> None:
+            """Push ``path``'s children that score at least ``min_score``, the ``room`` best (no others could be
+            taken)."""
+            if len(path) >= k:
+                return
+            ctx = (context + path)[-self.ngram :]
+            for n in range(min(self.ngram, len(ctx)), self.min_ngram - 1, -1):
+                key = tuple(ctx[len(ctx) - n :])
+                follow = counts.get(key)
+                if follow:
+                    break
+            else:
+                return
+            follow = dict(follow)  # a snapshot
+            total = sum(follow.values())
+            top = best.get(key, (None,))[0]  # ties between counts: the chain's pick first
+            for token, count in heapq.nsmallest(room, follow.items(), key=lambda tc: (-tc[1], tc[0] != top)):
+                child = score * (count / (total + 1))  # as the chain multiplies its shares
+                if child < self.min_score:
+                    break
+                heapq.heappush(heap, (-child, next(order), path + [token]))
+
+        grow([], 1.0, budget)
+        nodes: list[list[int]] = []
+        while heap and len(nodes) < budget:
+            score, _, path = heapq.heappop(heap)
+            nodes.append(path)
+            grow(path, -score, budget - len(nodes))
+        inner = {tuple(p[:-1]) for p in nodes}
+        return [p for p in nodes if tuple(p) not in inner]
+
     def _index_request(self, tokens: list[int], start: int, end: int, index: dict, counts: dict, best: dict) -> None:
         """Index the n-grams of the request ``tokens[start:end]`` (within it only): ``"recent"``: into ``index``,
         later occurrences winning; ``"frequent"``: their continuations counted into ``counts``, each n-gram's most
@@ -219,15 +278,22 @@ def _spans(starts: list[int], total: int) -> list[tuple[int, int]]:
 
 class WithTraffic(WithChain):
     """``inner``'s draft tree plus the ``k`` tokens ``memory`` says followed the context's suffix in earlier
-    requests (:meth:`TrafficMemory.continuation`), merged as a deterministic chain; a tree whose nodes carry probes
-    (mask probing, ConFu with ``contemplate=all``) is proposed without it."""
+    requests (:meth:`TrafficMemory.continuation`), merged as a deterministic chain; with ``tree`` > 0 the memory's
+    tree of at most that many nodes, ``k`` deep, instead (:meth:`TrafficMemory.tree`). A tree whose nodes carry
+    probes (mask probing, ConFu with ``contemplate=all``) is proposed without it."""
 
     option = "traffic"
     optional = True
 
-    def __init__(self, inner, memory: TrafficMemory, k: int = 8) -> None:
+    def __init__(self, inner, memory: TrafficMemory, k: int = 8, tree: int = 0) -> None:
         super().__init__(inner, k)
         self.memory = memory
+        if not (isinstance(tree, int) and not isinstance(tree, bool) and tree >= 0):
+            raise ValueError(f"the traffic tree's node budget must be an integer >= 0 (0: a chain), got {tree!r}")
+        self.tree = tree
 
     def chain(self, state: DecodeState, k: int) -> list[int]:
         return self.memory.continuation(state.ids, k)
+
+    def chains(self, state: DecodeState, k: int) -> list[list[int]]:
+        return self.memory.tree(state.ids, k, self.tree) if self.tree else [self.chain(state, k)]

@@ -70,9 +70,9 @@ class ServeSettings:
     (:class:`speculant.train.online.OnlineConfig`); ``online_traffic``: also draft up to that many tokens per step
     from earlier requests' tokens (:mod:`speculant.drafters.traffic`; 0: none), matching context suffixes of at least
     ``online_traffic_min_ngram`` tokens, continued by what followed them most often (``online_traffic_scoring``
-    "frequent", the chain ending where its estimated chance falls below ``online_traffic_min_score``) or most
-    recently ("recent"); ``online_distill`` False: the traffic
-    memory only, no draft model trained (any method, any draft); ``online_state``: a directory the
+    "frequent", the chain ending where its estimated chance falls below ``online_traffic_min_score``, or with
+    ``online_traffic_tree`` > 0 a tree of that many nodes) or most recently ("recent"); ``online_distill`` False:
+    the traffic memory only, no draft model trained (any method, any draft); ``online_state``: a directory the
     adapted drafter, its buffer and history are saved to on shutdown and resumed from."""
 
     target: str | None = None
@@ -103,6 +103,7 @@ class ServeSettings:
     online_traffic_min_ngram: int = 1
     online_traffic_scoring: str = TRAFFIC_SCORINGS[0]
     online_traffic_min_score: float = 0.1  # speculant.drafters.traffic.MIN_SCORE (tests hold them equal)
+    online_traffic_tree: int = 0
     online_distill: bool = True
     online_state: str | None = None
 
@@ -159,6 +160,10 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
     if settings.online_traffic_min_score != ServeSettings.online_traffic_min_score and not (
             settings.online_traffic and settings.online_traffic_scoring == "frequent"):
         raise ValueError("--online-traffic-min-score needs --online-traffic N with frequent scoring")
+    if settings.online_traffic_tree < 0:
+        raise ValueError(f"--online-traffic-tree must be >= 0, got {settings.online_traffic_tree}")
+    if settings.online_traffic_tree and not (settings.online_traffic and settings.online_traffic_scoring == "frequent"):
+        raise ValueError("--online-traffic-tree needs --online-traffic N with frequent scoring")
     if settings.online_traffic_min_ngram != 1 and not settings.online_traffic:
         raise ValueError("--online-traffic-min-ngram needs --online-traffic N")
     if not settings.online_distill and not (settings.online and settings.online_traffic):

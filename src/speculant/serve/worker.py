@@ -589,7 +589,8 @@ def online_config(settings: ServeSettings):
                         min_z=settings.online_min_z, traffic=settings.online_traffic,
                         traffic_min_ngram=settings.online_traffic_min_ngram,
                         traffic_scoring=settings.online_traffic_scoring,
-                        traffic_min_score=settings.online_traffic_min_score, distill=settings.online_distill)
+                        traffic_min_score=settings.online_traffic_min_score,
+                        traffic_tree=settings.online_traffic_tree, distill=settings.online_distill)
 
 
 def _stats(method: str, steps: dict, decode_s: float) -> dict[str, Any]:

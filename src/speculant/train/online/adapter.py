@@ -106,7 +106,8 @@ class OnlineConfig:
     for any method, with or without a draft model, quantized or not."""
     traffic: int = 0
     """Tokens per step drafted from the traffic memory (:mod:`speculant.drafters.traffic`: every finished request's
-    tokens, looked up like prompt lookup and merged into each draft as one more chain); 0: none. The memory is
+    tokens, looked up like prompt lookup and merged into each draft as one more chain, or with ``traffic_tree`` a
+    tree this deep); 0: none. The memory is
     shared by every request (its module doc says what a response's acceptance then tells of earlier ones). Where its
     chain is accepted the position counts as not refused, so with ``positions="rejected"`` the draft model does not
     train there (as with ``lookup=N``)."""
@@ -127,6 +128,16 @@ class OnlineConfig:
     """``"frequent"`` scoring: end the memory's chain where its estimated chance of being right falls below this
     (:class:`~speculant.drafters.traffic.TrafficMemory`'s ``min_score``); 0: no bound. Raise it where a verified row
     costs more (a quantized 1.5B target on a CPU), lower it where rows are nearly free."""
+    traffic_tree: int = 0
+    """``"frequent"`` scoring: draft the memory's tree of at most this many nodes instead of its one chain
+    (:meth:`~speculant.drafters.traffic.TrafficMemory.tree`: the best-scoring continuations side by side, each down to
+    ``traffic_min_score``); 0: the chain. The memory's counts cover more of the traffic as it grows (on a 400-request
+    code stream the answer tokens whose 3-token context had been followed by them before rose from 15% in the first 50
+    requests to 32% in the last 50), while a chain proposes only the most frequent continuation; a tree proposes the
+    others too, for more verified rows per step (benchmarks/results/online-ceiling-cc). Pair it with a lower
+    ``traffic_min_score`` (a tree of 64 nodes grows little above 0.1; the measured trees used 0.05 for 16 nodes, 0.01
+    for 64). On a 2-core CPU a 64-node tree's rows cost more than its τ gains
+    (benchmarks/results/online-stream-traffic-lookup-tree64-v1); where rows cost little it should pay."""
     traffic_tokens: int = 1 << 17
     """Bound of the traffic memory, in tokens (with its counts 270-290 bytes each measured on code requests with
     ``"frequent"`` scoring, 80 with ``"recent"``'s index, benchmarks/results/traffic_memory_size.json: about 37 MB
@@ -155,6 +166,14 @@ class OnlineConfig:
                              f"{self.traffic_scoring!r}")
         if not 0 <= self.traffic_min_score < 1:  # also refuses nan
             raise ValueError(f"online traffic_min_score must be in [0, 1), got {self.traffic_min_score}")
+        if not (isinstance(self.traffic_tree, int) and not isinstance(self.traffic_tree, bool)
+                and self.traffic_tree >= 0):
+            raise ValueError(f"online traffic_tree must be an integer >= 0 nodes (0: a chain), got "
+                             f"{self.traffic_tree!r}")
+        if self.traffic_tree and not self.traffic:
+            raise ValueError("online traffic_tree needs traffic > 0 (the tree's depth, in tokens)")
+        if self.traffic_tree and self.traffic_scoring != "frequent":
+            raise ValueError("online traffic_tree needs frequent traffic scoring (a tree walks the memory's counts)")
         if not self.distill and not self.traffic:
             raise ValueError("online adaptation without distillation adapts nothing: give traffic > 0 (the traffic "
                              "memory's tokens per step)")
@@ -216,7 +235,7 @@ class OnlineAdapter:
         if inner is None:
             raise ValueError("online adaptation needs a drafting method, not plain decoding")
         if self.traffic is not None:
-            inner = WithTraffic(inner, self.traffic, self.config.traffic)
+            inner = WithTraffic(inner, self.traffic, self.config.traffic, self.config.traffic_tree)
         return ObservedDrafter(inner, self.config.top_k, record=self.config.distill)
 
     def observe(self, drafter: ObservedDrafter) -> None:
