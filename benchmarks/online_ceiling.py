@@ -7,7 +7,8 @@ if what it learns keeps growing past the first window. Three measurements, from 
 
 - **the memory's curve**: per block of ``--block`` requests, τ of prompt lookup (``--lookup`` tokens) without and
   with the traffic memory (the real :class:`~speculant.drafters.traffic.TrafficMemory`, every finished request added,
-  ``--traffic`` tokens per step, a tree of ``--traffic-tree`` nodes if given), and their ratio: how soon the memory's gain appears and where it levels off;
+  ``--traffic`` tokens per step, a tree of ``--traffic-tree`` nodes if given), and their ratio: how soon the
+  memory's gain appears and where it levels off;
 - **the memory's coverage**: per window of ``--window`` requests, the share of answer tokens that had followed the
   same ``n``-token context (n = 1-4) in an earlier request: what a memory could draft at best, one token deep,
   were it to pick the right one of everything that followed;
