@@ -39,31 +39,27 @@ from speculant.bench.speed import machine_info
 from speculant.drafters.observed import Observation
 from speculant.drafters.traffic import TrafficMemory
 from speculant.train.online import OnlineAdapter, OnlineConfig
+from speculant.train.online.adapter import _run
 
 from draft_length import draft_matches
 from online_replay import load_answers, target_top
-from online_stream import stream_arguments, stream_prompts
+from online_stream import stream_arguments, stream_prompts, window_tau
 from traffic_replay import replay_request
 
 
 def memory_curve(pairs: list[tuple[list[int], list[int]]], lookup: int, traffic: int, memory: TrafficMemory,
                  block: int, max_new_tokens: int, tree: int = 0) -> list[dict]:
-    """Per block of ``block`` requests: τ of prompt lookup without and with ``memory`` (each request added once
-    replayed) and their ratio."""
-    rows = []
+    """Per whole block of ``block`` requests: τ of prompt lookup without and with ``memory`` (each request added
+    once replayed) and their ratio."""
+    alone, merged = [], []
     for ids, answer in pairs:
-        alone, _, _ = replay_request(ids, answer, None, 0, lookup, None, 0, max_new_tokens)
-        merged, _, _ = replay_request(ids, answer, None, 0, lookup, memory, traffic, max_new_tokens, tree)
-        rows.append((len(answer), alone, merged))
+        calls, _, _ = replay_request(ids, answer, None, 0, lookup, None, 0, max_new_tokens)
+        alone.append({"tokens": len(answer), "target_calls": calls})
+        calls, _, _ = replay_request(ids, answer, None, 0, lookup, memory, traffic, max_new_tokens, tree)
+        merged.append({"tokens": len(answer), "target_calls": calls})
         memory.add(ids + answer)
-    out = []
-    for b in range(0, len(rows), block):
-        part = rows[b: b + block]
-        tokens = sum(r[0] for r in part)
-        without, with_memory = tokens / sum(r[1] for r in part), tokens / sum(r[2] for r in part)
-        out.append({"requests": [b, b + len(part)], "tau_lookup": without, "tau_memory": with_memory,
-                    "gain": with_memory / without})
-    return out
+    return [{"requests": a["requests"], "tau_lookup": a["tau"], "tau_memory": m["tau"], "gain": m["tau"] / a["tau"]}
+            for a, m in zip(window_tau(alone, block), window_tau(merged, block))]
 
 
 def coverage(pairs: list[tuple[list[int], list[int]]], window: int, orders: tuple[int, ...] = (1, 2, 3, 4)
@@ -124,16 +120,7 @@ def distillation_ceiling(session, train: list[Observation], test: list[tuple[lis
     start, losses = time.perf_counter(), []
     for step in range(1, args.steps + 1):
         pick = torch.randint(len(train), (min(4, len(train)),), generator=generator).tolist()
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        with torch.enable_grad():
-            for i in pick:
-                loss = adapter._loss(candidate, train[i]) / len(pick)
-                loss.backward()
-                total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        losses.append(total)
+        losses.append(_run(adapter._step(candidate, params, optimizer, [train[i] for i in pick])))
         if step % args.eval_every == 0 or step == args.steps:
             session.draft = candidate.eval()
             with torch.inference_mode():

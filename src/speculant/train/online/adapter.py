@@ -317,17 +317,7 @@ class OnlineAdapter:
             if self._stop.is_set():
                 break
             pick = torch.randint(len(usable), (min(cfg.batch, len(usable)),), generator=self._gen).tolist()
-            optimizer.zero_grad(set_to_none=True)
-            total = 0.0
-            for i in pick:  # one forward and backward per observation: a server gets the CPU back between them
-                with torch.enable_grad():
-                    loss = self._loss(candidate, usable[i]) / len(pick)
-                    loss.backward()
-                total += float(loss.detach())
-                yield
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            losses.append(total)
+            losses.append((yield from self._step(candidate, params, optimizer, [usable[i] for i in pick])))
         candidate.eval().requires_grad_(False)
         gained = lost = 0
         if self._stop.is_set():  # stopping: a half-trained copy is neither checked nor kept
@@ -357,6 +347,23 @@ class OnlineAdapter:
                  "accepted" if accepted else "rolled back", before, after, len(held), z, len(losses),
                  entry["seconds"], f", drafter version {self.version}" if accepted else "")
         return entry
+
+    def _step(self, candidate: torch.nn.Module, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
+              batch: list[Observation]):
+        """Generator: one optimizer step of ``candidate`` on ``batch`` (one forward and backward per observation,
+        yielding after each: a server gets the CPU back between them, gradients clipped to norm 1); returns the batch's
+        mean loss."""
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for o in batch:
+            with torch.enable_grad():
+                loss = self._loss(candidate, o) / len(batch)
+                loss.backward()
+            total += float(loss.detach())
+            yield
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        return total
 
     def _trainable_copy(self, model: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
         """A deep copy of ``model`` sharing (not copying) the target's tensors, and its trainable parameters: all
