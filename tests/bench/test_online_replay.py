@@ -15,7 +15,7 @@ from speculant.drafters.observed import ObservedDrafter
 from speculant.drafters.traffic import TrafficMemory, WithTraffic
 from speculant.testing import perturbed, tiny_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from draft_length import draft_matches  # noqa: E402
 from online_replay import observation  # noqa: E402
 from traffic_replay import replay_request  # noqa: E402

@@ -27,7 +27,7 @@ from speculant import cli
 from speculant.commands.common import UsageError
 from speculant.models.loading import bundled_dir
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 REAL_MODEL = "smollm2-135m-instruct"
 PLACEHOLDERS = {"path/to/target": "default-target", "path/to/draft": "default-draft"}
 """Placeholder paths of the README's Python blocks -> the bundled models that stand in for them."""

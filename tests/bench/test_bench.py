@@ -34,7 +34,7 @@ from speculant.testing import perturbed, tiny_model
 
 from speculant.data.corpus import split_of
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 N = 12  # new tokens per generation
 SUMMARY_KEYS = {"acceptance_length", "tokens_per_second", "speedup_vs_ar", "mbsu", "overhead_share",
                 "identical_to_ar", "mismatches", "accepted_hist", "position_acceptance", "target_calls",

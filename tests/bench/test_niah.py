@@ -121,7 +121,7 @@ def test_cli_niah_json(chat_dirs, tmp_path, capsys):
 def _niah_report_module():
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "niah_report.py"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "niah_report.py"
     spec = importlib.util.spec_from_file_location("niah_report", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -15,7 +15,7 @@ import pytest
 from speculant.commands.common import threads_option
 from speculant.core import threads as th
 
-SRC = str(Path(__file__).resolve().parent.parent / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def stat(*cpus: tuple[int, int]) -> str:
