@@ -1,13 +1,28 @@
-"""Command-line mistakes: each is one line ``speculant: error: ...`` on stderr, exit code 2, nothing on stdout,
-reported before any work. (``generate``'s bad input with models is in test_cli.py, the server's start-up errors in
-test_serve.py.)"""
+"""``speculant train``'s options: each mistake is one line ``speculant: error: ...`` on stderr, exit code 2, nothing
+on stdout, reported before any work (``train draft`` without prompts leaves no run directory), and every default
+shows once in the help. (``generate``'s bad input with models is in commands/test_cli.py, the server's start-up
+errors in serve/test_serve.py.)"""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from helpers import chat_model_pair
 from helpers import cli_error_line as assert_one_line_error
 from speculant import cli
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads(one_thread):
+    """Every test here runs on one thread."""
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    target, draft = chat_model_pair(tmp_path_factory.mktemp("edges"), layers=2)
+    return str(target), str(draft)
 
 
 # ---------------------------------------------------------------------------------------------- train mistakes
@@ -68,3 +83,35 @@ def test_train_model_kd_options_with_teacher_pass_the_checks(tmp_path, monkeypat
     assert seen["cfg"].kd_loss == "tvd" and seen["cfg"].kd_weight == TrainConfig.kd_weight
     assert cli.main(base) == 2
     assert seen["cfg"].kd_loss == TrainConfig.kd_loss and seen["cfg"].teacher is None
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-prompts", "0"], "--num-prompts 0: no prompts to answer; give --num-prompts N (N >= 1), a --prompts "
+     "file, or --self-prompts N"),
+    (["--num-prompts", "-3"], "--num-prompts must be >= 0, got -3"),
+    (["--prompts", "EMPTY"], "--prompts: no prompts in "),
+    (["--prompts", "BLANK"], "--prompts: no prompts in "),
+])
+def test_train_draft_without_prompts_is_refused_before_the_run_directory(pair, capsys, tmp_path, extra, message):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text("\n\n")
+    extra = [str(tmp_path / f"{e.lower()}.jsonl") if e in ("EMPTY", "BLANK") else e for e in extra]
+    out = tmp_path / "run"
+    code = cli.main(["train", "draft", "--target", pair[0], "--out", str(out), "--steps", "1", *extra])
+    _, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"speculant: error: {message}"), err
+    assert "prompt '1'" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("action", ["draft", "model", "distill-data", "calibrate", "prepare"])
+def test_train_help_shows_each_default_once(capsys, action):
+    assert cli.main(["train", action, "--help"]) == 0
+    text = capsys.readouterr().out
+    options = re.split(r"\n  (?=-)", text.split("options:", 1)[1])
+    assert len(options) > 3
+    for option in options:
+        assert len(re.findall(r"default:", option)) <= 1, option
+    flat = " ".join(text.split())
+    if action == "draft":  # said in words by the help text, not restated by the formatter
+        assert "default: the built-in instruction prompts --num-prompts" in flat and "(default: None)" not in flat

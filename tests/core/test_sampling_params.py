@@ -1,6 +1,6 @@
-"""Tiny positive temperatures (issue 32, item 8): below ``MIN_TEMPERATURE`` they are greedy, the same rule in the
-Python API, the CLI and the server (``SamplingParams`` is the one place it lives); they used to fail with
-"probability tensor contains inf/nan"."""
+"""``SamplingParams``, the one place the sampling rules live: tiny positive temperatures (below
+``MIN_TEMPERATURE``) are greedy, the same in the Python API, the CLI and the server (no "probability tensor contains
+inf/nan"), and seeds take torch's range."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+import speculant
 from helpers import chat_model_pair, until_loaded
 from speculant import cli
 from speculant.core.types import MIN_TEMPERATURE, SamplingParams
@@ -73,3 +74,12 @@ def test_server(models):
             return r.json()["choices"][0]["token_ids"]
 
         assert ids(TINY) == ids(0)
+
+
+def test_seed_range_is_torchs():
+    """The largest and smallest seeds torch takes still work; one past them is a one-line error, not torch's."""
+    for seed in (2**64 - 1, -(2**63)):
+        speculant.SamplingParams(temperature=1.0, seed=seed)
+    for seed in (2**64, -(2**63) - 1):
+        with pytest.raises(ValueError, match="out of range: torch takes seeds from -2\\*\\*63 to 2\\*\\*64 - 1"):
+            speculant.SamplingParams(temperature=1.0, seed=seed)

@@ -27,6 +27,7 @@ from helpers import start_server as _start, stop_server as _stop  # noqa: E402
 from helpers import until_loaded, wait_for  # noqa: E402
 from speculant import cli  # noqa: E402
 from speculant.models.text import Detokenizer, StopMatcher  # noqa: E402
+from speculant.serve import ServeSettings, check_settings  # noqa: E402
 
 KEY = "test-key-123"
 MODEL = "tiny-chat"
@@ -598,6 +599,20 @@ def test_startup_errors_are_one_line(models, capsys, tmp_path):
         _one_line_error(capsys, ["serve", *t, "--port", str(taken.getsockname()[1])], "cannot listen on")
 
 
+def test_startup_checks_before_anything_loads(models, capsys, monkeypatch):
+    t = ["serve", "--target", models["target"], "--draft", models["draft"]]
+    _one_line_error(capsys, [*t, "--port", "70000"], "--port", "65535")
+    _one_line_error(capsys, [*t, "--port", "0", "--method", "chain:k=0"], "chain:k=0", "k must be an integer >= 1")
+    _one_line_error(capsys, [*t, "--port", "0", "--api-key", "clé"], "--api-key must be printable ASCII")
+    monkeypatch.setenv("SPECULANT_API_KEY", "ключ")
+    _one_line_error(capsys, [*t, "--port", "0"], "--api-key must be printable ASCII")
+    monkeypatch.delenv("SPECULANT_API_KEY")
+    _one_line_error(capsys, [*t, "--port", "0", "--allow-origin", "localhost:3000"], "--allow-origin")
+    _one_line_error(capsys, [*t, "--port", "0", "--allow-origin", "http://a.example/path"], "--allow-origin")
+    with pytest.raises(ValueError, match=r"--port must be in \[0, 65535\], got 70000"):
+        check_settings(ServeSettings(target=models["target"], method="ar", port=70000))
+
+
 def test_model_that_fails_to_load_ends_the_server(models, capsys, tmp_path):
     import shutil
 
@@ -688,7 +703,7 @@ def test_detokenizer_holds_back_incomplete_characters():
     assert "".join(pieces) + d.finish() == tok.decode(ids, skip_special_tokens=True)
 
 
-# ---------------------------------------------------------------------------------------------- defaults (issue 32)
+# ---------------------------------------------------------------------------------------------- defaults
 
 
 def test_serve_without_target_needs_the_packaged_chat_model(capsys, monkeypatch):

@@ -1,7 +1,7 @@
-"""Server edges (issue 32, items 8-11): bad input that used to get a 500 or a wrong answer, chat content that stays
-text, the Host/Origin guard of a server without an API key, the context length in /v1/models, logprobs fields
-checked (served: tests/test_logprobs.py), and ``completion_tokens`` after a stop string. In-process apps (FastAPI's TestClient) over a tiny chat
-model pair; startup errors through ``cli.main``."""
+"""The server's request protocol at its edges: bad input gets a 400 naming the field (unpaired surrogates, numbers
+beyond float64, logprobs out of range), huge client values are not echoed whole, a full queue is a 429 with
+Retry-After, chat content stays text, /v1/models reports the context length, and ``completion_tokens`` counts what
+was returned after a stop string. In-process apps (FastAPI's TestClient) over a tiny chat model pair."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ pytest.importorskip("uvicorn")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from helpers import chat_model_pair, until_loaded  # noqa: E402
-from speculant import cli  # noqa: E402
 from speculant.serve import ServeSettings, check_settings, create_app  # noqa: E402
 
 MODEL = "tiny-chat"
@@ -51,7 +50,7 @@ def _error(r, status: int, param=None) -> dict:
     return err
 
 
-# ---------------------------------------------------------------------------------------------- item 8
+# ---------------------------------------------------------------------------------------------- bad input
 
 
 def test_lone_surrogates_are_400_naming_the_field(c):
@@ -107,40 +106,7 @@ def _tokenizer(models):
     return load_tokenizer(models["target"])
 
 
-def _one_line_error(capsys, argv, *needles):
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    assert code == 2, err
-    assert out == "" and err.count("\n") == 1 and err.startswith("speculant: error: "), err
-    for needle in needles:
-        assert needle in err, err
-
-
-def test_startup_checks_before_anything_loads(models, capsys, monkeypatch):
-    t = ["serve", "--target", models["target"], "--draft", models["draft"]]
-    _one_line_error(capsys, [*t, "--port", "70000"], "--port", "65535")
-    _one_line_error(capsys, [*t, "--port", "0", "--method", "chain:k=0"], "chain:k=0", "k must be an integer >= 1")
-    _one_line_error(capsys, [*t, "--port", "0", "--api-key", "clé"], "--api-key must be printable ASCII")
-    monkeypatch.setenv("SPECULANT_API_KEY", "ключ")
-    _one_line_error(capsys, [*t, "--port", "0"], "--api-key must be printable ASCII")
-    monkeypatch.delenv("SPECULANT_API_KEY")
-    _one_line_error(capsys, [*t, "--port", "0", "--allow-origin", "localhost:3000"], "--allow-origin")
-    _one_line_error(capsys, [*t, "--port", "0", "--allow-origin", "http://a.example/path"], "--allow-origin")
-    with pytest.raises(ValueError, match=r"--port must be in \[0, 65535\], got 70000"):
-        check_settings(ServeSettings(target=models["target"], method="ar", port=70000))
-
-
-def test_bad_method_option_fails_in_resolve_before_loading(models):
-    import speculant  # resolve loads nothing: the drafter's own check runs on a stand-in
-    for spec, needle in (("chain:k=0", "k must be an integer >= 1, got 0"),
-                         ("specinfer:width=0", "width must be"), ("lookup:k=-1", "k must be")):
-        with pytest.raises(ValueError, match=needle) as info:
-            speculant.resolve(models["target"], models["draft"], spec)
-        assert spec in str(info.value) and "\n" not in str(info.value)
-    assert speculant.resolve(models["target"], models["draft"], "chain:k=2").method.options == {"k": 2}
-
-
-# ---------------------------------------------------------------------------------------------- item 9
+# ---------------------------------------------------------------------------------------------- chat content
 
 
 def test_special_token_text_in_a_message_stays_text(c, models):
@@ -154,65 +120,7 @@ def test_special_token_text_in_a_message_stays_text(c, models):
     assert tok.decode(ids) == f"<s>user\n{inject}</s>\n<s>assistant\n"
 
 
-# ---------------------------------------------------------------------------------------------- item 10
-
-
-@pytest.fixture(scope="module")
-def unloaded(models):
-    """Apps that are never started (no model loads): the guard answers before any route."""
-    def make(**kw) -> TestClient:
-        return TestClient(create_app(_settings(models, **kw)), base_url=LOCAL)
-    return make
-
-
-def test_without_a_key_only_loopback_hosts_are_served(unloaded):
-    c = unloaded()
-    for host in ("127.0.0.1:8000", "localhost", "LOCALHOST:1", "[::1]:8000", "127.0.0.2"):
-        assert c.get("/health", headers={"Host": host}).status_code == 503, host  # loading: past the guard
-    for host in ("evil.example", "evil.example:8000", "10.0.0.5:8000", "localhost.evil.example"):
-        r = c.get("/health", headers={"Host": host})
-        assert r.status_code == 421 and r.json()["error"]["code"] == "misdirected_request", host
-    every = unloaded(host="0.0.0.0")
-    assert every.get("/health", headers={"Host": "10.0.0.5:8000"}).status_code == 503
-    assert every.get("/health", headers={"Host": "rebound.example"}).status_code == 421
-    named = unloaded(host="myhost.lan")
-    assert named.get("/health", headers={"Host": "myhost.lan:8000"}).status_code == 503
-    keyed = unloaded(api_key="k")
-    assert keyed.get("/health", headers={"Host": "evil.example"}).status_code == 503  # the key protects it
-
-
-def test_cross_origin_requests_need_allow_origin(unloaded):
-    c = unloaded()
-    r = c.post("/v1/completions", json=_COMPLETION, headers={"Origin": "http://evil.example"})
-    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
-    assert c.options("/v1/completions", headers={"Origin": "http://evil.example",
-                                                 "Access-Control-Request-Method": "POST"}).status_code == 403
-    assert c.post("/v1/completions", json=_COMPLETION, headers={"Origin": "null"}).status_code == 403
-    same = c.post("/v1/completions", json=_COMPLETION, headers={"Origin": LOCAL, "Host": "127.0.0.1"})
-    assert same.status_code == 503  # its own origin: past the guard (the model is not loaded)
-    assert c.post("/v1/completions", json=_COMPLETION).status_code == 503  # no Origin: not a browser
-
-    app = "http://localhost:3000"
-    allowed = unloaded(allow_origin=(app + "/",))
-    pre = allowed.options("/v1/chat/completions", headers={
-        "Origin": app, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": "content-type"})
-    assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == app
-    assert "POST" in pre.headers["access-control-allow-methods"]
-    r = allowed.get("/health", headers={"Origin": app})
-    assert r.headers["access-control-allow-origin"] == app and "Origin" in r.headers["vary"]
-    assert allowed.get("/health", headers={"Origin": "http://localhost:3001"}).status_code == 403
-    anyone = unloaded(allow_origin=("*",))
-    assert anyone.get("/health", headers={"Origin": "http://x.example"}).headers["access-control-allow-origin"] == "*"
-
-    keyed = unloaded(api_key="k")  # with a key and no --allow-origin: Origin is not checked
-    assert keyed.get("/health", headers={"Origin": "http://evil.example"}).status_code == 503
-    keyed_allow = unloaded(api_key="k", allow_origin=(app,))
-    assert keyed_allow.get("/health", headers={"Origin": "http://evil.example"}).status_code == 403
-    assert keyed_allow.get("/health", headers={"Origin": app}).status_code == 503
-
-
-# ---------------------------------------------------------------------------------------------- item 11
+# ---------------------------------------------------------------------------------------------- models, logprobs, usage
 
 
 def test_models_report_the_context_length(c):
@@ -227,7 +135,7 @@ def test_models_report_the_context_length(c):
     ("/v1/completions", {**_COMPLETION, "logprobs": 21}, "logprobs"),
 ])
 def test_logprobs_fields_are_checked(c, path, body, param):
-    """Logprobs are served (tests/test_logprobs.py); out-of-range requests get a 400 naming the field."""
+    """Logprobs are served (tests/core/test_logprobs.py); out-of-range requests get a 400 naming the field."""
     _error(c.post(path, json=body), 400, param)
 
 
