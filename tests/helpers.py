@@ -100,7 +100,7 @@ API_VOCAB = 96
 
 @pytest.fixture(scope="module", name="target")
 def api_target():
-    """The ``target`` fixture of the Python API tests (test_api.py, test_errors_api.py; import it there): a tiny
+    """The ``target`` fixture of the Python API tests (api/test_api.py, api/test_api_errors.py; import it there): a tiny
     Llama with :data:`API_VOCAB` tokens and a context of 64, one per module."""
     from speculant.testing import tiny_model
 

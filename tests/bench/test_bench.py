@@ -2,7 +2,7 @@
 reports and the README table script.
 
 Models are tiny random Llamas (in-process, or saved as HF directories with a small BPE tokenizer, as in
-test_cli.py); float32 with well-separated logits, so greedy equality compares decisions, not float noise.
+commands/test_cli.py); float32 with well-separated logits, so greedy equality compares decisions, not float noise.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The command line's start-up and the package's shape, where no model is needed (issue 17): help and version
+"""The command line's start-up and the package's shape, where no model is needed: help and version
 without torch, ``python -m speculant``, ``-v`` anywhere, a closed pipe, lazy public names, ``py.typed``."""
 
 from __future__ import annotations

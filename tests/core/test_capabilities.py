@@ -1,4 +1,4 @@
-"""Declared capabilities instead of special cases (issue 32): the engine reads a drafter's declarations and a KV
+"""Declared capabilities instead of special cases: the engine reads a drafter's declarations and a KV
 policy's hooks only, takes objects only, and budget-matched sizing reads each method's declared keys."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Tree drafting is lossless: SpecInfer, SpecTr, RSD-C, RSD-S and the dynamic tree sample exactly the target's joint.
 
-The setting and the helpers are test_sampling_distribution.py's: a tiny random target over 5 tokens, a perturbed
+The setting and the helpers are core/test_sampling_distribution.py's: a tiny random target over 5 tokens, a perturbed
 draft, thousands of seeded ``speculant.generate`` runs of 3 new tokens (a full first step of a depth-2 tree plus
 its bonus, or a rejection and the steps after it: draft and target cache compaction), compared with the exact
 target joint by chi-square tests of the joint, every pair of positions and the first token (p > 1e-4 to pass).

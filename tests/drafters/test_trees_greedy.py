@@ -1,6 +1,6 @@
 """Greedy (temperature 0) tree drafting must be token-identical to transformers' own greedy ``generate``.
 
-Every tree method, every architecture, the three acceptance regimes of test_greedy.py (draft = target: all
+Every tree method, every architecture, the three acceptance regimes of core/test_greedy.py (draft = target: all
 accepted; an unrelated random draft: none; a perturbed draft: partial), and every ``max_new_tokens`` near a
 tree's depth (the depth is cut to what can still be committed).
 """

@@ -1,7 +1,7 @@
 """VocabTrim: a drafter whose LM head covers only some tokens stays lossless, and its calibration plumbing works.
 
 (The sampling-distribution test with a trimmed drafter, and its negative control, are in
-test_sampling_distribution.py next to the other distribution tests.)
+core/test_sampling_distribution.py next to the other distribution tests.)
 """
 
 from __future__ import annotations

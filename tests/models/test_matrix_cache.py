@@ -101,7 +101,7 @@ def _reference(path, kind, dtype="float32"):
 @pytest.fixture(scope="module")
 def k_quants(tmp_path_factory):
     """Tiny Llama GGUF files (hidden 256) with every matrix Q4_K or Q6_K (random valid blocks, as
-    tests/test_quant_loading.py writes them)."""
+    test_quant_loading.py writes them)."""
     import numpy as np
     from test_quant_loading import _random_q4_k, _random_q6_k
     from test_sources import write_llama_gguf

@@ -1,7 +1,7 @@
 """``quantization=`` where models load: loading, the session (target and draft), ``--quantization`` in every
 front-end, and a GGUF file's own 4-bit codes (Q4_K, Q4_1) carried over into int4/q4 matrices unchanged.
 
-The GGUF files are tiny random Llamas written here (tests/test_sources.py's writer): Llama so that the Q/K row
+The GGUF files are tiny random Llamas written here (test_sources.py's writer): Llama so that the Q/K row
 permutation a loader undoes is exercised. gguf's Python package cannot quantize Q4_K, so those tensors are random
 (valid) Q4_K blocks: the test compares the quantized model with the same file loaded in float, not with the model
 the file was written from.

@@ -1,4 +1,4 @@
-"""A request's life in the server beyond its answer (issue 32, items 5-7): a non-streaming client that goes away
+"""A request's life in the server beyond its answer: a non-streaming client that goes away
 cancels its generation at once (or before it starts, when queued); bodies over ``--max-body-bytes`` are 413 and
 prompts too long to fit are 400 before tokenising, which runs off the event loop; SIGTERM drains (503 for new
 work, running and queued requests finish within ``--shutdown-grace``, then end with ``finish_reason`` ``abort``
@@ -66,7 +66,7 @@ def _events(lines) -> list:
     return out
 
 
-# ---------------------------------------------------------------------------------------------- item 5
+# ---------------------------------------------------------------------------------------------- a client that goes away
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +114,7 @@ def test_queued_non_streaming_request_whose_client_left_never_starts(server):
     assert prompt == first["usage"]["prompt_tokens"]  # the queued one was never prefilled
 
 
-# ---------------------------------------------------------------------------------------------- item 6
+# ---------------------------------------------------------------------------------------------- limits
 
 
 def _app(models, **kw):
@@ -263,7 +263,7 @@ def test_body_grace_and_online_options_are_checked(models, capsys):
                                      online_traffic_tree=-2))
 
 
-# ---------------------------------------------------------------------------------------------- item 7
+# ---------------------------------------------------------------------------------------------- draining
 
 
 def test_a_draining_app_refuses_new_work_with_503(models):

@@ -1,7 +1,7 @@
 """``speculant serve --ray --replicas 2``: the server as a Ray Serve deployment on a local Ray cluster.
 
 Slow (about a minute on 2 cores: Ray starts its own processes, then two replicas each load the model); run with
-``make test-all`` or ``pytest -m slow tests/test_serve_ray.py``. Skipped without ``ray[serve]``
+``make test-all`` or ``pytest -m slow tests/serve/test_serve_ray.py``. Skipped without ``ray[serve]``
 (``pip install "speculant[ray]"``).
 """
 
