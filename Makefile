@@ -191,7 +191,7 @@ niah: $(STAMP)
 		--out $(NIAH_OUT)
 	$(PY) benchmarks/niah_report.py $(NIAH_OUT)/kv_results.json
 
-# Ray Serve for `speculant serve --ray` and tests/test_serve_ray.py (heavy; not part of `make test`)
+# Ray Serve for `speculant serve --ray` and tests/serve/test_serve_ray.py (heavy; not part of `make test`)
 ray: $(STAMP)
 	$(PY) -m pip install -e ".[ray]"
 
