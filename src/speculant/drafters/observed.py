@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.types import DraftTree
-from .base import DecodeState, Drafter
-from .wrapper import DrafterWrapper
+from .base import DecodeState, Drafter, DrafterWrapper
 
 __all__ = ["Observation", "ObservedDrafter"]
 

@@ -49,7 +49,7 @@ import torch
 
 from ..core.checks import check_positive_int
 from .base import DecodeState
-from .with_chain import WithChain
+from .merged_chain import MergedChain
 
 __all__ = ["MIN_SCORE", "SCORINGS", "TrafficMemory", "WithTraffic"]
 
@@ -276,7 +276,7 @@ def _spans(starts: list[int], total: int) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [total]))
 
 
-class WithTraffic(WithChain):
+class WithTraffic(MergedChain):
     """``inner``'s draft tree plus the ``k`` tokens ``memory`` says followed the context's suffix in earlier
     requests (:meth:`TrafficMemory.continuation`), merged as a deterministic chain; with ``tree`` > 0 the memory's
     tree of at most that many nodes, ``k`` deep, instead (:meth:`TrafficMemory.tree`). A tree whose nodes carry
