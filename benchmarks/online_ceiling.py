@@ -6,7 +6,7 @@ if what it learns keeps growing past the first window. Three measurements, from 
 ``online_replay.py``: τ replayed exactly, no decoding, no timing):
 
 - **the memory's curve**: per block of ``--block`` requests, τ of prompt lookup (``--lookup`` tokens) without and
-  with the traffic memory (the real :class:`~speculant.drafters.traffic.TrafficMemory`, every finished request added,
+  with the traffic memory (the real :class:`~speculant.online.traffic.TrafficMemory`, every finished request added,
   ``--traffic`` tokens per step, a tree of ``--traffic-tree`` nodes if given), and their ratio: how soon the
   memory's gain appears and where it levels off;
 - **the memory's coverage**: per window of ``--window`` requests, the share of answer tokens that had followed the
@@ -36,10 +36,11 @@ import torch
 
 import speculant
 from speculant.bench.speed import machine_info
-from speculant.drafters.observed import Observation
-from speculant.drafters.traffic import TrafficMemory
-from speculant.train.online import OnlineAdapter, OnlineConfig
-from speculant.train.online.adapter import _run
+from speculant.online import OnlineConfig
+from speculant.online.observed import Observation
+from speculant.online.scheduler import run_steps
+from speculant.online.traffic import TrafficMemory
+from speculant.online.trainer import optimizer_step, trainable_copy
 
 from draft_length import draft_matches
 from online_replay import load_answers, target_top
@@ -106,8 +107,8 @@ def distillation_ceiling(session, train: list[Observation], test: list[tuple[lis
                          ) -> list[dict]:
     """The curve of :func:`chain_tau` on ``test`` while the shipped draft model is distilled on ``train`` (the
     module doc); ``session.draft`` is the trained copy afterwards."""
-    adapter = OnlineAdapter(session, OnlineConfig(positions="all", lr=args.lr, loss=args.loss, seed=args.seed))
-    candidate, params = adapter._trainable_copy(session.draft)
+    config = OnlineConfig(positions="all", lr=args.lr, loss=args.loss, seed=args.seed)
+    candidate, params = trainable_copy(session.draft, session.target)
     if args.train_head:  # an own copy of the LM head (untied from the target's)
         head = candidate.get_output_embeddings()
         head.weight = torch.nn.Parameter(head.weight.detach().clone())
@@ -120,7 +121,7 @@ def distillation_ceiling(session, train: list[Observation], test: list[tuple[lis
     start, losses = time.perf_counter(), []
     for step in range(1, args.steps + 1):
         pick = torch.randint(len(train), (min(4, len(train)),), generator=generator).tolist()
-        losses.append(_run(adapter._step(candidate, params, optimizer, [train[i] for i in pick])))
+        losses.append(run_steps(optimizer_step(candidate, params, optimizer, [train[i] for i in pick], config)))
         if step % args.eval_every == 0 or step == args.steps:
             session.draft = candidate.eval()
             with torch.inference_mode():

@@ -3,12 +3,12 @@
 Under greedy verification a step accepts the longest drafted path that matches the target's own answer, and a chain
 drafted by a greedy draft model matches it exactly as far as the model's teacher-forced predictions over the answer
 do (``traffic_replay.replay_request``, which also merges prompt lookup and the traffic memory as the engine does). So
-the stream's plain answers, replayed request by request through the real :class:`~speculant.train.online.OnlineAdapter`
+the stream's plain answers, replayed request by request through the real :class:`~speculant.online.OnlineAdapter`
 give τ per window with and without adaptation without decoding anything:
 
 - before each request, the draft model the adapter serves *at that moment* predicts the answer teacher-forced (one
   draft forward), which gives every step of the request;
-- the request's :class:`~speculant.drafters.observed.Observation` is what :class:`ObservedDrafter` keeps from those
+- the request's :class:`~speculant.online.observed.Observation` is what :class:`ObservedDrafter` keeps from those
   steps (the rows along the committed path, the last one when the bonus replaced a refused draft), with the target's
   top-k probabilities from one teacher-forced target forward over the answer;
 - the adapter takes it as it takes a live one (its buffer, its hold-out, its traffic memory), and its updates run when
@@ -43,8 +43,8 @@ from speculant.bench.speed import machine_info
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
 from speculant.core.forward import TargetForward
-from speculant.drafters.observed import Observation
-from speculant.train.online import OnlineAdapter
+from speculant.online.observed import Observation
+from speculant.online import OnlineAdapter
 
 from draft_length import draft_matches
 from online_stream import (_plot, online_config, online_settings, progress, run_update, stream_arguments,

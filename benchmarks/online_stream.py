@@ -1,7 +1,7 @@
 """Online speculative decoding on a stream of requests from a domain the drafter was not trained on (issue 30).
 
 Two sessions of the same target and shipped drafter decode the same stream of requests, request by request
-interleaved, greedy: one as shipped, one adapting its drafter online (:class:`speculant.train.online.OnlineAdapter`:
+interleaved, greedy: one as shipped, one adapting its drafter online (:class:`speculant.online.OnlineAdapter`:
 an update every ``--online-every`` requests, run between requests and timed apart from them). Per request: τ (new
 tokens per target forward), tokens/s, latency; per window of ``--window`` requests: medians and τ's mean, for both.
 Every output of the adapting session is checked equal to the shipped one's (greedy: both equal plain decoding).
@@ -32,8 +32,8 @@ import torch
 import speculant
 from speculant.bench.speed import machine_info
 from speculant.data.prompts import builtin_prompts, prompt_ids
-from speculant.drafters.traffic import SCORINGS
-from speculant.train.online import OnlineAdapter, OnlineConfig
+from speculant.online.traffic import SCORINGS
+from speculant.online import OnlineAdapter, OnlineConfig
 
 
 def _p90(values) -> float:
@@ -113,7 +113,7 @@ def stream_arguments(ap: argparse.ArgumentParser) -> None:
                     help="McNemar's z an update's held-back agreement gain must reach (0: did not drop)")
     ap.add_argument("--traffic", type=int, default=OnlineConfig.traffic, metavar="N",
                     help="also draft up to N tokens per step from the traffic memory (earlier requests' tokens, "
-                         "speculant.drafters.traffic); 0: none")
+                         "speculant.online.traffic); 0: none")
     ap.add_argument("--traffic-min-ngram", type=int, default=OnlineConfig.traffic_min_ngram, metavar="N",
                     help="the memory's shortest context n-gram (1-3): 2 no longer drafts from a one-token match")
     ap.add_argument("--traffic-scoring", choices=SCORINGS, default=OnlineConfig.traffic_scoring,

@@ -1,4 +1,4 @@
-"""What the traffic memory holds per token (speculant.drafters.traffic), for each scoring: Python heap bytes measured
+"""What the traffic memory holds per token (speculant.online.traffic), for each scoring: Python heap bytes measured
 with tracemalloc while a stream's requests (prompt + answer) are added, no bound reached.
 
     python benchmarks/traffic_memory_size.py --out benchmarks/results/traffic_memory_size.json
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import speculant
 from speculant.bench.speed import machine_info
-from speculant.drafters.traffic import SCORINGS, TrafficMemory
+from speculant.online.traffic import SCORINGS, TrafficMemory
 
 from online_replay import load_answers
 from online_stream import stream_prompts

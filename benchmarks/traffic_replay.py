@@ -4,7 +4,7 @@ Greedy verification accepts the longest drafted path that matches the target's o
 branches are the model chain, the prompt-lookup chain and the traffic chain: per step the accepted length is the
 longest prefix of the answer any of them drafted. So the plain answers of a stream (``online_stream.py`` keeps the
 shipped session's: greedy, they are plain decoding's) replayed request by request, in order, through the real
-:class:`speculant.drafters.traffic.TrafficMemory` (every finished request added, as the online adapter does), with the
+:class:`speculant.online.traffic.TrafficMemory` (every finished request added, as the online adapter does), with the
 shipped draft's teacher-forced agreement (``draft_length.draft_matches``), give τ per window for the shipped method
 with and without the traffic chain, exactly as the engine counts it (the prompt but its last token is prefilled apart;
 every step, the first included, drafts at most ``remaining - 1`` tokens; τ = new tokens / steps). No timing: τ only;
@@ -25,7 +25,7 @@ import torch
 
 import speculant
 from speculant.drafters.lookup import lookup_continuation, merge_chain
-from speculant.drafters.traffic import TrafficMemory
+from speculant.online.traffic import TrafficMemory
 
 from draft_length import draft_matches
 from online_stream import stream_prompts

@@ -10,7 +10,7 @@
 Every drafting method of the registry (``speculant generate --method``) has a Python entry point:
 ``speculant.build_drafter(spec, draft_model)`` builds any of them from its spec, and each has its class here
 (chain: :class:`DraftModelDrafter`, specinfer / spectr / rsd-c / rsd-s / tree: the tree drafters, lookup:
-:class:`PromptLookupDrafter`, mask-probe: :class:`MaskProbeDrafter`, hybrid: :class:`HybridDrafter`; ar is
+:class:`PromptLookupDrafter`, mask-probe: :class:`MaskProbeDrafter`, hybrid: :class:`LookupProbeDrafter`; ar is
 ``drafter=None``).
 
 The public names are imported on first use (PEP 562), so ``import speculant`` and ``speculant --help`` do not
@@ -42,11 +42,11 @@ _EXPORTS: dict[str, str] = {
     "SpecTrDrafter": ".drafters.trees",
     "PromptLookupDrafter": ".drafters.lookup",
     "MaskProbeDrafter": ".drafters.mask_probe",
-    "HybridDrafter": ".drafters.hybrid",
-    "ObservedDrafter": ".drafters.observed",
+    "LookupProbeDrafter": ".drafters.lookup_probe",
+    "ObservedDrafter": ".online.observed",
     "TextOnlyDrafter": ".drafters.text_only",
-    "OnlineAdapter": ".train.online",
-    "OnlineConfig": ".train.online",
+    "OnlineAdapter": ".online",
+    "OnlineConfig": ".online",
     "Session": ".session",
     "SessionPlan": ".session",
     "load": ".session",
@@ -84,7 +84,7 @@ __all__ = [
     "Generation",
     "GenerationStats",
     "MaskProbeDrafter",
-    "HybridDrafter",
+    "LookupProbeDrafter",
     "ObservedDrafter",
     "OnlineAdapter",
     "OnlineConfig",
@@ -135,7 +135,7 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .drafters.cross_vocab import CrossVocabDrafter
     from .drafters.confu import ConFuDrafter, ConFuTreeDrafter
     from .drafters.feature import FeatureDrafter, FeatureTreeDrafter
-    from .drafters.hybrid import HybridDrafter
+    from .drafters.lookup_probe import LookupProbeDrafter
     from .drafters.lookup import PromptLookupDrafter
     from .drafters.mask_probe import MaskProbeDrafter
     from .drafters.model import DraftModelDrafter

@@ -11,8 +11,8 @@ import torch
 
 import speculant
 from speculant.core.engine import generate
-from speculant.drafters.observed import ObservedDrafter
-from speculant.drafters.traffic import TrafficMemory, WithTraffic
+from speculant.online.observed import ObservedDrafter
+from speculant.online.traffic import TrafficMemory, WithTraffic
 from speculant.testing import perturbed, tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))

@@ -18,7 +18,7 @@ from speculant.core.types import DraftTree
 from speculant.drafters import registry
 from speculant.drafters.lookup import PromptLookupDrafter, lookup_continuation
 from speculant.drafters.registry import Key, Sizing, build_drafter
-from speculant.drafters.with_lookup import WithLookup
+from speculant.drafters.model_lookup import ModelWithLookup
 from speculant.kv import KeyDiff, Protect, parse_policy
 from speculant.testing import perturbed, tiny_model
 
@@ -73,7 +73,7 @@ def test_every_in_tree_drafter_subclasses_the_base_and_declares_its_model(pair):
         expected = None if spec in ("lookup", "mask-probe", "hybrid") else draft
         assert capability(drafter, "model") is expected, spec
         assert capability(drafter, "uses_target_hidden") is False, spec
-    wrapped = WithLookup(build_drafter("chain:k=2", draft))
+    wrapped = ModelWithLookup(build_drafter("chain:k=2", draft))
     assert capability(wrapped, "params_per_forward") == capability(wrapped.inner, "params_per_forward") > 0
 
 

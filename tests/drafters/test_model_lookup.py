@@ -9,7 +9,7 @@ import speculant
 from speculant.models.attached import build_attached
 from speculant.drafters.base import DecodeState
 from speculant.drafters.lookup import lookup_continuation
-from speculant.drafters.with_lookup import WithLookup
+from speculant.drafters.model_lookup import ModelWithLookup
 from speculant.testing import perturbed, tiny_model
 from speculant.core.types import SamplingParams
 
@@ -38,7 +38,7 @@ def test_feature_drafter_with_lookup_equals_plain_decoding(pair):
     feature = build_attached(target, [0], features=True)
     plain = speculant.generate(target, REPEATING, max_new_tokens=30, eos_token_id=[])
     drafter = speculant.build_drafter("chain:k=2:lookup=5", feature)
-    assert isinstance(drafter, WithLookup) and drafter.uses_target_hidden
+    assert isinstance(drafter, ModelWithLookup) and drafter.uses_target_hidden
     gen = speculant.generate(target, REPEATING, drafter=drafter, max_new_tokens=30, eos_token_id=[])
     assert gen.token_ids == plain.token_ids
 
@@ -46,7 +46,7 @@ def test_feature_drafter_with_lookup_equals_plain_decoding(pair):
 def test_the_tree_holds_the_inner_draft_and_the_lookup_chain(pair):
     target, draft = pair
     inner = speculant.build_drafter("chain:k=3", draft)
-    drafter = WithLookup(speculant.build_drafter("chain:k=3", draft), k=4)
+    drafter = ModelWithLookup(speculant.build_drafter("chain:k=3", draft), k=4)
     state = lambda: DecodeState(target=target, ids=list(REPEATING), params=SamplingParams(),  # noqa: E731
                                 generator=torch.Generator(), max_length=60, remaining=40)
     s1, s2 = state(), state()

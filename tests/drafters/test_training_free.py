@@ -25,7 +25,7 @@ import speculant.core.sequence
 from speculant.core.cache import SpecCache, cache_kwarg
 from speculant.core.checks import num_layers
 from speculant.drafters.base import DecodeState
-from speculant.drafters.hybrid import HybridDrafter
+from speculant.drafters.lookup_probe import LookupProbeDrafter
 from speculant.drafters.lookup import merge_chain
 from speculant.drafters.lookup import PromptLookupDrafter, lookup_continuation
 from speculant.drafters.mask_probe import MaskProbeDrafter
@@ -130,7 +130,7 @@ def test_hybrid_merges_the_lookup_chain_into_the_mask_tree():
     # 1 and 1->3 exist: reused; 7 and 8 appended under them
     assert tokens == [1, 2, 2, 3, 7, 8] and parents == [-1, -1, 0, 0, 3, 4]
     assert merge_chain([1], [-1], [4]) == ([1, 4], [-1, -1])
-    drafter = HybridDrafter(masks=2, tree=[2, 1], ngram=2, k=3)
+    drafter = LookupProbeDrafter(masks=2, tree=[2, 1], ngram=2, k=3)
     state = DecodeState(target=tiny_model("llama", vocab_size=VOCAB), ids=[5, 1, 2, 5, 1],
                         params=SamplingParams(temperature=0.0), generator=None, max_length=30, remaining=20,
                         stats=GenerationStats())
@@ -151,7 +151,7 @@ def test_sampling_keeps_the_target_distribution(drafter, n):
     params = SamplingParams(temperature=1.0, top_p=0.9)
     # a self-repeating prompt so that lookup proposes (and sometimes loses) drafts
     made = {"lookup": lambda: PromptLookupDrafter(ngram=2, k=2), "mask-probe": lambda: MaskProbeDrafter(masks=2),
-            "hybrid": lambda: HybridDrafter(masks=2, ngram=2, k=2)}
+            "hybrid": lambda: LookupProbeDrafter(masks=2, ngram=2, k=2)}
     expected = exact_joint(target, params, 3)
     counts, hist, drafted = sample_counts(target, made[drafter], params, 3, n, seed0=31)
     assert drafted > 0 and hist[1:].sum() > 0  # drafts were proposed and some accepted

@@ -9,10 +9,11 @@ import torch
 import speculant
 from speculant.core.engine import generate
 from speculant.core.types import SamplingParams
-from speculant.drafters.observed import Observation, ObservedDrafter
 from speculant.drafters.registry import build_drafter
+from speculant.online import OnlineAdapter, OnlineBuffer, OnlineConfig, evaluation
+from speculant.online.observed import Observation, ObservedDrafter
+from speculant.online.trainer import distillation_loss
 from speculant.testing import perturbed, tiny_model
-from speculant.train.online import OnlineAdapter, OnlineBuffer, OnlineConfig
 
 VOCAB = 64
 
@@ -120,11 +121,10 @@ def test_the_prompt_text_adds_a_next_token_loss_on_the_prompts_rows(positions):
     o = observed.observation()
     assert int(o.positions.min()) == len(prompt) and o.rejected.any()
     window = 30  # the window starts inside the prompt: only its last prompt rows count
-    plain = OnlineAdapter(_session(target, draft), OnlineConfig(positions=positions, window=window))
-    weighted = OnlineAdapter(_session(target, draft), OnlineConfig(positions=positions, window=window,
-                                                                   prompt_weight=0.5))
+    plain = OnlineConfig(positions=positions, window=window)
+    weighted = OnlineConfig(positions=positions, window=window, prompt_weight=0.5)
     with torch.no_grad():
-        base, total = plain._loss(draft, o), weighted._loss(draft, o)
+        base, total = distillation_loss(draft, o, plain), distillation_loss(draft, o, weighted)
         trained = o.positions if positions == "all" else o.positions[o.rejected]
         start, end = int(trained.max()) - window, int(trained.max())
         logits = draft(input_ids=o.ids[None, start:end].long()).logits[0].float()  # [window, V]: the forward's
@@ -132,10 +132,10 @@ def test_the_prompt_text_adds_a_next_token_loss_on_the_prompts_rows(positions):
         text = torch.nn.functional.cross_entropy(logits[rows - start], o.ids[rows + 1].long())
     assert len(rows) > 0 and start > 0
     torch.testing.assert_close(total, base + 0.5 * text, rtol=1e-4, atol=1e-5)
-    short = OnlineAdapter(_session(target, draft), OnlineConfig(positions="all", window=8, prompt_weight=0.5))
+    short = OnlineConfig(positions="all", window=8, prompt_weight=0.5)
     with torch.no_grad():  # a window that starts after the prompt: no prompt rows, the distillation loss alone
-        torch.testing.assert_close(short._loss(draft, o), OnlineAdapter(_session(target, draft), OnlineConfig(
-            positions="all", window=8))._loss(draft, o))
+        torch.testing.assert_close(distillation_loss(draft, o, short),
+                                   distillation_loss(draft, o, OnlineConfig(positions="all", window=8)))
     with pytest.raises(ValueError, match="prompt_weight"):
         OnlineConfig(prompt_weight=-1.0)
 
@@ -171,11 +171,11 @@ def test_the_check_keeps_an_update_only_when_its_gain_is_beyond_noise(gained, lo
     was = torch.tensor([True] * same + [False] * gained + [True] * lost + [False] * 5)
     now = torch.tensor([True] * same + [True] * gained + [False] * lost + [False] * 5)
 
-    def hits(model, observations):  # the serving drafter first, then the candidate
+    def hits(model, observations, window):  # the serving drafter first, then the candidate
         yield
         return was if model is serving else now
 
-    monkeypatch.setattr(adapter, "_hits", hits)
+    monkeypatch.setattr(evaluation, "agreement_hits", hits)
     _run(adapter, _prompts(4, seed=2))
     entry = adapter.history[-1]
     assert (entry["gained"], entry["lost"]) == (gained, lost)

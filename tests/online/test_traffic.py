@@ -9,9 +9,9 @@ import torch
 import speculant
 from speculant.core.engine import generate
 from speculant.core.types import SamplingParams
-from speculant.drafters.traffic import SCORINGS, TrafficMemory, WithTraffic
+from speculant.online import OnlineAdapter, OnlineConfig
+from speculant.online.traffic import SCORINGS, TrafficMemory, WithTraffic
 from speculant.testing import perturbed, tiny_model
-from speculant.train.online import OnlineAdapter, OnlineConfig
 
 from helpers import sizes
 
@@ -89,7 +89,7 @@ def test_frequent_chains_end_where_their_estimated_chance_falls_below_min_score(
 
 
 def test_the_memory_settings_share_one_default_and_bad_ones_are_refused():
-    from speculant.drafters.traffic import MIN_SCORE, SCORINGS
+    from speculant.online.traffic import MIN_SCORE, SCORINGS
     from speculant.serve.settings import TRAFFIC_SCORINGS, ServeSettings
     from speculant.serve.worker import online_config
 

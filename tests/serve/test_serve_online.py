@@ -86,7 +86,7 @@ def test_every_torch_op_of_an_online_server_runs_on_its_decoding_thread(chat_mod
     from helpers import until_loaded
     from speculant.serve import ServeSettings, check_settings, create_app
     from speculant.serve.worker import Worker
-    from speculant.train.online import OnlineAdapter
+    from speculant.online import OnlineAdapter
 
     seen: dict[str, set] = {"load": set(), "work": set(), "call": set()}
     real_load, real_work = Worker.load, OnlineAdapter.work

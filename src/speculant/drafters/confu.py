@@ -5,7 +5,7 @@ state of a contemplate token ``[con]`` that rides in the verification forward af
 context and ConFu's soft prompt (:mod:`speculant.models.contemplate`). Each drafter row adds ``future_fc(f)`` to
 its input.
 
-Which ``f`` a row reads (the rule training follows, :mod:`speculant.train.drafter.confu_train`): the row of
+Which ``f`` a row reads (the rule training follows, :mod:`speculant.confu.training`): the row of
 position ``t`` reads the future vector of the latest anchor at or before ``t``; draft rows read the latest one.
 Where ``[con]`` rides is a cost choice (``contemplate``):
 

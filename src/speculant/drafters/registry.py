@@ -285,9 +285,9 @@ def _model_drafter(cls: type) -> Callable[..., Drafter]:
             feature_variant(cls) if is_feature_drafter(draft_model) else cls
         drafter = use(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
         if lookup:
-            from .with_lookup import WithLookup
+            from .model_lookup import ModelWithLookup
 
-            return WithLookup(drafter, k=lookup)
+            return ModelWithLookup(drafter, k=lookup)
         return drafter
 
     return factory
@@ -471,9 +471,9 @@ def _mask_probe(draft_model: torch.nn.Module | None = None, **options: Any) -> D
 
 
 def _hybrid(draft_model: torch.nn.Module | None = None, **options: Any) -> Drafter:
-    from .hybrid import HybridDrafter
+    from .lookup_probe import LookupProbeDrafter
 
-    return HybridDrafter(**options)
+    return LookupProbeDrafter(**options)
 
 
 _MASK_KEYS = {

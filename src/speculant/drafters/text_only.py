@@ -14,8 +14,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from ..core.types import DraftTree
-from .base import DecodeState, Drafter
-from .wrapper import DrafterWrapper
+from .base import DecodeState, Drafter, DrafterWrapper
 
 __all__ = ["TextOnlyDrafter", "text_ids"]
 

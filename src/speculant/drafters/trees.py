@@ -1,11 +1,11 @@
 """Token trees drafted by a draft model: SpecInfer, SpecTr, RSD-C, RSD-S and the greedy dynamic tree.
 
-(../shared/ALGORITHMS.md, Tree drafting.) Every drafter here builds its tree level by level with ONE batched draft
-forward per level: the nodes of a level are fed together with tree attention (a node sees the committed tokens,
-its ancestors and itself; position = root position + depth), using the mask machinery of :mod:`speculant.core.tree`
-over the draft cache, whose layout after the root is exactly the fed nodes in feed order. Nodes of the last level
-are never fed (their distributions are not needed). On commit the draft cache keeps the fed nodes of the accepted
-path (:meth:`DraftModelBase.commit`), so nothing is re-prefilled.
+Every drafter here builds its tree level by level with ONE batched draft forward per level: the nodes of a level are
+fed together with tree attention (a node sees the committed tokens, its ancestors and itself; position = root
+position + depth), using the mask machinery of :mod:`speculant.core.tree` over the draft cache, whose layout after
+the root is exactly the fed nodes in feed order. Nodes of the last level are never fed (their distributions are not
+needed). On commit the draft cache keeps the fed nodes of the accepted path (:meth:`DraftModelBase.commit`), so
+nothing is re-prefilled.
 
 What the one verifier gets, per method and sampling mode:
 

@@ -24,7 +24,7 @@ MAX_PORT = 65535
 
 
 TRAFFIC_SCORINGS = ("frequent", "recent")
-"""The traffic memory's scorings, the default first (:data:`speculant.drafters.traffic.SCORINGS`, named here without
+"""The traffic memory's scorings, the default first (:data:`speculant.online.traffic.SCORINGS`, named here without
 importing torch)."""
 
 
@@ -64,11 +64,11 @@ class ServeSettings:
     token), 1.5 MB if every character is sent as a ``\\uXXXX`` escape, and under 1 MB as token ids.
     ``shutdown_grace``: seconds that running and queued requests get to finish after SIGTERM or Ctrl-C, while new ones
     are answered 503; those still running then end with ``finish_reason`` ``abort`` (:mod:`speculant.serve.shutdown`).
-    ``online``: adapt the draft model to the traffic (:mod:`speculant.train.online`): an update every ``online_every``
+    ``online``: adapt the draft model to the traffic (:mod:`speculant.online`): an update every ``online_every``
     finished requests once ``online_min_held`` requests are held back for the check, trained while no request waits,
     kept only if held-back agreement rises by McNemar's z >= ``online_min_z``
-    (:class:`speculant.train.online.OnlineConfig`); ``online_traffic``: also draft up to that many tokens per step
-    from earlier requests' tokens (:mod:`speculant.drafters.traffic`; 0: none), matching context suffixes of at least
+    (:class:`speculant.online.OnlineConfig`); ``online_traffic``: also draft up to that many tokens per step
+    from earlier requests' tokens (:mod:`speculant.online.traffic`; 0: none), matching context suffixes of at least
     ``online_traffic_min_ngram`` tokens, continued by what followed them most often (``online_traffic_scoring``
     "frequent", the chain ending where its estimated chance falls below ``online_traffic_min_score``, or with
     ``online_traffic_tree`` > 0 a tree of that many nodes) or most recently ("recent"); ``online_distill`` False:
@@ -102,7 +102,7 @@ class ServeSettings:
     online_traffic: int = 0
     online_traffic_min_ngram: int = 1
     online_traffic_scoring: str = TRAFFIC_SCORINGS[0]
-    online_traffic_min_score: float = 0.1  # speculant.drafters.traffic.MIN_SCORE (tests hold them equal)
+    online_traffic_min_score: float = 0.1  # speculant.online.traffic.MIN_SCORE (tests hold them equal)
     online_traffic_tree: int = 0
     online_distill: bool = True
     online_state: str | None = None

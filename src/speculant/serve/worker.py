@@ -240,7 +240,7 @@ class Worker:
         self.tokenizer_lock = threading.Lock()
         self.session = None  # a speculant.session.Session once loaded
         self.speculation = None  # its speculant.core.adaptive.Speculation (the forward costs it measured)
-        self.online = None  # a speculant.train.online.OnlineAdapter with --online
+        self.online = None  # a speculant.online.OnlineAdapter with --online
         self.target = self.tokenizer = self.draft_model = None
         self.context_length: int | None = None
         self.token_chars = 1  # the most characters one token stands for (limits.longest_token_chars)
@@ -270,7 +270,7 @@ class Worker:
         if self.settings.speculation == "auto":  # a first measure of what rows cost, before any request
             self.speculation.cost.calibrate(row_cost(session.target, self._forward()))
         if self.settings.online:
-            from ..train.online import OnlineAdapter
+            from ..online import OnlineAdapter
 
             self.online = OnlineAdapter(session, online_config(self.settings), state_dir=self.settings.online_state)
             self.metrics.online_version.set(self.online.version)
@@ -450,11 +450,7 @@ class Worker:
     def _online_step(self) -> None:
         """One step of the online adapter's update (a request arriving meanwhile waits for it); a failing update is
         dropped with the drafter unchanged, and the server goes on."""
-        try:
-            self.online.work()
-        except Exception:  # noqa: BLE001: an update must never take the server down
-            self.online.abandon()
-            log.exception("online update failed; the drafter is unchanged")
+        self.online.work_or_abandon()
         self.metrics.online_buffer.set(self.online.buffer.nbytes)
 
     def _leave(self, job: Job, last: tuple[str, Any] | None) -> None:
@@ -582,8 +578,8 @@ class Worker:
 
 
 def online_config(settings: ServeSettings):
-    """The :class:`speculant.train.online.OnlineConfig` of a server's ``--online-*`` options."""
-    from ..train.online import OnlineConfig
+    """The :class:`speculant.online.OnlineConfig` of a server's ``--online-*`` options."""
+    from ..online import OnlineConfig
 
     return OnlineConfig(update_every=settings.online_every, min_held=settings.online_min_held,
                         min_z=settings.online_min_z, traffic=settings.online_traffic,

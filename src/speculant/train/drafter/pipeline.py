@@ -643,7 +643,7 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
         draft = build_attached(target, cfg.layers, features=cfg.kind in FEATURE_KINDS, taps=cfg.taps)
     objective = TOKEN
     if cfg.kind == "confu":
-        from .confu_train import ConFuObjective
+        from ...confu.training import ConFuObjective
 
         _add_contemplation(cfg, draft, target, train)
         objective = ConFuObjective(regression=cfg.regression, unroll=cfg.unroll, target=target, window=cfg.window)

@@ -1,11 +1,11 @@
 """Training a ConFu drafter (Qin, Goel, Gagrani et al. 2026): EAGLE-3's objective plus the target's contemplation.
 
-The drafter is an EAGLE-3 drafter (:mod:`.feature_train`: the target's tapped and final states, training-time test
-over ``unroll`` passes, the distillation loss only) whose every row also reads a future vector ``f``
-(:mod:`speculant.drafters.confu`, :mod:`speculant.models.contemplate`). What is learned: the drafter, the soft
-prompt (key/value entries in each of the frozen target's layers), the contemplate embeddings and their router,
-and the future input map. Gradients reach the soft prompt and the embeddings through the frozen target's forward
-of the contemplate tokens.
+The drafter is an EAGLE-3 drafter (:mod:`speculant.train.drafter.feature_train`: the target's tapped and final
+states, training-time test over ``unroll`` passes, the distillation loss only) whose every row also reads a future
+vector ``f`` (:mod:`speculant.drafters.confu`, :mod:`speculant.models.contemplate`). What is learned: the drafter,
+the soft prompt (key/value entries in each of the frozen target's layers), the contemplate embeddings and their
+router, and the future input map. Gradients reach the soft prompt and the embeddings through the frozen target's
+forward of the contemplate tokens.
 
 Per sample (sequence ``s_0 .. s_{n-1}`` of the batch, after the prompt's earlier tokens ``prefix``):
 
@@ -21,8 +21,8 @@ Per sample (sequence ``s_0 .. s_{n-1}`` of the batch, after the prompt's earlier
    ``t - a < window`` (zeros where there is none, as rows before the first contemplation do at inference); the
    unrolled pass ``d`` row that stands for a draft token whose chain started after row ``t`` reads that row's.
 
-The loss is the distillation loss of every pass (KL-type by default: FKL / TVD / TVD++, :mod:`...losses`), as
-the paper trains with a KL loss only.
+The loss is the distillation loss of every pass (KL-type by default: FKL / TVD / TVD++,
+:mod:`speculant.train.losses`), as the paper trains with a KL loss only.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...core.cache import cache_kwarg
-from ...models.contemplate import contemplation_of
-from .feature_train import FeatureBatch, FeatureObjective
+from ..core.cache import cache_kwarg
+from ..models.contemplate import contemplation_of
+from ..train.drafter.feature_train import FeatureBatch, FeatureObjective
 
 __all__ = ["ConFuBatch", "ConFuObjective", "contemplate_states"]
 

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.types import DraftTree
-from .base import DecodeState, Drafter
-from .wrapper import DrafterWrapper
+from ..drafters.base import DecodeState, Drafter, DrafterWrapper
 
 __all__ = ["Observation", "ObservedDrafter"]
 
@@ -96,8 +95,8 @@ class ObservedDrafter(DrafterWrapper):
     @property
     def token_ids(self) -> list[int]:
         """The generation's committed token ids (prompt + new), as far as it went; [] before it began. (Under a
-        text-only view of an image prompt, :mod:`.text_only`, the view's ids: synced at each step, so a last step
-        that ended the generation without a commit is missing.)"""
+        text-only view of an image prompt, :mod:`speculant.drafters.text_only`, the view's ids: synced at each step,
+        so a last step that ended the generation without a commit is missing.)"""
         return list(self._state.ids) if self._state is not None else []
 
     def observation(self) -> Observation | None:

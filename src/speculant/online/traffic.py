@@ -1,20 +1,20 @@
-"""Drafting from what a deployment has seen before: a bounded memory of earlier requests' tokens, looked up like
-prompt lookup (model-free, as SuffixDecoding, Oliaro et al. 2024, drafts from earlier outputs).
+"""Drafting from what a deployment has seen before: a bounded memory of earlier requests' tokens, looked up like prompt
+lookup (model-free, as SuffixDecoding, Oliaro et al. 2024, drafts from earlier outputs).
 
-Requests a deployment serves repeat each other: the same instruction templates, the same answer phrasing ("Here is the
-function with type hints ..."), the same code idioms. Prompt lookup (:mod:`.lookup`) finds only what the current
-request's own text repeats; :class:`TrafficMemory` keeps the token ids of earlier requests (prompt and answer, oldest
-evicted past ``max_tokens``) indexed by their n-grams, and :class:`WithTraffic` merges into each draft up to ``k``
-tokens the memory predicts after the context's longest suffix it knows (``ngram`` down to ``min_ngram`` tokens).
-``scoring="frequent"`` (the default) counts what followed every n-gram and walks those counts, each drafted token
-the most frequent continuation of the context so far (SuffixDecoding's frequency scoring, as a chain), a prediction
-that sharpens as the traffic grows; ``"recent"`` copies what followed the context's most recent occurrence, up to
-that request's end. With a node budget (``WithTraffic(tree=N)``) the memory drafts a tree instead of its one chain
-(:meth:`TrafficMemory.tree`, SuffixDecoding's tree speculation): the best-scoring continuations side by side, grown
-best first, so that where several continuations followed a context the likely ones are all verified; the memory's
-counts cover more of the traffic as it grows, and a tree turns more of that coverage into accepted tokens, for more
-verified rows per step. The memory grows as requests finish (:class:`speculant.train.online.OnlineAdapter` adds each
-one), so the drafter improves with its traffic, at no training cost.
+Requests a deployment serves repeat each other: the same instruction templates, the same answer phrasing ("Here is
+the function with type hints ..."), the same code idioms. Prompt lookup (:mod:`speculant.drafters.lookup`) finds only
+what the current request's own text repeats; :class:`TrafficMemory` keeps the token ids of earlier requests (prompt
+and answer, oldest evicted past ``max_tokens``) indexed by their n-grams, and :class:`WithTraffic` merges into each
+draft up to ``k`` tokens the memory predicts after the context's longest suffix it knows (``ngram`` down to
+``min_ngram`` tokens). ``scoring="frequent"`` (the default) counts what followed every n-gram and walks those counts,
+each drafted token the most frequent continuation of the context so far (SuffixDecoding's frequency scoring, as a
+chain), a prediction that sharpens as the traffic grows; ``"recent"`` copies what followed the context's most recent
+occurrence, up to that request's end. With a node budget (``WithTraffic(tree=N)``) the memory drafts a tree instead
+of its one chain (:meth:`TrafficMemory.tree`, SuffixDecoding's tree speculation): the best-scoring continuations side
+by side, grown best first, so that where several continuations followed a context the likely ones are all verified;
+the memory's counts cover more of the traffic as it grows, and a tree turns more of that coverage into accepted
+tokens, for more verified rows per step. The memory grows as requests finish (:class:`~.adapter.OnlineAdapter` adds
+each one), so the drafter improves with its traffic, at no training cost.
 
 The merged draft is deterministic (``draft_probs`` None) and is verified like prompt lookup's (greedy rule, or the
 deterministic-draft rule when sampling): exact whatever the memory holds. A memory holding other users' requests
@@ -23,18 +23,17 @@ reports accepted (and its latency) tells whether what followed its context had f
 earlier request, so one memory should serve users who may learn that much of each other's traffic (and its saved
 state holds their prompts).
 
-Thread use: :meth:`TrafficMemory.add` and the lookups run on the thread that decodes (a server's decoding thread).
-A lookup from another thread stays safe: ``"frequent"`` reads one dict whose entries are replaced whole (a walk keeps
+Thread use: :meth:`TrafficMemory.add` and the lookups run on the thread that decodes (a server's decoding thread). A
+lookup from another thread stays safe: ``"frequent"`` reads one dict whose entries are replaced whole (a walk keeps
 the dict it started with; a tree copies each count dict it reads, which the GIL makes atomic), ``"recent"`` reads the
 index, the ids and the request starts with bounds-safe slicing; the eviction swaps its rebuilt structures in
 together, so such a lookup sees the old or the new memory, or entries of both, which could only draft other tokens,
 never emit one.
 
-Memory: the ids (a Python list) and, per distinct n-gram (at most ``ngram`` per token), an index entry
-(``"recent"``) or a small dict of continuation counts and the best continuation (``"frequent"``):
-``benchmarks/traffic_memory_size.py`` measures the bytes per token (benchmarks/results/traffic_memory_size.json: on
-400 code-chat-train requests, 105k tokens). :attr:`TrafficMemory.max_tokens` bounds them: past it the oldest requests
-are dropped until the new one fits in half the bound, and the index or counts are rebuilt (once per
+Memory: the ids (a Python list) and, per distinct n-gram (at most ``ngram`` per token), an index entry (``"recent"``)
+or a small dict of continuation counts and the best continuation (``"frequent"``), a few hundred bytes per token held
+with ``"frequent"`` scoring and less with ``"recent"``. :attr:`TrafficMemory.max_tokens` bounds them: past it the
+oldest requests are dropped until the new one fits in half the bound, and the index or counts are rebuilt (once per
 ``max_tokens / 2`` tokens added; a Python loop over what is kept).
 """
 
@@ -48,8 +47,8 @@ from collections.abc import Sequence
 import torch
 
 from ..core.checks import check_positive_int
-from .base import DecodeState
-from .with_chain import WithChain
+from ..drafters.base import DecodeState
+from ..drafters.merged_chain import MergedChain
 
 __all__ = ["MIN_SCORE", "SCORINGS", "TrafficMemory", "WithTraffic"]
 
@@ -58,9 +57,9 @@ SCORINGS = ("frequent", "recent")
 """How :meth:`TrafficMemory.continuation` picks among earlier occurrences of the context (module doc)."""
 
 MIN_SCORE = 0.1
-""":class:`TrafficMemory`'s default ``min_score``: replaying a 400-request code stream with SmolLM2 and prompt
-lookup (benchmarks/results/online-replay-cc-v1) it drafted 25-35% fewer memory-and-lookup tokens per step than no
-bound (7.7 against 11.8 in the last window) for 1-2% less τ."""
+""":class:`TrafficMemory`'s default ``min_score``: a chain ends where its estimate says it is right less than one
+time in ten, which drafts markedly fewer tokens per step than no bound for a slightly lower τ (every verified row
+costs on a CPU)."""
 
 
 class TrafficMemory:
@@ -276,7 +275,7 @@ def _spans(starts: list[int], total: int) -> list[tuple[int, int]]:
     return list(zip(starts, starts[1:] + [total]))
 
 
-class WithTraffic(WithChain):
+class WithTraffic(MergedChain):
     """``inner``'s draft tree plus the ``k`` tokens ``memory`` says followed the context's suffix in earlier
     requests (:meth:`TrafficMemory.continuation`), merged as a deterministic chain; with ``tree`` > 0 the memory's
     tree of at most that many nodes, ``k`` deep, instead (:meth:`TrafficMemory.tree`). A tree whose nodes carry

@@ -1,4 +1,4 @@
-"""A hybrid training-free drafter: prompt-lookup continuations and mask-probe candidates in ONE tree.
+"""The ``hybrid`` method's training-free drafter: prompt-lookup continuations and mask-probe candidates in ONE tree.
 
 Prompt lookup (Saxena 2023) is strong when the answer copies from its context and silent otherwise; mask probing
 (ESP, Goel et al. 2026) always proposes something but rarely more than one or two tokens deep. Both cost no draft
@@ -18,10 +18,10 @@ from .base import DecodeState
 from .lookup import lookup_continuation, merge_chain
 from .mask_probe import MaskProbeDrafter
 
-__all__ = ["HybridDrafter"]
+__all__ = ["LookupProbeDrafter"]
 
 
-class HybridDrafter(MaskProbeDrafter):
+class LookupProbeDrafter(MaskProbeDrafter):
     """Mask-probe tree plus the prompt-lookup chain (``ngram``, ``k`` as in
     :class:`~.lookup.PromptLookupDrafter`); the other arguments are :class:`~.mask_probe.MaskProbeDrafter`'s."""
 

@@ -1,26 +1,25 @@
 """A drafter's tree with one more deterministic chain (or a few paths) merged in, verified in the same target forward.
 
-The base of :class:`~.with_lookup.WithLookup` (the prompt-lookup continuation) and
-:class:`~.traffic.WithTraffic` (earlier requests' continuation, or their tree): the inner drafter's tree with the
-chain (each of the paths) added as a path from the root, sharing any prefix the tree already has (:func:`~.lookup.merge_chain`). The inner drafter's nodes
-keep their indices and it is told the accepted tokens as usual, so any drafter works inside. The merged tree has no
-draft distribution (``draft_probs`` None) and is verified as a deterministic draft (greedy, or the
-deterministic-draft rule when sampling), which is exact whatever proposed the tokens; a sampled chain's tokens then
-count as point masses (see :mod:`.with_lookup` for what that costs).
+The base of :class:`~.model_lookup.ModelWithLookup` (the prompt-lookup continuation) and
+:class:`speculant.online.traffic.WithTraffic` (earlier requests' continuation, or their tree): the inner drafter's
+tree with the chain (each of the paths) added as a path from the root, sharing any prefix the tree already has
+(:func:`~.lookup.merge_chain`). The inner drafter's nodes keep their indices and it is told the accepted tokens as
+usual, so any drafter works inside. The merged tree has no draft distribution (``draft_probs`` None) and is
+verified as a deterministic draft (greedy, or the deterministic-draft rule when sampling), which is exact whatever
+proposed the tokens; a sampled chain's tokens then count as point masses (see :mod:`.model_lookup` for what that costs).
 """
 
 from __future__ import annotations
 
 from ..core.checks import check_positive_int
 from ..core.types import DraftTree
-from .base import DecodeState, Drafter
+from .base import DecodeState, Drafter, DrafterWrapper
 from .lookup import merge_chain
-from .wrapper import DrafterWrapper
 
-__all__ = ["WithChain"]
+__all__ = ["MergedChain"]
 
 
-class WithChain(DrafterWrapper):
+class MergedChain(DrafterWrapper):
     """``inner``'s draft tree with one more deterministic chain from the root merged in, of at most ``k`` tokens
     (what :meth:`chain` returns for the step, or each path :meth:`chains` returns; subclasses say where it comes from,
     and name their method option in :attr:`option`). The merged tree is verified as a deterministic draft (see the

@@ -20,15 +20,15 @@ from __future__ import annotations
 from ..core.checks import check_positive_int
 from .base import DecodeState, Drafter
 from .lookup import lookup_continuation
-from .with_chain import WithChain
+from .merged_chain import MergedChain
 
-__all__ = ["WithLookup"]
+__all__ = ["ModelWithLookup"]
 
 
-class WithLookup(WithChain):
+class ModelWithLookup(MergedChain):
     """``inner``'s draft tree plus the prompt-lookup chain (``ngram``, ``k`` as in
-    :class:`~.lookup.PromptLookupDrafter`), merged by :class:`~.with_chain.WithChain`. Lookup adds no model and reads
-    no states: the capabilities are the inner drafter's."""
+    :class:`~.lookup.PromptLookupDrafter`), merged by :class:`~.merged_chain.MergedChain`. Lookup adds no model
+    and reads no states: the capabilities are the inner drafter's."""
 
     option = "lookup"
 

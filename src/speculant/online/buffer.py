@@ -1,6 +1,6 @@
 """The bounded buffer of verified positions an online drafter trains and validates on.
 
-Holds :class:`~speculant.drafters.observed.Observation` s (one per finished request), oldest evicted first once
+Holds :class:`~.observed.Observation` s (one per finished request), oldest evicted first once
 their tensors exceed ``max_bytes``. Every ``holdout_every``-th request is held back: updates train on the others and
 are checked on these (an update that lowers agreement on held-back traffic is rolled back), so the check never
 sees data the update was fitted to.
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ...drafters.observed import Observation
+from .observed import Observation
 
 __all__ = ["OnlineBuffer"]
 
