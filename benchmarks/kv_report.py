@@ -2,7 +2,7 @@
 
 Writes, next to the results file: kv_table.md (every policy x budget: top-1 agreement, KL, NLL ratio, retrieval,
 the mean over the texts with standard errors over the scored positions; per-text top-1 agreement and KL
-at the budget nearest 25% of the sequence; the issue's comparisons at that budget, with the number of texts on
+at the budget nearest 25% of the sequence; the comparisons at that budget, with the number of texts on
 which each holds), fidelity_vs_budget.png (top-1 agreement and KL against the budget, one line per policy) and
 memory_vs_prompt.png (peak KV bytes of the full and the budgeted cache against the prompt length).
 
@@ -11,11 +11,11 @@ memory_vs_prompt.png (peak KV bytes of the full and the budgeted cache against t
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
-# The questions: does KeyDiff beat these, and does CAOTE improve the attention-based policy it wraps?
+# The questions: does KeyDiff beat these, and does CAOTE improve the attention-based policy it wraps?
 KEYDIFF_RIVALS = ("streaming", "h2o", "tova")
 ATTENTION_BASES = ("h2o", "h2o-acc", "tova", "snapkv", "snapkv:passes=2")
 
@@ -51,7 +51,10 @@ def comparison_lines(rows: list[dict], budget: int) -> list[str]:
 
 
 def main() -> None:
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/kv/kv_results.json")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="?", default="benchmarks/results/kv/kv_results.json",
+                    help="a kv-eval results file (kv_results.json); the tables and plots go beside it")
+    path = Path(ap.parse_args().results)
     res = json.loads(path.read_text())
     rows = res["results"]
     s = res["settings"]

@@ -1,7 +1,7 @@
-"""How far online adaptation could move τ on a stream at most (issue 30): the traffic memory's learning curve, and
+"""How far online adaptation could move τ on a stream at most: the traffic memory's learning curve, and
 the draft model distilled offline on the stream's own earlier requests for many steps.
 
-Issue 30's target asks τ of a stream's last 50-request window to reach 1.25x its first. Adaptation reaches that only
+A target such as "τ of a stream's last 50-request window at 1.25x its first" is reached by adaptation only
 if what it learns keeps growing past the first window. Three measurements, from the stream's greedy answers (as
 ``online_replay.py``: τ replayed exactly, no decoding, no timing):
 

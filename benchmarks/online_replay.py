@@ -1,4 +1,4 @@
-"""Online adaptation on a stream, replayed from its greedy answers: τ per window in minutes, not hours (issue 30).
+"""Online adaptation on a stream, replayed from its greedy answers: τ per window in minutes, not hours.
 
 Under greedy verification a step accepts the longest drafted path that matches the target's own answer, and a chain
 drafted by a greedy draft model matches it exactly as far as the model's teacher-forced predictions over the answer

@@ -1,4 +1,4 @@
-"""Online speculative decoding on a stream of requests from a domain the drafter was not trained on (issue 30).
+"""Online speculative decoding on a stream of requests from a domain the drafter was not trained on.
 
 Two sessions of the same target and shipped drafter decode the same stream of requests, request by request
 interleaved, greedy: one as shipped, one adapting its drafter online (:class:`speculant.online.OnlineAdapter`:
@@ -149,7 +149,7 @@ def online_settings(args: argparse.Namespace) -> str:
 
 
 def _scoring(args: argparse.Namespace) -> str:
-    """The memory's scoring in words (runs from before session 35 hold no scoring: recent)."""
+    """The memory's scoring in words (a results file that records no scoring ran "recent", the memory's first scoring)."""
     scoring = getattr(args, "traffic_scoring", "recent")
     bound = getattr(args, "traffic_min_score", 0.0)
     if scoring != "frequent":

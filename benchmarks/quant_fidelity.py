@@ -6,7 +6,7 @@ turns greedily in its chat template; then each quantized variant (``--kinds``, l
 same prompt + answer once (teacher forcing, the lean forward every decoding method runs), and at every answer
 position we compare its next-token distribution with float32's over the same sequence:
 
-* ``top1_agreement``: the quantized model's most likely token is float32's (the issue's target: >= 0.99);
+* ``top1_agreement``: the quantized model's most likely token is float32's (a format should reach 0.99);
 * ``mean_kl``: KL(p_fp32 || p_quant) in nats, averaged over positions (and its 99th percentile, ``p99_kl``).
 
 ``KIND/8bit``, ``KIND/7bit`` (e.g. ``q4m/8bit``): the kind with a GGUF file's 6-bit tensors requantized to 8- or

@@ -1,4 +1,4 @@
-"""VocabTrim calibration of the Qwen2.5-Coder-0.5B draft on its 1.5B target's own answers (issue 27, item 3).
+"""VocabTrim calibration of the Qwen2.5-Coder-0.5B draft on its 1.5B target's own answers.
 
 The draft's tied LM head (151,936 x 896) is 28% of its weights and is read at every draft token; VocabTrim (Goel et
 al. 2025) keeps only the tokens the *target* writes. This script:

@@ -5,7 +5,7 @@ NAME``, default ``bench``) with the table :func:`speculant.bench.report.readme_s
 left byte for byte. ``make bench`` writes the results, ``make bench-readme`` runs this script.
 
     python benchmarks/readme_table.py [--results benchmarks/results/bench/results.json] [--readme README.md]
-    python benchmarks/readme_table.py --results benchmarks/results/mtbench/results.json --marker mtbench
+    python benchmarks/readme_table.py --results benchmarks/results/mtbench-80-fp32/results.json --marker mtbench-fp32
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What sampling costs over a large vocabulary: drawing a token and top-p's cut, now against before (session 28),
+"""What sampling costs over a large vocabulary: drawing a token and top-p's cut, the present routines against the ones they replaced,
 alone and in sampled speculative decoding of a real pair.
 
 Every sampled step warps several rows (the target's verification rows, the draft's proposals) and draws several

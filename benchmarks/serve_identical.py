@@ -7,9 +7,20 @@ them, else the text). Writes ``{"requests", "identical", "differ"}`` to OUT.
     speculant serve --target smollm2-135m-instruct --max-batch 4 --port 8051 &
     python benchmarks/serve_identical.py http://127.0.0.1:8051 24 identical.json
 """
-import json, sys, threading, httpx
+import argparse
+import json
+import threading
+
+import httpx
+
 from speculant.data.prompts import load_prompts
-url = sys.argv[1]; n = int(sys.argv[2]); out = sys.argv[3]
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("url", help="the running server, e.g. http://127.0.0.1:8051")
+ap.add_argument("n", type=int, help="how many MT-Bench first turns to send")
+ap.add_argument("out", help="the JSON file to write")
+args = ap.parse_args()
+url, n, out = args.url, args.n, args.out
 rows = load_prompts("builtin:mt-bench", n)
 def ask(r):
     body = {"model": "smollm2-135m-instruct", "messages": [r["messages"][0]] if "messages" in r else [{"role": "user", "content": r["prompt"]}],

@@ -1,5 +1,5 @@
 """The 1.5B target's 0.5B sibling fine-tuned the Direct-Alignment way (``speculant train draft --kind model``):
-untrained vs FKL vs TVD vs TVD++, as τ at temperatures 0 and 1 (issue "trained drafters", the sibling's table).
+untrained vs FKL vs TVD vs TVD++, as τ at temperatures 0 and 1.
 
 Every exported drafter of ``--run`` (``RUN/model-<loss>/draft``: the untrained one went through the same bfloat16
 export, so the rows differ by training alone) drafts ``chain:k=K`` for the packaged target on the same prompts in one

@@ -1,5 +1,5 @@
 """Threads on a busy machine: plain decoding (``ar``) for each thread setting and OpenMP wait policy, on a quiet
-machine and beside one busy neighbour process (issue 32 item 14; :mod:`speculant.core.threads`).
+machine and beside one busy neighbour process (:mod:`speculant.core.threads`).
 
 Settings: ``--threads`` in {1, 2, auto} x wait policy in {active, passive, unset (the runtime's own: spin a while,
 then sleep), spin20k (GNU OpenMP's spin cut to 20,000 rounds)} x {quiet, busy: one ``python -c 'while True: pass'``

@@ -1,4 +1,4 @@
-"""What drafting from the traffic memory gives on a stream, replayed exactly from its answers (issue 30).
+"""What drafting from the traffic memory gives on a stream, replayed exactly from its answers.
 
 Greedy verification accepts the longest drafted path that matches the target's own answer, and a merged tree's
 branches are the model chain, the prompt-lookup chain and the traffic chain: per step the accepted length is the
@@ -74,7 +74,7 @@ def replay(prompts: list[list[int]], answers: list[list[int]], matches: list[lis
            scoring: str = "recent") -> dict[str, list[float]]:
     """Per window of ``window`` requests, ``tau`` and ``nodes`` (draft tokens per step: the merged tree's size) of
     :func:`replay_request` over the stream, every finished request added to the traffic memory (shortest n-gram
-    ``min_ngram``, ``scoring`` as the stream's run had it: streams from before session 35 ran "recent")."""
+    ``min_ngram``, ``scoring`` as the stream's run had it: a stream whose results file records no scoring ran "recent")."""
     memory = TrafficMemory(min_ngram=min_ngram, scoring=scoring)
     per_request = []
     for r, (ids, answer) in enumerate(zip(prompts, answers)):
