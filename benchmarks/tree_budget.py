@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import speculant
-from speculant.bench.budget import at_budget, shape
+from speculant.bench.matched_specs import at_budget, shape
 from speculant.bench.cost import drafter_params_per_forward, mbsu, params_per_forward
 from speculant.data.prompts import builtin_prompts
 from speculant.bench.speed import MethodRun, machine_info, run_side_by_side, summarise
@@ -37,8 +37,8 @@ def _late(b: int) -> str:
     return f"rsd-c:branching={'/'.join(['1'] * (b - 2) + ['2'])}"
 
 
-# label -> family (speculant.bench.budget sizes it to each budget) or a function of the budget. The two-level
-# RSD-C shapes (4/1, 2/3, 4/3) and the width-4 trees at budget 8 (depth 2) were measured before: far behind.
+# label -> family (speculant.bench.matched_specs sizes it to each budget) or a function of the budget. The
+# two-level RSD-C shapes (4/1, 2/3, 4/3) and the width-4 trees at budget 8 (depth 2) were measured before: far behind.
 FAMILIES = {
     "chain": "chain",
     "specinfer W=2": "specinfer:width=2",

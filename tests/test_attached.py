@@ -15,7 +15,7 @@ from speculant.models.chat import chat_ids, stop_ids
 from speculant.drafters.registry import build_drafter
 from speculant.core.engine import generate
 from speculant.models.loading import check_model_dir, load_draft, load_model_dir
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 from helpers import chat_model_pair
 
@@ -407,7 +407,7 @@ def test_train_model_draft_bad_input(target_dir, sibling_dir, tmp_path, capsys):
     """--kind model without --draft, --draft without --kind model, --init, --taps or another kind's settings
     with it, and a draft model of another vocabulary: one line each, before any work. The learning rate defaults
     to the kind's."""
-    from speculant.testing import save_model_pair, tiny_tokenizer
+    from speculant.tiny_models import save_model_pair, tiny_tokenizer
     from speculant.train.drafter.pipeline import MODEL_LR, DraftRunConfig, resolve_kind
 
     assert resolve_kind(DraftRunConfig(target_dir, "o", kind="model", draft=sibling_dir)).lr == MODEL_LR

@@ -17,7 +17,7 @@ from speculant.core.engine import generate
 from speculant.core.forward import TargetForward
 from speculant.core.quant import quantize_model
 from speculant.data.sharegpt import EVAL_SIZE, read_conversations, sharegpt_first_turns
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 from speculant.train.drafter.answers import AnswerShard, load_shards, plan_shards, shard_paths
 from speculant.train.drafter.batch_answers import engine_answers
 from speculant.train.drafter.features import load_features, sequence_lengths, to_tensor

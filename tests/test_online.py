@@ -11,7 +11,7 @@ from speculant.core.engine import generate
 from speculant.core.types import SamplingParams
 from speculant.drafters.observed import Observation, ObservedDrafter
 from speculant.drafters.registry import build_drafter
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 from speculant.train.online import OnlineAdapter, OnlineBuffer, OnlineConfig
 
 VOCAB = 64

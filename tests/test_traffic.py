@@ -10,7 +10,7 @@ import speculant
 from speculant.core.engine import generate
 from speculant.core.types import SamplingParams
 from speculant.drafters.traffic import SCORINGS, TrafficMemory, WithTraffic
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 from speculant.train.online import OnlineAdapter, OnlineConfig
 
 from helpers import sizes

@@ -29,8 +29,9 @@ from ..core.checks import check_fits_context, check_positive_int, resolve_device
 from ..core.quant import quantization_of
 from ..drafters.registry import NO_DEFAULT, get_method, split_spec
 from ..core.types import SamplingParams
-from ..session import ParsedMethod, Session, default_method
-from .budget import matched_specs, shape
+from ..plan import ParsedMethod, default_method
+from ..session import Session
+from .matched_specs import matched_specs, shape
 from .cost import (
     drafter_models,
     drafter_params_per_forward,
@@ -54,7 +55,7 @@ REFERENCE = "ar"
 """The method every speed-up and identity check is measured against."""
 
 DEFAULT = "default"
-"""In a method list: the target's packaged default method (:func:`speculant.session.default_method`: the method
+"""In a method list: the target's packaged default method (:func:`speculant.plan.default_method`: the method
 measured fastest for a packaged target with its shipped drafter), else the registry's ``DEFAULT_METHOD``."""
 
 DEFAULT_METHODS = ("chain:k=4",)
@@ -265,16 +266,16 @@ def run_bench(
             the first draft-model method (``chain:k=4`` -> 4).
         target, draft: anything :func:`speculant.models.loading.resolve_model` takes (a model directory, a bundled or
             packaged name, a ``.gguf`` file, a cached Hub id) or a loaded model; the draft may be an attached
-            drafter (:func:`speculant.models.loading.load_draft`). Resolved and loaded by :mod:`speculant.session`
-            (its rules): when a method needs a draft and none is given, the drafter speculant ships for the target,
-            and without one a ValueError. Loaded models need ``tokenizer`` for text and chat prompts.
+            drafter (:func:`speculant.models.loading.load_draft`). Resolved by :mod:`speculant.plan` (its rules)
+            and loaded by :mod:`speculant.session`: when a method needs a draft and none is given, the drafter
+            speculant ships for the target, and without one a ValueError. Loaded models need ``tokenizer`` for text and chat prompts.
         num_prompts: use only N prompts: the first N of a list or file, N stratified picks of a built-in set.
         max_new_tokens, temperature, top_k, top_p, seed: as :func:`speculant.generate`, for every method.
         repeats: rounds over the prompt set; warmup: untimed warm-up rounds (first prompt, <= 32 tokens).
         eos_token_id: stop token(s) for every method (``[]``: never stop early); None: the target's, plus the
             end-of-turn tokens (:func:`speculant.models.chat.stop_ids`) when any prompt is a chat.
         dtype: load dtype for both models (None: float32, as every front-end).
-        quantization: weight quantization of the models loaded by name (:func:`speculant.session.resolve`; None:
+        quantization: weight quantization of the models loaded by name (:func:`speculant.plan.resolve`; None:
             none; the draft takes the target's kind).
         device: move the target and draft loaded by name to this device (checked by
             :func:`speculant.core.checks.resolve_device` before any model loads); None: the CPU. Loaded models
@@ -282,7 +283,7 @@ def run_bench(
         out: directory for results.json, results.md and the plots (an existing file is refused before any
             model is loaded); None writes nothing.
         progress: a tqdm bar on stderr.
-        budgets, depths: budget-matched comparison (:mod:`speculant.bench.budget`): every entry of ``methods``
+        budgets, depths: budget-matched comparison (:mod:`speculant.bench.matched_specs`): every entry of ``methods``
             is then a family (a spec without its size, e.g. ``chain``, ``rsd-s:width=2``) run at each number of
             tree tokens per target call in ``budgets`` and at each draft depth in ``depths``; results are keyed
             by the sized specs, and ``budget_matched`` maps each axis value and family to its spec (None when

@@ -206,11 +206,11 @@ def run_niah(model, tokenizer, policies: Sequence[str], lengths: Sequence[int], 
     """
     from ..models.chat import stop_ids
     from ..core.engine import generate
-    from ..kv.registry import parse_policy
+    from ..kv.registry import resolve_eviction
 
     objects = {}
     for spec in policies:
-        objects[spec] = parse_policy(spec)
+        objects[spec] = resolve_eviction(spec)
         objects[spec].bind_draft(draft)  # SpecKV drafts with it (a one-line error without one); others ignore it
 
     text = haystack if haystack is not None else default_haystack()

@@ -1,7 +1,7 @@
 """What the ``speculant`` subcommands share: the one-line-error parser, the help formatter, the subcommand
 descriptors (:class:`Command`, :class:`Subcommand`), option types, the model options (:func:`add_model_arguments`:
 ``--target/--draft/--method/--dtype/--quantization/--device/--threads/--kv-*``, declared once with one help text each, read back
-by :func:`session_arguments` for :func:`speculant.session.resolve`), and options declared from a dataclass's fields.
+by :func:`session_arguments` for :func:`speculant.plan.resolve`), and options declared from a dataclass's fields.
 
 Light on purpose: :mod:`speculant.cli` imports this module to build ``speculant --help``, which must not import
 torch, so every heavy import here is inside the function that needs it.
@@ -302,7 +302,7 @@ def add_model_arguments(
     add_threads_argument(p)
     add_device_argument(p, "the target and draft models" if draft else "the target model")
     if kv:
-        from ..session import generate_defaults
+        from ..plan import generate_defaults
 
         p.add_argument(
             "--kv-policy",
@@ -334,7 +334,7 @@ def add_model_arguments(
 
 
 def session_arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of :func:`speculant.session.resolve` from the options of :func:`add_model_arguments`
+    """The keyword arguments of :func:`speculant.plan.resolve` from the options of :func:`add_model_arguments`
     (those a parser did not declare are left out)."""
     names = ("draft", "method", "dtype", "quantization", "device", "threads", "kv_policy", "kv_budget", "kv_block")
     return {"target": args.target, **{n: getattr(args, n) for n in names if hasattr(args, n)}}

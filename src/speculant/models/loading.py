@@ -404,7 +404,7 @@ def load_draft(name_or_path: str | Path, target: torch.nn.Module, dtype: torch.d
     quantized and its shared head stays the target's, so its kind must be the target's (None: the target's; else
     a ValueError). Its embedding check compares with the float embedding it was made for, which a target with a
     tied, quantized head no longer has: load it next to the float target, then quantize both
-    (:class:`speculant.session.SessionPlan` does).
+    (:func:`speculant.session.load_plan` does).
 
     Returns the draft model (eval mode). The caller checks that an ordinary draft's tokenizer matches the
     target's (:func:`tokenizers_match`); an attached drafter uses the target's tokenizer by construction."""

@@ -259,9 +259,10 @@ class Worker:
         raises."""
         from ..core.checks import context_length
         from .limits import longest_token_chars
+        from ..session import load_plan
         from .settings import plan
 
-        session = plan(self.settings).load()
+        session = load_plan(plan(self.settings))
         self.session = session
         self.target, self.tokenizer, self.draft_model = session.target, session.tokenizer, session.draft
         self.context_length = context_length(session.target)
