@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_new_tokens is None:
         args.max_new_tokens = 64 if large else 128
     if args.repeats is None:
-        args.repeats = 3 if large else 5  # the median of 2 is their mean: one disturbed run moved it 1.07-1.67x
+        args.repeats = 3 if large else 5  # the median of 2 is their mean: one disturbed run moves it far
     if args.quantization is None:
         args.quantization = (PACKAGED[pair.target].default_quantization if pair.kind == "packaged" else None) or "none"
     from transformers.utils import logging as hf_logging

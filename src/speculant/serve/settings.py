@@ -182,6 +182,6 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         settings = dataclasses.replace(settings, target=default_target())
     p = plan(settings)
     # the resolved quantization too: the target is now a directory, whose packaged default a later resolve
-    # would no longer find (the 1.5B served unquantized, 4x slower, before this was carried over)
+    # would not find (a packaged target would then be served unquantized)
     return dataclasses.replace(settings, target=p.target, draft=p.draft, method=p.method.spec,
                                quantization=p.quantization, model_name=settings.model_name or settings.target)

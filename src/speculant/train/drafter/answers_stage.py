@@ -105,8 +105,8 @@ def _content(rows: list[dict]) -> list[tuple]:
 
 def _answer_parts(folder: Path) -> list[dict]:
     """``answers/PARTS.json``: the ranges of prompt rows answered so far, each ``{"rows": [a, b], "first_shard",
-    "seconds"}`` (``seconds`` None while that part is being written). A run from before parts existed is one
-    complete part covering the rows its ``DONE`` counts."""
+    "seconds"}`` (``seconds`` None while that part is being written). A run with a ``DONE`` but no ``PARTS.json`` is
+    one complete part covering the rows its ``DONE`` counts."""
     parts_file, done = folder / "PARTS.json", folder / "DONE"
     if parts_file.exists():
         return json.loads(parts_file.read_text())
