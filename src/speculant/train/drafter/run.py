@@ -145,11 +145,11 @@ def _add_contemplation(cfg: DraftRunConfig, draft, target, samples: list) -> Non
     if contemplation_of(draft) is not None:
         return
     module = add_contemplation(draft, target.config, soft=cfg.soft, mixture=cfg.mixture)
-    tokens = np.concatenate([np.concatenate([s.context, s.answer]) for s in samples[:8]])
+    tokens = np.concatenate([np.concatenate([s.context, s.answer]) for s in samples[:8]])  # [N] token ids
     if len(tokens) < cfg.soft:
         raise ValueError(f"--soft {cfg.soft}: the training data holds only {len(tokens)} tokens to start the soft "
                          "prompt from")
-    module.init_from(target, torch.from_numpy(tokens[: cfg.soft].astype(np.int64)))
+    module.init_from(target, torch.from_numpy(tokens[: cfg.soft].astype(np.int64)))  # [soft]
 
 
 def _machine(cfg: DraftRunConfig) -> str:
@@ -253,8 +253,8 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
     else:
         save_attached(draft, target, tmp, target_name=cfg.target, storage=cfg.store, extra={
             **meta, "layers_from_target": cfg.layers, "taps": cfg.taps, "init": cfg.init})
-    answers = np.concatenate([s.answer for s in train])
-    seen = int((np.bincount(answers.astype(np.int64)) > 0).sum())
+    answers = np.concatenate([s.answer for s in train])  # [N]: every training answer token
+    seen = int((np.bincount(answers.astype(np.int64)) > 0).sum())  # distinct tokens answered
     write_calibration_tokens(tmp, answers, "the training answers (distillation data)",
                              default_size=min(cfg.keep, _GREEDY_KEEP, seen), default_size_sampling=min(cfg.keep, seen))
     if export.exists():
