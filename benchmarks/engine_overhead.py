@@ -22,7 +22,7 @@ import torch
 import transformers
 
 import speculant
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 
 def machine_info(threads: int) -> dict:

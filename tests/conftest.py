@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from helpers import CODE_CONTEXT, MULTIBYTE, chat_model_pair
-from speculant.testing import save_model_pair, stdlib_texts, tiny_tokenizer
+from speculant.tiny_models import save_model_pair, stdlib_texts, tiny_tokenizer
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -102,7 +102,7 @@ API_VOCAB = 96
 def api_target():
     """The ``target`` fixture of the Python API tests (api/test_api.py, api/test_api_errors.py; import it there): a tiny
     Llama with :data:`API_VOCAB` tokens and a context of 64, one per module."""
-    from speculant.testing import tiny_model
+    from speculant.tiny_models import tiny_model
 
     return tiny_model("llama", seed=0, vocab_size=API_VOCAB, context=64)
 
@@ -137,7 +137,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}<
 
 def chat_model_pair(root, layers: int = 2, context: int = 256):
     """A tiny random target and its perturbed draft whose tokenizer has :data:`CHAT_TEMPLATE`; their dirs."""
-    from speculant.testing import save_model_pair, tiny_tokenizer
+    from speculant.tiny_models import save_model_pair, tiny_tokenizer
 
     tok = tiny_tokenizer(vocab_size=300)
     tok.chat_template = CHAT_TEMPLATE

@@ -48,9 +48,10 @@ _EXPORTS: dict[str, str] = {
     "OnlineAdapter": ".online",
     "OnlineConfig": ".online",
     "Session": ".session",
-    "SessionPlan": ".session",
+    "SessionPlan": ".plan",
     "load": ".session",
-    "resolve": ".session",
+    "load_plan": ".session",
+    "resolve": ".plan",
     "build_drafter": ".drafters.registry",
     "generate": ".api",
     "generate_batch": ".api",
@@ -108,6 +109,7 @@ __all__ = [
     "generate_steps",
     "load",
     "load_draft",
+    "load_plan",
     "load_pretrained",
     "resolve",
     "stop_ids",
@@ -146,4 +148,5 @@ if TYPE_CHECKING:  # what static type checkers and IDEs see
     from .models.loading import load_draft, load_pretrained
     from .core.types import DraftTree, Generation, GenerationStats, SamplingParams, TokenLogprob, Verdict
     from .core.verification import verify
-    from .session import Session, SessionPlan, load, resolve
+    from .plan import SessionPlan, resolve
+    from .session import Session, load, load_plan

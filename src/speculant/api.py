@@ -19,7 +19,7 @@ from .core.types import Generation
 from .drafters.base import Drafter
 from .drafters.registry import resolve_drafter
 from .kv.policies import ScorePolicy
-from .kv.registry import parse_policy
+from .kv.registry import resolve_eviction
 
 __all__ = ["generate", "generate_batch", "generate_steps"]
 
@@ -89,8 +89,8 @@ def generate(
     """
     ids = as_id_list(input_ids)  # before resolving anything: a bad prompt is the first error a caller sees
     check_stream(stream)
-    if isinstance(kv_policy, str):
-        kv_policy = parse_policy(kv_policy)
+    if kv_policy is not None:
+        kv_policy = resolve_eviction(kv_policy)
     return engine.generate(target, ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                            stream=stream, kv_policy=kv_policy, kv_budget=kv_budget, kv_block=kv_block,
@@ -123,8 +123,8 @@ def generate_steps(
     >>> steps.result.stats.acceptance_length
     """
     ids = as_id_list(input_ids)
-    if isinstance(kv_policy, str):
-        kv_policy = parse_policy(kv_policy)
+    if kv_policy is not None:
+        kv_policy = resolve_eviction(kv_policy)
     return engine.generate_steps(target, ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                  eos_token_id=eos_token_id, kv_policy=kv_policy, kv_budget=kv_budget,
@@ -180,8 +180,8 @@ def generate_batch(
                              "(one drafter is built per prompt), or a list of drafters, one per prompt")
     if len(drafters) != len(ids):
         raise ValueError(f"drafter: give one per prompt ({len(ids)}), got {len(drafters)}")
-    if isinstance(kv_policy, str):
-        kv_policy = parse_policy(kv_policy)
+    if kv_policy is not None:
+        kv_policy = resolve_eviction(kv_policy)
     return engine.generate_batch(target, ids, [resolve_drafter(d) for d in drafters], max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                  eos_token_id=eos_token_id, kv_policy=kv_policy, kv_budget=kv_budget,

@@ -9,7 +9,7 @@ The pair, by default the first one installed of:
   ``--bundled``): a Python prompt continued;
 * **tiny** models built here in seconds (``--tiny``): a byte-level BPE tokenizer trained on a few files of this
   interpreter's standard library, a small random-weight Llama target, and a draft that is the target with perturbed
-  weights (:func:`speculant.testing.perturbed`). They are UNTRAINED: the text is gibberish and the speed-up says
+  weights (:func:`speculant.tiny_models.perturbed`). They are UNTRAINED: the text is gibberish and the speed-up says
   nothing about real models (the draft here costs as much as the target).
 
 ``--target NAME`` picks another packaged or bundled target (e.g. ``smollm2-135m-instruct``). A packaged target runs
@@ -20,8 +20,8 @@ weights by the bench's side-by-side runner (:func:`speculant.bench.harness.run_b
 warm-up, medians), with llama.cpp's plain decoding of the same GGUF file when ``make llamacpp`` has built it, and
 τ, tokens/s and the speed-ups against ``ar`` are printed.
 
-The in-process models come from :mod:`speculant.testing` (:func:`~speculant.testing.tiny_tokenizer`,
-:func:`~speculant.testing.save_model_pair`), which the tests use too.
+The in-process models come from :mod:`speculant.tiny_models` (:func:`~speculant.tiny_models.tiny_tokenizer`,
+:func:`~speculant.tiny_models.save_model_pair`), which the tests use too.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from .bench import llamacpp
 from .bench.harness import run_bench
 from .models.loading import bundled_dir, default_draft_for, default_method_for
 from .models.sources import PACKAGED, packaged_installed
-from .testing import save_model_pair, tiny_tokenizer
+from .tiny_models import save_model_pair, tiny_tokenizer
 
 __all__ = ["main", "choose", "Pair", "PROMPT"]
 
@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_new_tokens is None:
         args.max_new_tokens = 64 if large else 128
     if args.repeats is None:
-        args.repeats = 3 if large else 5  # the median of 2 is their mean: one disturbed run moved it 1.07-1.67x
+        args.repeats = 3 if large else 5  # the median of 2 is their mean: one disturbed run moves it far
     if args.quantization is None:
         args.quantization = (PACKAGED[pair.target].default_quantization if pair.kind == "packaged" else None) or "none"
     from transformers.utils import logging as hf_logging

@@ -9,7 +9,7 @@ import torch
 import speculant
 from helpers import API_VOCAB as VOCAB
 from helpers import api_target  # noqa: F401 (the target fixture)
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 
 def test_the_wrapper_has_the_engine_defaults():

@@ -12,7 +12,7 @@ from transformers import BatchEncoding
 
 import speculant
 from speculant.core.checks import as_id_list
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 VOCAB = 96
 PROMPT = [3, 4, 5, 6]

@@ -13,8 +13,9 @@ import speculant
 from speculant import cli
 from speculant.drafters.registry import build_drafter
 from speculant.models import loading
-from speculant.session import ParsedMethod, Session, SessionPlan, load, resolve
-from speculant.testing import save_model_pair, stdlib_texts, tiny_tokenizer
+from speculant.plan import ParsedMethod, SessionPlan, resolve
+from speculant.session import Session, load
+from speculant.tiny_models import save_model_pair, stdlib_texts, tiny_tokenizer
 
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
                  "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
@@ -219,9 +220,11 @@ def test_every_front_end_builds_through_the_session(pair, capsys, monkeypatch, t
     from speculant.serve.metrics import ServerMetrics
     from speculant.serve.worker import Worker
 
+    import speculant.session
+
     plans: list[SessionPlan] = []
-    real = SessionPlan.load
-    monkeypatch.setattr(SessionPlan, "load", lambda self: plans.append(self) or real(self))
+    real = speculant.session.load_plan
+    monkeypatch.setattr(speculant.session, "load_plan", lambda plan: plans.append(plan) or real(plan))
     both = ["--target", pair["target"], "--draft", pair["draft"]]
 
     assert cli.main(["generate", "def f(", *both, "--method", "chain:k=2", "--k", "3", "--max-new-tokens", "4",

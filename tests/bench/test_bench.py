@@ -30,7 +30,7 @@ from speculant.bench.speed import (
 )
 from speculant.models.chat import chat_ids
 from speculant.models.loading import load_model_dir
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 from speculant.data.corpus import split_of
 
@@ -548,7 +548,7 @@ def test_run_bench_adds_reference_first(pair):
 
 
 def test_families_are_sized_to_a_budget_or_a_depth():
-    from speculant.bench.budget import at_budget, at_depth, shape
+    from speculant.bench.matched_specs import at_budget, at_depth, shape
 
     cases = {  # family: (at budget 8, at depth 3)
         "chain": ("chain:k=8", "chain:k=3"),
@@ -604,7 +604,7 @@ def test_budget_matched_run_reports_each_family_at_each_size(pair, tmp_path):
 
 def test_budget_matching_refuses_sized_specs_and_defaults_to_the_chain_family(pair):
     """``--budgets 8 --methods chain:k=4`` used to run chain:k=8 labelled chain:k=4."""
-    from speculant.bench.budget import at_budget, at_depth
+    from speculant.bench.matched_specs import at_budget, at_depth
 
     with pytest.raises(ValueError, match="'chain:k=4' already sets k, the size that --budgets sets"):
         at_budget("chain:k=4", 8)

@@ -11,7 +11,7 @@ import pytest
 from speculant.bench import llamacpp, run_bench
 from speculant.bench.hf import BASELINES, parse_baseline
 from speculant.models.sources import SOURCE_FILE, packaged_installed
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 # The end of what llama-speculative-simple 0.3.36's vendored llama.cpp prints on stderr (trimmed).
 SPECULATIVE_STDERR = """\

@@ -13,7 +13,7 @@ import speculant
 from speculant.core.engine import generate
 from speculant.online.observed import ObservedDrafter
 from speculant.online.traffic import TrafficMemory, WithTraffic
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from draft_length import draft_matches  # noqa: E402

@@ -18,7 +18,7 @@ from speculant.core.types import DraftTree, Probes
 from speculant.drafters.confu import ConFuDrafter, ConFuTreeDrafter
 from speculant.models.attached import build_attached, load_attached, save_attached
 from speculant.models.contemplate import add_contemplation, is_confu_drafter
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 from helpers import sizes
 

@@ -16,7 +16,7 @@ from speculant.core.cache import SpecCache
 from speculant.core.lean import LeanForward, Segment
 from speculant.core.quant import quantize_model
 from speculant.core.tree import ancestor_matrix
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 
 @pytest.fixture(scope="module", autouse=True)

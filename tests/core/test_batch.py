@@ -14,7 +14,7 @@ from speculant.core.lean import LeanForward, Segment
 from speculant.core.quant import quantize_model
 from speculant.core.types import SamplingParams
 from speculant.drafters.registry import build_drafter
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 VOCAB = 96
 SPECS = (None, "chain:k=3", "specinfer:width=2:depth=3", "lookup", "chain:k=2")

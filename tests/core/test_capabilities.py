@@ -11,7 +11,7 @@ import torch
 
 import speculant
 import speculant.core.engine
-from speculant.bench.budget import at_budget, at_depth, shape
+from speculant.bench.matched_specs import at_budget, at_depth, shape
 from speculant.bench.cost import drafter_params_per_forward, params_per_forward
 from speculant.core.drafting import Drafter, capability
 from speculant.core.types import DraftTree
@@ -19,8 +19,8 @@ from speculant.drafters import registry
 from speculant.drafters.lookup import PromptLookupDrafter, lookup_continuation
 from speculant.drafters.registry import Key, Sizing, build_drafter
 from speculant.drafters.model_lookup import ModelWithLookup
-from speculant.kv import KeyDiff, Protect, parse_policy
-from speculant.testing import perturbed, tiny_model
+from speculant.kv import Eviction, KeyDiff, Protect, parse_policy
+from speculant.tiny_models import perturbed, tiny_model
 
 VOCAB = 96
 REPEATING = [5, 6, 7, 8, 9] * 6
@@ -156,7 +156,7 @@ def test_a_policys_prefill_hooks_are_called(pair, wrapped):
     policy = Protect(inner, sinks=1, recent=2) if wrapped else inner
     drafter = build_drafter("chain:k=2", draft)
     speculant.core.engine.generate(target, PROMPT, drafter=drafter, max_new_tokens=4, eos_token_id=[],
-                                   kv_policy=policy, kv_budget=12, kv_block=8)
+                                   kv_policy=Eviction(policy), kv_budget=12, kv_block=8)
     assert inner.bound == [draft]
     # 39 prefilled tokens in blocks of 8: the first block (8 <= 12) is not evicted, the other 4 are
     assert inner.observer_calls == [False, False, False, True] + [True]
@@ -176,13 +176,13 @@ def test_the_engine_takes_objects_and_the_public_generate_resolves_names(pair):
         engine(target, REPEATING, drafter="lookup", max_new_tokens=4)
     with pytest.raises(ValueError, match=r"drafter: .* got LlamaForCausalLM; use speculant.generate"):
         engine(target, REPEATING, drafter=draft, max_new_tokens=4)
-    with pytest.raises(ValueError, match=r"^kv_policy: speculant.core.engine.generate takes a ScorePolicy or None, "
+    with pytest.raises(ValueError, match=r"^kv_policy: speculant.core.engine.generate takes an EvictionPolicy or None, "
                                          r"got 'keydiff'; use speculant.generate"):
         engine(target, PROMPT, kv_policy="keydiff", kv_budget=12, max_new_tokens=4)
     by_name = speculant.generate(target, PROMPT, drafter="lookup", kv_policy="keydiff", kv_budget=12, kv_block=8,
                                  max_new_tokens=12, eos_token_id=[])
-    by_object = engine(target, PROMPT, drafter=PromptLookupDrafter(), kv_policy=KeyDiff(), kv_budget=12, kv_block=8,
-                       max_new_tokens=12, eos_token_id=[])
+    by_object = engine(target, PROMPT, drafter=PromptLookupDrafter(), kv_policy=Eviction(KeyDiff()), kv_budget=12,
+                       kv_block=8, max_new_tokens=12, eos_token_id=[])
     assert by_name.token_ids == by_object.token_ids
     by_model = speculant.generate(target, PROMPT, drafter=draft, max_new_tokens=8, eos_token_id=[])
     assert by_model.stats.draft_calls > 0  # a draft model gets the default chain

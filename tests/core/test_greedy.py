@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import speculant
-from speculant.testing import ARCHITECTURES, perturbed, tiny_model
+from speculant.tiny_models import ARCHITECTURES, perturbed, tiny_model
 
 VOCAB = 96
 

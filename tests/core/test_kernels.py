@@ -22,7 +22,7 @@ from speculant.core.packed import linear
 from speculant.core.quant import GROUP, QuantMatrix, attach, q4_activations, q4_reference, quantize_model, \
     releasable
 from speculant.drafters.registry import build_drafter
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 DTYPES = (torch.float32, torch.bfloat16)
 SHAPES = [(5, 32), (97, 64), (48, 160), (300, 1536)]  # N below 16, odd N, K = 1..5 groups, a wide one

@@ -17,7 +17,7 @@ from speculant.core.forward import TargetForward, lean_for
 from speculant.kv import BudgetCache
 from speculant.core.lean import COVERED, LeanForward, unsupported
 from speculant.core.packed import PACK_ENV, PackedMatrix, packable
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 from speculant.core.tree import TreeAttention
 from speculant.core.types import DraftTree
 

@@ -14,7 +14,7 @@ import torch
 
 import speculant
 from speculant.drafters.registry import build_drafter
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 VOCAB = 96
 N = 20

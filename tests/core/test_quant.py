@@ -18,7 +18,7 @@ from speculant.core.quant import (GROUP, QUANTIZATIONS, QuantMatrix, ReleasedLin
                                    quantize_model)
 from speculant.core.types import SamplingParams
 from speculant.drafters.registry import build_drafter
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 from helpers import sizes
 from test_sampling_distribution import FAIL_P, PASS_P, VOCAB, exact_joint, pvalues, sample_joint
 

@@ -27,7 +27,7 @@ import speculant.core.sequence
 from helpers import N_FAST, chisq_pvalue, detectable_tv, sizes
 from speculant.core.cache import SpecCache
 from speculant.core.sampling import sample, uniform, warp
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 from speculant.core.types import SamplingParams, Verdict
 
 VOCAB = 5

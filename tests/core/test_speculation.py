@@ -11,7 +11,7 @@ from speculant.core.batch import Batch
 from speculant.core.engine import generate, generate_batch
 from speculant.core.quant import quantize_model
 from speculant.drafters.registry import build_drafter
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 VOCAB = 96
 

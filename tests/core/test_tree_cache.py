@@ -9,7 +9,7 @@ import torch
 
 from speculant.core.cache import SpecCache, cache_kwarg, output_cache
 from speculant.core.checks import num_layers
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 from speculant.core.tree import TreeAttention, ancestor_matrix
 from speculant.core.types import DraftTree
 

@@ -13,7 +13,7 @@ from helpers import sizes
 from speculant.core.types import SamplingParams
 from speculant.drafters.cross_vocab import CrossVocabDrafter
 from speculant.drafters.token_bridge import TokenBridge, aligned_segments, char_boundaries
-from speculant.testing import stdlib_texts, tiny_model, tiny_tokenizer
+from speculant.tiny_models import stdlib_texts, tiny_model, tiny_tokenizer
 
 
 class CharTokenizer:

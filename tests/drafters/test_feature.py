@@ -17,7 +17,7 @@ from speculant.core.drafting import DecodeState
 from speculant.core.sampling import make_generator
 from speculant.drafters.feature import FeatureDrafter, FeatureTreeDrafter, feature_variant
 from speculant.drafters.trees import SpecInferDrafter
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 from speculant.core.types import SamplingParams
 
 from helpers import sizes

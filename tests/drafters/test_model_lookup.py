@@ -10,7 +10,7 @@ from speculant.models.attached import build_attached
 from speculant.drafters.base import DecodeState
 from speculant.drafters.lookup import lookup_continuation
 from speculant.drafters.model_lookup import ModelWithLookup
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 from speculant.core.types import SamplingParams
 
 from helpers import sizes

@@ -30,7 +30,7 @@ from speculant.drafters.lookup import merge_chain
 from speculant.drafters.lookup import PromptLookupDrafter, lookup_continuation
 from speculant.drafters.mask_probe import MaskProbeDrafter
 from speculant.drafters.registry import build_drafter
-from speculant.testing import ARCHITECTURES, tiny_model
+from speculant.tiny_models import ARCHITECTURES, tiny_model
 from speculant.core.tree import TreeAttention
 from speculant.core.types import DraftTree, GenerationStats, Probes, SamplingParams
 

@@ -30,7 +30,7 @@ from speculant.drafters.calibration import AcceptanceCalibrator
 from speculant.drafters.registry import build_drafter, describe_methods, parse_method
 from speculant.drafters.trees import gumbel_keys, truncated_gumbel
 from speculant.core.sampling import make_generator, warp
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 from speculant.core.types import DraftTree, SamplingParams
 
 VOCAB = 96

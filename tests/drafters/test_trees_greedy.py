@@ -12,7 +12,7 @@ from test_greedy import hf_greedy, models, prompts  # noqa: F401 (models: the pe
 
 import speculant
 from speculant.drafters.registry import build_drafter
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 VOCAB = 96
 N = 24

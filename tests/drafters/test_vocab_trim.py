@@ -18,7 +18,7 @@ from speculant.core.lean import LeanForward
 from speculant.core.quant import QuantMatrix, quantize_model
 from speculant.drafters.registry import build_drafter
 from speculant.drafters.vocab_trim import CALIBRATION_FILE, TrimmedHead, trimmed_head
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 from speculant.train.calibrate import token_ranking, write_calibration
 
 VOCAB = 96

@@ -33,7 +33,7 @@ from speculant.kv import (
 from speculant.core.cache import cache_kwarg
 from speculant.kv import budget as kv_budget
 from speculant.kv.registry import POLICIES
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

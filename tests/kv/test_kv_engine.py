@@ -12,7 +12,7 @@ from helpers import record_caches
 import speculant
 import speculant.kv.budget
 from speculant.drafters.registry import build_drafter
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 VOCAB = 96
 PROMPT = [(7 * i + 3) % VOCAB for i in range(40)]

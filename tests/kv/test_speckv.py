@@ -12,7 +12,7 @@ from speculant.core.cache import SpecCache, cache_kwarg
 from speculant.drafters.registry import build_drafter
 from speculant.kv import BudgetCache, SpecKV, parse_policy, prefill_blockwise
 from speculant.kv import budget as kv_budget
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 PROMPT = [3 + (i * 7) % 90 for i in range(40)]
 

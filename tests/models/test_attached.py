@@ -15,7 +15,7 @@ from speculant.models.chat import chat_ids, stop_ids
 from speculant.drafters.registry import build_drafter
 from speculant.core.engine import generate
 from speculant.models.loading import check_model_dir, load_draft, load_model_dir
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 from helpers import chat_model_pair
 
@@ -152,7 +152,8 @@ def test_a_run_grows_with_more_prompts(target_dir, tmp_path):
     """Prompts appended to a finished run are answered in new shards numbered after the old ones (which stay as
     they are); an interrupted growth resumes with the same shards; every prompt row is answered once."""
     from speculant.train.drafter.answers import AnswerShard, load_shards, shard_paths
-    from speculant.train.drafter.pipeline import DraftRunConfig, run_answers
+    from speculant.train.drafter.answers_stage import run_answers
+    from speculant.train.drafter.checks import DraftRunConfig
 
     rows = [json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n" for i in range(10)]
     prompts = tmp_path / "p.jsonl"
@@ -185,7 +186,8 @@ def test_a_run_grows_with_more_prompts(target_dir, tmp_path):
 def test_an_interrupted_run_keeps_its_answering_time(target_dir, tmp_path):
     """A batched-engine run killed while answering is finished by the next run: the run's DONE counts the killed
     run's seconds too (from RUNS.json, which records every answering run shard by shard), not only the last run's."""
-    from speculant.train.drafter.pipeline import DraftRunConfig, run_answers
+    from speculant.train.drafter.answers_stage import run_answers
+    from speculant.train.drafter.checks import DraftRunConfig
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"def f{i}(x):"}]}) + "\n"
@@ -407,8 +409,8 @@ def test_train_model_draft_bad_input(target_dir, sibling_dir, tmp_path, capsys):
     """--kind model without --draft, --draft without --kind model, --init, --taps or another kind's settings
     with it, and a draft model of another vocabulary: one line each, before any work. The learning rate defaults
     to the kind's."""
-    from speculant.testing import save_model_pair, tiny_tokenizer
-    from speculant.train.drafter.pipeline import MODEL_LR, DraftRunConfig, resolve_kind
+    from speculant.tiny_models import save_model_pair, tiny_tokenizer
+    from speculant.train.drafter.checks import MODEL_LR, DraftRunConfig, resolve_kind
 
     assert resolve_kind(DraftRunConfig(target_dir, "o", kind="model", draft=sibling_dir)).lr == MODEL_LR
     assert resolve_kind(DraftRunConfig(target_dir, "o")).lr == 2e-3

@@ -92,7 +92,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 @pytest.fixture(scope="module")
 def chatml():
     """A tiny byte-level tokenizer whose special tokens are ChatML's (ids 0, 1), with a ChatML template."""
-    from speculant.testing import stdlib_texts
+    from speculant.tiny_models import stdlib_texts
     from speculant.train.bundled.tokenizer import train_tokenizer
 
     tok = train_tokenizer(list(stdlib_texts())[:200], vocab_size=400, min_frequency=0, bos="<|im_start|>",

@@ -106,7 +106,7 @@ def k_quants(tmp_path_factory):
     from test_quant_loading import _random_q4_k, _random_q6_k
     from test_sources import write_llama_gguf
 
-    from speculant.testing import tiny_model, tiny_tokenizer
+    from speculant.tiny_models import tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer(["a tiny k-quant test.\n" * 3, "def g(y):\n    return y * 2\n" * 3], vocab_size=300)
     model = tiny_model("llama", seed=0, vocab_size=len(tok), hidden=256, layers=1, heads=4, kv_heads=2, context=64,

@@ -20,8 +20,9 @@ from speculant.commands import common
 from speculant.core.forward import lean_for
 from speculant.core.quant import ATTR, QUANTIZATIONS, QuantMatrix, quantization_of, quantized_linears
 from speculant.models.loading import load_model_dir, load_pretrained, quantize_loaded
-from speculant.session import resolve
-from speculant.testing import tiny_model, tiny_tokenizer
+from speculant.plan import resolve
+from speculant.session import load_plan
+from speculant.tiny_models import tiny_model, tiny_tokenizer
 
 PROMPT = "def add(a, b):\n    return a + b\n\n"
 
@@ -51,7 +52,7 @@ def test_a_packaged_target_loads_in_its_own_format_unless_told():
     """No quantization asked: a packaged target by name takes its default_quantization (q4 for the Qwen pair), its
     draft by name follows; any other target stays float; an explicit kind wins."""
     from speculant.models.sources import PACKAGED
-    from speculant.session import _resolve_quantization
+    from speculant.plan import _resolve_quantization
 
     qwen = "qwen2.5-coder-1.5b-instruct"
     assert PACKAGED[qwen].default_quantization == "q4m"  # q4 with the file's 6-bit tensors in 8 bits
@@ -77,15 +78,15 @@ def test_unknown_kind_is_a_one_line_error(code_models):
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "q4"])
 def test_the_session_quantizes_target_and_draft(code_models, kind):
-    session = resolve(code_models["target"], code_models["draft"], "chain:k=3", quantization=kind).load()
+    session = load_plan(resolve(code_models["target"], code_models["draft"], "chain:k=3", quantization=kind))
     assert quantization_of(session.target) == quantization_of(session.draft) == kind
     assert (session.plan.quantization, session.plan.draft_quantization) == (kind, kind)
     assert all(getattr(m, ATTR).kind == kind for m in quantized_linears(session.target))
 
 
 def test_draft_quantization_overrides_the_target_kind_and_modules_are_taken_as_they_are(code_models):
-    session = resolve(code_models["target"], code_models["draft"], "chain", quantization="q4",
-                      draft_quantization="none").load()
+    session = load_plan(resolve(code_models["target"], code_models["draft"], "chain", quantization="q4",
+                                draft_quantization="none"))
     assert (quantization_of(session.target), quantization_of(session.draft)) == ("q4", "none")
     other = session.with_draft(code_models["draft"])  # keeps the session's draft kind
     assert quantization_of(other.draft) == "none"
@@ -108,7 +109,7 @@ def test_an_attached_drafter_loads_next_to_a_quantized_tied_target(tmp_path, cod
     code_tokenizer.save_pretrained(tmp_path / "t")
     draft = save_attached(build_attached(target, [0]), target, tmp_path / "d", target_name="tiny",
                           dtype=torch.float32)
-    session = resolve(str(tmp_path / "t"), str(draft), "chain:k=2", quantization="q4").load()
+    session = load_plan(resolve(str(tmp_path / "t"), str(draft), "chain:k=2", quantization="q4"))
     assert quantization_of(session.target) == quantization_of(session.draft) == "q4"
     assert session.draft.lm_head is session.target.lm_head
     assert session.target.lm_head.weight is session.target.model.embed_tokens.weight  # tied: the case that matters
@@ -117,7 +118,8 @@ def test_an_attached_drafter_loads_next_to_a_quantized_tied_target(tmp_path, cod
     with pytest.raises(ValueError, match="different model"):  # what loading it after quantizing would do
         load_draft(str(draft), session.target)
     with pytest.raises(ValueError, match="already holds a q4 matrix") as err:  # the shared head has one kind
-        resolve(str(tmp_path / "t"), str(draft), "chain:k=2", quantization="q4", draft_quantization="int8").load()
+        load_plan(resolve(str(tmp_path / "t"), str(draft), "chain:k=2", quantization="q4",
+                          draft_quantization="int8"))
     _one_line(err.value)
 
 
@@ -177,21 +179,21 @@ def test_serve_and_kv_eval_and_demo_pass_the_kind_to_the_session(code_models, mo
     p = plan(ServeSettings(target=code_models["target"], method="ar", quantization="int8"))
     assert p.quantization == "int8"
     seen = []
-    import speculant.session
+    import speculant.plan
 
-    real = speculant.session.resolve
+    real = speculant.plan.resolve
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("quantization"))
         raise RuntimeError("stop")
 
-    monkeypatch.setattr(speculant.session, "resolve", spy)
+    monkeypatch.setattr(speculant.plan, "resolve", spy)
     parser = argparse.ArgumentParser()
     kv_eval.add_arguments(parser)
     with pytest.raises(RuntimeError, match="stop"):
         kv_eval.run(parser.parse_args(["--target", code_models["target"], "--quantization", "int4"]))
     assert seen == ["int4"]
-    monkeypatch.setattr(speculant.session, "resolve", real)
+    monkeypatch.setattr(speculant.plan, "resolve", real)
     from speculant import demo
 
     calls = []

@@ -23,7 +23,7 @@ import torch
 
 from speculant import cli
 from speculant.models import sources
-from speculant.testing import tiny_tokenizer
+from speculant.tiny_models import tiny_tokenizer
 from speculant.models.loading import load_pretrained, resolve_model
 from speculant.models.sources import (
     PACKAGED,
@@ -35,7 +35,7 @@ from speculant.models.sources import (
     is_hub_id,
     packaged_gguf,
 )
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 gguf = pytest.importorskip("gguf", reason="writing and reading GGUF files needs the 'gguf' package")
 

@@ -14,7 +14,7 @@ from speculant.drafters.registry import build_drafter
 from speculant.drafters.text_only import TextOnlyDrafter, text_ids
 from speculant.models.vlm import image_token_ids, prompt_embeds, text_view
 from speculant.core.types import PromptEmbeds
-from speculant.testing import perturbed, qwen2_vl_inputs, save_tiny_llava, tiny_model, tiny_vlm
+from speculant.tiny_models import perturbed, qwen2_vl_inputs, save_tiny_llava, tiny_model, tiny_vlm
 
 from helpers import chisq_pvalue
 from test_sampling_distribution import BATCH

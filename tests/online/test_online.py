@@ -13,7 +13,7 @@ from speculant.drafters.registry import build_drafter
 from speculant.online import OnlineAdapter, OnlineBuffer, OnlineConfig, evaluation
 from speculant.online.observed import Observation, ObservedDrafter
 from speculant.online.trainer import distillation_loss
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 VOCAB = 64
 

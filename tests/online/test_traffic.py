@@ -11,7 +11,7 @@ from speculant.core.engine import generate
 from speculant.core.types import SamplingParams
 from speculant.online import OnlineAdapter, OnlineConfig
 from speculant.online.traffic import SCORINGS, TrafficMemory, WithTraffic
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 
 from helpers import sizes
 

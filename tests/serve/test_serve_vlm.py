@@ -23,7 +23,7 @@ MODEL = "tiny-vlm"
 def vlm_pair(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from speculant.testing import perturbed, save_tiny_llava, tiny_model
+    from speculant.tiny_models import perturbed, save_tiny_llava, tiny_model
 
     root = tmp_path_factory.mktemp("vlm")
     target = save_tiny_llava(root / "target")

@@ -17,7 +17,7 @@ from speculant.core.engine import generate
 from speculant.core.forward import TargetForward
 from speculant.core.quant import quantize_model
 from speculant.data.sharegpt import EVAL_SIZE, read_conversations, sharegpt_first_turns
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 from speculant.train.drafter.answers import AnswerShard, load_shards, plan_shards, shard_paths
 from speculant.train.drafter.batch_answers import engine_answers
 from speculant.train.drafter.features import load_features, sequence_lengths, to_tensor
@@ -96,7 +96,8 @@ def test_engine_answers_resume_with_the_same_shards_and_sample_per_prompt(target
 def test_the_pipeline_answers_with_the_engine_for_a_quantized_target(tmp_path):
     from helpers import chat_model_pair
 
-    from speculant.train.drafter.pipeline import DraftRunConfig, run_answers, run_features
+    from speculant.train.drafter.answers_stage import run_answers, run_features
+    from speculant.train.drafter.checks import DraftRunConfig
 
     target_dir = chat_model_pair(tmp_path / "m", layers=2)[0]
     prompts = tmp_path / "p.jsonl"
@@ -149,7 +150,8 @@ def test_a_run_answers_more_of_its_batches_when_asked(tmp_path):
     part in new shards, keeping the first ones."""
     from helpers import chat_model_pair
 
-    from speculant.train.drafter.pipeline import DraftRunConfig, run_answers
+    from speculant.train.drafter.answers_stage import run_answers
+    from speculant.train.drafter.checks import DraftRunConfig
 
     target_dir = chat_model_pair(tmp_path / "m", layers=2)[0]
     prompts = tmp_path / "p.jsonl"
@@ -171,7 +173,7 @@ def test_a_run_answers_more_of_its_batches_when_asked(tmp_path):
 
 def test_the_validation_split_holds_its_prompts_out_as_the_data_grows():
     from speculant.train.drafter.draft_train import Sample
-    from speculant.train.drafter.pipeline import split_validation
+    from speculant.train.drafter.run import split_validation
 
     def samples(rows):
         return [Sample(np.zeros(1), np.zeros(1), np.zeros((1, 1)), np.zeros((1, 1)), 0, row=r) for r in rows]
@@ -251,7 +253,8 @@ def test_the_pipeline_reads_the_prompts_own_answers_when_asked(tmp_path):
 
     from speculant.models.chat import stop_ids
     from speculant.models.loading import load_pretrained
-    from speculant.train.drafter.pipeline import DraftRunConfig, dataset_answer, run_answers, run_features
+    from speculant.train.drafter.answers_stage import dataset_answer, run_answers, run_features
+    from speculant.train.drafter.checks import DraftRunConfig
 
     target_dir = chat_model_pair(tmp_path / "m", layers=2)[0]
     prompts = tmp_path / "p.jsonl"
@@ -291,13 +294,9 @@ def test_extra_runs_train_but_never_see_the_requests_the_run_holds_out(tmp_path)
     held-out answers validate, and the same requests in the other run stay out of training."""
     from helpers import chat_model_pair
 
-    from speculant.train.drafter.pipeline import (
-        DraftRunConfig,
-        _prompt_key,
-        _split_samples,
-        check_extra_data,
-        run_answers,
-    )
+    from speculant.train.drafter.answers_stage import run_answers
+    from speculant.train.drafter.checks import DraftRunConfig, check_extra_data
+    from speculant.train.drafter.run import _prompt_key, _split_samples
 
     target_dir = chat_model_pair(tmp_path / "m", layers=2)[0]
     prompts = tmp_path / "p.jsonl"

@@ -13,7 +13,7 @@ from speculant.core.sampling import make_generator
 from speculant.core.types import SamplingParams
 from speculant.drafters.feature import FeatureDrafter
 from speculant.models.attached import build_attached
-from speculant.testing import perturbed, tiny_model
+from speculant.tiny_models import perturbed, tiny_model
 from speculant.train.drafter.feature_train import FeatureObjective, FeatureSample, ttt_mask
 from speculant.train.drafter.features import to_tensor
 

@@ -1,6 +1,6 @@
 """What a forward costs in weights read, and the memory-bound speed-up (MBSU) built on it.
 
-MBSU = τ / (c·γ + 1) (../shared/ALGORITHMS.md, Metrics), where
+MBSU = τ / (c·γ + 1), where
 
 * ``c`` = parameters a draft forward reads / parameters a target forward reads;
 * ``γ`` = draft forwards per target forward, *measured* (``draft_calls / target_calls`` of the run), so it is the

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,9 @@ from ..core.checks import check_fits_context, check_positive_int, resolve_device
 from ..core.quant import quantization_of
 from ..drafters.registry import NO_DEFAULT, get_method, split_spec
 from ..core.types import SamplingParams
-from ..session import ParsedMethod, Session, default_method
-from .budget import matched_specs, shape
+from ..plan import ParsedMethod, default_method
+from ..session import Session
+from .matched_specs import matched_specs, shape
 from .cost import (
     drafter_models,
     drafter_params_per_forward,
@@ -54,7 +56,7 @@ REFERENCE = "ar"
 """The method every speed-up and identity check is measured against."""
 
 DEFAULT = "default"
-"""In a method list: the target's packaged default method (:func:`speculant.session.default_method`: the method
+"""In a method list: the target's packaged default method (:func:`speculant.plan.default_method`: the method
 measured fastest for a packaged target with its shipped drafter), else the registry's ``DEFAULT_METHOD``."""
 
 DEFAULT_METHODS = ("chain:k=4",)
@@ -263,18 +265,19 @@ def run_bench(
         baselines: ``hf-ar``, ``hf-assisted[:k=N]``, ``hf-prompt-lookup[:k=N][:ngram=M]`` (list or
             comma-separated; empty for none). The k of ``hf-assisted``/``hf-prompt-lookup`` defaults to the k of
             the first draft-model method (``chain:k=4`` -> 4).
-        target, draft: anything :func:`speculant.models.loading.resolve_model` takes (a model directory, a bundled or
-            packaged name, a ``.gguf`` file, a cached Hub id) or a loaded model; the draft may be an attached
-            drafter (:func:`speculant.models.loading.load_draft`). Resolved and loaded by :mod:`speculant.session`
-            (its rules): when a method needs a draft and none is given, the drafter speculant ships for the target,
-            and without one a ValueError. Loaded models need ``tokenizer`` for text and chat prompts.
+        target, draft: anything :func:`speculant.models.loading.resolve_model` takes (a model directory, a bundled
+            or packaged name, a ``.gguf`` file, a cached Hub id) or a loaded model; the draft may be an attached
+            drafter (:func:`speculant.models.loading.load_draft`). Resolved by :mod:`speculant.plan` (its rules)
+            and loaded by :mod:`speculant.session`: when a method needs a draft and none is given, the drafter
+            speculant ships for the target, and without one a ValueError. Loaded models need ``tokenizer`` for
+            text and chat prompts.
         num_prompts: use only N prompts: the first N of a list or file, N stratified picks of a built-in set.
         max_new_tokens, temperature, top_k, top_p, seed: as :func:`speculant.generate`, for every method.
         repeats: rounds over the prompt set; warmup: untimed warm-up rounds (first prompt, <= 32 tokens).
         eos_token_id: stop token(s) for every method (``[]``: never stop early); None: the target's, plus the
             end-of-turn tokens (:func:`speculant.models.chat.stop_ids`) when any prompt is a chat.
         dtype: load dtype for both models (None: float32, as every front-end).
-        quantization: weight quantization of the models loaded by name (:func:`speculant.session.resolve`; None:
+        quantization: weight quantization of the models loaded by name (:func:`speculant.plan.resolve`; None:
             none; the draft takes the target's kind).
         device: move the target and draft loaded by name to this device (checked by
             :func:`speculant.core.checks.resolve_device` before any model loads); None: the CPU. Loaded models
@@ -282,7 +285,7 @@ def run_bench(
         out: directory for results.json, results.md and the plots (an existing file is refused before any
             model is loaded); None writes nothing.
         progress: a tqdm bar on stderr.
-        budgets, depths: budget-matched comparison (:mod:`speculant.bench.budget`): every entry of ``methods``
+        budgets, depths: budget-matched comparison (:mod:`speculant.bench.matched_specs`): every entry of ``methods``
             is then a family (a spec without its size, e.g. ``chain``, ``rsd-s:width=2``) run at each number of
             tree tokens per target call in ``budgets`` and at each draft depth in ``depths``; results are keyed
             by the sized specs, and ``budget_matched`` maps each axis value and family to its spec (None when
@@ -303,14 +306,104 @@ def run_bench(
             a draft without one, a prompt too long for the context ...), before any generation runs.
     """
     SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    _check_run_options(max_new_tokens, repeats, warmup, out)
+    if device is not None:
+        device = resolve_device(device)  # before the prompts load
+    lineup = _lineup(methods, baselines, target, draft, budgets, depths, images)
+    source, records = _prompt_records(prompts, num_prompts)
+    if lineup.uses_llamacpp and not llamacpp.available():
+        raise ValueError(llamacpp.INSTALL_HINT)
+    models = _load_models(lineup, target, draft, tokenizer, dtype, device, quantization)
+    ids_per_prompt, embeds = _encode_prompts(models.session, records, images)
+    _check_prompts_fit(models, lineup, ids_per_prompt, max_new_tokens)
+
+    target_model = models.session.target
+    chats = sum(is_chat(r) for r in records)
+    stops = _stops(target_model, models.session.tokenizer, eos_token_id, chat=chats > 0)
+    pad = _pad_id(target_model, stops)
+    k_default = _default_k(lineup.methods)
+    ours = {spec: _EngineMethod(models.for_draft(lineup.method_drafts.get(spec)), method, stops)
+            for spec, method in lineup.methods}
+    for method in ours.values():
+        method.embeds = embeds
+    n_ctx = max(len(ids) for ids in ids_per_prompt) + max_new_tokens + 64
+    runs = [MethodRun(spec, run=method) for spec, method in ours.items()]
+    runs += _baseline_runs(lineup, models, target, stops, pad, k_default, n_ctx)
+
+    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
+    rows = run_side_by_side(target_model, runs, ids_per_prompt, max_new_tokens=max_new_tokens, repeats=repeats,
+                            warmup=warmup, progress=progress, rotate=True, **sampling)
+    summary = _summary(rows, lineup, ours, models, k_default, check_identical=temperature == 0)
+    settings = {"prompts": source, "num_prompts": len(records),
+                **_model_settings(lineup, models),
+                "max_new_tokens": max_new_tokens, **sampling, "repeats": repeats, "warmup": warmup,
+                "eos_token_id": stops, "chat_prompts": chats, "pad_token_id": pad, "hf_default_k": k_default,
+                **({"llamacpp": llamacpp.SETTINGS_NOTE} if lineup.uses_llamacpp else {})}
+    results = {
+        "benchmark": "speculant bench",
+        "machine": machine_info(),
+        "settings": settings,
+        "definitions": DEFINITIONS,
+        "prompts": [{**{k: v for k, v in r.items() if k != "input_ids"}, "tokens": len(ids)}
+                    for r, ids in zip(records, ids_per_prompt)],
+        "methods": summary,
+        "runs": rows,
+    }
+    if any("category" in r for r in records):
+        groups = [str(r.get("category", "other")) for r in records]
+        results["categories"] = summarise_by(rows, groups, baseline=REFERENCE)
+    if lineup.matched is not None:
+        results["budget_matched"] = lineup.matched
+    if profile:
+        from .profile import profile_target
+
+        results["profile"] = profile_target(target_model, ids_per_prompt[0])
+    if out is not None:
+        from .report import write_results
+
+        results["files"] = [str(p) for p in write_results(results, out)]
+    return results
+
+
+def _check_run_options(max_new_tokens: int, repeats: int, warmup: int, out: str | Path | None) -> None:
+    """One-line ValueErrors for the run's own options, before anything is resolved or loaded."""
     check_positive_int("max_new_tokens", max_new_tokens)
     check_positive_int("repeats", repeats)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
     check_out_dir(out)
-    if device is not None:
-        device = resolve_device(device)  # before the prompts load
 
+
+@dataclass
+class _Lineup:
+    """What one benchmark runs: ``methods`` (each spec as given and parsed, the reference first), the own draft of
+    each method that has one (``method_drafts``), the ``baselines`` (spec, name, options), which default method
+    ``DEFAULT`` stood for (``default_note``) and, in a budget-matched run, each axis value's specs (``matched``)."""
+
+    methods: list[tuple[str, ParsedMethod]]
+    method_drafts: dict[str, str | None]
+    baselines: list[tuple[str, str, dict]]
+    default_note: dict | None = None
+    matched: dict | None = None
+
+    @property
+    def draft_users(self) -> list[str]:
+        """The methods and baselines that draft with the shared draft model."""
+        return [s for s, m in self.methods if m.needs_draft and not self.method_drafts.get(s)] + [
+            s for s, n, _ in self.baselines if BASELINES[n].needs_draft]
+
+    @property
+    def own_drafts(self) -> list[str]:
+        """The methods' own drafts, each once."""
+        return sorted({d for d in self.method_drafts.values() if d})
+
+    @property
+    def uses_llamacpp(self) -> bool:
+        return any(BASELINES[n].runtime == "llama.cpp" for _, n, _ in self.baselines)
+
+
+def _lineup(methods, baselines, target, draft, budgets, depths, images) -> _Lineup:
+    """The methods and baselines of a run, parsed and checked (see :func:`run_bench`'s arguments); loads nothing."""
     matching = bool(budgets or depths)
     specs, default_note = method_specs(methods, target, draft, matching)
     matched = None
@@ -323,74 +416,83 @@ def run_bench(
         parsed.insert(0, (REFERENCE, ParsedMethod.parse(REFERENCE)))
     else:
         parsed.sort(key=lambda p: p[0] != REFERENCE)  # the reference first, the rest in the given order
-    baseline_specs = split_specs(baselines)
-    parsed_baselines = [(spec, *parse_baseline(spec)) for spec in baseline_specs]
+    parsed_baselines = [(spec, *parse_baseline(spec)) for spec in split_specs(baselines)]
     if images and parsed_baselines:
         raise ValueError("image prompts run our methods only: pass --baselines none")
-    draft_users = [s for s, m in parsed if m.needs_draft and not method_drafts.get(s)] + [
-        s for s, n, _ in parsed_baselines if BASELINES[n].needs_draft]
-    source, records = _prompt_records(prompts, num_prompts)
-    if any(BASELINES[n].runtime == "llama.cpp" for _, n, _ in parsed_baselines) and not llamacpp.available():
-        raise ValueError(llamacpp.INSTALL_HINT)
-    plan = plan_bench_models(target, draft, tokenizer, dtype, device, draft_users, quantization)  # the no-draft rule, checked
+    return _Lineup(parsed, method_drafts, parsed_baselines, default_note, matched)
+
+
+def _load_models(lineup: _Lineup, target, draft, tokenizer, dtype, device, quantization) -> BenchModels:
+    """The run's models, resolved (the no-draft rule of every front-end, checked for the methods and baselines
+    that draft with the shared draft) and loaded, each method's own draft beside them."""
+    plan = plan_bench_models(target, draft, tokenizer, dtype, device, lineup.draft_users, quantization)
     if plan.unused_draft is not None:  # the plan's own method is the reference: say it for the whole run
         warn_once(log, "no method or baseline drafts with the shared draft model: --draft is not used")
         plan = dataclasses.replace(plan, unused_draft=None)
+    return BenchModels.load(plan, lineup.own_drafts)
 
-    models = BenchModels.load(plan, sorted({d for d in method_drafts.values() if d}))
-    session = models.session
-    target_model, tokenizer, draft_model = session.target, session.tokenizer, session.draft
-    target_desc, draft_desc = plan.target_name, plan.draft_name
+
+def _encode_prompts(session: Session, records: list[dict],
+                    images: Sequence[str | Path] | None) -> tuple[list[list[int]], dict[tuple[int, ...], torch.Tensor]]:
+    """Each prompt's token ids and, with ``images``, the prompt embeddings ``[1, T, H]`` of each by its ids."""
     embeds: dict[tuple[int, ...], torch.Tensor] = {}
-    if images:
-        ids_per_prompt = []
-        for r in records:
-            ids, _, e = session.encode_images(_with_images(r, len(images)), list(images))
-            ids_per_prompt.append(ids)
-            embeds[tuple(ids)] = e
-    else:
-        ids_per_prompt = [prompt_ids(r, tokenizer) for r in records]
-    if session.context.get("tokenizers_match") is False and any(
-            BASELINES[n].needs_draft for _, n, _ in parsed_baselines):
+    if not images:
+        return [prompt_ids(r, session.tokenizer) for r in records], embeds
+    ids_per_prompt = []
+    for r in records:
+        ids, _, e = session.encode_images(_with_images(r, len(images)), list(images))
+        ids_per_prompt.append(ids)
+        embeds[tuple(ids)] = e
+    return ids_per_prompt, embeds
+
+
+def _check_prompts_fit(models: BenchModels, lineup: _Lineup, ids_per_prompt: list[list[int]],
+                       max_new_tokens: int) -> None:
+    """One-line ValueErrors before any generation: hf-assisted with a draft of another tokenizer, and a prompt
+    whose answer would not fit the target's or a draft's context."""
+    if models.session.context.get("tokenizers_match") is False and any(
+            BASELINES[n].needs_draft for _, n, _ in lineup.baselines):
         raise ValueError("hf-assisted needs a draft with the target's tokenizer (the tokenizers differ)")
     for ids in ids_per_prompt:
-        check_fits_context(target_model, len(ids), max_new_tokens)
+        check_fits_context(models.session.target, len(ids), max_new_tokens)
         for model in models.models:
             check_fits_context(model, len(ids), max_new_tokens, role="draft")
 
-    chats = sum(is_chat(r) for r in records)
-    stops = _stops(target_model, tokenizer, eos_token_id, chat=chats > 0)
-    pad = _pad_id(target_model, stops)
-    k_default = _default_k(parsed)
-    ours = {spec: _EngineMethod(models.for_draft(method_drafts.get(spec)), method, stops) for spec, method in parsed}
-    for method in ours.values():
-        method.embeds = embeds
-    runs = [MethodRun(spec, run=method) for spec, method in ours.items()]
-    n_ctx = max(len(ids) for ids in ids_per_prompt) + max_new_tokens + 64
-    for spec, name, options in parsed_baselines:
+
+def _baseline_runs(lineup: _Lineup, models: BenchModels, target, stops: list[int], pad: int, k_default: int,
+                   n_ctx: int) -> list[MethodRun]:
+    """The baselines' runners: transformers' over the loaded models, llama.cpp's over the models' GGUF files
+    (``n_ctx`` tokens of context)."""
+    session = models.session
+    runs = []
+    for spec, name, options in lineup.baselines:
         if BASELINES[name].runtime == "llama.cpp":
-            gguf = llamacpp.gguf_of(None if isinstance(target, torch.nn.Module) else target_desc)
-            draft_gguf = llamacpp.gguf_of(draft_desc, role="draft") if BASELINES[name].needs_draft else None
-            runner = llamacpp.llamacpp_runner(name, options, gguf, tokenizer, k_default, stops, n_ctx,
+            gguf = llamacpp.gguf_of(None if isinstance(target, torch.nn.Module) else session.plan.target_name)
+            draft_gguf = (llamacpp.gguf_of(session.plan.draft_name, role="draft") if BASELINES[name].needs_draft
+                          else None)
+            runner = llamacpp.llamacpp_runner(name, options, gguf, session.tokenizer, k_default, stops, n_ctx,
                                               torch.get_num_threads(), draft_gguf=draft_gguf)
         else:
-            runner = hf_runner(name, options, target_model, draft_model, k_default, stops, pad)
+            runner = hf_runner(name, options, session.target, session.draft, k_default, stops, pad)
         runs.append(MethodRun(spec, run=runner))
+    return runs
 
-    sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed}
-    rows = run_side_by_side(target_model, runs, ids_per_prompt, max_new_tokens=max_new_tokens, repeats=repeats,
-                            warmup=warmup, progress=progress, rotate=True, **sampling)
-    summary = summarise(rows, baseline=REFERENCE, check_identical=temperature == 0)
 
-    _compare_with_assisted(summary, rows, [spec for spec, _ in parsed],
-                           [spec for spec, name, _ in parsed_baselines if name == "hf-assisted"])
+def _summary(rows: dict, lineup: _Lineup, ours: dict[str, _EngineMethod], models: BenchModels, k_default: int,
+             check_identical: bool) -> dict:
+    """Every method's and baseline's summary (:func:`speculant.bench.speed.summarise` against the reference),
+    with the comparison to hf-assisted, the cost figures, the tree shapes and the baselines' k."""
+    target_model, draft_model = models.session.target, models.session.draft
+    summary = summarise(rows, baseline=REFERENCE, check_identical=check_identical)
+    _compare_with_assisted(summary, rows, [spec for spec, _ in lineup.methods],
+                           [spec for spec, name, _ in lineup.baselines if name == "hf-assisted"])
     target_ppf = params_per_forward(target_model)
     for spec, method in ours.items():
         _add_costs(summary[spec], rows[spec], "speculant",
                    drafter_params_per_forward(method.last_drafter, target_model), target_ppf,
                    param_bytes(target_model, *method.models))
         _add_shape(summary[spec], rows[spec], _without_draft(spec))
-    for spec, name, options in parsed_baselines:
+    for spec, name, options in lineup.baselines:
         uses_draft = BASELINES[name].needs_draft
         draft_ppf = params_per_forward(draft_model) if uses_draft else 0
         _add_costs(summary[spec], rows[spec], BASELINES[name].runtime, draft_ppf, target_ppf,
@@ -401,61 +503,29 @@ def run_bench(
             drafted = sum(r["draft_tokens"] for r in rows[spec])
             summary[spec]["draft_acceptance"] = (sum(r["draft_accepted"] for r in rows[spec]) / drafted
                                                  if drafted else None)
+    return summary
 
-    results = {
-        "benchmark": "speculant bench",
-        "machine": machine_info(),
-        "settings": {
-            "prompts": source,
-            "num_prompts": len(records),
-            "methods": [spec for spec, _ in parsed],
-            "baselines": [spec for spec, _, _ in parsed_baselines],
-            "reference": REFERENCE,
-            "target": target_desc,
-            "draft": draft_desc,
-            "method_drafts": {spec: models.own[d].plan.draft_name for spec, d in method_drafts.items() if d},
-            **({"default_method": default_note} if default_note is not None else {}),
-            "target_dtype": str(target_model.dtype),
-            "draft_dtype": None if draft_model is None else str(draft_model.dtype),
-            "target_quantization": quantization_of(target_model),
-            "draft_quantization": None if draft_model is None else quantization_of(draft_model),
-            "device": str(target_model.device),
-            "target_params_per_forward": target_ppf,
-            "draft_params_per_forward": None if draft_model is None else params_per_forward(draft_model),
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_k": top_k,
-            "top_p": top_p,
-            "seed": seed,
-            "repeats": repeats,
-            "warmup": warmup,
-            "eos_token_id": stops,
-            "chat_prompts": chats,
-            "pad_token_id": pad,
-            "hf_default_k": k_default,
-            **({"llamacpp": llamacpp.SETTINGS_NOTE} if any(
-                BASELINES[n].runtime == "llama.cpp" for _, n, _ in parsed_baselines) else {}),
-        },
-        "definitions": DEFINITIONS,
-        "prompts": [{**{k: v for k, v in r.items() if k != "input_ids"}, "tokens": len(ids)}
-                    for r, ids in zip(records, ids_per_prompt)],
-        "methods": summary,
-        "runs": rows,
+
+def _model_settings(lineup: _Lineup, models: BenchModels) -> dict:
+    """The settings of the results that say what ran on which models: specs, models, dtypes, kinds, device."""
+    plan = models.session.plan
+    target_model, draft_model = models.session.target, models.session.draft
+    return {
+        "methods": [spec for spec, _ in lineup.methods],
+        "baselines": [spec for spec, _, _ in lineup.baselines],
+        "reference": REFERENCE,
+        "target": plan.target_name,
+        "draft": plan.draft_name,
+        "method_drafts": {spec: models.own[d].plan.draft_name for spec, d in lineup.method_drafts.items() if d},
+        **({"default_method": lineup.default_note} if lineup.default_note is not None else {}),
+        "target_dtype": str(target_model.dtype),
+        "draft_dtype": None if draft_model is None else str(draft_model.dtype),
+        "target_quantization": quantization_of(target_model),
+        "draft_quantization": None if draft_model is None else quantization_of(draft_model),
+        "device": str(target_model.device),
+        "target_params_per_forward": params_per_forward(target_model),
+        "draft_params_per_forward": None if draft_model is None else params_per_forward(draft_model),
     }
-    if any("category" in r for r in records):
-        groups = [str(r.get("category", "other")) for r in records]
-        results["categories"] = summarise_by(rows, groups, baseline=REFERENCE)
-    if matched is not None:
-        results["budget_matched"] = matched
-    if profile:
-        from .profile import profile_target
-
-        results["profile"] = profile_target(target_model, ids_per_prompt[0])
-    if out is not None:
-        from .report import write_results
-
-        results["files"] = [str(p) for p in write_results(results, out)]
-    return results
 
 
 def method_specs(methods: str | Sequence[str] | None, target: Any, draft: Any = None,

@@ -49,7 +49,7 @@ PROGRAMS = {"llamacpp-ar": "llama-lookup", "llamacpp-lookup": "llama-lookup",
 """The llama.cpp program each baseline runs."""
 
 DEFAULT_DRAFT_K = 3
-"""``llamacpp-draft``'s draft tokens per round when ``k`` is not given (the issue's measurement)."""
+"""``llamacpp-draft``'s draft tokens per round when ``k`` is not given."""
 
 SETTINGS_NOTE = ("llama.cpp baselines: llama.cpp's own programs (llama-lookup, llama-speculative-simple), built "
                  "natively by `make llamacpp`, one process per generation, same threads/prompt/max new tokens/"
@@ -58,7 +58,7 @@ SETTINGS_NOTE = ("llama.cpp baselines: llama.cpp's own programs (llama-lookup, l
 """Written into the results' settings when a llama.cpp baseline ran."""
 
 INSTALL_HINT = ("the llama.cpp programs are not built: `make llamacpp` builds them natively into .llamacpp/ (about "
-                "10-15 minutes on 2 cores; or set SPECULANT_LLAMACPP_BIN to a folder holding llama-lookup and "
+                "a quarter of an hour on a small machine; or set SPECULANT_LLAMACPP_BIN to a folder holding llama-lookup and "
                 "llama-speculative-simple)")
 
 

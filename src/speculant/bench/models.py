@@ -1,5 +1,6 @@
-"""The models a benchmark runs, through :mod:`speculant.session`: one target with its tokenizer, the draft the
-methods share, and the draft of each method that names its own (``chain:draft=DIR``).
+"""The models a benchmark runs, resolved by :mod:`speculant.plan` and loaded by :mod:`speculant.session`: one
+target with its tokenizer, the draft the methods share, and the draft of each method that names its own
+(``chain:draft=DIR``).
 
 Names are anything :func:`speculant.models.loading.resolve_model` takes (model directories, bundled and packaged
 names, ``.gguf`` files, cached Hub ids), or loaded modules (left on their device). A draft is loaded with
@@ -11,16 +12,14 @@ builds a fresh drafter per method spec and generation from it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..session import Session, SessionPlan, resolve
+from ..plan import Model, SessionPlan, resolve
+from ..session import Session
 
 __all__ = ["BenchModels", "plan_bench_models"]
-
-Model = str | Path | torch.nn.Module
 
 
 def plan_bench_models(target: Model, draft: Model | None, tokenizer: Any, dtype: torch.dtype | str | None,
@@ -29,7 +28,7 @@ def plan_bench_models(target: Model, draft: Model | None, tokenizer: Any, dtype:
     """The session plan of a benchmark (nothing loaded): its method is the reference ``ar``; the draft is resolved
     (the drafter speculant ships for the target when none is given) and loaded when ``draft_for`` (the method
     specs and baselines that draft with the shared draft) is not empty, else a one-line ValueError as
-    everywhere (:func:`speculant.session.resolve`). ``device`` None: the CPU; ``quantization``: as ``resolve``'s."""
+    everywhere (:func:`speculant.plan.resolve`). ``device`` None: the CPU; ``quantization``: as ``resolve``'s."""
     return resolve(target, draft, "ar", tokenizer=tokenizer, dtype=dtype, quantization=quantization,
                    device=device if device is not None else "cpu", draft_for=draft_for,
                    threads=None)  # the caller's (speculant bench: --threads), not auto's
@@ -46,7 +45,9 @@ class BenchModels:
     @classmethod
     def load(cls, plan: SessionPlan, own_drafts: list[str]) -> BenchModels:
         """Load the plan's models, then each own draft next to the same target."""
-        session = plan.load()
+        from ..session import load_plan  # looked up at the call: a caller may wrap it
+
+        session = load_plan(plan)
         return cls(session, {name: session.with_draft(name) for name in own_drafts})
 
     def for_draft(self, own: str | None) -> Session:

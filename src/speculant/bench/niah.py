@@ -87,10 +87,8 @@ _KEYS = ("apple", "river", "lantern", "violet", "harbor", "pepper", "meadow", "c
 def make_needles(n: int = 4, seed: int = 0) -> list[Needle]:
     """``n`` made-up facts in RULER's single-needle form: ``"The special magic number for {key} is {number}."``,
     asked as ``"What is the special magic number for {key}?"`` with the answer started up to the number (keys and
-    4-digit numbers drawn with the seed, no key twice while there are keys left). With the full cache at 1,024
-    tokens SmolLM2-135M-Instruct answered 18 of 18 such facts (6 needles x 3 depths), but only 2 of 6 of the
-    two-part facts used before ("The secret code of the Lisbon office is 4817."), on which no policy could be
-    told apart from another; the results in ``benchmarks/results/niah`` use these."""
+    4-digit numbers drawn with the seed, no key twice while there are keys left). A small chat model answers such
+    facts with the full cache, so the policies are told apart by what eviction loses."""
     rng = random.Random(seed)
     keys = rng.sample(_KEYS, len(_KEYS))
     out: list[Needle] = []
@@ -206,11 +204,11 @@ def run_niah(model, tokenizer, policies: Sequence[str], lengths: Sequence[int], 
     """
     from ..models.chat import stop_ids
     from ..core.engine import generate
-    from ..kv.registry import parse_policy
+    from ..kv.registry import resolve_eviction
 
     objects = {}
     for spec in policies:
-        objects[spec] = parse_policy(spec)
+        objects[spec] = resolve_eviction(spec)
         objects[spec].bind_draft(draft)  # SpecKV drafts with it (a one-line error without one); others ignore it
 
     text = haystack if haystack is not None else default_haystack()

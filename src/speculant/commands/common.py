@@ -1,7 +1,7 @@
 """What the ``speculant`` subcommands share: the one-line-error parser, the help formatter, the subcommand
 descriptors (:class:`Command`, :class:`Subcommand`), option types, the model options (:func:`add_model_arguments`:
 ``--target/--draft/--method/--dtype/--quantization/--device/--threads/--kv-*``, declared once with one help text each, read back
-by :func:`session_arguments` for :func:`speculant.session.resolve`), and options declared from a dataclass's fields.
+by :func:`session_arguments` for :func:`speculant.plan.resolve`), and options declared from a dataclass's fields.
 
 Light on purpose: :mod:`speculant.cli` imports this module to build ``speculant --help``, which must not import
 torch, so every heavy import here is inside the function that needs it.
@@ -279,7 +279,7 @@ def add_model_arguments(
         default=None,
         help="load the models in this dtype ('auto': the one in config.json; an attached drafter takes the "
         "target's); default: float32 (exact: greedy output token-identical to plain greedy decoding). bfloat16 "
-        "is faster on CPUs with native bf16 (benchmarks/results/forward_cost.json) but, with float weights, can "
+        "is faster on CPUs with native bf16 but, with float weights, can "
         "round near-ties differently between a verification forward and a one-token forward; with quantized "
         "weights (--quantization int8/int4/q4) the forward is row independent and every dtype is exact",
     )
@@ -294,15 +294,14 @@ def add_model_arguments(
         "with a GGUF file's wider tensors kept wider, as the file spends more bits on them: Q6_K as it is, 7 bits per "
         "weight on the same kernel; Q5_0, Q8_0 in 8-bit codes). int4, q4, q4m and q8 keep a GGUF file's own 4-bit "
         "codes (Q4_K, Q4_0, Q4_1). Every method decodes the same quantized model, so output stays lossless against plain "
-        "decoding of it (bit for bit: a quantized forward is row independent). Speed on 2 cores of an AVX-512 "
-        "Xeon (benchmarks/results/quant_matmul.json): q4 is the fastest at 1 to 16 tokens per forward (3.0x "
-        "bf16 at 1 token), int4 and int8 lose their advantage beyond 4 tokens; default: a packaged model's own "
-        "format (q4 for the Qwen2.5-Coder pair), else none",
+        "decoding of it (bit for bit: a quantized forward is row independent). Speed: q4 is the fastest at 1 to "
+        "16 tokens per forward, int4 and int8 lose their advantage beyond a few tokens (docs/results/); default: "
+        "a packaged model's own format (q4 for the Qwen2.5-Coder pair), else none",
     )
     add_threads_argument(p)
     add_device_argument(p, "the target and draft models" if draft else "the target model")
     if kv:
-        from ..session import generate_defaults
+        from ..plan import generate_defaults
 
         p.add_argument(
             "--kv-policy",
@@ -334,7 +333,7 @@ def add_model_arguments(
 
 
 def session_arguments(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of :func:`speculant.session.resolve` from the options of :func:`add_model_arguments`
+    """The keyword arguments of :func:`speculant.plan.resolve` from the options of :func:`add_model_arguments`
     (those a parser did not declare are left out)."""
     names = ("draft", "method", "dtype", "quantization", "device", "threads", "kv_policy", "kv_budget", "kv_block")
     return {"target": args.target, **{n: getattr(args, n) for n in names if hasattr(args, n)}}

@@ -9,7 +9,8 @@ Output conventions:
     :func:`speculant.cli.main` as one line ``speculant: error: <message>`` with exit code 2.
 
 Defaults are read from the library (``generate``'s signature, the method registry), never restated here; the
-models, method and KV policy are resolved and loaded by :mod:`speculant.session` (the rules every front-end shares).
+models, method and KV policy are resolved by :mod:`speculant.plan` (the rules every front-end shares) and loaded
+by :mod:`speculant.session`.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def _methods_with_k() -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant generate``'s options on ``p``."""
-    from ..session import generate_defaults
+    from ..plan import generate_defaults
 
     d = generate_defaults()
     p.add_argument(
@@ -193,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
     from ..core.checks import check_positive_int
     from ..core.types import SamplingParams
     from ..drafters.registry import get_method
-    from ..session import resolve
+    from ..plan import resolve
+    from ..session import load_plan
 
     # validate everything cheap before loading any model
     if args.raw and args.system is not None:
@@ -214,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--k: method {plan.method.name!r} takes no k (methods with k: {_methods_with_k()})")
         plan = dataclasses.replace(plan, method=plan.method.with_options(k=args.k))
 
-    session = plan.load()
+    session = load_plan(plan)
     stream = None if args.json else _Writer(session.tokenizer, sys.stdout)
     gen = session.generate(prompt, raw=args.raw, system=args.system, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

@@ -144,7 +144,8 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     from tqdm.auto import tqdm
 
     from ..bench.niah import load_needles, make_needles, run_niah
-    from ..session import resolve
+    from ..plan import resolve
+    from ..session import load_plan
 
     lengths = [int(v) for v in _floats("lengths", args.lengths, 1, float("inf"))]
     depths = _floats("depths", args.depths, 0.0, 1.0)
@@ -162,7 +163,7 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     plan = resolve(args.target or TARGETS["niah"], args.draft, "ar", dtype=args.dtype, device=args.device,
                    quantization=args.quantization,
                    threads=args.threads, draft_for=users)  # the no-draft rule of every front-end
-    session = plan.load()
+    session = load_plan(plan)
     model, tokenizer, draft = session.target, session.tokenizer, session.draft
     ctx = context_length(model)
     if ctx is not None and max(lengths) + args.max_new_tokens > ctx:
@@ -218,7 +219,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the evaluation; print a table (or the JSON line); return the exit code."""
     from tqdm.auto import tqdm
 
-    from ..session import resolve
+    from ..plan import resolve
+    from ..session import load_plan
 
     cfg = _config(args)
     if args.task == "niah":
@@ -226,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     plan = resolve(args.target or TARGETS["fidelity"], args.draft, "ar", dtype=args.dtype, device=args.device,
                    quantization=args.quantization,
                    threads=args.threads)
-    session = plan.load()
+    session = load_plan(plan)
     model, tokenizer = session.target, session.tokenizer
     _check_context(model, cfg)
     text = None

@@ -179,7 +179,7 @@ def _check_draft_prompts(args: argparse.Namespace) -> None:
     """``train draft`` must have prompts to answer: ``--prompts`` sources (files, built-in sets) with at least one, or ``--num-prompts``
     built-in ones (0 only with ``--self-prompts``); a one-line ValueError naming the option otherwise."""
     from ..data.prompts import load_prompts
-    from ..train.drafter.pipeline import has_answer
+    from ..train.drafter.answers_stage import has_answer
 
     dataset = getattr(args, "answers", "target") == "dataset"
     if args.prompts is not None:
@@ -214,7 +214,8 @@ def _run_train_draft(args: argparse.Namespace) -> int:
     from ..models.attached import EXPORT_STORAGES
     from ..models.loading import resolve_model
     from ..models.loading import check_quantization
-    from ..train.drafter.pipeline import (
+    from ..train.drafter.answers_stage import run_answers, run_features
+    from ..train.drafter.checks import (
         ANSWERS,
         ENGINES,
         FEATURE_KINDS,
@@ -224,10 +225,8 @@ def _run_train_draft(args: argparse.Namespace) -> int:
         check_extra_data,
         check_init,
         resolve_kind,
-        run_answers,
-        run_features,
-        run_training,
     )
+    from ..train.drafter.run import run_training
     from ..train.drafter.card import write_drafter_card
     from ..train.losses import LOSSES
 
@@ -278,7 +277,7 @@ def _run_train_draft(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Declare ``speculant train``'s actions and their options on ``p``."""
     from ..train.bundled.distill_data import DistillDataConfig
-    from ..train.drafter.pipeline import DraftRunConfig
+    from ..train.drafter.checks import DraftRunConfig
     from ..train.bundled.pretrain import TrainConfig
 
     sub = p.add_subparsers(dest="action", metavar="ACTION", required=True, parser_class=Parser)

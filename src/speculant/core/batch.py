@@ -254,6 +254,6 @@ def _check_kv(kv_policy, kv_budget, kv_block) -> None:
         raise ValueError("KV eviction needs both kv_policy and kv_budget (e.g. kv_policy='keydiff', kv_budget=256)")
     if not isinstance(kv_policy, EvictionPolicy):
         got = repr(kv_policy) if isinstance(kv_policy, str) else type(kv_policy).__name__
-        raise ValueError(f"kv_policy: speculant.core.engine.generate takes a ScorePolicy or None, got {got:.80}; "
-                         f"{_RESOLVE} (speculant.kv.parse_policy)")
+        raise ValueError(f"kv_policy: speculant.core.engine.generate takes an EvictionPolicy or None, got "
+                         f"{got:.80}; {_RESOLVE} (speculant.kv.resolve_eviction)")
     check_positive_int("kv_budget", kv_budget)

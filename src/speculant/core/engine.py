@@ -48,7 +48,7 @@ def generate(
     """The decoding loop behind :func:`speculant.generate` (see it for every argument), on resolved objects only.
 
     ``drafter`` is a :class:`~speculant.core.drafting.Drafter` (any object with ``begin``/``propose``/``commit``)
-    or None for plain decoding; ``kv_policy`` a ``speculant.kv.ScorePolicy`` (:class:`EvictionPolicy`) or None.
+    or None for plain decoding; ``kv_policy`` an :class:`EvictionPolicy` (``speculant.kv.resolve_eviction``) or None.
     Method names, draft models and policy names are resolved by :func:`speculant.generate` (``speculant.api``),
     not here: the engine knows no method or policy by name. The engine reads only the drafter's declared
     capabilities (:func:`~speculant.core.drafting.capability`) and the policy's interface.

@@ -1,8 +1,9 @@
 """The KV-eviction interface the engine drives: what it asks of a KV policy and of a budgeted cache.
 
-The policies, the bounded cache and block-wise prefill are in :mod:`speculant.kv` (``ScorePolicy`` implements
-:class:`EvictionPolicy`, ``speculant.kv.budget.BudgetedKV`` implements :class:`BudgetedKV`); the interface lives in
-``core`` so that the engine imports nothing from the layers above it and knows no policy by type.
+The policies, the bounded cache and block-wise prefill are in :mod:`speculant.kv`: ``speculant.kv.Eviction`` (a
+score policy paired with the budgeted cache) implements :class:`EvictionPolicy` and
+``speculant.kv.budget.BudgetedKV`` implements :class:`BudgetedKV`. The interface lives in ``core`` so that the
+engine imports nothing from the layers above it and knows no policy by type.
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ class BudgetedKV(Protocol):
 
 @runtime_checkable
 class EvictionPolicy(Protocol):
-    """What the engine reads of a KV policy (``speculant.kv.ScorePolicy`` implements it)."""
+    """What the engine reads of a KV policy (``speculant.kv.Eviction`` implements it for a ``ScorePolicy``)."""
 
     def bind_draft(self, model: torch.nn.Module | None) -> None:
-        """Receive the drafter's own model (``Drafter.model``) before prefill; see ``ScorePolicy.bind_draft``."""
+        """Receive the drafter's own model (``Drafter.model``) before prefill; see
+        ``speculant.kv.ScorePolicy.bind_draft``."""
 
     def budgeted(self, num_layers: int, budget: int, block: int) -> BudgetedKV:
         """A fresh budgeted cache evicting with this policy (prefill blocks of ``block`` tokens)."""

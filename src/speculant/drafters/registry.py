@@ -70,8 +70,8 @@ def default_of(func: Callable, name: str) -> Any:
 
 @dataclass(frozen=True)
 class Sizing:
-    """Which of a method's keys set the size of its draft tree, so that ``speculant.bench.budget`` can size it to a
-    number of tree tokens per target call (a *budget*) or of draft levels per step (a *depth*).
+    """Which of a method's keys set the size of its draft tree, so that ``speculant.bench.matched_specs`` can size it
+    to a number of tree tokens per target call (a *budget*) or of draft levels per step (a *depth*).
 
     ``depth``: the key holding the draft levels per step. A list key (``rsd-c``'s ``branching``) is a branching
     prefix: its length is the depth, and sizing continues it with 1s (each added level gives every leaf one
@@ -433,7 +433,7 @@ register(
 
 class NeedsContext(ValueError):
     """A method was built without context only its caller has (e.g. both tokenizers): raised by its factory; a
-    check of option values on a stand-in model (:class:`speculant.session.ParsedMethod`) lets it pass."""
+    check of option values on a stand-in model (:class:`speculant.plan.ParsedMethod`) lets it pass."""
 
 
 def _cross_vocab(draft_model: torch.nn.Module, draft_tokenizer=None, target_tokenizer=None, trim: int | None = None,

@@ -12,13 +12,13 @@ verified tokens): position ids are ``cache.position_ids(Q)`` for a chain and the
 ``cache.next_position - cache.length`` for a tree; attention policies wrap the target forward in
 ``QueryCapture(target)``, then ``cap.keep_rows([0] + [1 + n for n in accepted])`` and ``attn = observe(cache, cap)``;
 finally ``evict(cache, policy, budget, attn=attn)``. The engine does all of this through one object,
-``policy.budgeted(num_layers, budget, block)`` (:class:`BudgetedKV`, the interface
-:mod:`speculant.core.eviction` declares), after ``policy.bind_draft(drafter_model)``; a policy shapes prefill
-through its hooks (:meth:`ScorePolicy.prefill_passes`, :meth:`ScorePolicy.prefill_observers`).
+``resolve_eviction(policy).budgeted(num_layers, budget, block)`` (:class:`Eviction` makes a :class:`BudgetedKV`,
+the interfaces :mod:`speculant.core.eviction` declares), after ``bind_draft(drafter_model)``; a policy shapes
+prefill through its hooks (:meth:`ScorePolicy.prefill_passes`, :meth:`ScorePolicy.prefill_observers`).
 """
 
 from .attention import QueryCapture, attention_probs
-from .budget import BudgetCache, BudgetedKV, BudgetLayer, evict, observe, prefill_blockwise
+from .budget import BudgetCache, BudgetedKV, BudgetLayer, Eviction, evict, observe, prefill_blockwise
 from .caote import CAOTE, caote_scores, warn_nesting
 from .policies import (
     H2O,
@@ -34,7 +34,7 @@ from .policies import (
     Streaming,
     pin_window,
 )
-from .registry import POLICIES, WRAPPERS, parse_policy, policy_names
+from .registry import POLICIES, WRAPPERS, parse_policy, policy_names, resolve_eviction
 from .speckv import SpecKV
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "BudgetCache",
     "BudgetedKV",
     "BudgetLayer",
+    "Eviction",
     "KeyDiff",
     "KeyNorm",
     "MassPolicy",
@@ -66,4 +67,5 @@ __all__ = [
     "pin_window",
     "policy_names",
     "prefill_blockwise",
+    "resolve_eviction",
 ]

@@ -1,4 +1,4 @@
-"""A KV cache holding at most ``N`` tokens per layer, and block-wise prefill (../shared/ALGORITHMS.md).
+"""A KV cache holding at most ``N`` tokens per layer, block-wise prefill, and eviction as the engine drives it.
 
 :class:`BudgetCache` is a :class:`speculant.core.cache.SpecCache` whose layers also store, per cached token, its
 ORIGINAL position (``[B, H_kv, T]``; never renumbered) and the attention it has accumulated (for H2O). Eviction
@@ -22,10 +22,10 @@ import torch
 
 from ..core.cache import GrowingLayer, SpecCache, cache_kwarg
 from .attention import QueryCapture, attention_probs
-from .caote import warn_nesting
 from .policies import ScoreContext, ScorePolicy
 
-__all__ = ["BudgetCache", "BudgetLayer", "BudgetedKV", "evict", "observe", "observer_attention", "prefill_blockwise"]
+__all__ = ["BudgetCache", "BudgetLayer", "BudgetedKV", "Eviction", "evict", "observe", "observer_attention",
+           "prefill_blockwise"]
 
 
 class BudgetLayer(GrowingLayer):
@@ -306,7 +306,6 @@ class BudgetedKV:
     growing), block-wise prefill, query capture for attention policies and eviction after every verified step."""
 
     def __init__(self, policy: ScorePolicy, num_layers: int, budget: int, block: int) -> None:
-        warn_nesting(policy)
         self.policy, self.budget, self.block = policy, budget, block
         self.cache = BudgetCache(num_layers, capacity=budget + block + 64)
 
@@ -331,3 +330,27 @@ class BudgetedKV:
             capture.keep_rows(rows)
             attn = observe(self.cache, capture)
         evict(self.cache, self.policy, self.budget, attn=attn)
+
+
+class Eviction:
+    """A score policy as the engine evicts with it (:class:`speculant.core.eviction.EvictionPolicy`): the policy
+    scores the cached tokens, and every generation gets a fresh :class:`BudgetedKV` evicting with it.
+
+    The policy itself never builds a cache; :func:`speculant.kv.registry.resolve_eviction` makes this pair from
+    a policy name or object (``speculant.generate`` and :func:`speculant.load` call it), or wrap a policy
+    directly to hand it to :func:`speculant.core.engine.generate`: ``kv_policy=Eviction(KeyDiff())``.
+    """
+
+    def __init__(self, policy: ScorePolicy) -> None:
+        self.policy = policy
+
+    def __repr__(self) -> str:
+        return f"Eviction({self.policy!r})"
+
+    def bind_draft(self, model: torch.nn.Module | None) -> None:
+        """Hand the drafter's own model to the policy (SpecKV drafts with it; the others ignore it)."""
+        self.policy.bind_draft(model)
+
+    def budgeted(self, num_layers: int, budget: int, block: int) -> BudgetedKV:
+        """A fresh budgeted cache of ``num_layers`` layers evicting with the policy (prefill blocks of ``block``)."""
+        return BudgetedKV(self.policy, num_layers, budget, block)

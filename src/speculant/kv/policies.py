@@ -1,4 +1,4 @@
-"""KV-cache eviction score policies (../shared/ALGORITHMS.md, KV-cache eviction).
+"""KV-cache eviction score policies: how much each cached token is worth keeping.
 
 A policy is a small dataclass whose ``score(keys, values, ctx) -> [B, H_kv, T]`` rates every cached token of one
 layer (higher = more worth keeping). Selection of the top ``N`` is written once, in :meth:`ScorePolicy.select`;
@@ -20,6 +20,10 @@ Prefill hooks (:meth:`ScorePolicy.bind_draft`, :meth:`~ScorePolicy.prefill_passe
 :meth:`~ScorePolicy.prefill_observers`) let a policy ask for a draft model, a second prefill pass or extra
 observer queries (SnapKV's two passes, SpecKV's provisional answer) without the cache or the engine testing its
 type.
+
+A policy only scores: it knows nothing of the budgeted cache. :class:`speculant.kv.budget.Eviction` pairs a
+policy with one (what the engine evicts with), and :func:`speculant.kv.registry.resolve_eviction` builds that
+pair from a name or a policy.
 """
 
 from __future__ import annotations
@@ -99,13 +103,6 @@ class ScorePolicy:
         s = self.score(keys, values, ctx).float()
         pinned = s == math.inf
         return s.masked_fill(pinned, 0.0), pinned
-
-    def budgeted(self, num_layers: int, budget: int, block: int):
-        """A fresh :class:`speculant.kv.budget.BudgetedKV` evicting with this policy: what the engine decodes
-        with (:class:`speculant.core.eviction.EvictionPolicy`)."""
-        from .budget import BudgetedKV  # budget builds on this module
-
-        return BudgetedKV(self, num_layers, budget, block)
 
     # ---- prefill hooks: what block-wise prefill and the engine ask of a policy, instead of testing its type
 

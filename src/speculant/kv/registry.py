@@ -2,7 +2,8 @@
 
 A spec is ``[wrapper:]*base[:key=value]*``; wrappers apply right to left (``caote:protect:snapkv`` = CAOTE over
 protected SnapKV); options set the base policy's numeric and boolean fields (``snapkv:window=32``,
-``caote:speckv:passes=2``). Defaults live in the policy dataclasses; this module only maps names to constructors.
+``caote:speckv:passes=2``). Defaults live in the policy dataclasses; this module maps names to constructors and
+resolves a name or a policy to what the engine evicts with (:func:`resolve_eviction`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from ..core.eviction import EvictionPolicy
 from ..core.specs import Key, split_spec
-from .caote import CAOTE
+from .budget import Eviction
+from .caote import CAOTE, warn_nesting
 from .speckv import SpecKV
 from .policies import (
     H2O,
@@ -25,7 +28,7 @@ from .policies import (
     Streaming,
 )
 
-__all__ = ["POLICIES", "WRAPPERS", "parse_policy", "policy_names", "policy_options"]
+__all__ = ["POLICIES", "WRAPPERS", "parse_policy", "policy_names", "policy_options", "resolve_eviction"]
 
 POLICIES: dict[str, Callable[[], ScorePolicy]] = {
     "keydiff": KeyDiff,
@@ -88,4 +91,16 @@ def parse_policy(spec: str) -> ScorePolicy:
         if wrapper not in WRAPPERS:
             raise ValueError(f"unknown KV policy wrapper {wrapper!r} in {spec!r}; known: {', '.join(WRAPPERS)}")
         policy = WRAPPERS[wrapper](policy)
+    return policy
+
+
+def resolve_eviction(policy: str | ScorePolicy | EvictionPolicy) -> EvictionPolicy:
+    """What the engine evicts with: a policy name (:func:`parse_policy`) or a :class:`ScorePolicy`, paired with
+    the budgeted cache (:class:`speculant.kv.budget.Eviction`), after warning once about a policy nesting CAOTE
+    in CAOTE; an object that already is an eviction policy, as it is."""
+    if isinstance(policy, str):
+        policy = parse_policy(policy)
+    if isinstance(policy, ScorePolicy):
+        warn_nesting(policy)
+        return Eviction(policy)
     return policy

@@ -115,11 +115,9 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
     (:meth:`~speculant.core.quant.QuantMatrix.q6`, 7 bits per weight): exactly the file's values. Its other 5- to
     8-bit tensors without per-32 blocks (Q5_K: :data:`speculant.models.gguf.WIDE_TYPES`) become q8 matrices
     requantized from their values (8-bit codes per 32 inputs: within 1/510 of a group's range of the file's value,
-    where 4 bits would be 1/30). ``wide_bits`` 8 or 7 requantizes the Q6_K tensors that way too (q4m before q6
-    existed; 7: 7-bit codes, within 1/254, which an AVX2 CPU without VNNI multiplies faster,
-    :func:`speculant.core.kernels.q4_seven`, at a measured cost in fidelity: Qwen2.5-Coder-1.5B Q4_K_M's
-    teacher-forced top-1 agreement with the float32 file 0.986 where 8-bit codes gave 0.994, README "7-bit codes"):
-    benchmarks' choices, not defaults.
+    where 4 bits would be 1/30). ``wide_bits`` 8 or 7 requantizes the Q6_K tensors that way too (7: 7-bit codes,
+    within 1/254, which an AVX2 CPU without VNNI multiplies faster, :func:`speculant.core.kernels.q4_seven`, at a
+    cost in fidelity to the float32 file, docs/results/): benchmarks' choices, not defaults.
     Every other matrix (F16/F32 tensors, fewer-bit types, any wider tensor for int4 and q4, or any tensor for int8)
     is requantized to the kind from its values.
 
@@ -324,7 +322,7 @@ def load_pretrained(name_or_path: str | Path, dtype: torch.dtype | str | None = 
     bf16 a batched verification forward and a one-token forward can round a near-tie differently, so greedy
     output could differ from plain decoding in rare tokens; in float32 such flips need a tie within ~1e-6. The
     draft: its numerics only change what is proposed, never what is emitted, and on CPUs float32 is faster than
-    bf16 for its small matrices (``benchmarks/results/draft_variants.json``).
+    bf16 for its small matrices.
 
     ``quantization``: see :func:`load_model_dir` (None: none).
 
@@ -404,7 +402,7 @@ def load_draft(name_or_path: str | Path, target: torch.nn.Module, dtype: torch.d
     quantized and its shared head stays the target's, so its kind must be the target's (None: the target's; else
     a ValueError). Its embedding check compares with the float embedding it was made for, which a target with a
     tied, quantized head no longer has: load it next to the float target, then quantize both
-    (:class:`speculant.session.SessionPlan` does).
+    (:func:`speculant.session.load_plan` does).
 
     Returns the draft model (eval mode). The caller checks that an ordinary draft's tokenizer matches the
     target's (:func:`tokenizers_match`); an attached drafter uses the target's tokenizer by construction."""

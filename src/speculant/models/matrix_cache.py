@@ -2,8 +2,8 @@
 
 Building a q4, q4m or q8 model from a GGUF file means decoding the file's tensors, taking its codes (or
 requantizing the wider ones) and packing them into the kernel's blocks (:meth:`speculant.core.quant.QuantMatrix
-._pack`): for Qwen2.5-Coder-1.5B on 2 cores of an AMD EPYC about 22 s of decoding and 15 s of codes and packing, at
-every load, and a float32 peak of 9.8 GB. The blocks are the same bytes each time, so the first load writes them next
+._pack`): for Qwen2.5-Coder-1.5B tens of seconds of decoding, codes and packing at every load, and a float32 peak
+of several GB. The blocks are the same bytes each time, so the first load writes them next
 to the model's cached metadata (``<model dir>/matrices-<quantization>-<dtype>-v<layout>.safetensors``, one tensor
 per linear, named by module) and later loads read them back: the tensors whose matrices the file holds are then not
 decoded at all (:func:`speculant.models.gguf.load_gguf_model`'s ``skip``), only the float parts (embedding, norms,

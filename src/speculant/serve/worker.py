@@ -259,9 +259,10 @@ class Worker:
         raises."""
         from ..core.checks import context_length
         from .limits import longest_token_chars
+        from ..session import load_plan
         from .settings import plan
 
-        session = plan(self.settings).load()
+        session = load_plan(plan(self.settings))
         self.session = session
         self.target, self.tokenizer, self.draft_model = session.target, session.tokenizer, session.draft
         self.context_length = context_length(session.target)
@@ -301,7 +302,7 @@ class Worker:
         Every torch op of the server runs on this one thread: loading, the forward-cost calibration, decoding, the
         online adapter's steps and image encoding (:meth:`call`). On a machine with few cores, torch ops issued from
         a second thread (its own OpenMP team) slow each later parallel op of this one for as long as that thread
-        lives (measured on 2 cores: a q4 forward 24 -> 108 ms beside an idle thread that had run one)."""
+        lives, several times over for a quantized forward."""
 
         def main() -> None:
             if load:

@@ -20,7 +20,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 16384, min_frequency
                     eos: str = EOS, pad: str | None = EOS) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE of ``vocab_size`` tokens on ``texts``. Its special tokens come first (ids 0, 1 ...):
     ``bos`` and ``eos`` (one token ``<|endoftext|>`` by default, also the ``pad`` token; the test fixtures of
-    :mod:`speculant.testing` use ``<s>`` = 0 and ``</s>`` = 1 and no pad token). It adds no special tokens when
+    :mod:`speculant.tiny_models` use ``<s>`` = 0 and ``</s>`` = 1 and no pad token). It adds no special tokens when
     encoding."""
     specials = list(dict.fromkeys([bos, eos]))
     tok = Tokenizer(models.BPE())

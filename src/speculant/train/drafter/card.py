@@ -9,7 +9,7 @@ import numpy as np
 
 from ...models.attached import stored_parameters
 from .answers import run_list, shard_totals
-from .pipeline import DRAFT_MODEL_FILE
+from .run import DRAFT_MODEL_FILE
 from ..card import _vocab_trim_section
 
 __all__ = ["write_drafter_card"]

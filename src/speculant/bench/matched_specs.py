@@ -1,6 +1,6 @@
 """Budget-matched specs: one drafting family sized to equal tree tokens per target call, or to equal draft depth.
 
-../shared/ALGORITHMS.md asks trees to be compared both ways. A *family* is a registry spec without its size, e.g.
+Trees are compared both ways. A *family* is a registry spec without its size, e.g.
 ``chain``, ``specinfer:width=2``, ``rsd-c:branching=2`` (a branching prefix, continued with 1s),
 ``rsd-s:width=4`` or ``tree:topk=2:depth=8``; :func:`at_budget` and :func:`at_depth` size it by the keys its
 registration declares (:class:`speculant.drafters.registry.Sizing`), so a newly registered method is sized too:
