@@ -48,8 +48,9 @@ PLACEHOLDERS = {"path/to/target": "default-target", "path/to/draft": "default-dr
 SHELL = {"", "bash", "sh", "console", "shell"}
 FENCE = re.compile(r"^```(\S*)\s*$")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
-PATH = re.compile(r"(?<![\w/.-])((?:src/speculant|benchmarks)(?:/[\w.+-]+)*/?)")
-"""A path of the repository named in a page: ``src/speculant/...`` or ``benchmarks/...``."""
+PATH = re.compile(r"(?<![\w/.-])((?:src/speculant|benchmarks)(?:/[\w.+*{},-]+)*/?)")
+"""A path of the repository named in a page: ``src/speculant/...`` or ``benchmarks/...`` (``*`` and ``{a,b}``
+allowed: every alternative must exist, a pattern must match something)."""
 
 
 def _rel(page: Path) -> str:
@@ -242,11 +243,24 @@ def test_relative_links_resolve(page):
     assert not broken, f"{page}: broken links {broken}"
 
 
+def _expand(path: str) -> list[str]:
+    """``a/{b,c}.json`` -> ``["a/b.json", "a/c.json"]`` (the first brace group, recursively)."""
+    match = re.search(r"\{([^{}]*)\}", path)
+    if match is None:
+        return [path]
+    return [x for alt in match.group(1).split(",")
+            for x in _expand(path[:match.start()] + alt + path[match.end():])]
+
+
+def _exists(path: str) -> bool:
+    return any(ROOT.glob(path.rstrip("/"))) if "*" in path else (ROOT / path).exists()
+
+
 @pytest.mark.parametrize("page", sorted(TEXTS))
 def test_named_paths_exist(page):
     """Every ``src/speculant/...`` and ``benchmarks/...`` path a page names (in prose or in a command) exists."""
-    named = {m.group(1).rstrip(".") for m in PATH.finditer(TEXTS[page])}
-    missing = sorted(p for p in named if not (ROOT / p).exists())
+    named = {p for m in PATH.finditer(TEXTS[page]) for p in _expand(m.group(1).rstrip(".,"))}
+    missing = sorted(p for p in named if not _exists(p))
     assert not missing, f"{page}: paths that do not exist: {missing}"
 
 
@@ -255,6 +269,10 @@ def test_the_link_and_path_checks_can_fail(tmp_path):
         "docs/a.md#x", "img.png", "http://x"]
     assert [m.group(1) for m in PATH.finditer("`src/speculant/core/engine.py`, benchmarks/results/bench.")] == [
         "src/speculant/core/engine.py", "benchmarks/results/bench."]
+    assert _expand("benchmarks/results/tree_budget.{json,png}") == [
+        "benchmarks/results/tree_budget.json", "benchmarks/results/tree_budget.png"]
+    assert _exists("benchmarks/results/qwen-mtbench-*") and not _exists("benchmarks/results/no-such-*")
+    assert not _exists("src/speculant/no_such_module.py")
     assert _slug("Weight formats") == "weight-formats" and _slug("`speculant train draft`: a drafter") == (
         "speculant-train-draft-a-drafter")
 
