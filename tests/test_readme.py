@@ -48,7 +48,7 @@ PLACEHOLDERS = {"path/to/target": "default-target", "path/to/draft": "default-dr
 SHELL = {"", "bash", "sh", "console", "shell"}
 FENCE = re.compile(r"^```(\S*)\s*$")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
-PATH = re.compile(r"(?<![\w/.-])((?:src/speculant|benchmarks)(?:/[\w.+*{},-]+)*/?)")
+PATH = re.compile(r"(?<![\w/.-])((?:src/speculant|benchmarks)(?:/(?:[\w.+*-]|\{[\w.,+*-]*\})+)*/?)")
 """A path of the repository named in a page: ``src/speculant/...`` or ``benchmarks/...`` (``*`` and ``{a,b}``
 allowed: every alternative must exist, a pattern must match something)."""
 
@@ -269,6 +269,8 @@ def test_the_link_and_path_checks_can_fail(tmp_path):
         "docs/a.md#x", "img.png", "http://x"]
     assert [m.group(1) for m in PATH.finditer("`src/speculant/core/engine.py`, benchmarks/results/bench.")] == [
         "src/speculant/core/engine.py", "benchmarks/results/bench."]
+    assert [m.group(1) for m in PATH.finditer("--results benchmarks/a.json,benchmarks/b.{json,md}")] == [
+        "benchmarks/a.json", "benchmarks/b.{json,md}"]
     assert _expand("benchmarks/results/tree_budget.{json,png}") == [
         "benchmarks/results/tree_budget.json", "benchmarks/results/tree_budget.png"]
     assert _exists("benchmarks/results/qwen-mtbench-*") and not _exists("benchmarks/results/no-such-*")
