@@ -96,8 +96,13 @@ qwen-sibling-da: $(QWEN_STAMP)
 qwen-load: $(QWEN_STAMP)
 	$(PY) benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json --readme README.md
 
+# The first thing to run: streams a whole answer from the first pair installed (the Qwen2.5-Coder pair after
+# `make qwen-models`), then times plain decoding, the pair's default method and prompt lookup on it, interleaved
+# (and llama.cpp's plain decoding once `make llamacpp` has built it). DEMO_ARGS passes options, e.g.
+# DEMO_ARGS="--target smollm2-135m-instruct".
+DEMO_ARGS ?=
 demo: $(STAMP) $(QWEN_STAMP)
-	$(PY) -m speculant.demo
+	$(PY) -m speculant.demo $(DEMO_ARGS)
 
 # The tests run in TEST_WORKERS processes (pytest-xdist; CI has 2 cores: 370 s in one process, 195 s in two).
 TEST_WORKERS ?= 2

@@ -12,13 +12,14 @@ The pair, by default the first one installed of:
   weights (:func:`speculant.tiny_models.perturbed`). They are UNTRAINED: the text is gibberish and the speed-up says
   nothing about real models (the draft here costs as much as the target).
 
-``--target NAME`` picks another packaged or bundled target (e.g. ``smollm2-135m-instruct``). A packaged target runs
-in its own weight quantization (:attr:`speculant.models.sources.PackagedModel.default_quantization`) unless
+A packaged (chat) target writes its whole answer: up to :data:`ANSWER_TOKENS` new tokens, ending at the model's
+end-of-turn token, streamed as it is generated. ``--target NAME`` picks another packaged or bundled target (e.g.
+``smollm2-135m-instruct``). A packaged target runs in its own weight quantization (:attr:`speculant.models.sources.PackagedModel.default_quantization`) unless
 ``--quantization`` says otherwise, and with its default method (``default_method``, else ``chain:k=3``). After the
 streamed answer, plain decoding (``ar``), that method and prompt lookup are timed on the same prompt in the same
 weights by the bench's side-by-side runner (:func:`speculant.bench.harness.run_bench`: interleaved, after a
-warm-up, medians), with llama.cpp's plain decoding of the same GGUF file when ``make llamacpp`` has built it, and
-τ, tokens/s and the speed-ups against ``ar`` are printed.
+warm-up, medians; each run the same whole answer), with llama.cpp's plain decoding of the same GGUF file when
+``make llamacpp`` has built it, and τ, tokens/s and the speed-ups against ``ar`` are printed.
 
 The in-process models come from :mod:`speculant.tiny_models` (:func:`~speculant.tiny_models.tiny_tokenizer`,
 :func:`~speculant.tiny_models.save_model_pair`), which the tests use too.
@@ -40,6 +41,7 @@ import torch
 from . import cli
 from .bench import llamacpp
 from .bench.harness import run_bench
+from .core.quant import QUANTIZATIONS
 from .models.loading import bundled_dir, default_draft_for, default_method_for
 from .models.sources import PACKAGED, packaged_installed
 from .tiny_models import save_model_pair, tiny_tokenizer
@@ -56,6 +58,8 @@ CHAT_TARGET = "smollm2-135m-instruct"
 CODE_PROMPT = ("Write a Python function `is_palindrome(text: str) -> bool` that ignores case and non-alphanumeric "
                "characters. Reply with the code only.")
 CHAT_PROMPT = "Explain in a few sentences why the sky is blue."
+ANSWER_TOKENS = 512  # a packaged chat target's whole answer: it ends at its end-of-turn token before this
+RAW_TOKENS = 128  # the bundled and tiny pairs continue raw text, which has no end of turn
 FALLBACK_METHOD = "chain:k=3"  # a packaged target whose default method is not measured yet
 LOOKUP = "lookup"  # prompt lookup: no draft model
 
@@ -113,9 +117,15 @@ def _measure(target_name: str, draft_name: str, prompt: str, method: str, max_ne
                         max_new_tokens=max_new_tokens, repeats=repeats, warmup=1, dtype=dtype,
                         quantization=quantization, device="cpu", progress=False)
     weights = "" if quantization == "none" else f", {quantization} weights"
-    print(f"\nplain decoding (ar) vs speculative ({method}; prompt lookup), greedy, {dtype}{weights}, up to "
-          f"{max_new_tokens} new tokens, median of {repeats} interleaved runs after a warm-up (speed-up: median of "
-          "the per-run ratios of tokens/s against ar):")
+    ar = results["methods"]["ar"]
+    tokens = ar.get("new_tokens", 0) / max(ar.get("runs") or 1, 1)  # mean answer length of ar's timed runs
+    length = f"{max_new_tokens} new tokens at most"
+    if chat:
+        length = f"the whole answer (up to the end of turn, at most {max_new_tokens} tokens" + (
+            f": {tokens:.0f} tokens)" if tokens else ")")
+    print(f"\nplain decoding (ar) vs speculative ({method}; prompt lookup), greedy, {dtype}{weights}, {length}, "
+          f"median of {repeats} interleaved runs after a warm-up, prefill included (speed-up: median of the per-run "
+          "ratios of tokens/s against ar):")
     for spec in [*specs, *baselines]:
         s = results["methods"][spec]
         label = "llama.cpp plain decoding" if spec == "llamacpp-ar" else spec
@@ -138,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help=f"a packaged or bundled target (default: {QWEN_TARGET} when installed, else {CHAT_TARGET}, "
                     "else the bundled pair)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
-                    help=f"new tokens per run (default: 64 for {QWEN_TARGET}, else 128)")
+                    help=f"new tokens per run at most (default: {ANSWER_TOKENS} for a packaged chat target, whose "
+                    f"answer ends at its end of turn; {RAW_TOKENS} for the bundled and tiny pairs)")
     ap.add_argument("--k", type=int, default=4,
                     help="draft tokens per step for the bundled and tiny pairs' chain (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=None,
@@ -148,9 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="model dtype (default: %(default)s: exact, and with q4 weights also the faster one, since the "
                     "kernel then converts no bfloat16 activations; a quantized model keeps no float copy of its "
                     "matrices, so float32 costs memory only for the embedding and norms)")
-    ap.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "q4", "q4m", "q8"],
+    ap.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                     help="weight quantization of both models, as speculant generate --quantization (default: the "
-                    "packaged target's own, e.g. q4m for the Qwen target, whose draft then takes q4; else none)")
+                    "packaged target's own, whose draft then takes its fastest form; else none)")
     ap.add_argument("--bundled", action="store_true",
                     help="use the bundled 32M pair even if a packaged one is installed")
     ap.add_argument("--tiny", action="store_true", help="use untrained in-process models even if bundled ones exist")
@@ -162,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     large = pair.target == QWEN_TARGET
     if args.max_new_tokens is None:
-        args.max_new_tokens = 64 if large else 128
+        args.max_new_tokens = ANSWER_TOKENS if pair.kind == "packaged" else RAW_TOKENS
     if args.repeats is None:
         args.repeats = 3 if large else 5  # the median of 2 is their mean: one disturbed run moves it far
     if args.quantization is None:

@@ -57,12 +57,12 @@ def test_packaged_defaults(monkeypatch, installed):
     monkeypatch.setattr(demo, "_packaged", lambda pair, args: seen.append((pair.target, args)) or 0)
     assert demo.main(["--threads", "1"]) == 0
     target, args = seen[-1]
-    assert (target, args.quantization, args.max_new_tokens, args.repeats) == (QWEN, "q4m", 64, 3)
+    assert (target, args.quantization, args.max_new_tokens, args.repeats) == (QWEN, "q4m", 512, 3)  # a whole answer: ends at the end of turn
     assert demo.main(["--threads", "1", "--quantization", "none", "--dtype", "bfloat16"]) == 0
     assert (seen[-1][1].quantization, seen[-1][1].dtype) == ("none", "bfloat16")
     assert demo.main(["--threads", "1", "--target", SMOL]) == 0
     target, args = seen[-1]
-    assert (target, args.quantization, args.max_new_tokens, args.repeats) == (SMOL, "none", 128, 5)
+    assert (target, args.quantization, args.max_new_tokens, args.repeats) == (SMOL, "none", 512, 5)
     assert demo.main(["--threads", "1", "--target", "nope"]) == 2
     # the method: a packaged default when measured, else chain:k=3 for a packaged target, else chain:k=K
     assert demo._method(SMOL, "smollm2-135m-instruct-draft", 4) == PACKAGED[SMOL].default_method
