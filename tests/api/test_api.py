@@ -64,7 +64,7 @@ def test_every_method_has_an_exported_python_entry_point(target):
     from speculant.models.attached import build_attached
 
     feature = build_attached(target, [0], features=True)
-    from speculant.models.contemplate import add_contemplation
+    from speculant.models.confu_contemplation import add_contemplation
 
     confu = build_attached(target, [0], features=True)
     add_contemplation(confu, target.config, soft=2)

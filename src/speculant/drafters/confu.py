@@ -2,10 +2,10 @@
 
 An EAGLE-3 feature drafter (:mod:`.feature`) that also reads a *future vector* ``f`` from the target: the final
 state of a contemplate token ``[con]`` that rides in the verification forward after a verified row, reading the
-context and ConFu's soft prompt (:mod:`speculant.models.contemplate`). Each drafter row adds ``future_fc(f)`` to
+context and ConFu's soft prompt (:mod:`speculant.models.confu_contemplation`). Each drafter row adds ``future_fc(f)`` to
 its input.
 
-Which ``f`` a row reads (the rule training follows, :mod:`speculant.confu.training`): the row of
+Which ``f`` a row reads (the rule training follows, :mod:`speculant.train.drafter.confu_training`): the row of
 position ``t`` reads the future vector of the latest anchor at or before ``t``; draft rows read the latest one.
 Where ``[con]`` rides is a cost choice (``contemplate``):
 
@@ -21,6 +21,18 @@ rows are fed before any contemplation and read none (zeros), as in training, whe
 last token (the first root) and the rows before it read zeros. With ``mixture`` > 1 every contemplate token of a
 step is routed by the state before the root (the last one known before the forward); training routes each anchor
 by the state before it, which is the same thing for ``"root"`` and an approximation for ``"all"``.
+
+ConFu's three parts are named ``confu*`` in the layer each belongs to, as EAGLE-3's are (its drafter
+:mod:`.feature`, its training :mod:`speculant.train.drafter.feature_train`):
+
+* :mod:`speculant.models.confu_contemplation`: the learned parameters a ConFu drafter model holds (soft prompt,
+  contemplate embeddings and router, future input map). The attached-drafter format saves and loads them with the
+  drafter's weights, and the registry tells a ConFu drafter from an EAGLE-3 one by them, so they sit with models.
+* this module: the drafter, which the method registry builds like EAGLE-3's feature drafters.
+* :mod:`speculant.train.drafter.confu_training`: the objective of ``speculant train draft --kind confu``, built on
+  EAGLE-3's (:mod:`speculant.train.drafter.feature_train`).
+
+One package for all three would make ``models`` and ``drafters`` import a package above them.
 """
 
 from __future__ import annotations
@@ -30,7 +42,7 @@ import functools
 import torch
 
 from ..core.types import DraftTree, Probes
-from ..models.contemplate import contemplation_of, kv_shape
+from ..models.confu_contemplation import contemplation_of, kv_shape
 from .base import DecodeState
 from .feature import FeatureDrafter, FeatureInputs, FeatureTreeDrafter, feature_variant, mixin_variant
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..models.attached import is_feature_drafter
-from ..models.contemplate import is_confu_drafter
+from ..models.confu_contemplation import is_confu_drafter
 from ..core.forward import FORWARDS
 from ..core.specs import NO_DEFAULT, Key, split_spec
 from .base import Drafter

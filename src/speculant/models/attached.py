@@ -14,7 +14,7 @@ target's embedding so it is never attached to a different model) and usually ``v
 A *feature* drafter (EAGLE, Li et al. 2024; :mod:`speculant.drafters.feature`) also reads the target's final hidden
 states: it carries one more own module, ``feature_fc`` (a linear map ``[2H] -> [H]`` of the next token's embedding
 concatenated with the target's hidden state, the input of its layers), and ``attached.json`` says
-``"features": true``. A ConFu drafter (:mod:`.contemplate`) also holds ``contemplation`` (its soft prompt,
+``"features": true``. A ConFu drafter (:mod:`.confu_contemplation`) also holds ``contemplation`` (its soft prompt,
 contemplate embeddings and future input map), recorded as ``"contemplate"``.
 """
 
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..core.quant import GROUP, QuantMatrix
-from .contemplate import add_contemplation, contemplation_of
+from .confu_contemplation import add_contemplation, contemplation_of
 
 __all__ = ["ATTACHED_FILE", "EXPORT_STORAGES", "STORAGES", "is_attached", "stored_parameters", "build_attached", "own_state", "save_attached", "load_attached",
            "embedding_fingerprint", "add_feature_input", "feature_layers", "is_feature_drafter"]

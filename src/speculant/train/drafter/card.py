@@ -52,7 +52,7 @@ def _kind_paragraph(meta: dict, cfg: dict) -> str:
                "embedding(s) feed a contemplate token in each verification forward (masked: the target's output is "
                "unchanged); its final state, the future vector, enters every drafter row through `future_fc`; trained "
                f"through the frozen target with one sampled anchor per {cfg.get('window')} rows, each anchor's vector "
-               "serving the rows after it (`speculant.confu.training`)" if kind == "confu" else "")
+               "serving the rows after it (`speculant.train.drafter.confu_training`)" if kind == "confu" else "")
             + ". Drafting: `chain` or any tree method over it (`tree`: EAGLE-2's dynamic tree"
             + ("; `confu`: the same tree with contemplation" if kind == "confu" else "") + ").\n")
 

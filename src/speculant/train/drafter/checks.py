@@ -70,7 +70,7 @@ FEATURE_KINDS = ("feature", "eagle3", "confu")
 """The kinds that read the target's states: ``feature`` (EAGLE: the final state, optional taps, hidden-state
 regression), ``eagle3`` (EAGLE-3, Li et al. 2025: the outputs of a low, a middle and a high layer plus the
 final state, no regression, training-time test over at least 3 draft depths) and ``confu`` (ConFu, Qin et al.
-2026: EAGLE-3 plus the target's contemplation, :mod:`.confu_train`; it can start from an EAGLE-3 drafter)."""
+2026: EAGLE-3 plus the target's contemplation, :mod:`.confu_training`; it can start from an EAGLE-3 drafter)."""
 
 
 ENGINES = ("auto", "speculant", "transformers")

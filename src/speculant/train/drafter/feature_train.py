@@ -91,7 +91,7 @@ class FeatureObjective(Objective):
 
     def _extra(self, draft, depth: int, first: int, rows: int) -> torch.Tensor | None:
         """What a variant adds to the input of pass ``depth``'s rows ``first .. first + rows - 1``, ``[B, R, H]``
-        (ConFu: the future input, :mod:`speculant.confu.training`); None: nothing."""
+        (ConFu: the future input, :mod:`speculant.train.drafter.confu_training`); None: nothing."""
         return None
 
     def _pass(self, draft, batch: FeatureBatch, feats: torch.Tensor, depth: int, cache,

@@ -138,9 +138,9 @@ def _save_draft_model(draft, tokenizer, out: Path, meta: dict) -> None:
 
 
 def _add_contemplation(cfg: DraftRunConfig, draft, target, samples: list) -> None:
-    """Give a drafter that has none ConFu's parameters (:mod:`speculant.models.contemplate`), the soft prompt
+    """Give a drafter that has none ConFu's parameters (:mod:`speculant.models.confu_contemplation`), the soft prompt
     started from the target's own keys and values over the first training answer's tokens."""
-    from ...models.contemplate import add_contemplation, contemplation_of
+    from ...models.confu_contemplation import add_contemplation, contemplation_of
 
     if contemplation_of(draft) is not None:
         return
@@ -219,7 +219,7 @@ def run_training(cfg: DraftRunConfig, loss: str | None = None, progress: bool = 
         draft = build_attached(target, cfg.layers, features=cfg.kind in FEATURE_KINDS, taps=cfg.taps)
     objective = TOKEN
     if cfg.kind == "confu":
-        from ...confu.training import ConFuObjective
+        from .confu_training import ConFuObjective
 
         _add_contemplation(cfg, draft, target, train)
         objective = ConFuObjective(regression=cfg.regression, unroll=cfg.unroll, target=target, window=cfg.window)

@@ -2,7 +2,7 @@
 
 The drafter is an EAGLE-3 drafter (:mod:`speculant.train.drafter.feature_train`: the target's tapped and final
 states, training-time test over ``unroll`` passes, the distillation loss only) whose every row also reads a future
-vector ``f`` (:mod:`speculant.drafters.confu`, :mod:`speculant.models.contemplate`). What is learned: the drafter,
+vector ``f`` (:mod:`speculant.drafters.confu`, :mod:`speculant.models.confu_contemplation`). What is learned: the drafter,
 the soft prompt (key/value entries in each of the frozen target's layers), the contemplate embeddings and their
 router, and the future input map. Gradients reach the soft prompt and the embeddings through the frozen target's
 forward of the contemplate tokens.
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.cache import cache_kwarg
-from ..models.contemplate import contemplation_of
-from ..train.drafter.feature_train import FeatureBatch, FeatureObjective
+from ...core.cache import cache_kwarg
+from ...models.confu_contemplation import contemplation_of
+from .feature_train import FeatureBatch, FeatureObjective
 
 __all__ = ["ConFuBatch", "ConFuObjective", "contemplate_states"]
 

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import speculant
-from speculant.confu.training import ConFuObjective, contemplate_states
+from speculant.train.drafter.confu_training import ConFuObjective, contemplate_states
 from speculant.core.drafting import Drafter
 from speculant.core.types import DraftTree, Probes
 from speculant.drafters.confu import ConFuDrafter, ConFuTreeDrafter
 from speculant.models.attached import build_attached, load_attached, save_attached
-from speculant.models.contemplate import add_contemplation, is_confu_drafter
+from speculant.models.confu_contemplation import add_contemplation, is_confu_drafter
 from speculant.tiny_models import tiny_model
 
 from helpers import sizes
