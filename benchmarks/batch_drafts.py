@@ -25,8 +25,8 @@ import speculant
 from speculant.core.batch import Batch
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
-from speculant.core.forward import lean_for
-from speculant.core.lean import Segment
+from speculant.core.llama_forward import Segment
+from speculant.core.target_forward import llama_forward_for
 from speculant.data.prompts import load_prompts
 
 MODES = (("off", False), ("on", False), ("on", True), ("auto", True), ("auto", False))
@@ -43,7 +43,7 @@ def decode(session, prompts, mode: str, shared: bool, tokens: int) -> tuple[floa
 
 
 def draft_forward_ms(draft, sequences: int, repeats: int = 10) -> dict[str, float]:
-    lean = lean_for(draft)
+    lean = llama_forward_for(draft)
     g = torch.Generator().manual_seed(0)
     caches = []
     for _ in range(sequences):

@@ -1,6 +1,6 @@
 """Does ``torch.compile`` make the lean target forward faster on this machine? (issue 14)
 
-The lean forward (speculant/core/lean.py) is eager PyTorch: per layer a fused QKV matmul, a RoPE, SDPA into our
+The lean forward (speculant/core/llama_forward.py) is eager PyTorch: per layer a fused QKV matmul, a RoPE, SDPA into our
 cache, the output projection and a fused gate-up MLP. Compiling all of it in one graph is not possible without
 giving up the in-place cache (its length changes every step), so this compiles what can be: each layer's two
 cache-free halves (norm + QKV + RoPE, and output projection + residual + norm + MLP + residual), with inductor
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from speculant.bench.speed import machine_info
 from speculant.core.cache import SpecCache
-from speculant.core.forward import lean_for
+from speculant.core.target_forward import llama_forward_for
 from speculant.models.loading import load_pretrained
 
 
@@ -90,7 +90,7 @@ def main() -> None:
               "compile_s": {}}
     for dt in args.dtypes.split(","):
         model = load_pretrained(args.target, dtype=dt)[0]
-        lean = lean_for(model)
+        lean = llama_forward_for(model)
         eager = halves(lean)
         compiled = tuple(torch.compile(f, dynamic=False) for f in eager)
         variants = {"eager": eager, "compiled": compiled}

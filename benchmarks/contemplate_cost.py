@@ -27,8 +27,8 @@ import torch
 
 from speculant.bench.speed import machine_info
 from speculant.core.drafting import Drafter
-from speculant.core.forward import TargetForward
 from speculant.core.sequence import Sequence
+from speculant.core.target_forward import TargetForward
 from speculant.core.types import DraftTree, Probes, SamplingParams
 from speculant.models.contemplate import Contemplation, kv_shape
 from speculant.models.loading import default_quantization_for, load_pretrained

@@ -2,7 +2,7 @@
 
 This ratio decides which methods pay off: a verification forward over a chain of k draft tokens or a tree of n
 nodes costs ``cost(n + 1) / cost(1)`` one-token forwards. The target forward the engine uses (``--forward lean``,
-the default: :mod:`speculant.core.lean`, packed where :mod:`speculant.core.packed` allows) or the model's own
+the default: :mod:`speculant.core.llama_forward`, packed where :mod:`speculant.core.packed` allows) or the model's own
 (``--forward model``, transformers) is timed after a prompt of ``--context`` tokens is in its cache; each measured
 forward is cropped away again, the dtypes and token counts are interleaved per repeat, and the median of
 ``--repeats`` is reported.
@@ -33,7 +33,7 @@ from speculant.bench.speed import machine_info
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
 from speculant.core.kernels import q4_amx, q4_seven
-from speculant.core.forward import TargetForward
+from speculant.core.target_forward import TargetForward
 from speculant.models.loading import load_pretrained, quantize_loaded, resolve_model, wide_variant
 from speculant.models.sources import gguf_backing
 
@@ -106,7 +106,7 @@ def main() -> None:
                     caches[dt].crop(args.context)  # drop the t tokens just added
                     if rep >= 2:
                         times[dt][t].append(elapsed)
-    result = {"settings": vars(args), "packed": {dt: bool(f.lean is not None and f.lean.packed)
+    result = {"settings": vars(args), "packed": {dt: bool(f.llama is not None and f.llama.packed)
                                                 for dt, f in forwards.items()},
               "machine": machine_info(), "q4_amx": q4_amx(True), "q4_seven": q4_seven(True), "ms": {},
               "ratio_to_one_token": {}}

@@ -26,7 +26,7 @@ from speculant.bench.speed import machine_info
 from speculant.core import kernels
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
-from speculant.core.forward import TargetForward
+from speculant.core.target_forward import TargetForward
 from speculant.models.loading import load_pretrained
 
 CSRC = "src/speculant/core/csrc"

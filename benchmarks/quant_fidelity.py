@@ -37,8 +37,8 @@ import torch
 
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
-from speculant.core.forward import TargetForward
 from speculant.core.quant import QUANTIZATIONS, quantization_of
+from speculant.core.target_forward import TargetForward
 from speculant.data.prompts import load_prompts, prompt_ids
 from speculant.models.chat import stop_ids
 from speculant.models.loading import load_model_dir, quantize_loaded, resolve_model, wide_variant

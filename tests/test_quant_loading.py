@@ -17,8 +17,8 @@ import torch
 
 from speculant import cli
 from speculant.commands import common
-from speculant.core.forward import lean_for
 from speculant.core.quant import ATTR, QUANTIZATIONS, QuantMatrix, quantization_of, quantized_linears
+from speculant.core.target_forward import llama_forward_for
 from speculant.models.loading import load_model_dir, load_pretrained, quantize_loaded
 from speculant.session import resolve
 from speculant.testing import tiny_model, tiny_tokenizer
@@ -349,7 +349,7 @@ def test_q4m_and_q8_keep_4_5_and_8_bit_codes_exactly(gguf_files, cache_dir, qtyp
         q = getattr(m, ATTR)
         assert q.kind == holds and torch.equal(q.dequantize(), want[i]), i
         assert q.kernel_bits == (4 if holds == "q4" else 8 if qtype == "Q8_0" else 7)  # 4- and 5-bit codes: below 128
-    table = lean_for(model)._q4_table(torch.float32)  # the lean forward's one-call layer loop takes the same bits
+    table = llama_forward_for(model)._q4_table(torch.float32)  # the one-call layer loop takes the same bits
     layers = [m for m in quantized_linears(model)][:-1]  # q, k, v, o, gate, up, down (the head is not in the table)
     assert table is not None and set(table[:, 10:].flatten().tolist()) == {getattr(m, ATTR).kernel_bits for m in layers}
 
@@ -369,7 +369,7 @@ def test_a_q4m_model_keeps_6_bit_tensors_as_they_are(gguf_files, cache_dir):
         x = torch.randn(3, want[i].shape[1])
         assert torch.equal(m(x), q.linear(x))
         assert torch.allclose(q.linear(x), x @ want[i].T, rtol=0.02, atol=0.02 * float((x @ want[i].T).abs().max()))
-    table = lean_for(model)._q4_table(torch.float32)
+    table = llama_forward_for(model)._q4_table(torch.float32)
     assert table is not None and set(table[:, 10:].flatten().tolist()) == {6}
     eight, _ = load_pretrained(gguf_files["Q6_K"], dtype="float32")
     assert quantize_loaded(eight, "q4m", gguf_files["Q6_K"], wide_bits=8) == 0

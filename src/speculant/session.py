@@ -449,7 +449,7 @@ class Session:
         forward per step for all of them (:func:`speculant.core.engine.generate_batch`); each prompt as in
         :meth:`generate` (text through the chat template unless ``raw``, or token ids; it stops at its own end of
         turn). ``seed``: one for all or one per prompt; ``speculation``: ``on``, ``off`` or ``auto``
-        (:mod:`speculant.core.adaptive`)."""
+        (:mod:`speculant.core.speculation`)."""
         from .core import engine
 
         if not isinstance(prompts, (list, tuple)) or not prompts:

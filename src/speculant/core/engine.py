@@ -154,7 +154,7 @@ def generate_batch(
     None for plain decoding; None: plain decoding for all) and cache. ``seed``: one for all or one per prompt;
     the other settings apply to every prompt (see :func:`speculant.generate`); ``speculation``: ``"on"`` (each
     drafter as deep as it likes), ``"off"`` or ``"auto"`` (depths chosen per step by goodput,
-    :mod:`speculant.core.adaptive`). Returns one
+    :mod:`speculant.core.speculation`). Returns one
     :class:`~speculant.core.types.Generation` per prompt, in order; each equals what :func:`generate` gives the
     prompt alone, token for token, greedy, with quantized weights (see the batch module on float weights)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:

@@ -48,7 +48,7 @@ a shapeless-storage ``meta`` tensor of the same shape and dtype, and the module'
 matrix (:meth:`QuantMatrix.linear`), so the model's own forward (transformers, the ``hf-*`` baselines, any fallback)
 runs the quantized weights too, and no float copy of a quantized matrix is kept (float32 Qwen2.5-Coder-1.5B in q4:
 3.2 GB resident after loading, 3.6 with its lean forward built, 9.9 at the loading peak; before, 6.2 GB of float32
-matrices stayed beside the quantized ones). :class:`~speculant.core.lean.LeanForward` finds the recorded matrices
+matrices stayed beside the quantized ones). :class:`~speculant.core.llama_forward.LlamaForward` finds the recorded matrices
 and multiplies by them with the quantized kernels (fused q/k/v and gate/up concatenated, :meth:`QuantMatrix.cat`).
 A tied LM head quantizes the shared matrix but keeps its float values, the dequantized rows, for the token
 embedding (as in a GGUF file, whose token_embd is quantized).
@@ -597,7 +597,7 @@ def attach(module: torch.nn.Module, matrix: QuantMatrix, release_weight: bool = 
 
 def unify_fused(groups: list[tuple[torch.nn.Module, ...]]) -> int:
     """Give every quantized linear of a group that is multiplied as one matrix (``groups``: e.g.
-    :func:`speculant.core.lean.fused_groups`) a kind the fused matrix holds exactly: a q6 matrix beside another kind
+    :func:`speculant.core.llama_forward.fused_groups`) a kind the fused matrix holds exactly: a q6 matrix beside another kind
     becomes the q8 matrix :meth:`QuantMatrix.cat` would make of it, so that the model's own forward multiplies by the
     very matrix the fused call does (a Q4_K_M file's Q6_K value projections, fused with Q4_K q and k). Returns the
     matrices replaced."""

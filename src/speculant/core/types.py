@@ -236,7 +236,7 @@ class GenerationStats:
     target_forward_s: float = 0.0
     draft_forward_s: float = 0.0
     draft_tokens: int = 0
-    target_forward: str = ""  # "lean" or "model": which target forward ran (speculant.core.forward)
+    target_forward: str = ""  # "lean" or "model": which target forward ran (speculant.core.target_forward)
     kv_peak_bytes: int = 0  # the target's KV cache at its largest (live keys and values, all layers)
 
     @property

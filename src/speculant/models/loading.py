@@ -161,7 +161,7 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
         raise RuntimeError(f"{left[0]} was left undecoded but took no matrix from the file's codes")
     quantize_model(model, quantization)
     if built:
-        from ..core.lean import fused_groups
+        from ..core.llama_forward import fused_groups
         from ..core.quant import unify_fused
 
         unify_fused(fused_groups(model))  # the model's own forward and the fused lean one: the same matrices

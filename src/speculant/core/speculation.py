@@ -437,7 +437,7 @@ def row_cost(target: torch.nn.Module, forward: str = "auto"):
     scratch cache (for :meth:`ForwardCost.calibrate`)."""
     from .cache import SpecCache
     from .checks import num_layers
-    from .forward import TargetForward
+    from .target_forward import TargetForward
 
     fwd = TargetForward(target, forward)
     vocab = int(target.get_input_embeddings().weight.shape[0])
