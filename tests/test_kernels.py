@@ -19,7 +19,7 @@ from speculant.core import kernels
 from speculant.core.cache import SpecCache
 from speculant.core.packed import linear
 from speculant.core.quant import GROUP, QuantMatrix, attach, q4_activations, q4_reference, quantize_model, \
-    releasable
+    quantized_linears, releasable
 from speculant.core.target_forward import llama_forward_for
 from speculant.drafters.registry import build_drafter
 from speculant.testing import perturbed, tiny_model
@@ -482,7 +482,7 @@ SPECS = ("chain:k=3", "specinfer:width=2:depth=3", "lookup")
 def _mixed(model: torch.nn.Module, wide: str = "q8") -> torch.nn.Module:
     """``model`` quantized to q4m: q4 with some matrices in ``wide`` (q8 or q6, as a GGUF file's 5- to 8-bit tensors
     load): the first layer's v and down projections and the LM head."""
-    layer, free = model.model.layers[0], releasable(model)
+    layer, free = model.model.layers[0], releasable(model, quantized_linears(model))
     for m in (layer.self_attn.v_proj, layer.mlp.down_proj, model.lm_head):
         attach(m, QuantMatrix.quantize(m.weight, wide), release_weight=id(m) in free)
     return quantize_model(model, "q4m")

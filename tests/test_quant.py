@@ -237,7 +237,7 @@ def test_int4_sampling_keeps_the_quantized_target_distribution(n):
 def test_quantizing_in_row_chunks_changes_nothing(kind, monkeypatch):
     """QuantMatrix.quantize works through large matrices (an LM head) a few thousand rows at a time to bound its
     float temporaries: each group is quantized alone, so the codes, scales and minimums are those of one pass."""
-    import speculant.core.quant as quant
+    from speculant.core.quant import formats as quant
 
     w = torch.randn(203, 96, generator=torch.Generator().manual_seed(5))
     monkeypatch.setattr(quant, "_QUANTIZE_ROWS", 64)  # 4 chunks, the last one short

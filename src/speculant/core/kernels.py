@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q6_BLOCK_BYTES", "Q8_BLOCK_BYTES", "SOURCES", "attend", "build_of", "cache_dir", "cpu_info",
+__all__ = ["BLOCK_BYTES", "GROUP", "HALF", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q6_BLOCK_BYTES", "Q8_BLOCK_BYTES", "SOURCES", "attend", "build_of", "cache_dir", "cpu_info",
            "library", "q4_amx", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "q4_seven", "rope_attend", "using"]
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 KERNELS_ENV = "SPECULANT_KERNELS"
 """Environment variable: ``0`` never builds nor loads the compiled kernels (the torch reference runs instead)."""
 
+GROUP = 32
+"""Inputs per block: one weight scale and minimum per column (q4, q8; torch's int4 kernel groups the same way), one
+activation scale per row."""
+HALF = 16
+"""Inputs per q6 sub-scale (GGUF's Q6_K: two per block)."""
 Q4_COLUMNS = 16
 """Output columns per packed q4 block."""
 Q4_BLOCK_BYTES = 320
@@ -254,13 +259,13 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *
     """
     m, xk = x.shape
     k = xk // 2 if glu else xk
-    if (x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or k % 32
+    if (x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or k % GROUP
             or (glu and xk % 2)):
         raise ValueError(f"q4_matmul takes a contiguous float32/bfloat16 [M, K] with K a multiple of 32 ([M, 2K] "
                          f"with glu), got {x.dtype} {tuple(x.shape)}")
     if bits not in BLOCK_BYTES:
         raise ValueError(f"q4_matmul takes 4-, 6-, 7- or 8-bit codes, got bits={bits}")
-    if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-n // Q4_COLUMNS), k // 32, BLOCK_BYTES[bits]):
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-n // Q4_COLUMNS), k // GROUP, BLOCK_BYTES[bits]):
         raise ValueError(f"packed q4 weights of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
     operands = {"norm": (norm, (k,)), "bias": (bias, (n,)), "residual": (residual, (m, n))}
     for name, (t, shape) in operands.items():

@@ -136,7 +136,7 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
 
         targets = {id(m.weight): m for m in quantized_linears(model)}
         params = dict(model.named_parameters())
-        free = releasable(model)
+        free = releasable(model, quantized_linears(model))
         six = wide_bits == 6 and "q6" in HOLDS[quantization]  # Q6_K kept as q6 (its codes wanted)
         for name, qtype, codes, scale, minimum in file_tensors(gguf_file, model, six=six):
             module = targets.get(id(params[name]))

@@ -125,7 +125,7 @@ def load_matrices(model: torch.nn.Module, cached: Cached, quantization: str) -> 
     not hold exactly the model's quantized linears in their shapes (then load the model again, decoding all)."""
     modules, quantized = dict(model.named_modules()), set(quantized_linears(model))
     linears = {name for name, m in modules.items() if m in quantized}
-    free = releasable(model)
+    free = releasable(model, quantized_linears(model))
     plan = []
     for name, (kind, shape, released) in cached.matrices.items():
         module = modules.get(name)
