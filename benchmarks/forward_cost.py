@@ -9,9 +9,9 @@ forward is cropped away again, the dtypes and token counts are interleaved per r
 
 Weight formats: ``--quantizations`` (each variant is a dtype x a kind, loaded as the front-ends load it, a GGUF
 file's codes kept where the kind holds them; ``KIND/values`` requantizes every matrix from its float values instead,
-e.g. ``q4/values``: every matrix in 4 bits, where ``q4m`` keeps a Q4_K_M file's 6-bit tensors as q6; tags after the
+e.g. ``q4/values``: every matrix in 4 bits, where ``file`` keeps a Q4_K_M file's 6-bit tensors as q6; tags after the
 kind change how a GGUF file's tensors are held: ``/8bit`` and ``/7bit``: its 6-bit tensors requantized to 8- or 7-bit
-codes (q8, ``quantize_loaded(wide_bits=8)``, as q4m held them before q6). ``--seven both``
+codes (q8, ``quantize_loaded(wide_bits=8)``, as ``file`` held them before q6). ``--seven both``
 times each variant also with the kernel's 7-bit route off (``:8bit``: q8 codes below 128 multiplied as 8-bit ones,
 the same bits), interleaved.
 

@@ -480,12 +480,12 @@ SPECS = ("chain:k=3", "specinfer:width=2:depth=3", "lookup")
 
 
 def _mixed(model: torch.nn.Module, wide: str = "q8") -> torch.nn.Module:
-    """``model`` quantized to q4m: q4 with some matrices in ``wide`` (q8 or q6, as a GGUF file's 5- to 8-bit tensors
+    """``model`` quantized to ``file``: q4 with some matrices in ``wide`` (q8 or q6, as a GGUF file's 5- to 8-bit tensors
     load): the first layer's v and down projections and the LM head."""
     layer, free = model.model.layers[0], releasable(model, quantized_linears(model))
     for m in (layer.self_attn.v_proj, layer.mlp.down_proj, model.lm_head):
         attach(m, QuantMatrix.quantize(m.weight, wide), release_weight=id(m) in free)
-    return quantize_model(model, "q4m")
+    return quantize_model(model, "file")
 
 
 @pytest.mark.parametrize("arch, dtype, kind", [("llama", torch.float32, "q4"), ("qwen2", torch.bfloat16, "q4"),

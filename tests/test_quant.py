@@ -122,7 +122,7 @@ def test_bad_input_is_a_one_line_value_error():
         quantize_model(model, "int4")
     with pytest.raises(ValueError, match="multiples of 32"):
         quantize_model(tiny_model("llama", hidden=48, heads=4), "int4")
-    assert QUANTIZATIONS == ("none", "int8", "int4", "q4", "q4m", "q8")  # q4, q8: tests/test_kernels.py
+    assert QUANTIZATIONS == ("none", "int8", "int4", "q4", "file", "q8")  # q4, q8: tests/test_kernels.py
 
 
 # ------------------------------------------------------------------------------------------- models

@@ -162,7 +162,7 @@ def generate_batch(
             chosen per step by goodput, :mod:`speculant.core.speculation`); output does not depend on it.
         the rest: as :func:`generate`, for every prompt.
 
-    With quantized weights (``int8``/``int4``/``q4``/``q4m``/``q8``) each sequence's greedy output equals
+    With quantized weights (``int8``/``int4``/``q4``/``file``/``q8``) each sequence's greedy output equals
     :func:`generate` of its prompt alone, token for token (a forward is row independent); with float weights a
     batched row may round differently and flip a near-tie.
     """

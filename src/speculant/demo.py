@@ -148,9 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="model dtype (default: %(default)s: exact, and with q4 weights also the faster one, since the "
                     "kernel then converts no bfloat16 activations; a quantized model keeps no float copy of its "
                     "matrices, so float32 costs memory only for the embedding and norms)")
-    ap.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "q4", "q4m", "q8"],
+    ap.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "q4", "file", "q8"],
                     help="weight quantization of both models, as speculant generate --quantization (default: the "
-                    "packaged target's own, e.g. q4m for the Qwen target, whose draft then takes q4; else none)")
+                    "packaged target's own, e.g. file for the Qwen target, whose draft then takes q4; else none)")
     ap.add_argument("--bundled", action="store_true",
                     help="use the bundled 32M pair even if a packaged one is installed")
     ap.add_argument("--tiny", action="store_true", help="use untrained in-process models even if bundled ones exist")

@@ -17,12 +17,12 @@ they resolve the same defaults and agree on the same rules:
 * **dtype** None: float32 (the only dtype in which greedy speculative output is guaranteed token-identical to a
   separately run plain decode); **device** None: the best available (:func:`speculant.core.checks.resolve_device`).
 * **quantization** None: a packaged target's own format
-  (:attr:`speculant.models.sources.PackagedModel.default_quantization`: ``q4m`` for Qwen2.5-Coder-1.5B: its GGUF
+  (:attr:`speculant.models.sources.PackagedModel.default_quantization`: ``file`` for Qwen2.5-Coder-1.5B: its GGUF
   file's 4-bit tensors in q4, its 6-bit ones as they are (q6), within 0.99 top-1 agreement of the float32 file), else
   ``"none"`` (:data:`speculant.core.quant.QUANTIZATIONS`); the models loaded by name are quantized as they load
   (:func:`speculant.models.loading.load_model_dir`: a GGUF file's own codes are kept where the kind holds them,
   :func:`speculant.models.loading.quantize_loaded`). **draft_quantization** None: the target's kind, in its
-  fastest form (:data:`speculant.core.quant.DRAFT_KIND`: q4 under a q4m target), because the draft only proposes
+  fastest form (:data:`speculant.core.quant.DRAFT_KIND`: q4 under a ``file`` target), because the draft only proposes
   (its numerics never change what is emitted) and a quantized target usually wants a draft as cheap as itself;
   give ``"none"`` to keep a float draft. A loaded module is never quantized here: quantization None takes it as it
   is, any other kind must be the one it already has (:func:`speculant.core.quant.quantization_of`).

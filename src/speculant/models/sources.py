@@ -16,7 +16,7 @@ A model can be named as
 Llama and Qwen2 GGUF files are read directly at every load (:mod:`speculant.models.gguf`: each tensor dequantized
 into the requested dtype, bit-identical to transformers' float32 conversion); their cache directory holds only
 config.json, the tokenizer files and :data:`SOURCE_FILE` naming the GGUF file (and, once a model was loaded in
-q4, q4m or q8, its quantized matrices: :mod:`speculant.models.matrix_cache`). Other architectures are converted
+q4, file or q8, its quantized matrices: :mod:`speculant.models.matrix_cache`). Other architectures are converted
 once (dequantized to float32 ``nn.Linear`` weights, with their tokenizer and chat template) into a model
 directory. Both live in ``$SPECULANT_CACHE/models/<name>-<key>/`` (default ``$XDG_CACHE_HOME/speculant``, else
 ``~/.cache/speculant``). The key hashes the GGUF file's resolved path, size and modification time, so a changed
@@ -153,25 +153,13 @@ PACKAGED: dict[str, PackagedModel] = {
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             default_draft="qwen2.5-coder-0.5b-instruct",
             # up to 3 draft tokens, the chain ending after one the draft gives < 0.7: ahead of or level with every
-            # other draft length measured with that draft, on both kinds of CPU measured. AVX2 without VNNI (2 cores
-            # of an AMD EPYC, Zen 3), where a 4-token verification costs 1.6x a one-token forward: ahead of chain:k=2
-            # in every run (median per request 1.04x / 1.03x on code-chat, 1.06x on MT-Bench;
-            # benchmarks/results/qwen-code-chat-q4m-avx2-stop, -stop-v2, qwen-mtbench-q4m-avx2-stop; chosen by
-            # benchmarks/results/draft-length-avx2.json's replay), chain:k=2 ahead of chain:k=3 there (1.29x / 1.07x
-            # against 1.20x / 0.96x, qwen-code-chat-q4m-avx2, qwen-mtbench-q4m-avx2). AVX-512 with VNNI (2 cores of
-            # an AMD EPYC, Zen 4, where it costs 1.4x): the replay of 16 code-chat and 16 MT-Bench answers predicts
-            # 1.46x / 1.23x against chain:k=3's 1.41x / 1.07x (benchmarks/results/draft-length-avx512.json);
-            # measured, 16 requests each: 1.43x / 1.26x against 1.41x / 1.10x (qwen-code-chat-q4m-avx512-stop,
-            # qwen-mtbench-q4m-avx512-stop), 1.52x / 1.31x against 1.52x / 1.18x in the runs beside llama.cpp
-            # (-avx512-llamacpp): level on code, ahead on chat. Before, chain:k=3 was the default there (1.18x on 8
-            # code-chat requests in bf16 on an earlier host, benchmarks/results/qwen-code-chat-q4-v2)
+            # other draft length measured with that draft, on AVX2 CPUs without VNNI (where a 4-token verification
+            # costs 1.6x a one-token forward) and on AVX-512 CPUs with VNNI (1.4x) alike
             default_method="chain:k=3:stop=0.7",
-            # int4 weights x int8 activations on our own kernel, the fastest format at 1..16 tokens per forward
-            # (benchmarks/results/quant_matmul.json: 2.9x bf16 at 1 token, ahead of int4 and int8 at every T), with
-            # the file's 6-bit tensors (LM head, half the v/down projections) as they are (q6, 7 bits per weight;
-            # until session 33 in 8-bit q8 blocks, ~15% slower at one token: forward_cost_qwen_q6_avx512.json): top-1
-            # agreement with the float32 file 0.993 where all-4-bit q4 gives 0.961 (benchmarks/results/quant-fidelity)
-            default_quantization="q4m",
+            # int4 weights x int8 activations on our own kernel, the fastest format at 1..16 tokens per forward,
+            # with the file's 6-bit tensors (LM head, half the v/down projections) as they are (q6, 7 bits per
+            # weight): closer to the float32 file's top-1 choices than all-4-bit q4
+            default_quantization="file",
             # the EAGLE-3 and ConFu drafters trained for it (speculant train draft --kind eagle3 / confu)
             method_drafts=(("eagle3", "qwen2.5-coder-1.5b-instruct-eagle3"),
                            ("confu", "qwen2.5-coder-1.5b-instruct-confu")),
@@ -184,7 +172,7 @@ PACKAGED: dict[str, PackagedModel] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             # all-4-bit q4: its GGUF's Q5_0/Q8_0 tensors (most of them) in 8 bits would cost ~1.7x per draft forward;
-            # as the target's draft (q4m's DRAFT_KIND) it only proposes, so the fastest form
+            # as the target's draft (file's DRAFT_KIND) it only proposes, so the fastest form
             default_quantization="q4",
             # VocabTrim ranking from the 1.5B target's own answers (benchmarks/qwen_vocab_trim.py)
             files=(("calibration/qwen2.5-coder-0.5b-instruct.vocab_trim.json", "vocab_trim.json"),),

@@ -36,11 +36,11 @@ Matrix kinds (:data:`KINDS`):
   too (tests).
 
 Model quantizations (:data:`QUANTIZATIONS`) name what a whole model is made of: ``none`` or one kind for every
-matrix, except ``q4m`` (a model quantization, not a matrix kind): q4 matrices, except wider ones for the tensors a
-GGUF file stores in more than 4 bits (:data:`HOLDS`): Q6_K as q6, Q5_0, Q8_0 ... as q8, so the model stays as close
-to the file as q4's activations allow. A q6 value projection fused with q4 q and k (the Llama forward's one q/k/v
-matrix) is held as q8 on the model too (:func:`~.rewrite.unify_fused`), so that both forwards
-multiply by the same matrices.
+matrix, except ``file`` (a model quantization, not a matrix kind): each matrix as precise as its GGUF file, q4
+matrices except wider ones for the tensors the file stores in more than 4 bits (:data:`HOLDS`): Q6_K as q6, Q5_0,
+Q8_0 ... as q8, so the model stays as close to the file as q4's activations allow. A q6 value projection fused with
+q4 q and k (the Llama forward's one q/k/v matrix) is held as q8 on the model too (:func:`~.rewrite.unify_fused`), so
+that both forwards multiply by the same matrices.
 
 Exactness rests on row independence: verification multiplies 1..16 rows by each matrix where plain decoding
 multiplies one, so a token's output row must not depend on how many rows are multiplied together. Both torch
@@ -67,7 +67,7 @@ from .reference import q4_reference
 __all__ = ["ATTR", "BITS", "BLOCK_KINDS", "BLOCK_LAYOUT", "DRAFT_KIND", "GROUP", "HALF", "HOLDS", "KINDS",
            "MATRIX_KIND", "QUANTIZATIONS", "QuantMatrix"]
 
-QUANTIZATIONS = ("none", "int8", "int4", "q4", "q4m", "q8")
+QUANTIZATIONS = ("none", "int8", "int4", "q4", "file", "q8")
 """Accepted values of ``quantization=`` (``--quantization``)."""
 
 KINDS = ("int8", "int4", "q4", "q8", "q6")
@@ -76,17 +76,17 @@ KINDS = ("int8", "int4", "q4", "q8", "q6")
 BITS = {"int8": 8, "int4": 4, "q4": 4, "q8": 8, "q6": 6}
 """Bits per weight code of each kind."""
 
-HOLDS = {"int8": ("int8",), "int4": ("int4",), "q4": ("q4",), "q4m": ("q4", "q8", "q6"), "q8": ("q8",)}
-"""The matrix kinds a model quantized to each kind may hold: a ``q4m`` ("q4, mixed as the file") model keeps a GGUF
-file's Q6_K tensors as q6 and its other tensors of more than 4 bits (Q5_0, Q8_0 ...) in 8-bit blocks (q8), all on
-the same kernel (see :func:`speculant.models.loading.quantize_loaded`), as the file itself spends more bits on
-them, and 4-bit ones for the rest."""
+HOLDS = {"int8": ("int8",), "int4": ("int4",), "q4": ("q4",), "file": ("q4", "q8", "q6"), "q8": ("q8",)}
+"""The matrix kinds a model quantized to each kind may hold: a ``file`` model (each matrix as precise as its GGUF
+file) keeps the file's Q6_K tensors as q6 and its other tensors of more than 4 bits (Q5_0, Q8_0 ...) in 8-bit blocks
+(q8), all on the same kernel (see :func:`speculant.models.loading.quantize_loaded`), as the file itself spends more
+bits on them, and 4-bit ones for the rest."""
 
-MATRIX_KIND = {"q4m": "q4"}
-"""The kind of the matrices :func:`~.rewrite.quantize_model` makes for a model quantization,
-where it is not the same name (a q4m model's matrices without wider codes in its file are q4)."""
+MATRIX_KIND = {"file": "q4"}
+"""The kind of the matrices :func:`~.rewrite.quantize_model` makes for a model quantization, where it is not the same
+name (a ``file`` model's matrices without wider codes in its file are q4)."""
 
-DRAFT_KIND = {"q4m": "q4"}
+DRAFT_KIND = {"file": "q4"}
 """The kind a draft takes by default when its target has this one (a draft only proposes: its numerics never change
 what is emitted, so it takes the fastest form of the target's kind)."""
 
