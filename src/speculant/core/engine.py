@@ -1,5 +1,5 @@
 """``generate()``, ``generate_steps()`` and ``generate_batch()``: the speculative decoding loop. It knows no method
-names (../shared/DESIGN.md, The flow).
+names: a drafter proposes a tree (:class:`~speculant.core.drafting.Drafter`), the one verifier decides.
 
 Invariant: the target's cache holds every committed token except the last one, the *root*. Each step feeds
 ``[root] + draft tree`` in one forward (tree mask + position ids), verifies, keeps the root and the accepted path
