@@ -344,12 +344,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
 def rope_attend(qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, allowed: torch.Tensor | None,
                 scale: float, lib: ctypes.CDLL) -> torch.Tensor:
-    """One attention block after the fused q/k/v projection, in one call (``csrc/attend.cpp``, unchecked: the lean
-    forward's hot path): RoPE on the queries and keys of ``qkv [T, (Hq + 2 Hkv) D]`` (contiguous) at ``positions``
-    (int64 ``[T]``, tables ``cos``/``sin`` ``[P, D]`` contiguous, in ``qkv``'s dtype), keys and values written into
-    the cache buffers ``k``/``v`` ``[Hkv, capacity, D]`` (last dimension contiguous) at slots ``start .. start + T -
-    1``, then :func:`attend` over the ``start + T`` slots (``allowed``: None for causal, or uint8 ``[T, start + T]``
-    contiguous) -> ``[T, Hq * D]``; bit for bit the torch RoPE followed by :func:`attend`."""
+    """One attention block after the fused q/k/v projection, in one call (``csrc/attend.cpp``, unchecked:
+    :class:`~speculant.core.llama_forward.LlamaForward`'s hot path): RoPE on the queries and keys of
+    ``qkv [T, (Hq + 2 Hkv) D]`` (contiguous) at ``positions`` (int64 ``[T]``, tables ``cos``/``sin`` ``[P, D]``
+    contiguous, in ``qkv``'s dtype), keys and values written into the cache buffers ``k``/``v`` ``[Hkv, capacity, D]``
+    (last dimension contiguous) at slots ``start .. start + T - 1``, then :func:`attend` over the ``start + T`` slots
+    (``allowed``: None for causal, or uint8 ``[T, start + T]`` contiguous) -> ``[T, Hq * D]``; bit for bit the torch
+    RoPE followed by :func:`attend`."""
     t = qkv.shape[0]
     d = cos.shape[1]
     out = torch.empty(t, heads * d, dtype=qkv.dtype)
@@ -366,13 +367,13 @@ def rope_attend(qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.T
 def q4_layers(x: torch.Tensor, weights: torch.Tensor, intermediate: int, heads: int, kv_heads: int,
               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor,
               caches: torch.Tensor, scale: float, eps: float, lib: ctypes.CDLL) -> None:
-    """Every decoder layer of a q4 lean forward in one call (``csrc/layers.cpp``, unchecked: the lean forward's hot
-    path), ``x [T, H]`` (contiguous, the residual stream of one or several sequences' rows) updated in place: per
-    layer the q4 products with their norms, biases, GLU and residuals (:func:`q4_call`) over all rows, around
-    :func:`rope_attend` per sequence, the same calls in the same order. ``weights``: int64 ``[L, 14]``, addresses
-    and code bits; ``segments``: int64 ``[S, 8]`` per sequence (first row, rows, cache start, mask address or 0,
-    key/value head and slot strides); ``caches``: int64 ``[S, L, 2]`` key/value buffer addresses (see the C
-    source); ``positions``: int64 ``[T]``."""
+    """Every decoder layer of a q4 :class:`~speculant.core.llama_forward.LlamaForward` in one call
+    (``csrc/layers.cpp``, unchecked: its hot path), ``x [T, H]`` (contiguous, the residual stream of one or several
+    sequences' rows) updated in place: per layer the q4 products with their norms, biases, GLU and residuals
+    (:func:`q4_call`) over all rows, around :func:`rope_attend` per sequence, the same calls in the same order.
+    ``weights``: int64 ``[L, 14]``, addresses and code bits; ``segments``: int64 ``[S, 8]`` per sequence (first row,
+    rows, cache start, mask address or 0, key/value head and slot strides); ``caches``: int64 ``[S, L, 2]`` key/value
+    buffer addresses (see the C source); ``positions``: int64 ``[T]``."""
     t, h = x.shape
     if not hasattr(lib, "q4_seven"):  # an earlier revision's build (kernel_ab.py) takes 7-bit codes as 8-bit ones
         weights = weights.clone()

@@ -58,7 +58,7 @@ def q4_reference(x: torch.Tensor, matrix: CodedMatrix, columns: int = 4096) -> t
         acc = torch.zeros(x.shape[0], c1 - c0)
         for g in range(k // GROUP):
             dot = a[:, g] @ q[:, g].T  # [M, C] exact integers (|dot| < 2^24)
-            t = d[:, g, None] * sw[None, :, g]  # float32, as the kernel's multiply
+            t = d[:, g, None] * sw[None, :, g]  # [M, C] float32, as the kernel's multiply
             acc = (acc.double() + t.double() * dot.double()).float()  # fma(t, dot, acc)
             acc = (acc.double() + mw[None, :, g].double() * s[:, g, None].double()).float()  # fma(mw, s, acc)
         out[:, c0:c1] = acc
