@@ -38,20 +38,21 @@ tests check both dtypes on every covered architecture within the dtype's toleran
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from . import attention, kernels
+from .checks import sliding_window
 from .modes import normal_mode
 from .ops import fused_linear, rms_norm
 from .packed import PackedMatrix, linear, pack_enabled, packable
 from .quant import ATTR, BLOCK_KINDS, QuantMatrix, quantization_of
 
-__all__ = ["COVERED", "Batcher", "LlamaForward", "Segment", "fused_groups", "sliding_window", "unsupported"]
+__all__ = ["COVERED", "Batcher", "LlamaForward", "Segment", "fused_groups", "unsupported"]
 
 COVERED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 """Model classes :class:`LlamaForward` reproduces."""
@@ -228,17 +229,6 @@ def _quantize_layer(layer: torch.nn.Module, w: _Layer) -> _Layer:
     qkv, gate_up = _groups(layer)
     return dataclasses.replace(w, qkv=_quantized(*qkv), o=_quantized(layer.self_attn.o_proj),
                                gate_up=_quantized(*gate_up), down=_quantized(layer.mlp.down_proj))
-
-
-def sliding_window(cfg) -> int | None:
-    """The sliding window of a model config when any layer uses one, else None."""
-    window = getattr(cfg, "sliding_window", None)
-    if not window or getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    types = getattr(cfg, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None
-    return int(window)
 
 
 class LlamaForward:

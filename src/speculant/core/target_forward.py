@@ -20,9 +20,9 @@ from contextlib import nullcontext
 import torch
 
 from .cache import cache_kwarg
-from .checks import warn_once
+from .checks import sliding_window, warn_once
 from .draft_batch import active
-from .llama_forward import LlamaForward, Segment, sliding_window, unsupported
+from .llama_forward import LlamaForward, Segment, unsupported
 from .quant import quantization_of
 
 __all__ = ["FORWARDS", "Segment", "TargetForward", "batched_logits", "llama_forward_for"]
