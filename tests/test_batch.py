@@ -306,6 +306,9 @@ def test_shared_draft_forwards_wait_for_every_planner_and_pass_errors_on():
     for i, r in zip((0, 1, 3), (results[0], results[1], results[3])):
         assert torch.equal(r[0], want[(0, 1, None, 2)[i]])
     assert batcher.segments == 3 + 1 + 2 and batcher.forwards == 3  # first level together, then the deeper ones
+    alone = LlamaForward(model)  # built without a batcher: it runs at once, inside plan_together too
+    results, batcher = plan_together([lambda: alone.hidden(ids[:1, :4], SpecCache(2, capacity=8))])
+    assert torch.equal(results[0], want[0]) and batcher.forwards == batcher.segments == 0
 
     def failing():
         raise RuntimeError("this drafter broke")
