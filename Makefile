@@ -34,7 +34,7 @@ $(QWEN_STAMP): $(STAMP)
 
 qwen-models: $(QWEN_STAMP)
 
-# Distillation data for the 1.5B target's drafters: the target (q4m, speculant's batched
+# Distillation data for the 1.5B target's drafters: the target (file, speculant's batched
 # engine) answers ShareGPT first turns (500 held out: builtin:sharegpt-eval) and coding requests made from the
 # corpus's training modules; its top-32 and its states at layers 2/14/25 and the final norm are kept. Resumable
 # (re-run the same command); QWEN_DATA_BATCHES N answers a random subset of N shards of 16 first (empty: all).

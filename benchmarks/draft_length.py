@@ -23,7 +23,7 @@ acceptance: what a drafter as good as this one but that much cheaper would gain.
 and free, k + 1 tokens per forward over k + 1 rows (what the target forward's cost in T allows on this machine).
 
     python benchmarks/draft_length.py --target qwen2.5-coder-1.5b-instruct --repeats 25 \
-        --results benchmarks/results/qwen-code-chat-q4m-avx2/results.json,benchmarks/results/qwen-mtbench-q4m-avx2/results.json \
+        --results CODE_CHAT_RUN/results.json,MTBENCH_RUN/results.json \
         --out benchmarks/results/draft-length-avx2.json
     python benchmarks/draft_length.py ... --replay benchmarks/results/draft-length-avx2.json   # new policies, same data
 
@@ -44,7 +44,7 @@ import speculant
 from speculant.bench.speed import machine_info
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers, vocab_size
-from speculant.core.forward import TargetForward, lean_for
+from speculant.core.target_forward import TargetForward, llama_forward_for
 from speculant.data.prompts import prompt_ids
 from speculant.drafters.vocab_trim import trimmed_head
 
@@ -69,7 +69,7 @@ def draft_matches(session, pairs: list[tuple[list[int], list[int]]]) -> list[dic
     ``prompt_tokens``."""
     draft = session.draft
     head = draft_head(session)
-    lean = lean_for(draft)
+    lean = llama_forward_for(draft)
     out = []
     for ids, answer in pairs:
         full = torch.tensor([ids + answer])  # [1, P + A]
@@ -88,7 +88,7 @@ def measure_costs(session, context: int, rows: int, repeats: int) -> tuple[dict[
     2, after ``context`` tokens, interleaved (two warm-up rounds)."""
     target, draft = session.target, session.draft
     head = draft_head(session)
-    fwd, lean = TargetForward(target, "auto"), lean_for(draft)
+    fwd, lean = TargetForward(target, "auto"), llama_forward_for(draft)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 20000, (1, context), generator=gen)
     new = torch.randint(100, 20000, (1, rows), generator=gen)

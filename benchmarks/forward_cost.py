@@ -2,16 +2,16 @@
 
 This ratio decides which methods pay off: a verification forward over a chain of k draft tokens or a tree of n
 nodes costs ``cost(n + 1) / cost(1)`` one-token forwards. The target forward the engine uses (``--forward lean``,
-the default: :mod:`speculant.core.lean`, packed where :mod:`speculant.core.packed` allows) or the model's own
+the default: :mod:`speculant.core.llama_forward`, packed where :mod:`speculant.core.packed` allows) or the model's own
 (``--forward model``, transformers) is timed after a prompt of ``--context`` tokens is in its cache; each measured
 forward is cropped away again, the dtypes and token counts are interleaved per repeat, and the median of
 ``--repeats`` is reported.
 
 Weight formats: ``--quantizations`` (each variant is a dtype x a kind, loaded as the front-ends load it, a GGUF
 file's codes kept where the kind holds them; ``KIND/values`` requantizes every matrix from its float values instead,
-e.g. ``q4/values``: every matrix in 4 bits, where ``q4m`` keeps a Q4_K_M file's 6-bit tensors as q6; tags after the
+e.g. ``q4/values``: every matrix in 4 bits, where ``file`` keeps a Q4_K_M file's 6-bit tensors as q6; tags after the
 kind change how a GGUF file's tensors are held: ``/8bit`` and ``/7bit``: its 6-bit tensors requantized to 8- or 7-bit
-codes (q8, ``quantize_loaded(wide_bits=8)``, as q4m held them before q6). ``--seven both``
+codes (q8, ``quantize_loaded(wide_bits=8)``, as ``file`` held them before q6). ``--seven both``
 times each variant also with the kernel's 7-bit route off (``:8bit``: q8 codes below 128 multiplied as 8-bit ones,
 the same bits), interleaved.
 
@@ -33,7 +33,7 @@ from speculant.bench.speed import machine_info
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
 from speculant.core.kernels import q4_amx, q4_seven
-from speculant.core.forward import TargetForward
+from speculant.core.target_forward import TargetForward
 from speculant.models.loading import load_pretrained, quantize_loaded, resolve_model, wide_variant
 from speculant.models.sources import gguf_backing
 
@@ -106,7 +106,7 @@ def main() -> None:
                     caches[dt].crop(args.context)  # drop the t tokens just added
                     if rep >= 2:
                         times[dt][t].append(elapsed)
-    result = {"settings": vars(args), "packed": {dt: bool(f.lean is not None and f.lean.packed)
+    result = {"settings": vars(args), "packed": {dt: bool(f.llama is not None and f.llama.packed)
                                                 for dt, f in forwards.items()},
               "machine": machine_info(), "q4_amx": q4_amx(True), "q4_seven": q4_seven(True), "ms": {},
               "ratio_to_one_token": {}}

@@ -26,7 +26,7 @@ from speculant.bench.speed import machine_info
 from speculant.core import kernels
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
-from speculant.core.forward import TargetForward
+from speculant.core.target_forward import TargetForward
 from speculant.models.loading import load_pretrained
 
 CSRC = "src/speculant/core/csrc"
@@ -47,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="HEAD", help="git revision whose kernels are the baseline (default: HEAD)")
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--quantization", default="q4m")
+    ap.add_argument("--quantization", default="file")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--tokens", default="1,4,8,16")

@@ -42,7 +42,7 @@ import speculant
 from speculant.bench.speed import machine_info
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
-from speculant.core.forward import TargetForward
+from speculant.core.target_forward import TargetForward
 from speculant.online.observed import Observation
 from speculant.online import OnlineAdapter
 
@@ -69,9 +69,9 @@ def target_top(session, ids: list[int], answer: list[int], positions: list[int],
     full = torch.tensor([ids + answer])  # [1, L]
     forward = TargetForward(session.target)
     cache = SpecCache(num_layers(session.target), capacity=full.shape[1] + 8)
-    if forward.lean is not None:
-        hidden = forward.lean.hidden(full, cache)[0]  # [L, H]
-        logits = forward.lean.logits(hidden[[p - 1 for p in positions]])  # [P, V]
+    if forward.llama is not None:
+        hidden = forward.llama.hidden(full, cache)[0]  # [L, H]
+        logits = forward.llama.logits(hidden[[p - 1 for p in positions]])  # [P, V]
     else:
         logits = forward(cache, input_ids=full)[0, [p - 1 for p in positions]]
     top = logits.float().softmax(-1).topk(min(top_k, logits.shape[-1]), dim=-1)

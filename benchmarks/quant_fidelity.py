@@ -9,8 +9,8 @@ position we compare its next-token distribution with float32's over the same seq
 * ``top1_agreement``: the quantized model's most likely token is float32's (a format should reach 0.99);
 * ``mean_kl``: KL(p_fp32 || p_quant) in nats, averaged over positions (and its 99th percentile, ``p99_kl``).
 
-``KIND/8bit``, ``KIND/7bit`` (e.g. ``q4m/8bit``): the kind with a GGUF file's 6-bit tensors requantized to 8- or
-7-bit q8 codes instead of kept as q6 (``quantize_loaded(wide_bits=8)``: q4m before q6 existed; 7: the q4 kernel's
+``KIND/8bit``, ``KIND/7bit`` (e.g. ``file/8bit``): the kind with a GGUF file's 6-bit tensors requantized to 8- or
+7-bit q8 codes instead of kept as q6 (``quantize_loaded(wide_bits=8)``: ``file`` before q6 existed; 7: the q4 kernel's
 cheaper route on AVX2 without VNNI).
 
 Also ``weights``: for each int4/q4/q8 kind, the matrices built from the file's own codes and how far their values
@@ -37,8 +37,8 @@ import torch
 
 from speculant.core.cache import SpecCache
 from speculant.core.checks import num_layers
-from speculant.core.forward import TargetForward
 from speculant.core.quant import QUANTIZATIONS, quantization_of
+from speculant.core.target_forward import TargetForward
 from speculant.data.prompts import load_prompts, prompt_ids
 from speculant.models.chat import stop_ids
 from speculant.models.loading import load_model_dir, quantize_loaded, resolve_model, wide_variant
@@ -76,7 +76,7 @@ def generate_answers(model, tokenizer, records: list[dict], max_new_tokens: int)
 
 
 def _base(kind: str) -> str:
-    """The quantization of a ``--kinds`` entry (``q4m/8bit`` -> ``q4m``; an unknown tag leaves it unknown)."""
+    """The quantization of a ``--kinds`` entry (``file/8bit`` -> ``file``; an unknown tag leaves it unknown)."""
     try:
         return wide_variant(kind)[0]
     except ValueError:
@@ -87,7 +87,7 @@ def weight_error(path: Path, model) -> dict:
     """How far the quantized ``model``'s matrices built from the GGUF file's own codes (:data:`CODE_TYPES`) are
     from the file's values, in units of each group's quantization step (``scale``; groups whose scale is 0, all 32
     weights equal, are counted apart: there a step is undefined and only the minimum's float16 rounding can differ);
-    and how many matrices the model holds of each kind (a q4m model keeps the file's Q6_K tensors in q6, its 5- and
+    and how many matrices the model holds of each kind (a ``file`` model keeps the file's Q6_K tensors in q6, its 5- and
     8-bit ones in q8). q6 matrices hold the file's values exactly (tests/test_quant_loading.py) and are not counted."""
     from speculant.core.quant import ATTR, quantized_linears
     from speculant.models.gguf import Q6_K, file_tensors
@@ -213,7 +213,7 @@ def main() -> None:
             logprobs = answer_logprobs(model, sequences)
         row = compare(reference, logprobs, categories)
         row["matrices_from_file_codes"] = built
-        if backing is not None and _base(kind) in ("int4", "q4", "q4m", "q8"):
+        if backing is not None and _base(kind) in ("int4", "q4", "file", "q8"):
             row["weights"] = weight_error(backing, model)
         results[kind] = row
         print(f"{kind}: top-1 agreement {row['top1_agreement']:.4f}, mean KL {row['mean_kl']:.5f} nats "

@@ -2,7 +2,7 @@
 
 Each load runs in a fresh Python process (imports included in neither figure: they are timed apart), 2 threads:
 "first" in an empty SPECULANT_CACHE (assembling the parts, checking the SHA-256, deriving config and tokenizer),
-in the model's packaged quantization (q4m for the 1.5B, q4 for the 0.5B: what ``speculant`` loads by default; the
+in the model's packaged quantization (file for the 1.5B, q4 for the 0.5B: what ``speculant`` loads by default; the
 quantized matrices are then cached, :mod:`speculant.models.matrix_cache`), "later" against the filled cache, in that
 quantization and unquantized in float32 and bfloat16. Writes JSON with machine info:
 

@@ -69,8 +69,8 @@ def generate(
             evicting back to the budget after each (peak ``kv_budget + kv_block`` tokens), and committed tokens
             are evicted after every verification step (draft tokens are never evicted before they are
             verified). The output is then exact given the evicted cache, not equal to full-cache decoding.
-        forward: the target forward (:mod:`speculant.core.forward`): ``"auto"`` the lean forward
-            (:class:`speculant.core.lean.LeanForward`) where it reproduces the model, else the model's own;
+        forward: the target forward (:mod:`speculant.core.target_forward`): ``"auto"`` the lean forward
+            (:class:`speculant.core.llama_forward.LlamaForward`) where it reproduces the model, else the model's own;
             ``"lean"`` requires it; ``"model"`` always uses the model's own (transformers) forward.
         logprobs: None (default: nothing is computed) or K >= 0: record, for every new token, the target's
             log-probability of it under its raw distribution (before temperature/top-k/top-p) and the K most
@@ -159,10 +159,10 @@ def generate_batch(
             Drafter object serves one prompt: it keeps per-generation state).
         seed: one seed for every prompt, or one per prompt.
         speculation: ``"on"`` (each drafter as deep as it likes), ``"off"``, or ``"auto"`` (each sequence's depth
-            chosen per step by goodput, :mod:`speculant.core.adaptive`); output does not depend on it.
+            chosen per step by goodput, :mod:`speculant.core.speculation`); output does not depend on it.
         the rest: as :func:`generate`, for every prompt.
 
-    With quantized weights (``int8``/``int4``/``q4``/``q4m``/``q8``) each sequence's greedy output equals
+    With quantized weights (``int8``/``int4``/``q4``/``file``/``q8``) each sequence's greedy output equals
     :func:`generate` of its prompt alone, token for token (a forward is row independent); with float weights a
     batched row may round differently and flip a near-tie.
     """

@@ -50,14 +50,14 @@ def test_smollm2_then_bundled_then_tiny_otherwise(installed, monkeypatch):
 
 
 def test_packaged_defaults(monkeypatch, installed):
-    assert (PACKAGED[QWEN].default_quantization, PACKAGED[QWEN_DRAFT].default_quantization) == ("q4m", "q4")
+    assert (PACKAGED[QWEN].default_quantization, PACKAGED[QWEN_DRAFT].default_quantization) == ("file", "q4")
     assert PACKAGED[SMOL].default_quantization is None
     installed |= {QWEN, QWEN_DRAFT, SMOL}
     seen = []
     monkeypatch.setattr(demo, "_packaged", lambda pair, args: seen.append((pair.target, args)) or 0)
     assert demo.main(["--threads", "1"]) == 0
     target, args = seen[-1]
-    assert (target, args.quantization, args.max_new_tokens, args.repeats) == (QWEN, "q4m", 512, 3)  # a whole answer: ends at the end of turn
+    assert (target, args.quantization, args.max_new_tokens, args.repeats) == (QWEN, "file", 512, 3)  # a whole answer: ends at the end of turn
     assert demo.main(["--threads", "1", "--quantization", "none", "--dtype", "bfloat16"]) == 0
     assert (seen[-1][1].quantization, seen[-1][1].dtype) == ("none", "bfloat16")
     assert demo.main(["--threads", "1", "--target", SMOL]) == 0

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from speculant.core import attention, kernels
 from speculant.core.cache import SpecCache
-from speculant.core.lean import LeanForward, Segment
+from speculant.core.llama_forward import LlamaForward, Segment
 from speculant.core.quant import quantize_model
 from speculant.core.tree import ancestor_matrix
 from speculant.tiny_models import tiny_model
@@ -130,7 +130,7 @@ def test_a_quantized_forward_over_t_tokens_gives_the_logits_of_t_one_token_forwa
     several lengths (int8 and int4 run torch's kernels, q4 speculant's)."""
     model = tiny_model(arch, hidden=64, heads=4, kv_heads=2, vocab_size=128, dtype=dtype)
     quantize_model(model, kind)
-    lean = LeanForward(model)
+    lean = LlamaForward(model)
     ids = torch.randint(2, 128, (1, 30), generator=torch.Generator().manual_seed(1))
     for past, t in ((3, 5), (17, 2), (24, 4)):
         together_cache, alone_cache = SpecCache(2), SpecCache(2)
@@ -172,7 +172,7 @@ def test_the_fused_attention_block_computes_the_bits_of_the_torch_ops(arch, dtyp
     model = tiny_model(arch, hidden=64, heads=4, kv_heads=2, vocab_size=128, dtype=dtype)
     if kind != "none":
         quantize_model(model, kind)
-    lean = LeanForward(model)
+    lean = LlamaForward(model)
     ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(3))
     allowed = _tree_allowed(20)  # [7, 27]: a tree of 7 nodes after 20 cached tokens
     depth = torch.tensor([0, 1, 2, 2, 3, 3, 3])  # the root, then TREE's nodes
@@ -193,9 +193,9 @@ def test_the_fused_attention_block_computes_the_bits_of_the_torch_ops(arch, dtyp
     runs = [(fused, fused_cache)]
     if kind == "q4":  # then layer by layer from Python (one rope_attend call per layer)
         with monkeypatch.context() as m:
-            m.setattr(LeanForward, "_q4_table", lambda *a: None)
+            m.setattr(LlamaForward, "_q4_table", lambda *a: None)
             runs.append(run())
-    monkeypatch.setattr(LeanForward, "_fused_attention", lambda *a: None)
+    monkeypatch.setattr(LlamaForward, "_fused_attention", lambda *a: None)
     ops, ops_cache = run()
     for out, cache in runs:
         for a, b in zip(out, ops):

@@ -10,7 +10,7 @@ import torch
 from speculant.core.batch import Batch
 from speculant.core.cache import SpecCache
 from speculant.core.engine import generate, generate_batch, generate_steps
-from speculant.core.lean import LeanForward, Segment
+from speculant.core.llama_forward import LlamaForward, Segment
 from speculant.core.quant import quantize_model
 from speculant.core.types import SamplingParams
 from speculant.drafters.registry import build_drafter
@@ -149,7 +149,7 @@ def test_the_batched_lean_forward_gives_each_sequence_its_own_bits(kind):
     model = tiny_model("qwen2", hidden=64, heads=4, kv_heads=2, vocab_size=128)
     if kind != "none":
         quantize_model(model, kind)
-    lean = LeanForward(model)
+    lean = LlamaForward(model)
     ids = torch.randint(2, 128, (3, 30), generator=torch.Generator().manual_seed(4))
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
 
@@ -285,10 +285,10 @@ def test_shared_draft_forwards_wait_for_every_planner_and_pass_errors_on():
     done (a plan that needs no forward or fails first holds nobody up), each caller gets its own rows (the bits of a
     forward alone), and an error raised by a plan or by a shared forward reaches the caller after every plan
     ended."""
-    from speculant.core.draft_batch import plan_together
+    from speculant.core.draft_batch import active, plan_together
 
     model = quantize_model(tiny_model("qwen2", hidden=64, heads=4, kv_heads=2, vocab_size=128), "q4")
-    lean = LeanForward(model)
+    lean = LlamaForward(model, active_batcher=active)  # as llama_forward_for builds it
     ids = torch.randint(2, 128, (3, 12), generator=torch.Generator().manual_seed(7))
     want = [lean.hidden(ids[i : i + 1, : 4 + i], SpecCache(2, capacity=16)) for i in range(3)]
 
@@ -306,6 +306,9 @@ def test_shared_draft_forwards_wait_for_every_planner_and_pass_errors_on():
     for i, r in zip((0, 1, 3), (results[0], results[1], results[3])):
         assert torch.equal(r[0], want[(0, 1, None, 2)[i]])
     assert batcher.segments == 3 + 1 + 2 and batcher.forwards == 3  # first level together, then the deeper ones
+    alone = LlamaForward(model)  # built without a batcher: it runs at once, inside plan_together too
+    results, batcher = plan_together([lambda: alone.hidden(ids[:1, :4], SpecCache(2, capacity=8))])
+    assert torch.equal(results[0], want[0]) and batcher.forwards == batcher.segments == 0
 
     def failing():
         raise RuntimeError("this drafter broke")

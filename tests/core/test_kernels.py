@@ -17,10 +17,10 @@ import torch
 import speculant
 from speculant.core import kernels
 from speculant.core.cache import SpecCache
-from speculant.core.forward import lean_for
 from speculant.core.packed import linear
 from speculant.core.quant import GROUP, QuantMatrix, attach, q4_activations, q4_reference, quantize_model, \
-    releasable
+    quantized_linears, releasable
+from speculant.core.target_forward import llama_forward_for
 from speculant.drafters.registry import build_drafter
 from speculant.tiny_models import perturbed, tiny_model
 
@@ -465,7 +465,7 @@ def test_bad_operands_are_value_errors(lib):
 
 def test_a_q4_model_runs_its_kernel_in_the_lean_forward():
     model = quantize_model(tiny_model("llama", seed=3), "q4")
-    lean = lean_for(model)
+    lean = llama_forward_for(model)
     assert lean.quantization == "q4"
     w = lean.layers[0]
     assert all(type(m) is QuantMatrix and m.kind == "q4" for m in (w.qkv, w.o, w.gate_up, w.down, lean.head_matrix()))
@@ -480,12 +480,12 @@ SPECS = ("chain:k=3", "specinfer:width=2:depth=3", "lookup")
 
 
 def _mixed(model: torch.nn.Module, wide: str = "q8") -> torch.nn.Module:
-    """``model`` quantized to q4m: q4 with some matrices in ``wide`` (q8 or q6, as a GGUF file's 5- to 8-bit tensors
+    """``model`` quantized to ``file``: q4 with some matrices in ``wide`` (q8 or q6, as a GGUF file's 5- to 8-bit tensors
     load): the first layer's v and down projections and the LM head."""
-    layer, free = model.model.layers[0], releasable(model)
+    layer, free = model.model.layers[0], releasable(model, quantized_linears(model))
     for m in (layer.self_attn.v_proj, layer.mlp.down_proj, model.lm_head):
         attach(m, QuantMatrix.quantize(m.weight, wide), release_weight=id(m) in free)
-    return quantize_model(model, "q4m")
+    return quantize_model(model, "file")
 
 
 @pytest.mark.parametrize("arch, dtype, kind", [("llama", torch.float32, "q4"), ("qwen2", torch.bfloat16, "q4"),
@@ -500,11 +500,11 @@ def test_greedy_output_of_every_method_equals_plain_decoding_of_the_q4_model(arc
     target = quantized(tiny_model(arch, seed=0, dtype=dtype))
     draft = quantized(perturbed(tiny_model(arch, seed=0, dtype=dtype), 0.05, seed=2))
     if kind.startswith("mixed"):
-        w, six = lean_for(target).layers[0], kind == "mixed6"
+        w, six = llama_forward_for(target).layers[0], kind == "mixed6"
         # a q6 v projection fused with q4 q and k: the fused matrix is q8 (requantized); the down projection stays q6
         assert (w.qkv.kind, w.o.kind, w.gate_up.kind, w.down.kind) == ("q8", "q4", "q4", "q6" if six else "q8")
-        assert lean_for(target)._q4_table(dtype)[0, 10:].tolist() == [8, 4, 4, 6 if six else 8]
-        assert lean_for(target).head_matrix().kind == ("q6" if six else "q8")
+        assert llama_forward_for(target)._q4_table(dtype)[0, 10:].tolist() == [8, 4, 4, 6 if six else 8]
+        assert llama_forward_for(target).head_matrix().kind == ("q6" if six else "q8")
     prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7]
     plain = speculant.generate(target, prompt, max_new_tokens=24, eos_token_id=[])
     assert plain.stats.target_forward == "lean"
@@ -584,7 +584,7 @@ def test_a_q6_part_fused_with_another_kind_is_held_as_the_fused_q8_on_the_model_
     """The lean forward multiplies q/k/v as one matrix; a q6 v projection beside q4 q and k becomes q8 there. After
     :func:`unify_fused` the model's own linear holds that very q8 matrix, so both forwards multiply by the same
     weights (a group of one kind is left as it is)."""
-    from speculant.core.lean import fused_groups
+    from speculant.core.llama_forward import fused_groups
     from speculant.core.quant import ATTR, unify_fused
 
     model = _mixed(tiny_model("qwen2", seed=0), "q6")
@@ -595,7 +595,7 @@ def test_a_q6_part_fused_with_another_kind_is_held_as_the_fused_q8_on_the_model_
     q8 = getattr(a.v_proj, ATTR)
     fused_here = QuantMatrix.cat([getattr(a.q_proj, ATTR), q6]).dequantize()[-q6.shape[0]:]
     assert q8.kind == "q8" and torch.equal(q8.dequantize(), fused_here)
-    fused = lean_for(model).layers[0].qkv
+    fused = llama_forward_for(model).layers[0].qkv
     assert fused.kind == "q8" and torch.equal(fused.dequantize()[-q8.shape[0]:], q8.dequantize())
     assert getattr(model.model.layers[0].mlp.down_proj, ATTR).kind == "q6"  # not fused: as it is
     assert unify_fused(fused_groups(model)) == 0

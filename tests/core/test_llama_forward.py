@@ -1,5 +1,5 @@
-"""The lean forward (speculant/core/lean.py) computes what transformers' forward computes and fills the same cache, on
-every covered architecture, for prefills, single tokens, chains, tree levels, probe slots and evicted caches;
+"""The lean forward (speculant/core/llama_forward.py) computes what transformers' forward computes and fills the same
+cache, on every covered architecture, for prefills, single tokens, chains, tree levels, probe slots and evicted caches;
 decoding through it gives the tokens decoding through the model's own forward gives; anything it does not
 cover falls back to the model's forward (and forward='lean' then names the reason)."""
 
@@ -12,14 +12,14 @@ import torch
 
 import speculant
 from speculant.core.cache import SpecCache, cache_kwarg
-from speculant.drafters.registry import build_drafter
-from speculant.core.forward import TargetForward, lean_for
-from speculant.kv import BudgetCache
-from speculant.core.lean import COVERED, LeanForward, unsupported
+from speculant.core.llama_forward import COVERED, LlamaForward, unsupported
 from speculant.core.packed import PACK_ENV, PackedMatrix, packable
-from speculant.tiny_models import perturbed, tiny_model
+from speculant.core.target_forward import TargetForward, llama_forward_for
 from speculant.core.tree import TreeAttention
 from speculant.core.types import DraftTree
+from speculant.drafters.registry import build_drafter
+from speculant.kv import BudgetCache
+from speculant.tiny_models import perturbed, tiny_model
 
 LEAN_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
@@ -41,7 +41,7 @@ def test_lean_logits_and_cache_match_the_model(arch, dtype, budgeted):
     so both are compared with the float32 model: the lean logits must be as close to it as transformers' are."""
     model = tiny_model(arch, seed=3, kv_heads=1 if arch == "qwen3" else 2, dtype=dtype)
     exact = copy.deepcopy(model).float()
-    lean = LeanForward.build(model)
+    lean = LlamaForward.build(model)
     assert lean is not None, unsupported(model)
     make = BudgetCache if budgeted else SpecCache
     ours, ref, ref32 = (make(2, capacity=8) for _ in range(3))  # small: the buffers must grow too
@@ -123,7 +123,7 @@ def test_fusing_keeps_one_copy_and_sees_in_place_updates(monkeypatch):
     monkeypatch.setenv(PACK_ENV, "0")  # unpacked: the lean forward reads the model's own tensors
     model = tiny_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    lean = lean_for(model)
+    lean = llama_forward_for(model)
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     attn = model.model.layers[0].self_attn
@@ -133,7 +133,7 @@ def test_fusing_keeps_one_copy_and_sees_in_place_updates(monkeypatch):
     assert attn.v_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
     with torch.no_grad():
         attn.k_proj.weight.mul_(1.5)  # e.g. training between generations
-    assert lean_for(model) is lean  # nothing replaced: no rebuild
+    assert llama_forward_for(model) is lean  # nothing replaced: no rebuild
     rows = attn.q_proj.weight.shape[0]
     assert torch.equal(fused[rows : rows + attn.k_proj.weight.shape[0]], attn.k_proj.weight)
     ids = torch.tensor([[3, 4, 5]])
@@ -141,20 +141,20 @@ def test_fusing_keeps_one_copy_and_sees_in_place_updates(monkeypatch):
         want = model(input_ids=ids).logits
     torch.testing.assert_close(lean(ids, SpecCache(2)), want, atol=1e-5, rtol=1e-4)
     model.model.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(attn.o_proj.weight.detach().clone())
-    assert lean_for(model) is not lean  # a replaced parameter: rebuilt
+    assert llama_forward_for(model) is not lean  # a replaced parameter: rebuilt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_matrices_give_the_dense_results_and_follow_in_place_updates(monkeypatch, dtype):
     """Packing (speculant.core.packed) changes the layout only: bf16 logits equal the unpacked lean forward's bit for
-    bit, float32 ones to rounding; a packed lean forward is a copy, so lean_for rebuilds it after an in-place
+    bit, float32 ones to rounding; a packed lean forward is a copy, so llama_forward_for rebuilds it after an in-place
     update, and it is not built where SPECULANT_PACK=0 or the weights cannot be packed."""
     model = tiny_model("qwen3", seed=3).to(dtype)
     if not packable(model.lm_head.weight):
         pytest.skip(f"this CPU/torch build cannot pack {dtype} matrices (oneDNN)")
     ids = torch.tensor([[3, 4, 5, 6, 7]])
-    dense = LeanForward(model, pack=False)
-    packed = LeanForward(model, pack=True)
+    dense = LlamaForward(model, pack=False)
+    packed = LlamaForward(model, pack=True)
     assert packed.packed and not dense.packed and isinstance(packed.layers[0].qkv, PackedMatrix)
 
     def same(got, want):
@@ -166,23 +166,23 @@ def test_packed_matrices_give_the_dense_results_and_follow_in_place_updates(monk
     for t in (1, 5):
         same(packed(ids[:, :t], SpecCache(2)), dense(ids[:, :t], SpecCache(2)))
     monkeypatch.setenv(PACK_ENV, "1")
-    lean = lean_for(model)
-    assert lean.packed and lean_for(model) is lean
+    lean = llama_forward_for(model)
+    assert lean.packed and llama_forward_for(model) is lean
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight.mul_(2.0)
-    rebuilt = lean_for(model)
+    rebuilt = llama_forward_for(model)
     assert rebuilt is not lean and rebuilt.packed
-    same(rebuilt(ids, SpecCache(2)), LeanForward(model, pack=False)(ids, SpecCache(2)))
+    same(rebuilt(ids, SpecCache(2)), LlamaForward(model, pack=False)(ids, SpecCache(2)))
     assert not torch.allclose(lean(ids, SpecCache(2)).float(), rebuilt(ids, SpecCache(2)).float())
     monkeypatch.setenv(PACK_ENV, "0")
-    assert not LeanForward(model).packed
+    assert not LlamaForward(model).packed
     monkeypatch.setenv(PACK_ENV, "auto")
-    assert not LeanForward(model).packed  # auto: a model this small stays in the caches, packing does not pay
+    assert not LlamaForward(model).packed  # auto: a model this small stays in the caches, packing does not pay
     monkeypatch.setenv(PACK_ENV, "sometimes")
     with pytest.raises(ValueError, match="SPECULANT_PACK must be auto, 1 or 0"):
-        LeanForward(model)
+        LlamaForward(model)
     monkeypatch.setenv(PACK_ENV, "1")
-    assert not LeanForward(model.to(torch.float16)).packed  # float16: not packable, the dense path
+    assert not LlamaForward(model.to(torch.float16)).packed  # float16: not packable, the dense path
 
 
 @pytest.mark.parametrize("arch", LEAN_ARCHS)
@@ -223,7 +223,7 @@ def test_drafter_uses_the_shared_lean_forward():
     prompt = [3, 4, 5, 6]
     drafter = build_drafter("chain:k=3", draft)
     lean_gen = speculant.generate(target, prompt, drafter=drafter, max_new_tokens=16, eos_token_id=[])
-    assert drafter._lean is lean_for(draft)
+    assert drafter._lean is llama_forward_for(draft)
     plain = build_drafter("chain:k=3", draft)
     plain.lean_forward = False
     plain_gen = speculant.generate(target, prompt, drafter=plain, max_new_tokens=16, eos_token_id=[])
@@ -237,7 +237,7 @@ def test_fusing_under_inference_mode_leaves_a_trainable_model():
     model = tiny_model("llama")
     with torch.inference_mode():
         speculant.generate(model, [3, 4, 5], max_new_tokens=2, eos_token_id=[])
-    assert lean_for(model) is not None
+    assert llama_forward_for(model) is not None
     model.train()
     loss = model(input_ids=torch.tensor([[3, 4, 5]]), labels=torch.tensor([[3, 4, 5]])).loss
     loss.backward()
@@ -251,10 +251,10 @@ def test_a_model_with_a_built_lean_forward_is_freed_and_copies_start_without_it(
     import weakref
 
     model = tiny_model("llama", seed=3)
-    lean = lean_for(model)
-    assert lean is not None and lean_for(model) is lean  # built once
+    lean = llama_forward_for(model)
+    assert lean is not None and llama_forward_for(model) is lean  # built once
     twin = copy.deepcopy(model)
-    assert lean_for(twin) is not lean and lean_for(twin).model is twin
+    assert llama_forward_for(twin) is not lean and llama_forward_for(twin).model is twin
     gone = weakref.ref(model)
     del model, lean
     gc.collect()

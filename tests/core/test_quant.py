@@ -11,9 +11,9 @@ import torch
 
 import speculant
 from speculant.core.cache import SpecCache
-from speculant.core.forward import lean_for
-from speculant.core.lean import LeanForward
+from speculant.core.llama_forward import LlamaForward
 from speculant.core.packed import linear
+from speculant.core.target_forward import llama_forward_for
 from speculant.core.quant import (GROUP, QUANTIZATIONS, QuantMatrix, ReleasedLinear, quantization_of,
                                    quantize_model)
 from speculant.core.types import SamplingParams
@@ -122,7 +122,7 @@ def test_bad_input_is_a_one_line_value_error():
         quantize_model(model, "int4")
     with pytest.raises(ValueError, match="multiples of 32"):
         quantize_model(tiny_model("llama", hidden=48, heads=4), "int4")
-    assert QUANTIZATIONS == ("none", "int8", "int4", "q4", "q4m", "q8")  # q4, q8: tests/test_kernels.py
+    assert QUANTIZATIONS == ("none", "int8", "int4", "q4", "file", "q8")  # q4, q8: tests/test_kernels.py
 
 
 # ------------------------------------------------------------------------------------------- models
@@ -137,7 +137,7 @@ def test_a_quantized_model_runs_its_quantized_matrices_in_the_lean_forward(kind,
     model = tiny_model(arch, seed=3)
     original = model.model.layers[0].mlp.down_proj.weight.detach().clone()
     ids = torch.tensor([[3, 4, 5, 6, 7]])
-    before = lean_for(model)
+    before = llama_forward_for(model)
     assert before.quantization == "none"
     quantize_model(model, kind)
     assert quantization_of(model) == kind
@@ -146,7 +146,7 @@ def test_a_quantized_model_runs_its_quantized_matrices_in_the_lean_forward(kind,
     x = torch.randn(3, original.shape[1])
     assert torch.equal(down(x), down.speculant_quant.linear(x))
     model.to("cpu")  # moves leave a released weight alone
-    lean = lean_for(model)
+    lean = llama_forward_for(model)
     assert lean is not before and lean.quantization == kind and lean.packed
     w = lean.layers[0]
     assert all(type(m) is QuantMatrix for m in (w.qkv, w.o, w.gate_up, w.down, lean.head_matrix()))
@@ -155,7 +155,7 @@ def test_a_quantized_model_runs_its_quantized_matrices_in_the_lean_forward(kind,
     with torch.no_grad():
         want = model(input_ids=ids).logits
     torch.testing.assert_close(lean(ids, SpecCache(2)), want, atol=1e-4, rtol=1e-4)
-    assert lean_for(model) is lean
+    assert llama_forward_for(model) is lean
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "q4"])
@@ -188,7 +188,7 @@ def test_a_tied_head_quantizes_the_shared_matrix():
     quantize_model(model, "int4")
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert torch.equal(model.model.embed_tokens.weight, model.lm_head.speculant_quant.dequantize())
-    assert type(LeanForward(model).head_matrix()) is QuantMatrix
+    assert type(LlamaForward(model).head_matrix()) is QuantMatrix
 
 
 SPECS = ("chain:k=3", "specinfer:width=2:depth=3", "lookup")
@@ -237,7 +237,7 @@ def test_int4_sampling_keeps_the_quantized_target_distribution(n):
 def test_quantizing_in_row_chunks_changes_nothing(kind, monkeypatch):
     """QuantMatrix.quantize works through large matrices (an LM head) a few thousand rows at a time to bound its
     float temporaries: each group is quantized alone, so the codes, scales and minimums are those of one pass."""
-    import speculant.core.quant as quant
+    from speculant.core.quant import formats as quant
 
     w = torch.randn(203, 96, generator=torch.Generator().manual_seed(5))
     monkeypatch.setattr(quant, "_QUANTIZE_ROWS", 64)  # 4 chunks, the last one short

@@ -1,4 +1,4 @@
-"""Speculation that adapts to load (speculant.core.adaptive): the forward-cost model, the goodput choice of draft
+"""Speculation that adapts to load (speculant.core.speculation): the forward-cost model, the goodput choice of draft
 depths, and batches decoded with speculation auto / off giving the same tokens as each prompt alone."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from speculant.core.adaptive import ForwardCost, Speculation, _Profile, row_cost
 from speculant.core.batch import Batch
 from speculant.core.engine import generate, generate_batch
 from speculant.core.quant import quantize_model
+from speculant.core.speculation import ForwardCost, Speculation, _Profile, row_cost
 from speculant.drafters.registry import build_drafter
 from speculant.tiny_models import perturbed, tiny_model
 
@@ -218,7 +218,7 @@ def test_no_probe_or_exploration_where_drafting_could_not_pay_at_any_acceptance(
     figures) measure acceptance and costs; once the target's forward costs are known and not even an acceptance of
     0.95 could make a draft row pay, neither is made: the first sequence drafts its measuring proposals only, the
     others never start (with the costs unknown, as in the test above, they do); outputs never change."""
-    from speculant.core.adaptive import _OPTIMISTIC
+    from speculant.core.speculation import _OPTIMISTIC
 
     target = tiny_model("llama", seed=0, vocab_size=VOCAB)
     draft = perturbed(tiny_model("llama", seed=0, vocab_size=VOCAB), 0.05, seed=2)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import speculant
-from speculant.testing import tiny_model
+from speculant.tiny_models import tiny_model
 
 
 def test_bad_k():

@@ -14,7 +14,7 @@ import torch
 from test_greedy import hf_greedy, prompts
 
 import speculant
-from speculant.core.lean import LeanForward
+from speculant.core.llama_forward import LlamaForward
 from speculant.core.quant import QuantMatrix, quantize_model
 from speculant.drafters.registry import build_drafter
 from speculant.drafters.vocab_trim import CALIBRATION_FILE, TrimmedHead, trimmed_head
@@ -96,7 +96,7 @@ def test_a_quantized_head_is_trimmed_to_its_own_quantized_rows(kind):
     head = TrimmedHead(model.get_output_embeddings(), keep)
     assert isinstance(head._matrix, QuantMatrix) and head._matrix.kind == kind
     hidden = torch.randn(3, 64)
-    full = LeanForward(model).logits(hidden)  # [3, V] through the quantized head
+    full = LlamaForward(model).logits(hidden)  # [3, V] through the quantized head
     assert torch.equal(head.logits(hidden), full[:, keep])
 
 

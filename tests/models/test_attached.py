@@ -327,13 +327,13 @@ def test_train_eagle3_draft_end_to_end(target_dir, tmp_path, capsys):
     for spec in ("tree:budget=6:topk=2:depth=3", "chain:k=3"):
         assert generate(target, prompt, drafter=build_drafter(spec, draft), max_new_tokens=12).token_ids == \
             plain.token_ids
-    # through a session whose target kind's draft default differs (q4m -> q4): an attached drafter shares the
+    # through a session whose target kind's draft default differs (file -> q4): an attached drafter shares the
     # target's head, so it takes the target's kind
     import speculant
 
     session = speculant.load(target_dir, draft=str(export), method="eagle3:budget=4:topk=2:depth=2",
-                             quantization="q4m")
-    ref = speculant.load(target_dir, method="ar", quantization="q4m")
+                             quantization="file")
+    ref = speculant.load(target_dir, method="ar", quantization="file")
     assert session.generate(prompt, max_new_tokens=10).token_ids == ref.generate(prompt, max_new_tokens=10).token_ids
 
 

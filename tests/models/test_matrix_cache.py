@@ -57,10 +57,10 @@ def _decoded(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("arch, qtype, tied, kind, dtype", [
-    ("llama", "Q4_0", False, "q4m", "float32"), ("llama", "Q8_0", True, "q4m", "float32"),
+    ("llama", "Q4_0", False, "file", "float32"), ("llama", "Q8_0", True, "file", "float32"),
     ("qwen2", "Q4_0", True, "q4", "float32"), ("qwen2", "Q8_0", False, "q8", "float32"),
-    ("llama", "Q5_0", False, "q4", "float32"), ("llama", "Q4_0", False, "q4m", "bfloat16"),
-    ("qwen2", "Q8_0", True, "q4m", "bfloat16")])
+    ("llama", "Q5_0", False, "q4", "float32"), ("llama", "Q4_0", False, "file", "bfloat16"),
+    ("qwen2", "Q8_0", True, "file", "bfloat16")])
 def test_a_cached_load_is_the_first_load_bit_for_bit(tmp_path, cache_dir, monkeypatch, arch, qtype, tied, kind,
                                                       dtype):
     """The reference is the float load quantized afterwards (every tensor decoded, nothing cached); the first
@@ -120,7 +120,7 @@ def k_quants(tmp_path_factory):
     return files
 
 
-@pytest.mark.parametrize("qtype, kind", [("Q4_K", "q4m"), ("Q4_K", "q8"), ("Q6_K", "q4m"), ("Q6_K", "q4")])
+@pytest.mark.parametrize("qtype, kind", [("Q4_K", "file"), ("Q4_K", "q8"), ("Q6_K", "file"), ("Q6_K", "q4")])
 def test_k_quant_files_through_the_cache(k_quants, cache_dir, qtype, kind):
     """Q4_K codes (scales of 17 significant bits, rounded to float16) and Q6_K (requantized from its values) come
     back from the cache as built."""
@@ -132,11 +132,11 @@ def test_k_quant_files_through_the_cache(k_quants, cache_dir, qtype, kind):
 def test_a_bfloat16_load_has_its_own_cache(tmp_path, cache_dir):
     _, path = _tiny_gguf(tmp_path, "llama", gguf.GGMLQuantizationType.Q8_0)
     for dtype in ("float32", "bfloat16"):
-        load_pretrained(path, dtype=dtype, quantization="q4m")
+        load_pretrained(path, dtype=dtype, quantization="file")
     directory = resolve_model(path)
-    assert matrix_cache.cache_file(directory, "q4m", torch.float32).is_file()
-    assert matrix_cache.cache_file(directory, "q4m", torch.bfloat16).is_file()
-    model, _ = load_pretrained(path, dtype="bfloat16", quantization="q4m")
+    assert matrix_cache.cache_file(directory, "file", torch.float32).is_file()
+    assert matrix_cache.cache_file(directory, "file", torch.bfloat16).is_file()
+    model, _ = load_pretrained(path, dtype="bfloat16", quantization="file")
     assert {getattr(m, ATTR).dtype for m in quantized_linears(model)} == {torch.bfloat16}
     assert matrix_cache.cache_file(directory, "int4", torch.float32) is None  # torch's kinds: not cached
 
@@ -148,8 +148,8 @@ def test_a_damaged_or_stale_cache_is_ignored_and_rewritten(tmp_path, cache_dir, 
     from safetensors.torch import load_file, save_file
 
     _, path = _tiny_gguf(tmp_path, "llama", gguf.GGMLQuantizationType.Q4_0)
-    want = _state(load_pretrained(path, dtype="float32", quantization="q4m")[0])
-    cache = matrix_cache.cache_file(resolve_model(path), "q4m", torch.float32)
+    want = _state(load_pretrained(path, dtype="float32", quantization="file")[0])
+    cache = matrix_cache.cache_file(resolve_model(path), "file", torch.float32)
     good = cache.read_bytes()
     with safe_open(str(cache), framework="pt") as f:
         about = json.loads(f.metadata()["speculant"])
@@ -161,8 +161,8 @@ def test_a_damaged_or_stale_cache_is_ignored_and_rewritten(tmp_path, cache_dir, 
     elif damage == "another file":  # a model of the same shapes made from another GGUF file
         (tmp_path / "other").mkdir()
         _, other = _tiny_gguf(tmp_path / "other", "llama", gguf.GGMLQuantizationType.Q8_0)
-        load_pretrained(other, dtype="float32", quantization="q4m")
-        cache.write_bytes(matrix_cache.cache_file(resolve_model(other), "q4m", torch.float32).read_bytes())
+        load_pretrained(other, dtype="float32", quantization="file")
+        cache.write_bytes(matrix_cache.cache_file(resolve_model(other), "file", torch.float32).read_bytes())
     elif damage == "another build":  # made the way an older version made matrices
         save_file(tensors, str(cache), metadata={"speculant": json.dumps({**about, "build": matrix_cache.BUILD - 1})})
     elif damage == "bad description":
@@ -173,11 +173,11 @@ def test_a_damaged_or_stale_cache_is_ignored_and_rewritten(tmp_path, cache_dir, 
         del about["matrices"][gone], tensors[gone]
         save_file(tensors, str(cache), metadata={"speculant": json.dumps(about)})
     caplog.set_level(logging.WARNING, logger="speculant.models.matrix_cache")
-    model, _ = load_pretrained(path, dtype="float32", quantization="q4m")
+    model, _ = load_pretrained(path, dtype="float32", quantization="file")
     _same(_state(model), want)
     assert "ignoring the matrix cache" in caplog.text
     assert cache.read_bytes() == good  # rewritten as the first load wrote it
-    _same(_state(load_pretrained(path, dtype="float32", quantization="q4m")[0]), want)
+    _same(_state(load_pretrained(path, dtype="float32", quantization="file")[0]), want)
 
 
 def test_outdated_files_are_removed_when_the_cache_is_written(tmp_path, cache_dir):
@@ -186,15 +186,15 @@ def test_outdated_files_are_removed_when_the_cache_is_written(tmp_path, cache_di
 
     _, path = _tiny_gguf(tmp_path, "llama", gguf.GGMLQuantizationType.Q4_0)
     directory = resolve_model(path)
-    cache = matrix_cache.cache_file(directory, "q4m", torch.float32)
+    cache = matrix_cache.cache_file(directory, "file", torch.float32)
     older = cache.with_name(cache.name.replace(f"-v{quant.BLOCK_LAYOUT}.", "-v0."))
     newer = cache.with_name(cache.name.replace(f"-v{quant.BLOCK_LAYOUT}.", f"-v{quant.BLOCK_LAYOUT + 1}."))
-    other_dtype = matrix_cache.cache_file(directory, "q4m", torch.bfloat16)
+    other_dtype = matrix_cache.cache_file(directory, "file", torch.bfloat16)
     stale, fresh = directory / ".matrices-1.tmp", directory / ".matrices-2.tmp"
     for p in (older, newer, other_dtype, stale, fresh):
         p.write_bytes(b"x")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
-    load_pretrained(path, dtype="float32", quantization="q4m")
+    load_pretrained(path, dtype="float32", quantization="file")
     assert cache.is_file() and not older.exists() and not stale.exists()
     # a newer installation's layout, another dtype's cache, a write that may be in flight: kept
     assert newer.exists() and other_dtype.exists() and fresh.exists()

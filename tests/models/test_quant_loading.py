@@ -17,8 +17,8 @@ import torch
 
 from speculant import cli
 from speculant.commands import common
-from speculant.core.forward import lean_for
 from speculant.core.quant import ATTR, QUANTIZATIONS, QuantMatrix, quantization_of, quantized_linears
+from speculant.core.target_forward import llama_forward_for
 from speculant.models.loading import load_model_dir, load_pretrained, quantize_loaded
 from speculant.plan import resolve
 from speculant.session import load_plan
@@ -43,7 +43,7 @@ def test_the_option_offers_every_kind_and_says_its_default():
     common.add_model_arguments(p)
     action = next(a for a in p._actions if a.dest == "quantization")
     assert tuple(action.choices) == QUANTIZATIONS and action.default is None
-    assert "default: a packaged model's own format" in action.help and "quant_matmul.json" in action.help
+    assert "default: a packaged model's own format" in action.help and "file (each matrix as precise" in action.help
     args = p.parse_args(["--quantization", "q4"])
     assert common.session_arguments(args)["quantization"] == "q4"
 
@@ -55,12 +55,12 @@ def test_a_packaged_target_loads_in_its_own_format_unless_told():
     from speculant.plan import _resolve_quantization
 
     qwen = "qwen2.5-coder-1.5b-instruct"
-    assert PACKAGED[qwen].default_quantization == "q4m"  # q4 with the file's 6-bit tensors in 8 bits
+    assert PACKAGED[qwen].default_quantization == "file"  # q4 with the file's wider tensors kept wider
     assert PACKAGED["qwen2.5-coder-0.5b-instruct"].default_quantization == "q4"
-    assert _resolve_quantization(qwen, "qwen2.5-coder-0.5b-instruct", None, None) == ("q4m", "q4")  # DRAFT_KIND
+    assert _resolve_quantization(qwen, "qwen2.5-coder-0.5b-instruct", None, None) == ("file", "q4")  # DRAFT_KIND
     assert _resolve_quantization(qwen, None, "q8", None) == ("q8", "q8")
     assert _resolve_quantization(qwen, None, "none", None) == ("none", "none")
-    assert _resolve_quantization(qwen, None, None, "none") == ("q4m", "none")
+    assert _resolve_quantization(qwen, None, None, "none") == ("file", "none")
     assert _resolve_quantization("smollm2-135m-instruct", None, None, None) == ("none", "none")
     assert _resolve_quantization("some/dir", None, None, None) == ("none", "none")
 
@@ -71,6 +71,8 @@ def test_unknown_kind_is_a_one_line_error(code_models):
     _one_line(err.value)
     with pytest.raises(ValueError, match="unknown quantization"):
         load_pretrained(code_models["target"], quantization="fp8")
+    with pytest.raises(ValueError, match=r"unknown quantization 'q4m'; known: none, int8, int4, q4, file, q8"):
+        resolve(code_models["target"], method="ar", quantization="q4m")
 
 
 # ---------------------------------------------------------------------------------------------- session
@@ -337,11 +339,11 @@ def test_q4_from_q4_1_codes_is_exact_and_from_q4_k_within_float16_scales(gguf_fi
         assert diff.max() > 0  # Q4_K's d * sc does not fit in float16: q4 rounds it (measured, not assumed)
 
 
-@pytest.mark.parametrize("qtype, kind", [("Q8_0", "q4m"), ("Q5_0", "q4m"), ("Q5_1", "q8"), ("Q4_0", "q4m"),
+@pytest.mark.parametrize("qtype, kind", [("Q8_0", "file"), ("Q5_0", "file"), ("Q5_1", "q8"), ("Q4_0", "file"),
                                          ("Q4_0", "q8"), ("Q8_0", "q8"), ("Q4_0", "q4")])
-def test_q4m_and_q8_keep_4_5_and_8_bit_codes_exactly(gguf_files, cache_dir, qtype, kind):
+def test_file_and_q8_keep_4_5_and_8_bit_codes_exactly(gguf_files, cache_dir, qtype, kind):
     """Q4_0, Q5_0, Q5_1 and Q8_0 blocks are codes with a float16 scale and minimum per 32 (Q5_0: ``d (q - 16)``,
-    minimum ``-16 d``; Q8_0: ``d q`` = ``d (q + 128) - 128 d``): q8 holds them as they are, and so does a q4m
+    minimum ``-16 d``; Q8_0: ``d q`` = ``d (q + 128) - 128 d``): q8 holds them as they are, and so does a ``file``
     model (its 5- and 8-bit tensors as q8 matrices, its 4-bit ones as q4), every weight the file's value."""
     want = _file_values(gguf_files[qtype])
     model, _ = load_pretrained(gguf_files[qtype], dtype="float32")
@@ -351,32 +353,32 @@ def test_q4m_and_q8_keep_4_5_and_8_bit_codes_exactly(gguf_files, cache_dir, qtyp
         q = getattr(m, ATTR)
         assert q.kind == holds and torch.equal(q.dequantize(), want[i]), i
         assert q.kernel_bits == (4 if holds == "q4" else 8 if qtype == "Q8_0" else 7)  # 4- and 5-bit codes: below 128
-    table = lean_for(model)._q4_table(torch.float32)  # the lean forward's one-call layer loop takes the same bits
+    table = llama_forward_for(model)._q4_table(torch.float32)  # the one-call layer loop takes the same bits
     layers = [m for m in quantized_linears(model)][:-1]  # q, k, v, o, gate, up, down (the head is not in the table)
     assert table is not None and set(table[:, 10:].flatten().tolist()) == {getattr(m, ATTR).kernel_bits for m in layers}
 
 
-def test_a_q4m_model_keeps_6_bit_tensors_as_they_are(gguf_files, cache_dir):
-    """Q6_K (an int8 scale per 16, a float16 d per 256, no minimum) has no per-32 form: a q4m model keeps it as q6
+def test_a_file_model_keeps_6_bit_tensors_as_they_are(gguf_files, cache_dir):
+    """Q6_K (an int8 scale per 16, a float16 d per 256, no minimum) has no per-32 form: a ``file`` model keeps it as q6
     matrices of the file's own codes, d and sub-scales, every weight the file's value bit for bit; the model's own
     forward and the lean one multiply by it. ``wide_bits=8`` requantizes it to q8 from its values instead, within half
     a q8 step (1/510 of the group's range) of the file, 16x closer than q4 would be (``wide_bits=7``: 7-bit codes, the
     kernel's cheaper AVX2 route, within 1/254); int4 and q4 requantize it to their own kind (and the 8-bit codes of
     Q8_0 too)."""
     want = _file_values(gguf_files["Q6_K"])
-    model, matrices = _matrices(gguf_files["Q6_K"], "q4m")
+    model, matrices = _matrices(gguf_files["Q6_K"], "file")
     assert len(matrices) == 8
     for i, (m, q) in enumerate(zip(quantized_linears(model), matrices)):
         assert q.kind == "q6" and q.kernel_bits == 6 and torch.equal(q.dequantize(), want[i]), i
         x = torch.randn(3, want[i].shape[1])
         assert torch.equal(m(x), q.linear(x))
         assert torch.allclose(q.linear(x), x @ want[i].T, rtol=0.02, atol=0.02 * float((x @ want[i].T).abs().max()))
-    table = lean_for(model)._q4_table(torch.float32)
+    table = llama_forward_for(model)._q4_table(torch.float32)
     assert table is not None and set(table[:, 10:].flatten().tolist()) == {6}
     eight, _ = load_pretrained(gguf_files["Q6_K"], dtype="float32")
-    assert quantize_loaded(eight, "q4m", gguf_files["Q6_K"], wide_bits=8) == 0
+    assert quantize_loaded(eight, "file", gguf_files["Q6_K"], wide_bits=8) == 0
     seven, _ = load_pretrained(gguf_files["Q6_K"], dtype="float32")
-    quantize_loaded(seven, "q4m", gguf_files["Q6_K"], wide_bits=7)
+    quantize_loaded(seven, "file", gguf_files["Q6_K"], wide_bits=7)
     eights = [getattr(m, ATTR) for m in quantized_linears(eight)]
     sevens = [getattr(m, ATTR) for m in quantized_linears(seven)]
     assert len(sevens) == len(eights) == 8

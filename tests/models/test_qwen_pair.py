@@ -1,4 +1,4 @@
-"""Slow: the packaged Qwen2.5-Coder pair (1.5B target, 0.5B draft) in its own weights (q4m: the file's Q4_K as q4,
+"""Slow: the packaged Qwen2.5-Coder pair (1.5B target, 0.5B draft) in its own weights (``file``: the file's Q4_K as q4,
 its Q6_K as q6), end to end (``make qwen-models``)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 
 @pytest.mark.slow
 def test_every_method_decodes_the_q4_pair_exactly_and_transformers_runs_it_too(tmp_path):
-    """~3 min, ~6 GB: on two code-chat requests every method's greedy output equals plain decoding of the same q4m
+    """~3 min, ~6 GB: on two code-chat requests every method's greedy output equals plain decoding of the same ``file``
     weights (float32; the lean forward's compiled calls on the real shapes, q6 matrices included), and transformers'
     own generate, which multiplies by the same quantized matrices (ReleasedLinear), writes the same tokens."""
     if not (packaged_installed(TARGET) and packaged_installed(DRAFT)):
@@ -21,7 +21,7 @@ def test_every_method_decodes_the_q4_pair_exactly_and_transformers_runs_it_too(t
     methods = ["ar", "chain:k=3", "chain:k=3:stop=0.7", "chain:k=4:lookup=8", "lookup", "tree"]
     results = run_bench("builtin:code-chat", num_prompts=2, methods=methods, baselines=["hf-ar"], target=TARGET,
                         max_new_tokens=24, warmup=0, dtype="float32", progress=False, out=tmp_path)
-    assert results["settings"]["target_quantization"] == "q4m"
+    assert results["settings"]["target_quantization"] == "file"
     for spec in methods:
         assert results["methods"][spec]["identical_to_ar"] == 1.0, spec
     assert results["methods"]["chain:k=3"]["acceptance_length"] > 1.5

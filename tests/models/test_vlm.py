@@ -276,8 +276,8 @@ def test_m_rope_prompts_decode_at_their_offset_alone_and_in_a_batch(kind):
     prompt and a text-only one, with the lean forward after the prompt (also in q4 weights, against plain decoding
     in the same weights)."""
     from speculant.core.batch import Batch
-    from speculant.core.forward import TargetForward
     from speculant.core.quant import quantize_model
+    from speculant.core.target_forward import TargetForward
 
     vlm = tiny_vlm("qwen2_vl", vocab_size=VOCAB, image_token=IMAGE)
     a, b = _inputs("qwen2_vl", seed=0), _inputs("qwen2_vl", seed=1)

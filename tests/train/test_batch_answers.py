@@ -14,8 +14,8 @@ import torch
 
 from speculant.core.cache import SpecCache
 from speculant.core.engine import generate
-from speculant.core.forward import TargetForward
 from speculant.core.quant import quantize_model
+from speculant.core.target_forward import TargetForward
 from speculant.data.sharegpt import EVAL_SIZE, read_conversations, sharegpt_first_turns
 from speculant.tiny_models import tiny_model
 from speculant.train.drafter.answers import AnswerShard, load_shards, plan_shards, shard_paths

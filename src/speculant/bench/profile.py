@@ -1,6 +1,6 @@
 """``speculant bench --profile``: where a target forward's time goes, and how far it is from the machine's floor.
 
-For each target forward (:mod:`speculant.core.forward`: the lean one where it applies, and the model's own):
+For each target forward (:mod:`speculant.core.target_forward`: the lean one where it applies, and the model's own):
 
 * ``step_ms``: the median time of a one-token decoding forward (after a prompt is in the cache), unprofiled;
 * its split into matmuls (``aten::mm``/``addmm``/``linear`` ... self time), attention (SDPA kernels) and the rest
@@ -26,8 +26,8 @@ import torch
 
 from ..core.cache import SpecCache
 from ..core.checks import num_layers
-from ..core.forward import TargetForward, lean_for
 from ..core.packed import PackedMatrix, linear
+from ..core.target_forward import TargetForward, llama_forward_for
 
 __all__ = ["profile_target"]
 
@@ -48,7 +48,7 @@ def _median_ms(fn, repeats: int) -> float:
 def _weights(model: torch.nn.Module) -> list[torch.Tensor | PackedMatrix]:
     """The 2-D matrices a forward multiplies by, each once: the lean forward's (q/k/v and gate/up fused, packed
     when it packs) where it applies, else every Linear weight; the LM head included."""
-    lean = lean_for(model)
+    lean = llama_forward_for(model)
     if lean is not None:
         mats = [m for layer in lean.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         return [*mats, lean.head_matrix()]

@@ -285,18 +285,18 @@ def add_model_arguments(
     )
     p.add_argument(
         "--quantization",
-        choices=["none", "int8", "int4", "q4", "q4m", "q8"],  # speculant.core.quant.QUANTIZATIONS (not imported: no torch)
+        choices=["none", "int8", "int4", "q4", "file", "q8"],  # speculant.core.quant.QUANTIZATIONS (not imported: no torch)
         default=None,
         help="weight quantization of the models loaded by name (the draft takes the target's kind): none (the "
         "float weights); int8 (per-row int8 weights, torch's int8 kernel); int4 (groups of 32 4-bit weights with "
         "a scale and minimum each, torch's int4 kernel, float activations); q4 (the same weights, scale and minimum "
-        "in float16, times int8-quantized activations on speculant's own kernel); q8 (q4 with 8-bit codes); q4m (q4 "
-        "with a GGUF file's wider tensors kept wider, as the file spends more bits on them: Q6_K as it is, 7 bits per "
-        "weight on the same kernel; Q5_0, Q8_0 in 8-bit codes). int4, q4, q4m and q8 keep a GGUF file's own 4-bit "
+        "in float16, times int8-quantized activations on speculant's own kernel); q8 (q4 with 8-bit codes); file "
+        "(each matrix as precise as its GGUF file: 4-bit codes as q4, Q6_K as it is, 7 bits per weight on the same "
+        "kernel; Q5_0, Q8_0 in 8-bit codes). int4, q4, file and q8 keep a GGUF file's own 4-bit "
         "codes (Q4_K, Q4_0, Q4_1). Every method decodes the same quantized model, so output stays lossless against plain "
         "decoding of it (bit for bit: a quantized forward is row independent). Speed: q4 is the fastest at 1 to "
         "16 tokens per forward, int4 and int8 lose their advantage beyond a few tokens (docs/results/); default: "
-        "a packaged model's own format (q4 for the Qwen2.5-Coder pair), else none",
+        "a packaged model's own format (file for the Qwen2.5-Coder target, q4 for its draft), else none",
     )
     add_threads_argument(p)
     add_device_argument(p, "the target and draft models" if draft else "the target model")

@@ -111,8 +111,8 @@ _DRAFT_DOCS = {
     "answers": "target: the target writes its answers (Direct Alignment); dataset: it reads the prompts' own "
                "answers (builtin:sharegpt's replies) in one forward each, its top-k and states from that forward: "
                "several times the data rate on a CPU, on text the target did not write",
-    "quantization": "the target's weights when speculant answers (none, int8, int4, q4, q4m, q8); default: the "
-                    "packaged target's own (q4m for the 1.5B Qwen)",
+    "quantization": "the target's weights when speculant answers (none, int8, int4, q4, file, q8); default: the "
+                    "packaged target's own (file for the 1.5B Qwen)",
     "topk": "target log-probabilities kept per answer token (the teacher)",
     "kind": "token: a token-level drafter; feature: a feature (EAGLE) drafter that also reads the target's final "
             "hidden states (exported to OUT/feature-<loss>/draft); eagle3: EAGLE-3 (Li et al. 2025), a feature "

@@ -13,9 +13,9 @@ identical before this module). :func:`attend` computes every (head, row) alone o
 * without it (no compiler, ``SPECULANT_KERNELS=0``, float16): one SDPA call per row over that row's keys, with no
   mask, which is the very call plain decoding makes for its one row.
 
-:class:`~speculant.core.lean.LeanForward` uses it for forwards of at most :data:`MAX_ROWS` new tokens (decoding,
-verification, small prefills) and for every forward with a tree mask (verification of any size); longer prefills
-keep SDPA's fast kernels (a prompt is prefilled the same way by
+:class:`~speculant.core.llama_forward.LlamaForward` uses it for forwards of at most :data:`MAX_ROWS` new tokens
+(decoding, verification, small prefills) and for every forward with a tree mask (verification of any size); longer
+prefills keep SDPA's fast kernels (a prompt is prefilled the same way by
 every method, so this choice never separates two methods).
 """
 

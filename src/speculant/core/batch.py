@@ -4,9 +4,9 @@ A :class:`Batch` holds :class:`~speculant.core.sequence.Sequence` objects of one
 prompt length, cache, drafter (chain, tree, lookup ... or none), sampling settings, generator, stop tokens and
 budget. Sequences join (:meth:`Batch.add`: the prompt is prefilled then, alone) and leave (finished, or
 :meth:`Batch.cancel`) between steps. :meth:`Batch.step` drafts for every active sequence, runs *one* target
-forward over all their ``[root] + tree`` rows (:func:`speculant.core.forward.batched_logits`: the matrix products,
-LM head included, take every sequence's rows at once, so the weights are read once per step for the whole batch;
-attention runs per sequence over its own cache) and verifies each sequence with the one verifier. Ragged
+forward over all their ``[root] + tree`` rows (:func:`speculant.core.target_forward.batched_logits`: the matrix
+products, LM head included, take every sequence's rows at once, so the weights are read once per step for the whole
+batch; attention runs per sequence over its own cache) and verifies each sequence with the one verifier. Ragged
 acceptance needs no padding: each sequence keeps only its accepted path in its own cache.
 
 Exactness: with quantized weights (int8, int4, q4, q8) and row-by-row attention a row is the same bits in a batch as
@@ -24,7 +24,6 @@ import time
 
 import torch
 
-from .adaptive import MODES, Speculation, draft_model_id
 from .checks import (
     as_id_list,
     check_fits_context,
@@ -39,8 +38,9 @@ from .checks import (
 from .draft_batch import plan_together
 from .drafting import Drafter, capability, sync
 from .eviction import BudgetedKV, EvictionPolicy
-from .forward import FORWARDS, TargetForward, batched_logits
 from .sequence import Sequence
+from .speculation import MODES, Speculation, draft_model_id
+from .target_forward import FORWARDS, TargetForward, batched_logits
 from .types import Generation, PromptEmbeds, SamplingParams, StepEvent
 
 __all__ = ["Batch"]
@@ -50,8 +50,8 @@ log = logging.getLogger(__name__)
 
 class Batch:
     """Sequences of ``target`` decoded together (see the module doc). ``forward``: ``"auto"``, ``"lean"`` or
-    ``"model"`` (:class:`~speculant.core.forward.TargetForward`), for every sequence. ``speculation``: how deep the
-    sequences draft each step (:class:`~speculant.core.adaptive.Speculation` or its mode: ``"on"``, each drafter
+    ``"model"`` (:class:`~speculant.core.target_forward.TargetForward`), for every sequence. ``speculation``: how deep
+    the sequences draft each step (:class:`~speculant.core.speculation.Speculation` or its mode: ``"on"``, each drafter
     as deep as it likes; ``"off"``; ``"auto"``, by goodput from the measured acceptance and forward cost)."""
 
     def __init__(self, target: torch.nn.Module, forward: str = "auto", speculation: Speculation | str = "on") -> None:
@@ -216,7 +216,7 @@ class Batch:
 def _share_first_proposals(started: list[Sequence]) -> None:
     """Sequences of one draft model whose first proposals (each feeding its whole context to the draft model) ran in
     the same shared draft forwards each timed the whole planning, everybody's prefills included: each records the
-    tokens all of them fed, which its time is then divided by (:meth:`~.adaptive.Speculation.observe`). (Divided by
+    tokens all of them fed, which its time is then divided by (:meth:`~.speculation.Speculation.observe`). (Divided by
     its own tokens, the draft's prefill read several times dearer per token than its forward alone is, and under
     load the start rule turned down sequences whose drafting paid.) Drafters without a model (lookup) share no
     forward and keep their own figures. With several draft models in one step a proposal's time also holds the

@@ -19,6 +19,7 @@ __all__ = [
     "resolve_device",
     "warn_once",
     "context_length",
+    "sliding_window",
     "check_fits_context",
     "resolve_eos",
     "vocab_size",
@@ -111,8 +112,8 @@ def context_length(model: torch.nn.Module) -> int | None:
     return int(n) if n else None
 
 
-def _sliding_window(model: torch.nn.Module) -> int | None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+def sliding_window(cfg) -> int | None:
+    """The sliding window of a model config when any layer uses one, else None."""
     window = getattr(cfg, "sliding_window", None)
     if not window or getattr(cfg, "use_sliding_window", True) is False:
         return None
@@ -131,7 +132,8 @@ def check_fits_context(model: torch.nn.Module, prompt_len: int, max_new_tokens: 
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the {role} "
             f"model's context of {ctx} tokens"
         )
-    window = _sliding_window(model)
+    window = sliding_window(model.config.get_text_config() if hasattr(model.config, "get_text_config")
+                            else model.config)
     if window is not None and total > window:
         raise ValueError(
             f"{total} tokens exceed the {role} model's sliding window of {window}: sliding-window attention "

@@ -3,19 +3,18 @@
 In a :class:`~speculant.core.batch.Batch` step every sequence drafts before the one verification forward. Each
 drafter runs its own draft model forwards (a chain: the catch-up, then one per level), so with ``n`` sequences
 drafting ``k`` levels a step costs ``n * k`` draft forwards, each reading every draft weight, although a
-memory-bound forward over ``n`` rows costs about what one row costs (the 1.5B's q4 0.5B draft: 11.9 ms for one
-row, 17.1 ms for four sequences' rows, 48.0 ms for four forwards of one; ``benchmarks/batch_drafts.py``).
+memory-bound forward over ``n`` rows costs about what one row costs (``benchmarks/batch_drafts.py`` measures it).
 
 :func:`plan_together` plans the sequences as coroutines (greenlets) on the calling thread under a
-:class:`ForwardBatcher`: a lean forward (:meth:`LeanForward.hidden <speculant.core.lean.LeanForward.hidden>`) called
-by a planning sequence does not run at once; the sequence is suspended with its request, the next one plans, and
-when every sequence waits in a forward or is done, the forwards of one model run as one
-:meth:`~speculant.core.lean.LeanForward.hidden_batch` (each sequence's own draft cache, positions and tree mask) and
-every waiting sequence resumes with its rows. So the drafters stay as they are (any of them, whatever its shape of
-tree or number of levels) and a step costs about ``k`` draft forwards whatever ``n``. Coroutines, not threads: torch
-ops issued from several OS threads each bring their own OpenMP team, and on 2 cores that made every later forward of
-the process about three times slower (measured: 45 ms for three batched draft levels before, 129 ms after one step
-planned on a thread pool).
+:class:`ForwardBatcher`: a :class:`~speculant.core.llama_forward.LlamaForward` built with :func:`active` as its
+``active_batcher`` (as :func:`~speculant.core.target_forward.llama_forward_for` builds them) does not run at once
+when a planning sequence calls its :meth:`~speculant.core.llama_forward.LlamaForward.hidden`; the sequence is
+suspended with its request, the next one plans, and when every sequence waits in a forward or is done, the forwards
+of one model run as one :meth:`~speculant.core.llama_forward.LlamaForward.hidden_batch` (each sequence's own draft
+cache, positions and tree mask) and every waiting sequence resumes with its rows. So the drafters stay as they are
+(any of them, whatever its shape of tree or number of levels) and a step costs about ``k`` draft forwards whatever
+``n``. Coroutines, not threads: torch ops issued from several OS threads each bring their own OpenMP team, which
+makes every later forward of the process several times slower on a small CPU.
 
 Exactness is untouched: the verifier does not care how a draft was computed. With quantized weights a row is the
 same bits in a batched forward as alone (row independent), so the drafts are the same too; with float weights
@@ -31,8 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 from greenlet import GreenletExit, getcurrent, greenlet
 
-if TYPE_CHECKING:  # the lean forward asks this module whether to suspend (it imports us, not the other way)
-    from .lean import LeanForward, Segment
+if TYPE_CHECKING:  # types only: a forward is handed :func:`active` by whoever builds it
+    from .llama_forward import LlamaForward, Segment
 
 __all__ = ["ForwardBatcher", "active", "plan_together"]
 
@@ -43,10 +42,10 @@ def active() -> ForwardBatcher | None:
 
 
 class _Request:
-    __slots__ = ("lean", "segment")
+    __slots__ = ("forward", "segment")
 
-    def __init__(self, lean: LeanForward, segment: Segment) -> None:
-        self.lean, self.segment = lean, segment
+    def __init__(self, forward: LlamaForward, segment: Segment) -> None:
+        self.forward, self.segment = forward, segment
 
 
 class _Planner(greenlet):
@@ -58,7 +57,7 @@ class _Planner(greenlet):
 
 
 class ForwardBatcher:
-    """Suspends the lean forwards of planning coroutines and runs them together (see the module doc).
+    """Suspends the Llama forwards of planning coroutines and runs them together (see the module doc).
 
     :attr:`forwards` counts the batched forwards run and :attr:`segments` the requests they served (their ratio is
     how many sequences shared a draft forward on average)."""
@@ -67,21 +66,21 @@ class ForwardBatcher:
         self.forwards = 0
         self.segments = 0
 
-    def hidden(self, lean: LeanForward, segment: Segment) -> torch.Tensor:
-        """``lean.hidden`` of ``segment`` (``[1, T, H]``): suspends the calling coroutine until the batched forward
+    def hidden(self, forward: LlamaForward, segment: Segment) -> torch.Tensor:
+        """``forward.hidden`` of ``segment`` (``[1, T, H]``): suspends the calling coroutine until the batched forward
         ran (an error of that forward is raised here)."""
-        return getcurrent().parent.switch(_Request(lean, segment))
+        return getcurrent().parent.switch(_Request(forward, segment))
 
     def run(self, requests: list[tuple[_Planner, _Request]]) -> list[tuple[_Planner, torch.Tensor | None,
                                                                            BaseException | None]]:
         """Run ``requests`` grouped by model: ``(planner, rows, error)`` for each."""
         groups: dict[int, list[tuple[_Planner, _Request]]] = {}
         for planner, r in requests:
-            groups.setdefault(id(r.lean), []).append((planner, r))
+            groups.setdefault(id(r.forward), []).append((planner, r))
         out = []
         for group in groups.values():
             try:
-                rows = group[0][1].lean.hidden_batch([r.segment for _, r in group])  # [1, T_s, H] each
+                rows = group[0][1].forward.hidden_batch([r.segment for _, r in group])  # [1, T_s, H] each
                 out += [(planner, h, None) for (planner, _), h in zip(group, rows)]
             except Exception as exc:  # noqa: BLE001: every request of the failed forward gets the error
                 out += [(planner, None, exc) for planner, _ in group]

@@ -36,7 +36,7 @@ class DecodeState:
 
     ``ids`` are all committed token ids (prompt + new); the last one is the root of the next tree (not yet in
     the target's cache). ``remaining`` is how many tokens may still be committed; ``max_draft`` a cap the engine
-    may set for the next step (speculation that adapts to load: :mod:`speculant.core.adaptive`; None: none). A
+    may set for the next step (speculation that adapts to load: :mod:`speculant.core.speculation`; None: none). A
     drafter drafts at most :attr:`draft_limit` levels deep.
     """
 

@@ -1,5 +1,5 @@
 """``generate()``, ``generate_steps()`` and ``generate_batch()``: the speculative decoding loop. It knows no method
-names (../shared/DESIGN.md, The flow).
+names: a drafter proposes a tree (:class:`~speculant.core.drafting.Drafter`), the one verifier decides.
 
 Invariant: the target's cache holds every committed token except the last one, the *root*. Each step feeds
 ``[root] + draft tree`` in one forward (tree mask + position ids), verifies, keeps the root and the accepted path
@@ -154,7 +154,7 @@ def generate_batch(
     None for plain decoding; None: plain decoding for all) and cache. ``seed``: one for all or one per prompt;
     the other settings apply to every prompt (see :func:`speculant.generate`); ``speculation``: ``"on"`` (each
     drafter as deep as it likes), ``"off"`` or ``"auto"`` (depths chosen per step by goodput,
-    :mod:`speculant.core.adaptive`). Returns one
+    :mod:`speculant.core.speculation`). Returns one
     :class:`~speculant.core.types.Generation` per prompt, in order; each equals what :func:`generate` gives the
     prompt alone, token for token, greedy, with quantized weights (see the batch module on float weights)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:

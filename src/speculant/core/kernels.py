@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["BLOCK_BYTES", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q6_BLOCK_BYTES", "Q8_BLOCK_BYTES", "SOURCES", "attend", "build_of", "cache_dir", "cpu_info",
+__all__ = ["BLOCK_BYTES", "GROUP", "HALF", "KERNELS_ENV", "Q4_BLOCK_BYTES", "Q4_COLUMNS", "Q6_BLOCK_BYTES", "Q8_BLOCK_BYTES", "SOURCES", "attend", "build_of", "cache_dir", "cpu_info",
            "library", "q4_amx", "q4_call", "q4_isa", "q4_layers", "q4_matmul", "q4_seven", "rope_attend", "using"]
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,11 @@ log = logging.getLogger(__name__)
 KERNELS_ENV = "SPECULANT_KERNELS"
 """Environment variable: ``0`` never builds nor loads the compiled kernels (the torch reference runs instead)."""
 
+GROUP = 32
+"""Inputs per block: one weight scale and minimum per column (q4, q8; torch's int4 kernel groups the same way), one
+activation scale per row."""
+HALF = 16
+"""Inputs per q6 sub-scale (GGUF's Q6_K: two per block)."""
 Q4_COLUMNS = 16
 """Output columns per packed q4 block."""
 Q4_BLOCK_BYTES = 320
@@ -254,13 +259,13 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, n: int, lib: ctypes.CDLL, *
     """
     m, xk = x.shape
     k = xk // 2 if glu else xk
-    if (x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or k % 32
+    if (x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous() or k % GROUP
             or (glu and xk % 2)):
         raise ValueError(f"q4_matmul takes a contiguous float32/bfloat16 [M, K] with K a multiple of 32 ([M, 2K] "
                          f"with glu), got {x.dtype} {tuple(x.shape)}")
     if bits not in BLOCK_BYTES:
         raise ValueError(f"q4_matmul takes 4-, 6-, 7- or 8-bit codes, got bits={bits}")
-    if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-n // Q4_COLUMNS), k // 32, BLOCK_BYTES[bits]):
+    if packed.dtype != torch.uint8 or tuple(packed.shape) != (-(-n // Q4_COLUMNS), k // GROUP, BLOCK_BYTES[bits]):
         raise ValueError(f"packed q4 weights of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
     operands = {"norm": (norm, (k,)), "bias": (bias, (n,)), "residual": (residual, (m, n))}
     for name, (t, shape) in operands.items():
@@ -339,12 +344,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Ten
 def rope_attend(qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, allowed: torch.Tensor | None,
                 scale: float, lib: ctypes.CDLL) -> torch.Tensor:
-    """One attention block after the fused q/k/v projection, in one call (``csrc/attend.cpp``, unchecked: the lean
-    forward's hot path): RoPE on the queries and keys of ``qkv [T, (Hq + 2 Hkv) D]`` (contiguous) at ``positions``
-    (int64 ``[T]``, tables ``cos``/``sin`` ``[P, D]`` contiguous, in ``qkv``'s dtype), keys and values written into
-    the cache buffers ``k``/``v`` ``[Hkv, capacity, D]`` (last dimension contiguous) at slots ``start .. start + T -
-    1``, then :func:`attend` over the ``start + T`` slots (``allowed``: None for causal, or uint8 ``[T, start + T]``
-    contiguous) -> ``[T, Hq * D]``; bit for bit the torch RoPE followed by :func:`attend`."""
+    """One attention block after the fused q/k/v projection, in one call (``csrc/attend.cpp``, unchecked:
+    :class:`~speculant.core.llama_forward.LlamaForward`'s hot path): RoPE on the queries and keys of
+    ``qkv [T, (Hq + 2 Hkv) D]`` (contiguous) at ``positions`` (int64 ``[T]``, tables ``cos``/``sin`` ``[P, D]``
+    contiguous, in ``qkv``'s dtype), keys and values written into the cache buffers ``k``/``v`` ``[Hkv, capacity, D]``
+    (last dimension contiguous) at slots ``start .. start + T - 1``, then :func:`attend` over the ``start + T`` slots
+    (``allowed``: None for causal, or uint8 ``[T, start + T]`` contiguous) -> ``[T, Hq * D]``; bit for bit the torch
+    RoPE followed by :func:`attend`."""
     t = qkv.shape[0]
     d = cos.shape[1]
     out = torch.empty(t, heads * d, dtype=qkv.dtype)
@@ -361,13 +367,13 @@ def rope_attend(qkv: torch.Tensor, heads: int, kv_heads: int, positions: torch.T
 def q4_layers(x: torch.Tensor, weights: torch.Tensor, intermediate: int, heads: int, kv_heads: int,
               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: torch.Tensor,
               caches: torch.Tensor, scale: float, eps: float, lib: ctypes.CDLL) -> None:
-    """Every decoder layer of a q4 lean forward in one call (``csrc/layers.cpp``, unchecked: the lean forward's hot
-    path), ``x [T, H]`` (contiguous, the residual stream of one or several sequences' rows) updated in place: per
-    layer the q4 products with their norms, biases, GLU and residuals (:func:`q4_call`) over all rows, around
-    :func:`rope_attend` per sequence, the same calls in the same order. ``weights``: int64 ``[L, 14]``, addresses
-    and code bits; ``segments``: int64 ``[S, 8]`` per sequence (first row, rows, cache start, mask address or 0,
-    key/value head and slot strides); ``caches``: int64 ``[S, L, 2]`` key/value buffer addresses (see the C
-    source); ``positions``: int64 ``[T]``."""
+    """Every decoder layer of a q4 :class:`~speculant.core.llama_forward.LlamaForward` in one call
+    (``csrc/layers.cpp``, unchecked: its hot path), ``x [T, H]`` (contiguous, the residual stream of one or several
+    sequences' rows) updated in place: per layer the q4 products with their norms, biases, GLU and residuals
+    (:func:`q4_call`) over all rows, around :func:`rope_attend` per sequence, the same calls in the same order.
+    ``weights``: int64 ``[L, 14]``, addresses and code bits; ``segments``: int64 ``[S, 8]`` per sequence (first row,
+    rows, cache start, mask address or 0, key/value head and slot strides); ``caches``: int64 ``[S, L, 2]`` key/value
+    buffer addresses (see the C source); ``positions``: int64 ``[T]``."""
     t, h = x.shape
     if not hasattr(lib, "q4_seven"):  # an earlier revision's build (kernel_ab.py) takes 7-bit codes as 8-bit ones
         weights = weights.clone()

@@ -18,7 +18,7 @@ F = TypeVar("F", bound=Callable)
 def normal_mode() -> Iterator[None]:
     """Outside inference mode and without gradients, whatever the caller's modes: tensors made inside a caller's
     ``torch.inference_mode()`` would be inference tensors, which cannot be updated in place later (quantizing,
-    packing, online adaptation) and have no version counter for the caches keyed on it (VocabTrim heads, the lean
+    packing, online adaptation) and have no version counter for the caches keyed on it (VocabTrim heads, the Llama
     forward); ``inference_mode(False)`` alone would turn gradients on inside a caller's ``no_grad()``."""
     with torch.inference_mode(False), torch.no_grad():
         yield

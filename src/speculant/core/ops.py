@@ -1,4 +1,4 @@
-"""The lean forward's building blocks: RMSNorm, and matrix products with their neighbours fused where a kernel can.
+"""The Llama forward's building blocks: RMSNorm, and matrix products with their neighbours fused where a kernel can.
 
 A decoder layer of a small model on a CPU spends a large share of its time outside the matrix products: about 50
 torch ops per layer (norms in float32 and back, bias and residual adds, the GLU's chunk, silu and multiply), each

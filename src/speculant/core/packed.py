@@ -2,10 +2,9 @@
 
 On a CPU, ``F.linear`` hands a weight matrix to oneDNN, which first reorders it into its blocked layout, on every
 call: for decoding, where each matrix is used once per token for one or a few rows, that reorder reads and writes
-the whole matrix again. ``benchmarks/packed_matmul.py`` (``benchmarks/results/packed_matmul.json``) times one sweep
-over SmolLM2-135M's matrices (270 MB in bf16, far larger than the caches) on 2 cores (AMD EPYC, avx512_bf16):
-bf16 ``F.linear`` 20.0 ms for 1 row and 22.4 ms for 5, the same matrices reordered once 14.8 and 13.2 ms; float32
-46.2 and 56.1 ms vs 27.0 and 35.6 ms.
+the whole matrix again. Over SmolLM2-135M's matrices (270 MB in bf16, far larger than the caches) on 2 cores of an
+AVX-512 (bf16) CPU, one sweep of bf16 ``F.linear`` takes 20.0 ms for 1 row and 22.4 ms for 5, the same matrices
+reordered once 14.8 and 13.2 ms; float32 46.2 and 56.1 ms vs 27.0 and 35.6 ms (``benchmarks/packed_matmul.py``).
 
 :class:`PackedMatrix` holds that reordered copy and :func:`linear` multiplies by it
 (``torch.ops.mkldnn._linear_pointwise``, the kernel inductor uses for frozen CPU linears). In bfloat16 the result

@@ -7,7 +7,8 @@ many sequences in one forward:
 
 1. :meth:`Sequence.plan` drafts the tree and returns the verification inputs (a :class:`Segment`: ``[root] + tree``,
    its positions and tree mask, probe slots, a KV policy's query capture);
-2. the caller runs the forward (one sequence alone, or many at once: :func:`speculant.core.forward.batched_logits`);
+2. the caller runs the forward (one sequence alone, or many at once:
+   :func:`speculant.core.target_forward.batched_logits`);
 3. :meth:`Sequence.absorb` verifies the logits, keeps the root and the accepted path in the cache (rejected slots are
    dropped from it, never zeroed), commits the accepted tokens and the bonus, cuts at a stop token or the budget,
    records the statistics and tells the drafter; it returns the step's :class:`StepEvent`.
@@ -26,9 +27,9 @@ from .cache import SpecCache
 from .checks import num_layers
 from .drafting import DecodeState, Drafter, capability, sync
 from .eviction import BudgetedKV
-from .forward import Segment, TargetForward
 from .logprobs import emission_rows, token_logprobs
 from .sampling import make_generator
+from .target_forward import Segment, TargetForward
 from .tree import TreeAttention
 from .types import DraftTree, Generation, GenerationStats, PromptEmbeds, SamplingParams, StepEvent, TokenLogprob
 from .verification import verify
@@ -74,7 +75,7 @@ class Sequence:
         self._step: tuple[DraftTree, int, object] | None = None  # plan()'s tree, cache length and capture
         self._start = 0.0
         self.natural_depth = 0  # the deepest draft the drafter proposed uncapped (0: not seen yet)
-        self.probed_at: int | None = None  # target calls when it last probed (core.adaptive)
+        self.probed_at: int | None = None  # target calls when it last probed (core.speculation)
         self.draft_s_per_level: float | None = None  # measured drafting seconds per level (moving average)
         # the first proposal's (seconds, context tokens fed, depth drafted, tokens fed by every first proposal that
         # shared its draft forwards, its own when alone: core.batch): it fills the draft cache; None: not yet

@@ -3,7 +3,7 @@
 Why it matters: torch splits every matrix product over its thread pool and then waits at a barrier for the slowest
 thread. When another process keeps one of the cores busy, the thread that shares that core runs only in the
 scheduler's time slices, and every other thread waits for it at every barrier: with 2 threads on 2 cores and one
-busy neighbour, plain decoding ran 2.2 tokens/s against 71.5 with one thread (issue 32 item 14).
+busy neighbour, plain decoding can run thirty times slower than with one thread.
 
 Two remedies, both here:
 
@@ -65,10 +65,10 @@ SPIN_VAR = "GOMP_SPINCOUNT"
 
 DEFAULT_SPIN = "20000"
 """What the ``speculant`` command sets :data:`SPIN_VAR` to when the environment says neither a wait policy nor a
-spin count. Measured (``benchmarks/threads_busy.py``, ``benchmarks/results/threads-busy-spin``: 2 cores, the
-Qwen2.5-Coder-0.5B in q4, tokens/s quiet / beside a busy neighbour with ``auto`` threads): PASSIVE 24.7 / 21.2,
-this 31.7 / 22.0, ACTIVE 32.8 / 21.9; with 2 threads forced beside the neighbour PASSIVE 19.3, this 8.9 (the
-runtime's own wait collapsed to 4.4 on the bundled model there)."""
+spin count: on a quiet machine nearly as fast as ACTIVE (idle threads spin) and clearly faster than PASSIVE
+(they sleep at once), beside a busy neighbour with ``auto`` threads as fast as either, and with more threads
+forced than there are free cores far less collapsed than the runtime's own default wait
+(``benchmarks/threads_busy.py`` measures the three)."""
 
 SAMPLE_S = 0.2
 """How long :func:`busy_cores` watches ``/proc/stat``: long enough for a few scheduler ticks (100 per second)."""

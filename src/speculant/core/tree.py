@@ -1,7 +1,7 @@
 """Tree attention: the additive mask and position ids for a target forward over ``[root] + tree nodes``.
 
-A node sees the whole cache, the root, its ancestors and itself; its position id is ``cache_len + depth``
-(../shared/ALGORITHMS.md, Tree drafting). The mask lives in one buffer that is reused across steps: each step
+A node sees the whole cache, the root, its ancestors and itself; its position id is ``cache_len + depth`` (tree
+attention as in SpecInfer, Miao et al. 2024). The mask lives in one buffer that is reused across steps: each step
 writes only its ``Q x Q`` tree block and clears the previous one, so nothing of size ``Q x cache_len`` is
 rebuilt. Blocks and depth vectors are memoised per tree shape (chains and static trees repeat every step).
 """

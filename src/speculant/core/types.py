@@ -1,7 +1,8 @@
 """Plain data shared by every part of speculant: sampling settings, draft trees, verdicts and statistics.
 
-Notation follows ../shared/ALGORITHMS.md: ``q`` is the target distribution, ``p`` the draft distribution (both
-after the same warping), τ the mean acceptance length (tokens emitted per target forward, bonus included).
+Notation follows the speculative decoding papers (Leviathan et al. 2023, Chen et al. 2023): ``q`` is the target
+distribution, ``p`` the draft distribution (both after the same warping), τ the mean acceptance length (tokens
+emitted per target forward, bonus included).
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ class GenerationStats:
     target_forward_s: float = 0.0
     draft_forward_s: float = 0.0
     draft_tokens: int = 0
-    target_forward: str = ""  # "lean" or "model": which target forward ran (speculant.core.forward)
+    target_forward: str = ""  # "lean" or "model": which target forward ran (speculant.core.target_forward)
     kv_peak_bytes: int = 0  # the target's KV cache at its largest (live keys and values, all layers)
 
     @property

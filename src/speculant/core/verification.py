@@ -1,4 +1,5 @@
-"""The one verifier: every drafter's tree is accepted or rejected here (../shared/ALGORITHMS.md, Verification).
+"""The one verifier: every drafter's tree is accepted or rejected here (speculative sampling: Leviathan et al.
+2023, Chen et al. 2023; over a tree: SpecInfer, Miao et al. 2024).
 
 Rules, chosen from the tree and the sampling settings, never from the drafter's name:
 

@@ -32,9 +32,9 @@ from ..core.checks import (
     vocab_size,
     warn_once,
 )
-from ..core.forward import lean_for
-from ..core.lean import LeanForward
+from ..core.llama_forward import LlamaForward
 from ..core.sampling import sample, warp
+from ..core.target_forward import llama_forward_for
 from ..core.types import DraftTree
 from .base import DecodeState, Drafter
 from .vocab_trim import TrimmedHead, trimmed_head
@@ -57,9 +57,9 @@ class DraftModelBase(Drafter):
             (default) uses the size the draft model's calibration recommends if it ships one (the bundled draft
             does), else the full head. Lossless either way; trimming trades τ for a cheaper draft forward.
 
-    Llama-family drafts run through :class:`speculant.core.lean.LeanForward` (the same layers without transformers'
-    per-module overhead, shared with the target); set ``lean_forward = False`` on a drafter to use the model's own
-    forward.
+    Llama-family drafts run through :class:`speculant.core.llama_forward.LlamaForward` (the same layers without
+    transformers' per-module overhead, shared with the target); set ``lean_forward = False`` on a drafter to use the
+    model's own forward.
 
     A subclass's ``propose`` feeds :meth:`_catch_up` first, then its draft tokens, and ends with :meth:`_record`
     (which of the tree's nodes it fed); :meth:`commit` then keeps the draft cache consistent.
@@ -84,7 +84,7 @@ class DraftModelBase(Drafter):
                              "drive: build the method through speculant.build_drafter, or use "
                              "speculant.drafters.feature.feature_variant(" + type(self).__name__ + ")")
         self.model = draft_model  # the declared capability (Drafter.model)
-        self._lean: LeanForward | None = None
+        self._lean: LlamaForward | None = None
         self.tokenizers_match = tokenizers_match
         self.vocab_trim = vocab_trim
         self._head: TrimmedHead | None = None
@@ -121,7 +121,7 @@ class DraftModelBase(Drafter):
         self._n_cached = 0
         self._tree = None
         self._fed = 0
-        self._lean = lean_for(self.model) if self.lean_forward else None
+        self._lean = llama_forward_for(self.model) if self.lean_forward else None
 
     def params_per_forward(self) -> int:
         """Parameters one draft forward reads (for MBSU's cost ratio): the transformer blocks and final norm,

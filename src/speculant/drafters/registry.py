@@ -23,8 +23,8 @@ import torch
 
 from ..models.attached import is_feature_drafter
 from ..models.confu_contemplation import is_confu_drafter
-from ..core.forward import FORWARDS
 from ..core.specs import NO_DEFAULT, Key, split_spec
+from ..core.target_forward import FORWARDS
 from .base import Drafter
 from .feature import feature_variant
 from .model import DraftModelDrafter
@@ -107,7 +107,7 @@ _REGISTRY: dict[str, Method] = {}
 
 ENGINE_KEYS: dict[str, Key] = {
     "forward": Key(str, "the target forward: auto (the lean forward where it reproduces the model), lean, or model "
-                        "(transformers' own); see speculant.core.forward", "auto"),
+                        "(transformers' own); see speculant.core.target_forward", "auto"),
 }
 """Keys every method spec accepts; they set the decoding loop (``generate``), not the drafter:
 :func:`engine_options` splits them off."""

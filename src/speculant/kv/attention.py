@@ -67,7 +67,7 @@ class QueryCapture:
 
     def record(self, layer: int, queries: torch.Tensor) -> None:
         """Store ``queries [B, H_q, T, D]`` (post-RoPE) of ``layer``: how a forward that bypasses the modules
-        (:class:`speculant.core.lean.LeanForward`) reports them; no hooks need to be active."""
+        (:class:`speculant.core.llama_forward.LlamaForward`) reports them; no hooks need to be active."""
         self.queries[layer] = queries[:, :, -self.last :] if self.last else queries
 
     def keep_rows(self, rows: list[int]) -> None:

@@ -240,14 +240,14 @@ def prefill_blockwise(
     with the observation queries (the last block's window, then the policy's observers'), and the second pass
     scores every block but the last by their attention (:func:`observer_attention`); the scratch cache is released
     before the second pass fills ``cache``, so the peak stays one cache.
-    ``forward``: a :class:`speculant.core.forward.TargetForward` to run the blocks through (the engine passes its own,
-    the lean forward where it applies); None calls the model's own forward. ``hidden_out`` (with ``forward``): a
+    ``forward``: a :class:`speculant.core.target_forward.TargetForward` to run the blocks through (the engine passes its
+    own, the lean forward where it applies); None calls the model's own forward. ``hidden_out`` (with ``forward``): a
     list that receives each block's final-normed hidden states ``[1, T_block, H]``.
     """
     if block < 1:
         raise ValueError(f"block must be >= 1, got {block}")
     if hidden_out is not None and forward is None:
-        raise ValueError("hidden_out needs forward (a speculant.core.forward.TargetForward)")
+        raise ValueError("hidden_out needs forward (a speculant.core.target_forward.TargetForward)")
     observers = None
     if policy.prefill_passes() == 2 and cache.length == 0 and input_ids.shape[1] > budget:
         observers = {}

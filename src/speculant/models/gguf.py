@@ -122,7 +122,7 @@ def q6_k_codes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 Q6_K = 14
-"""GGML's type number of Q6_K: 6-bit codes, an int8 scale per 16 and a float16 ``d`` per 256, which a q4m model keeps
+"""GGML's type number of Q6_K: 6-bit codes, an int8 scale per 16 and a float16 ``d`` per 256, which a ``file`` model keeps
 as they are (q6 matrices: :meth:`speculant.core.quant.QuantMatrix.q6`)."""
 
 CODE_TYPES = {12: (q4_k_codes, 144, 4), 3: (q4_1_codes, 20, 4), 2: (q4_0_codes, 18, 4), 6: (q5_0_codes, 22, 8),
@@ -351,16 +351,16 @@ def _weights_map(model: torch.nn.Module, arch: str) -> dict[str, str]:
     return out
 
 
-CODED = ("int4", "q4", "q4m", "q8")
+CODED = ("int4", "q4", "file", "q8")
 """The quantizations whose matrices can take a GGUF file's codes unchanged (:func:`speculant.models.loading.quantize_loaded`)."""
 
 
 def code_kind(qtype: int, quantization: str, six: bool = True) -> tuple[str, bool]:
     """The kind of matrix that keeps a GGUF tensor of ggml type ``qtype`` in a model quantized to ``quantization``
-    (one of :data:`CODED`: Q6_K in q6 where the model holds q6, as q4m does; another wide type in q8 where the model
-    holds q8, as q4m and q8 do; else the quantization's matrix kind), and whether it takes the file's codes unchanged
+    (one of :data:`CODED`: Q6_K in q6 where the model holds q6, as ``file`` does; another wide type in q8 where the model
+    holds q8, as ``file`` and q8 do; else the quantization's matrix kind), and whether it takes the file's codes unchanged
     (Q6_K in q6; codes with a scale and minimum per 32, of at most the kind's bits: :data:`CODE_TYPES`) rather than
-    being requantized from its values. ``six=False``: Q6_K as the other wide types (q8 in q4m, requantized)."""
+    being requantized from its values. ``six=False``: Q6_K as the other wide types (q8 in ``file``, requantized)."""
     from ..core.quant import BITS, HOLDS, MATRIX_KIND
 
     if qtype == Q6_K and six and "q6" in HOLDS[quantization]:

@@ -81,7 +81,7 @@ def check_quantization(quantization: str | None) -> str:
 
 
 WIDE_TAGS = {"8bit": 8, "7bit": 7}
-"""Benchmark variants of a quantization (``KIND/TAG``, e.g. ``q4m/8bit``): a GGUF file's Q6_K tensors requantized
+"""Benchmark variants of a quantization (``KIND/TAG``, e.g. ``file/8bit``): a GGUF file's Q6_K tensors requantized
 to 8- or 7-bit q8 codes instead of kept as q6 (:func:`quantize_loaded`'s ``wide_bits``)."""
 
 
@@ -100,17 +100,17 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
     """Quantize a freshly loaded ``model`` in place to ``quantization`` (:func:`speculant.core.quant.quantize_model`)
     and return how many matrices were built from a GGUF file's own codes.
 
-    With ``gguf_file`` (the file the model's weights were read from) and an int4, q4, q4m or q8 kind, every matrix
+    With ``gguf_file`` (the file the model's weights were read from) and an int4, q4, file or q8 kind, every matrix
     the file stores as codes with a scale and minimum per 32 (:data:`speculant.models.gguf.CODE_TYPES`) takes those
     codes unchanged (:meth:`~speculant.core.quant.QuantMatrix.from_codes`) where the kind holds them: 4-bit codes
-    (Q4_K, Q4_1, Q4_0) in int4, q4, q4m and q8; 5- and 8-bit codes (Q5_0, Q5_1, Q8_0) in q8 matrices, which a q4m
+    (Q4_K, Q4_1, Q4_0) in int4, q4, file and q8; 5- and 8-bit codes (Q5_0, Q5_1, Q8_0) in q8 matrices, which a ``file``
     model holds too. So the quantized model is the file's model: int4 computes ``(q - 8) * scale + (minimum + 8 *
     scale)`` in the model's dtype (float32: the file's values but for a rare last-bit rounding of that form), q4
     and q8 round each scale and minimum to float16 (exact for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, whose d and m are
     float16 and whose minimums 8 d, 16 d, 128 d are too; Q4_K's ``d * sc`` has up to 17 significant bits: a relative
     rounding of at most 2^-11 of the scale and of the minimum).
 
-    In a q4m model the file's Q6_K tensors (a Q4_K_M file's LM head, half of its value and down projections: the
+    In a ``file`` model the file's Q6_K tensors (a Q4_K_M file's LM head, half of its value and down projections: the
     file spent more bits on them) become q6 matrices of their own codes, d and sub-scales
     (:meth:`~speculant.core.quant.QuantMatrix.q6`, 7 bits per weight): exactly the file's values. Its other 5- to
     8-bit tensors without per-32 blocks (Q5_K: :data:`speculant.models.gguf.WIDE_TYPES`) become q8 matrices
@@ -134,7 +134,7 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
 
         targets = {id(m.weight): m for m in quantized_linears(model)}
         params = dict(model.named_parameters())
-        free = releasable(model)
+        free = releasable(model, quantized_linears(model))
         six = wide_bits == 6 and "q6" in HOLDS[quantization]  # Q6_K kept as q6 (its codes wanted)
         for name, qtype, codes, scale, minimum in file_tensors(gguf_file, model, six=six):
             module = targets.get(id(params[name]))
@@ -159,7 +159,7 @@ def quantize_loaded(model: torch.nn.Module, quantization: str, gguf_file: str | 
         raise RuntimeError(f"{left[0]} was left undecoded but took no matrix from the file's codes")
     quantize_model(model, quantization)
     if built:
-        from ..core.lean import fused_groups
+        from ..core.llama_forward import fused_groups
         from ..core.quant import unify_fused
 
         unify_fused(fused_groups(model))  # the model's own forward and the fused lean one: the same matrices
@@ -179,7 +179,7 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None, qua
         quantization: one of :data:`speculant.core.quant.QUANTIZATIONS` (None: ``"none"``): the model is
             quantized in place after loading (:func:`quantize_loaded`), except a GGUF-backed one, which is built
             quantized: it keeps the file's own codes where the kind holds them, never decodes those tensors, and in
-            q4, q4m and q8 caches its matrices for the next load (:mod:`speculant.models.matrix_cache`).
+            q4, file and q8 caches its matrices for the next load (:mod:`speculant.models.matrix_cache`).
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode. A vision-language model (a config with a vision part) comes

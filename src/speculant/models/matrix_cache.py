@@ -1,6 +1,6 @@
 """A GGUF model's quantized matrices, cached on disk in the q4 / q8 / q6 kernel's own block layout.
 
-Building a q4, q4m or q8 model from a GGUF file means decoding the file's tensors, taking its codes (or
+Building a q4, file or q8 model from a GGUF file means decoding the file's tensors, taking its codes (or
 requantizing the wider ones) and packing them into the kernel's blocks (:meth:`speculant.core.quant.QuantMatrix
 ._pack`): for Qwen2.5-Coder-1.5B tens of seconds of decoding, codes and packing at every load, and a float32 peak
 of several GB. The blocks are the same bytes each time, so the first load writes them next
@@ -39,9 +39,9 @@ __all__ = ["BUILD", "CACHED", "Cached", "cache_file", "load_matrices", "read_cac
 log = logging.getLogger(__name__)
 
 CACHED = tuple(q for q, kinds in HOLDS.items() if set(kinds) <= set(BLOCK_KINDS))
-"""The quantizations whose matrices are cached: those made of q4 / q8 kernel blocks only (q4, q4m, q8)."""
+"""The quantizations whose matrices are cached: those made of q4 / q8 kernel blocks only (q4, file, q8)."""
 
-BUILD = 4  # (2: a build that requantized Q6_K to 7 bits, undone; 3: Q6_K as q6 in q4m; 4: fused parts unified)
+BUILD = 5  # (2: Q6_K requantized to 7 bits, undone; 3: Q6_K as q6; 4: fused parts unified; 5: "file" named)
 """Version of how a GGUF model's matrices are made (:func:`speculant.models.loading.quantize_loaded`: which tensors
 keep their codes and in which kind, requantization from values, the decoders): bump it with any change there, so
 that caches made the old way are rebuilt."""
@@ -125,7 +125,7 @@ def load_matrices(model: torch.nn.Module, cached: Cached, quantization: str) -> 
     not hold exactly the model's quantized linears in their shapes (then load the model again, decoding all)."""
     modules, quantized = dict(model.named_modules()), set(quantized_linears(model))
     linears = {name for name, m in modules.items() if m in quantized}
-    free = releasable(model)
+    free = releasable(model, quantized_linears(model))
     plan = []
     for name, (kind, shape, released) in cached.matrices.items():
         module = modules.get(name)

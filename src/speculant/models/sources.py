@@ -16,7 +16,7 @@ A model can be named as
 Llama and Qwen2 GGUF files are read directly at every load (:mod:`speculant.models.gguf`: each tensor dequantized
 into the requested dtype, bit-identical to transformers' float32 conversion); their cache directory holds only
 config.json, the tokenizer files and :data:`SOURCE_FILE` naming the GGUF file (and, once a model was loaded in
-q4, q4m or q8, its quantized matrices: :mod:`speculant.models.matrix_cache`). Other architectures are converted
+q4, file or q8, its quantized matrices: :mod:`speculant.models.matrix_cache`). Other architectures are converted
 once (dequantized to float32 ``nn.Linear`` weights, with their tokenizer and chat template) into a model
 directory. Both live in ``$SPECULANT_CACHE/models/<name>-<key>/`` (default ``$XDG_CACHE_HOME/speculant``, else
 ``~/.cache/speculant``). The key hashes the GGUF file's resolved path, size and modification time, so a changed
@@ -156,7 +156,7 @@ PACKAGED: dict[str, PackagedModel] = {
             # the file's 4-bit codes times int8 activations on speculant's own kernel, its 6-bit tensors (LM head,
             # half the v/down projections) kept as they are: chosen by measurement for speed and for agreement with
             # the float32 file (docs/results/)
-            default_quantization="q4m",
+            default_quantization="file",
             # the EAGLE-3 and ConFu drafters trained for it (speculant train draft --kind eagle3 / confu)
             method_drafts=(("eagle3", "qwen2.5-coder-1.5b-instruct-eagle3"),
                            ("confu", "qwen2.5-coder-1.5b-instruct-confu")),
@@ -169,7 +169,7 @@ PACKAGED: dict[str, PackagedModel] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             # all-4-bit q4: its GGUF's Q5_0/Q8_0 tensors (most of them) in 8 bits would make each draft forward slower;
-            # as the target's draft (q4m's DRAFT_KIND) it only proposes, so the fastest form
+            # as the target's draft (file's DRAFT_KIND) it only proposes, so the fastest form
             default_quantization="q4",
             # VocabTrim ranking from the 1.5B target's own answers (benchmarks/qwen_vocab_trim.py)
             files=(("calibration/qwen2.5-coder-0.5b-instruct.vocab_trim.json", "vocab_trim.json"),),

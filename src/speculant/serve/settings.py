@@ -54,7 +54,7 @@ class ServeSettings:
     given. ``max_queue``: requests that may wait behind a full batch; one more is answered 429. ``max_batch``:
     requests decoded together (continuous batching: one target forward per step for all of them; 1: one at a time).
     ``speculation``: how deep each request drafts per step (``auto``: by goodput from its measured acceptance and the
-    measured cost of a forward over the batch's rows, :mod:`speculant.core.adaptive`; ``on``: as deep as the method
+    measured cost of a forward over the batch's rows, :mod:`speculant.core.speculation`; ``on``: as deep as the method
     drafts; ``off``: plain decoding). ``api_key`` None: no authentication (printable ASCII: HTTP headers carry ASCII).
     ``port``: 0 to 65535 (0: a free one). ``allow_origin``: the browser origins (``http://localhost:3000``, or ``*``)
     allowed to call the server cross-origin, with CORS; without an API key every other origin, and any ``Host`` that
@@ -128,7 +128,7 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
     given and speculant ships none for the target is an error, as for ``generate``); one-line ValueErrors for a
     bad method, KV options, device, or model, and for the server's own options. May convert a GGUF target once
     (see README). Without a target: :func:`default_target`."""
-    if settings.speculation not in ("auto", "on", "off"):  # speculant.core.adaptive.MODES (no torch import here)
+    if settings.speculation not in ("auto", "on", "off"):  # speculant.core.speculation.MODES (no torch import here)
         raise ValueError(f"--speculation must be auto, on or off, got {settings.speculation!r}")
     if settings.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {settings.max_batch}")

@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.adaptive import Speculation, row_cost
+from ..core.speculation import Speculation, row_cost
 from ..core.types import SamplingParams, StepEvent
 from .logprobs import token_entries
 from .metrics import ServerMetrics
@@ -239,7 +239,7 @@ class Worker:
         self.load_ended = threading.Event()  # set once loading succeeded or failed
         self.tokenizer_lock = threading.Lock()
         self.session = None  # a speculant.session.Session once loaded
-        self.speculation = None  # its speculant.core.adaptive.Speculation (the forward costs it measured)
+        self.speculation = None  # its speculant.core.speculation.Speculation (the forward costs it measured)
         self.online = None  # a speculant.online.OnlineAdapter with --online
         self.target = self.tokenizer = self.draft_model = None
         self.context_length: int | None = None

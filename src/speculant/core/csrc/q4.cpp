@@ -73,9 +73,9 @@ constexpr int MT_MAX = 16;       // rows per tile: each weight block is read onc
 // 4-16 rows the arithmetic per block hides the hardware prefetcher's latency less well; measured on 2 cores of a
 // Xeon (1.5B shapes, all 28 layers): 8 rows 89 -> 62 ms, 16 rows 99 -> 85 ms, 1 row 46 -> 41 ms (4 blocks ahead).
 // 16 blocks ahead (5 KB of 4-bit blocks, about one DRAM latency at 4 rows' pace): on 2 cores of an AMD EPYC (Zen 4),
-// the whole 1.5B q4m forward, 61 interleaved repeats against 4 ahead, 1 / 4 tokens 0.94 / 0.93x (two runs: 0.95 /
-// 0.90x); 10 ahead 0.98 / 0.96x, 24 0.89 / 0.94x, 32 0.98 / 0.98x, 48 0.95 / 1.05x (benchmarks/kernel_ab.py,
-// benchmarks/results/kernel-ab-s36/).
+// the whole 1.5B forward in "file" quantization, 61 interleaved repeats against 4 ahead, 1 / 4 tokens 0.94 / 0.93x
+// (two runs: 0.95 / 0.90x); 10 ahead 0.98 / 0.96x, 24 0.89 / 0.94x, 32 0.98 / 0.98x, 48 0.95 / 1.05x
+// (benchmarks/kernel_ab.py).
 constexpr int PREFETCH_BLOCKS = 16;
 
 [[maybe_unused]] float half_to_float(uint16_t h) {
@@ -600,10 +600,10 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
     for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     if constexpr (BITS != 7 && MT <= GROUPED_ROWS<BITS>) {
         // Up to 4 rows (2 with 8-bit codes, whose sums take twice the registers): group_dots256, every code register
-        // live across the rows. Measured with benchmarks/kernel_ab.py (the whole 1.5B q4m forward, AMD EPYC Zen 3,
-        // 2 threads, 15 repeats): 1 / 2 / 3 / 4 tokens 0.97 / 1.01 / 0.95 / 0.94x the time of the loop below, within
-        // a few percent of the host's noise (benchmarks/results/kernel_ab_avx2_grouped.json); by hand, not kept: 8-bit
-        // codes in groups of 2 for 3-4 rows 1.04x at 4 rows, every row count in groups of 4 lost from 8 rows on (spills).
+        // live across the rows. Measured with benchmarks/kernel_ab.py (the whole 1.5B forward in "file"
+        // quantization, AMD EPYC Zen 3, 2 threads, 15 repeats): 1 / 2 / 3 / 4 tokens 0.97 / 1.01 / 0.95 / 0.94x the
+        // time of the loop below, within a few percent of the host's noise; not kept: 8-bit codes in groups of 2 for
+        // 3-4 rows 1.04x at 4 rows, every row count in groups of 4 lost from 8 rows on (spills).
         for (int64_t g = 0; g < G; ++g, w += B) {
             prefetch_ahead(w, B);
             __m256 sw[2], mw[2];
@@ -620,7 +620,7 @@ void tile(const uint8_t* w, int64_t G, const int8_t* a, const float* dx, const f
         // broadcast once for both. Columns-half outermost (below) made GCC keep every row's activation words on the
         // stack and re-broadcast them per half; from 8 rows, where a half's codes stay in registers for all rows, that
         // order is the faster one. The whole 1.5B forward of 4 tokens on 2 cores of an AMD EPYC (Zen 3, AVX2), with
-        // the AVX2 attention route: 152 -> 129 ms (benchmarks/results/kernel_ab_avx2.json).
+        // the AVX2 attention route: 152 -> 129 ms (benchmarks/kernel_ab.py).
         alignas(32) __m256i c[2][8];
         for (int64_t g = 0; g < G; ++g, w += B) {
             prefetch_ahead(w, B);

@@ -5,7 +5,7 @@ The same shards as :func:`.answers.generate_answers` (same planning, :func:`.ans
 reasonable time on a CPU:
 
 * **the deployed weights**: the target as :func:`speculant.load_pretrained` gives it with its quantization (the
-  1.5B's q4m), decoded by the lean forward, so the drafter learns what the target people run writes;
+  1.5B's ``file`` quantization), decoded by the lean forward, so the drafter learns what the target people run writes;
 * **continuous batching** (:class:`speculant.core.batch.Batch`): up to ``batch`` sequences decode together, one
   forward per step for all of them; a finished sequence's place goes to the next prompt at once (no padding, no
   waiting for a batch's longest answer). Shards complete out of order and each is written when its last answer is

@@ -41,7 +41,7 @@ def sequence_lengths(shard: AnswerShard) -> np.ndarray:
 def _shard_features(target, shard: AnswerShard, taps: list[int]) -> np.ndarray:
     from ...core.cache import SpecCache
     from ...core.checks import num_layers
-    from ...core.forward import TargetForward
+    from ...core.target_forward import TargetForward
 
     forward = TargetForward(target, taps=taps)
     device = target.device

@@ -35,9 +35,10 @@ __all__ = ["FORCED", "forced_answers", "read_answer"]
 @torch.inference_mode()
 def read_answer(forward, prompt: list[int], answer: list[int], topk: int, with_states: bool
                 ) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray | None]:
-    """One forward of ``forward`` (a :class:`~speculant.core.forward.TargetForward`) over ``prompt + answer[:-1]``:
-    the target's top-``topk`` ``(ids [A, k] int32, log-probabilities [A, k] float16)`` at each answer token (raw
-    distribution) and, with ``with_states``, its states ``[P + A - 1, F]`` as bfloat16 bits (int16)."""
+    """One forward of ``forward`` (a :class:`~speculant.core.target_forward.TargetForward`) over
+    ``prompt + answer[:-1]``: the target's top-``topk`` ``(ids [A, k] int32, log-probabilities [A, k] float16)`` at
+    each answer token (raw distribution) and, with ``with_states``, its states ``[P + A - 1, F]`` as bfloat16 bits
+    (int16)."""
     from ...core.cache import SpecCache
     from ...core.checks import num_layers
 
@@ -61,7 +62,7 @@ def forced_answers(target: torch.nn.Module, prompts: list[list[int]], answers: l
     sample (see the module doc); ``features``: also the target's states there (the outputs of ``taps``, then the
     final-normed state). Arguments otherwise as :func:`.batch_answers.engine_answers`; resumes after the shards
     already in ``out``. Returns ``out``."""
-    from ...core.forward import TargetForward
+    from ...core.target_forward import TargetForward
 
     if len(answers) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(answers)} answers")

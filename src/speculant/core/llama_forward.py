@@ -1,8 +1,8 @@
-"""A lean forward for Llama-family models: the same computation as transformers' forward without its machinery.
+"""The Llama-family forward as plain tensor ops: the same computation as transformers' forward without its machinery.
 
 On a real model the forward is almost all of a decoding step, and a large part of transformers' forward is not
 arithmetic: 30 layers of module calls, kwargs plumbing, per-call mask and RoPE building, cache bookkeeping.
-:class:`LeanForward` runs the same layers as plain tensor ops on the model's own weights:
+:class:`LlamaForward` runs the same layers as plain tensor ops on the model's own weights:
 
 * q/k/v and gate/up projections fused into one matmul each, prepared once and without a second copy: the
   model's own q/k/v (gate/up) weights become views of the fused matrix (:func:`_fused`; Phi-3 ships them fused);
@@ -26,7 +26,7 @@ Covered: ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Q
 norms), ``Phi3ForCausalLM`` (fused projections, partial rotary), in eval mode, with RMSNorm, ``silu`` MLPs and
 a static RoPE (``default``, ``linear``, ``llama3``, ``yarn``). :func:`unsupported` names the reason for anything
 else, and callers fall back to the model's own forward. A sliding-window model is covered while a sequence fits
-in its window (:attr:`LeanForward.window`; the engine checks it per generation).
+in its window (:attr:`LlamaForward.window`; the engine checks it per generation).
 
 Numerics follow transformers' order of operations (float32 RMSNorm statistics, RoPE tables cast to the model
 dtype, SDPA), so float32 logits agree with the model's own forward to rounding (bit for bit in our tests). In
@@ -38,22 +38,24 @@ tests check both dtypes on every covered architecture within the dtype's toleran
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from . import attention, draft_batch, kernels
+from . import attention, kernels
+from .checks import sliding_window
 from .modes import normal_mode
 from .ops import fused_linear, rms_norm
 from .packed import PackedMatrix, linear, pack_enabled, packable
 from .quant import ATTR, BLOCK_KINDS, QuantMatrix, quantization_of
 
-__all__ = ["COVERED", "LeanForward", "Segment", "fused_groups", "sliding_window", "unsupported"]
+__all__ = ["COVERED", "Batcher", "LlamaForward", "Segment", "fused_groups", "unsupported"]
 
 COVERED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
-"""Model classes the lean forward reproduces."""
+"""Model classes :class:`LlamaForward` reproduces."""
 
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq and attention_scaling fixed at init
 
@@ -77,7 +79,7 @@ class _Layer:
 
 @dataclass
 class Segment:
-    """One sequence's new tokens in a forward over several sequences (:meth:`LeanForward.hidden_batch`): each has
+    """One sequence's new tokens in a forward over several sequences (:meth:`LlamaForward.hidden_batch`): each has
     its own cache, positions and mask; the matrix products take every sequence's rows together."""
 
     cache: Any  # its SpecCache (possibly evicting)
@@ -87,6 +89,14 @@ class Segment:
     mask: torch.Tensor | None = None  # [1, 1, T, L + T] additive or boolean (a tree); None: causal
     capture: Any = None  # a QueryCapture recording each layer's post-RoPE queries (attention-scored KV policies)
     head_rows: int | None = None  # logits of the first n rows only (the rest: states only), None: of every row
+
+
+class Batcher(Protocol):
+    """What runs the forwards of several callers together (a batch's sequences drafting at once): :meth:`hidden`
+    takes one caller's request and returns its final-normed states ``[1, T, H]`` once the shared forward
+    (:meth:`LlamaForward.hidden_batch`) ran."""
+
+    def hidden(self, forward: LlamaForward, segment: Segment) -> torch.Tensor: ...
 
 
 @dataclass
@@ -104,7 +114,7 @@ class _Plan:
 
 
 def unsupported(model: torch.nn.Module) -> str | None:
-    """Why :class:`LeanForward` cannot reproduce ``model``, or None when it can."""
+    """Why :class:`LlamaForward` cannot reproduce ``model``, or None when it can."""
     name = type(model).__name__
     cfg = getattr(model, "config", None)
     if name not in COVERED or cfg is None:
@@ -155,7 +165,7 @@ def _fused(*linears: torch.nn.Module) -> torch.Tensor:
 
     The first time, the weights are copied into one new matrix and each module's ``weight`` becomes a Parameter
     viewing its rows of it (same values, same ``requires_grad``; no memory kept twice, and in-place updates of
-    the model's weights are seen by the lean forward). Later builds find the views back to back and reuse them.
+    the model's weights are seen by :class:`LlamaForward`). Later builds find the views back to back and reuse them.
     """
     weights = [m.weight for m in linears]
     if _adjacent(weights):
@@ -201,7 +211,7 @@ def _quantized(*linears: torch.nn.Module) -> QuantMatrix:
 
 
 def _groups(layer: torch.nn.Module) -> tuple[tuple[torch.nn.Module, ...], tuple[torch.nn.Module, ...]]:
-    """A decoder layer's linears that the lean forward multiplies as one matrix: ``(q/k/v, gate/up)``."""
+    """A decoder layer's linears that :class:`LlamaForward` multiplies as one matrix: ``(q/k/v, gate/up)``."""
     a, m = layer.self_attn, layer.mlp
     qkv = (a.qkv_proj,) if hasattr(a, "qkv_proj") else (a.q_proj, a.k_proj, a.v_proj)
     gate_up = (m.gate_up_proj,) if hasattr(m, "gate_up_proj") else (m.gate_proj, m.up_proj)
@@ -209,7 +219,7 @@ def _groups(layer: torch.nn.Module) -> tuple[tuple[torch.nn.Module, ...], tuple[
 
 
 def fused_groups(model: torch.nn.Module) -> list[tuple[torch.nn.Module, ...]]:
-    """Every group of linears of ``model``'s decoder layers that the lean forward fuses into one matrix (q/k/v,
+    """Every group of linears of ``model``'s decoder layers that :class:`LlamaForward` fuses into one matrix (q/k/v,
     gate/up): what :func:`speculant.core.quant.unify_fused` takes."""
     return [group for layer in model.model.layers for group in _groups(layer)]
 
@@ -221,38 +231,34 @@ def _quantize_layer(layer: torch.nn.Module, w: _Layer) -> _Layer:
                                gate_up=_quantized(*gate_up), down=_quantized(layer.mlp.down_proj))
 
 
-def sliding_window(cfg) -> int | None:
-    """The sliding window of a model config when any layer uses one, else None."""
-    window = getattr(cfg, "sliding_window", None)
-    if not window or getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    types = getattr(cfg, "layer_types", None)
-    if types is not None and "sliding_attention" not in types:
-        return None
-    return int(window)
-
-
-class LeanForward:
-    """``logits = lean(input_ids [1, T] | inputs_embeds [1, T, H], cache, positions [1, T] | None,
+class LlamaForward:
+    """``logits = forward(input_ids [1, T] | inputs_embeds [1, T, H], cache, positions [1, T] | None,
     mask [1, 1, T, L + T] | None)``; :meth:`hidden` stops before the LM head (final-normed states ``[1, T, H]``).
 
     Build it with :meth:`build`, which returns None (and :func:`unsupported` says why) for a model it does not
     reproduce. Unpacked (:attr:`packed` False) it reads the model's weights in place (in-place updates are seen);
     rebuild it when parameters are replaced by new tensors or biases change (biases, rare in these models, are
-    concatenated copies), and, when packed, when weights change in place (:func:`speculant.core.forward.lean_for`
-    does both).
+    concatenated copies), and, when packed, when weights change in place
+    (:func:`speculant.core.target_forward.llama_forward_for` does both).
 
     ``pack``: reorder the matrices once for the CPU's matmul kernels (:mod:`speculant.core.packed`); None (default)
     lets :func:`~speculant.core.packed.pack_enabled` decide.
 
     A model quantized by :func:`~speculant.core.quant.quantize_model` runs on its quantized matrices
     (:attr:`quantization` names the kind; ``pack`` is then ignored) and, like a packed one, holds copies
-    (:attr:`packed` is True: rebuild after in-place changes)."""
+    (:attr:`packed` is True: rebuild after in-place changes).
 
-    def __init__(self, model: torch.nn.Module, pack: bool | None = None) -> None:
+    ``active_batcher``: called by :meth:`hidden` to ask for the :class:`Batcher` the calling code runs under (None:
+    the forward runs at once). Whoever builds the forward passes it
+    (:func:`~speculant.core.target_forward.llama_forward_for` passes the draft batcher's); this module knows no
+    batcher."""
+
+    def __init__(self, model: torch.nn.Module, pack: bool | None = None,
+                 active_batcher: Callable[[], Batcher | None] | None = None) -> None:
         cfg = model.config
         base = model.model
         self.model = model
+        self.active_batcher = active_batcher
         self.embed = base.embed_tokens.weight  # [V, H]
         self.lm_head = model.get_output_embeddings()
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -295,9 +301,10 @@ class LeanForward:
         self._grow(min(getattr(cfg, "max_position_embeddings", 4096), 4096))
 
     @classmethod
-    def build(cls, model: torch.nn.Module, pack: bool | None = None) -> LeanForward | None:
-        """A lean forward for ``model``, or None if :func:`unsupported` names a reason."""
-        return None if unsupported(model) is not None else cls(model, pack)
+    def build(cls, model: torch.nn.Module, pack: bool | None = None,
+              active_batcher: Callable[[], Batcher | None] | None = None) -> LlamaForward | None:
+        """A :class:`LlamaForward` for ``model``, or None if :func:`unsupported` names a reason."""
+        return None if unsupported(model) is not None else cls(model, pack, active_batcher)
 
     def _grow(self, n: int) -> None:
         """RoPE tables for positions ``[0, n)`` (at least double the old size), as transformers computes them."""
@@ -396,7 +403,7 @@ class LeanForward:
 
     def head_matrix(self) -> torch.Tensor | PackedMatrix | QuantMatrix:
         """The LM head's ``[V, H]`` matrix as :meth:`logits` multiplies by it: quantized when the model is, packed
-        when the layers are (made on first use: a drafter's lean forward never needs its shared head), else the
+        when the layers are (made on first use: a drafter's forward never needs its shared head), else the
         model's own weight."""
         if not self.packed:
             return self.lm_head.weight.detach()
@@ -433,7 +440,7 @@ class LeanForward:
                 the keys name the layers to tap (values are overwritten).
         """
         segment = Segment(cache, input_ids, inputs_embeds, positions, mask, capture)
-        batcher = draft_batch.active()
+        batcher = None if self.active_batcher is None else self.active_batcher()
         if batcher is not None and taps is None:  # a batch's sequences drafting together: one forward for all
             return batcher.hidden(self, segment)
         return self.hidden_batch([segment], taps)[0]

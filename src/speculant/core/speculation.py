@@ -311,8 +311,7 @@ _EXPLORE = 8  # sequences of a draft model turned down, after which the next one
 _EXPLORE_MAX = 64  # ... doubling after each such start, up to this, until the rule itself starts one again
 _MARGIN = 1.03  # drafting must promise at least this much more goodput than none: the cost model's figures (one
 # forward's seconds by its rows, a level's seconds) leave out per-step work that grows with drafting (catch-up
-# forwards, building and verifying trees, cache bookkeeping): on the 1.5B pair at four sequences, where the model
-# saw small gains, drafting at the method's depth lost 4% and auto 1.5% (benchmarks/results/continuous_batch.json)
+# forwards, building and verifying trees, cache bookkeeping), so a promise within a few percent of none is a loss
 
 
 def draft_model_id(seq) -> int | None:
@@ -437,7 +436,7 @@ def row_cost(target: torch.nn.Module, forward: str = "auto"):
     scratch cache (for :meth:`ForwardCost.calibrate`)."""
     from .cache import SpecCache
     from .checks import num_layers
-    from .forward import TargetForward
+    from .target_forward import TargetForward
 
     fwd = TargetForward(target, forward)
     vocab = int(target.get_input_embeddings().weight.shape[0])

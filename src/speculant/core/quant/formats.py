@@ -1,8 +1,7 @@
-"""Quantized matrices (int8, int4 weight-only on torch's CPU kernels; q4, q8, q6 on speculant's own) for the lean forward.
+"""The quantized forms of a weight matrix: :class:`QuantMatrix` (its codes and scales, their packing into each
+kernel's layout, and its products), and the tables that name the forms.
 
-Quantization is a choice of model, not of decoding method: :func:`quantize_model` turns a model into its int8 or
-int4 version, and from then on every method (plain decoding, chains, trees, lookup ...) runs that model, so
-"lossless" keeps its meaning: each method's output equals plain decoding of the same quantized model.
+Matrix kinds (:data:`KINDS`):
 
 * ``int8``: per output channel, symmetric: ``w[n, k] = scale[n] * q[n, k]``, ``q`` in ``[-127, 127]``
   (``torch._weight_int8pack_mm``).
@@ -19,39 +18,29 @@ int4 version, and from then on every method (plain decoding, chains, trees, look
   ``dpbusd`` / AVX2 ``maddubs``) and float32 fused multiply-adds over the groups in increasing order. Each weight
   block is read once for up to 16 rows, so verifying 16 tokens costs little more than decoding one (torch's int4
   kernel is compute-bound beyond one row). Without a compiler the same scheme runs in torch
-  (:func:`q4_reference`, slower; it agrees with the kernel to float64-vs-fma double rounding, a rare last-bit
-  difference). The model's own (transformers) forward multiplies by the same matrices (see below), so it
-  computes the q4 model too (its attention differs from the lean forward's by float rounding only).
+  (:func:`~.reference.q4_reference`, slower; it agrees with the kernel to float64-vs-fma double
+  rounding, a rare last-bit difference). The model's own (transformers) forward multiplies by the same matrices
+  (:mod:`speculant.core.quant.rewrite`), so it computes the q4 model too (its attention differs from
+  :class:`~speculant.core.llama_forward.LlamaForward`'s by float rounding only).
 * ``q8``: q4 with 8-bit codes (``q`` in ``[0, 256)``, ``scale = (max - min) / 255``), the same activations, kernel
   and epilogue (9 bits per weight where q4 has 5); ``--quantization q8`` makes every matrix q8. A q8 matrix whose
   codes all lie below 128 (a GGUF file's 5-bit tensors as they are, or any matrix built with
   ``QuantMatrix.quantize(..., code_bits=7)``) goes to the kernel as 7-bit codes (:attr:`QuantMatrix.kernel_bits`),
   which an AVX2 CPU without VNNI multiplies with one ``maddubs`` per 4 inputs instead of two: the same bits, less
-  time beyond one row (README "7-bit codes").
+  time beyond one row.
 * ``q6``: a GGUF file's Q6_K tensors as they are, on the same kernel and activations: per 32 inputs a float16
   ``d`` (Q6_K's, per 256, repeated) and two int8 sub-scales ``sc`` (one per 16 inputs), ``w = d * sc * (q - 32)``
   with ``q`` in ``[0, 64)``; the product takes each half's exact integer dot ``sum (q - 32) a`` and
   ``y = sum_g fma(d * dx, sc_0 D_0 + sc_1 D_1, acc)`` (``csrc/q4.cpp``, "q6"). 7 bits per weight where q8 takes 9,
   and the file's values exactly (:meth:`QuantMatrix.q6`); :meth:`QuantMatrix.quantize` makes one from float values
   too (tests).
-* ``q4m`` (a model quantization, not a matrix kind): q4 matrices, except wider ones for the tensors a GGUF file
-  stores in more than 4 bits (:data:`HOLDS`): Q6_K as q6, Q5_0, Q8_0 ... as q8, so the model stays as close to the
-  file as q4's activations allow (Qwen2.5-Coder-1.5B Q4_K_M: teacher-forced top-1 agreement with the float32 file
-  0.993 with its Q6_K tensors in q6, 0.996 with them in q8, where all-4-bit q4 gives 0.961, on 16 MT-Bench answers;
-  0.992 with q6 over all 80 since the kernel's GLU computes its own exp; benchmarks/results/quant-fidelity). A q6
-  value projection fused with q4 q and k (the lean forward's one q/k/v matrix) is held as q8 on the model too
-  (:func:`unify_fused`), so that both forwards multiply by the same matrices.
 
-How it is wired: :func:`quantize_model` records the :class:`QuantMatrix` on each decoder-layer linear and the LM head
-(attribute :data:`ATTR`) and then drops the module's float weight (:func:`release`): the weight becomes
-a shapeless-storage ``meta`` tensor of the same shape and dtype, and the module's forward multiplies by the quantized
-matrix (:meth:`QuantMatrix.linear`), so the model's own forward (transformers, the ``hf-*`` baselines, any fallback)
-runs the quantized weights too, and no float copy of a quantized matrix is kept (float32 Qwen2.5-Coder-1.5B in q4:
-3.2 GB resident after loading, 3.6 with its lean forward built, 9.9 at the loading peak; before, 6.2 GB of float32
-matrices stayed beside the quantized ones). :class:`~speculant.core.lean.LeanForward` finds the recorded matrices
-and multiplies by them with the quantized kernels (fused q/k/v and gate/up concatenated, :meth:`QuantMatrix.cat`).
-A tied LM head quantizes the shared matrix but keeps its float values, the dequantized rows, for the token
-embedding (as in a GGUF file, whose token_embd is quantized).
+Model quantizations (:data:`QUANTIZATIONS`) name what a whole model is made of: ``none`` or one kind for every
+matrix, except ``file`` (a model quantization, not a matrix kind): each matrix as precise as its GGUF file, q4
+matrices except wider ones for the tensors the file stores in more than 4 bits (:data:`HOLDS`): Q6_K as q6, Q5_0,
+Q8_0 ... as q8, so the model stays as close to the file as q4's activations allow. A q6 value projection fused with
+q4 q and k (the Llama forward's one q/k/v matrix) is held as q8 on the model too (:func:`~.rewrite.unify_fused`), so
+that both forwards multiply by the same matrices.
 
 Exactness rests on row independence: verification multiplies 1..16 rows by each matrix where plain decoding
 multiplies one, so a token's output row must not depend on how many rows are multiplied together. Both torch
@@ -60,8 +49,7 @@ kernels loop over rows with the same arithmetic per row, and q4's kernel is row 
 bitwise in tests/test_quant.py and tests/test_kernels.py for 1..16 and more rows, 1 and 2 threads). The attention
 between the products is row independent too (:mod:`speculant.core.attention`), so a quantized forward over T
 tokens gives the bits of T one-token forwards (tests/test_attention.py, end to end on four architectures): every
-method's greedy output equals plain decoding's, on the real Qwen2.5-Coder pair as well
-(benchmarks/results/qwen-q4-fp32-exactness). Note: torch's dense float kernels (``F.linear`` in float32, and
+method's greedy output equals plain decoding's. Note: torch's dense float kernels (``F.linear`` in float32, and
 oneDNN's packed ones of :mod:`speculant.core.packed` for larger matrices) are *not* row independent bit for bit;
 their differences are float rounding, which is why greedy equality of unquantized models holds on well-separated
 logits but a near-tie may flip.
@@ -71,14 +59,15 @@ from __future__ import annotations
 
 import torch
 
-from . import kernels
-from .modes import normal_mode
+from .. import kernels
+from ..kernels import GROUP, HALF
+from ..modes import normal_mode
+from .reference import q4_reference
 
-__all__ = ["ATTR", "BITS", "BLOCK_KINDS", "BLOCK_LAYOUT", "DRAFT_KIND", "GROUP", "HOLDS", "KINDS", "MATRIX_KIND", "QUANTIZATIONS", "QuantMatrix", "ReleasedLinear", "attach",
-           "q4_activations", "q4_reference", "quantization_of", "quantize_model", "quantized_linears", "releasable",
-           "release", "unify_fused"]
+__all__ = ["ATTR", "BITS", "BLOCK_KINDS", "BLOCK_LAYOUT", "DRAFT_KIND", "GROUP", "HALF", "HOLDS", "KINDS",
+           "MATRIX_KIND", "QUANTIZATIONS", "QuantMatrix"]
 
-QUANTIZATIONS = ("none", "int8", "int4", "q4", "q4m", "q8")
+QUANTIZATIONS = ("none", "int8", "int4", "q4", "file", "q8")
 """Accepted values of ``quantization=`` (``--quantization``)."""
 
 KINDS = ("int8", "int4", "q4", "q8", "q6")
@@ -87,22 +76,19 @@ KINDS = ("int8", "int4", "q4", "q8", "q6")
 BITS = {"int8": 8, "int4": 4, "q4": 4, "q8": 8, "q6": 6}
 """Bits per weight code of each kind."""
 
-HOLDS = {"int8": ("int8",), "int4": ("int4",), "q4": ("q4",), "q4m": ("q4", "q8", "q6"), "q8": ("q8",)}
-"""The matrix kinds a model quantized to each kind may hold: a ``q4m`` ("q4, mixed as the file") model keeps a GGUF
-file's Q6_K tensors as q6 and its other tensors of more than 4 bits (Q5_0, Q8_0 ...) in 8-bit blocks (q8), all on
-the same kernel (see :func:`speculant.models.loading.quantize_loaded`), as the file itself spends more bits on
-them, and 4-bit ones for the rest."""
+HOLDS = {"int8": ("int8",), "int4": ("int4",), "q4": ("q4",), "file": ("q4", "q8", "q6"), "q8": ("q8",)}
+"""The matrix kinds a model quantized to each kind may hold: a ``file`` model (each matrix as precise as its GGUF
+file) keeps the file's Q6_K tensors as q6 and its other tensors of more than 4 bits (Q5_0, Q8_0 ...) in 8-bit blocks
+(q8), all on the same kernel (see :func:`speculant.models.loading.quantize_loaded`), as the file itself spends more
+bits on them, and 4-bit ones for the rest."""
 
-MATRIX_KIND = {"q4m": "q4"}
-"""The kind of the matrices :func:`quantize_model` makes for a model quantization, where it is not the same name
-(a q4m model's matrices without wider codes in its file are q4)."""
+MATRIX_KIND = {"file": "q4"}
+"""The kind of the matrices :func:`~.rewrite.quantize_model` makes for a model quantization, where it is not the same
+name (a ``file`` model's matrices without wider codes in its file are q4)."""
 
-DRAFT_KIND = {"q4m": "q4"}
+DRAFT_KIND = {"file": "q4"}
 """The kind a draft takes by default when its target has this one (a draft only proposes: its numerics never change
 what is emitted, so it takes the fastest form of the target's kind)."""
-
-GROUP = 32
-"""Inputs per int4/q4 group (one scale and one minimum each; one activation scale per row in q4)."""
 
 ATTR = "speculant_quant"
 """The attribute of a quantized ``nn.Linear`` that holds its :class:`QuantMatrix`."""
@@ -115,8 +101,7 @@ any change to the layout."""
 BLOCK_KINDS = ("q4", "q8", "q6")
 """The kinds of speculant's own kernel (int8 activations, codes with a scale and minimum per 32, or q6's scales,
 packed in its blocks: :attr:`QuantMatrix.blocks`)."""
-HALF = 16
-"""Inputs per q6 sub-scale (Q6_K's)."""
+
 _Q6_SCALES, _Q6_D = 384, 416  # a q6 block's int8 sub-scales and float16 d (csrc/q4.cpp)
 _N_ALIGN = 16  # the int4 CPU kernel packs output rows in blocks of 16: pad the rows up to a multiple
 _QUANTIZE_ROWS = 8192  # QuantMatrix.quantize works through this many rows at a time
@@ -134,8 +119,9 @@ class QuantMatrix:
     kernel's form ``w = (q - 8) * scale + zero``; q4, q8: the minimum, ``w = q * scale + zero``, scale and zero in
     float16) or q6's int8 sub-scales ``[out, in / 16]`` (``w = scale * zero * (q - 32)``).
     q4 and q8 multiply ``x`` quantized per row to int8 (see the module doc); q8 is q4 with 8-bit codes
-    (``q`` in ``[0, 256)``). ``kernel_bits``: the ``bits`` the kernel is called with (4 for q4; 7 for a q8 matrix whose
-    codes all lie below 128, which an AVX2 CPU without VNNI multiplies by a cheaper route, the same bits; 6 for q6; else 8)."""
+    (``q`` in ``[0, 256)``). ``kernel_bits``: the ``bits`` the kernel is called with (4 for q4; 7 for a q8 matrix
+    whose codes all lie below 128, which an AVX2 CPU without VNNI multiplies by a cheaper route, the same bits; 6 for
+    q6; else 8)."""
 
     __slots__ = ("kind", "shape", "dtype", "_codes", "scale", "zero", "nbytes", "_kernel", "kernel_bits")
 
@@ -434,11 +420,13 @@ class QuantMatrix:
 
     # ---------------------------------------------------------------------------------------------- use
 
-    def unpacked_codes(self) -> torch.Tensor:
-        """uint8 ``[out, in]``: the int4 / q4 / q8 / q6 codes, one per byte."""
+    def unpacked_codes(self, rows: slice = slice(None)) -> torch.Tensor:
+        """uint8 ``[out, in]`` (``[len(rows), in]`` for the output ``rows`` only): the int4 / q4 / q8 / q6 codes, one
+        per byte."""
         if self.kind == "int8":
             raise ValueError(f"unpacked_codes of a {self.kind} matrix: its codes are int8 [out, in] already")
-        return self.codes if self.kind in ("q8", "q6") else _nibbles(self.codes).reshape(self.shape)
+        codes = self.codes[rows]  # [R, in] (q8, q6) or [R, in / 2] nibble pairs (int4, q4)
+        return codes if self.kind in ("q8", "q6") else _nibbles(codes).reshape(codes.shape[0], self.shape[1])
 
     def dequantize(self) -> torch.Tensor:
         """``[out, in]`` in :attr:`dtype`: the matrix the quantized kernels multiply by (float32 arithmetic)."""
@@ -517,191 +505,3 @@ def _fits(t: torch.Tensor | None, dtype: torch.dtype, numel: int | None) -> bool
     ``numel`` elements when given)."""
     return t is None or (t.dtype == dtype and t.device.type == "cpu"
                          and (numel is None or (t.numel() == numel and t.is_contiguous())))
-
-
-def q4_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q4's activation quantization of ``x [M, K]``: ``(a [M, K / 32, 32], d [M, K / 32], s [M, K / 32])`` in
-    float32, ``a`` the int8 values (integers in [-127, 127]), ``d = max|x| / 127`` per block, ``s = d * sum(a)``;
-    the same float32 operations as the kernel's, so the same bits."""
-    v = x.float().reshape(x.shape[0], -1, GROUP)  # [M, G, 32]
-    d = v.abs().amax(-1) / 127
-    inv = torch.where(d != 0, 1 / torch.where(d != 0, d, 1), 0)
-    a = (v * inv[..., None]).round()  # half to even, as nearbyintf
-    return a, d, d * a.sum(-1)
-
-
-def q4_reference(x: torch.Tensor, matrix: QuantMatrix, columns: int = 4096) -> torch.Tensor:
-    """The q4 (or q8, q6) product ``x [M, K] -> [M, N]`` (float32) in torch: the kernel's scheme, op for op, with each
-    fused multiply-add done in float64 and rounded to float32 (the same result but for rare double rounding). Row
-    independent (integer-valued matmuls are exact; the rest is elementwise). Used without a compiler and by the
-    tests; ``columns`` output columns at a time bound its memory."""
-    a, d, s = q4_activations(x)  # [M, G, 32], [M, G], [M, G]
-    n, k = matrix.shape
-    out = torch.empty(x.shape[0], n)
-    if matrix.kind == "q6":
-        return _q6_reference(a, d, matrix, columns, out)
-    for c0 in range(0, n, columns):
-        c1 = min(n, c0 + columns)
-        q = matrix.codes[c0:c1]
-        q = (q if matrix.kind == "q8" else _nibbles(q)).reshape(c1 - c0, -1, GROUP).float()  # [C, G, 32]
-        sw, mw = matrix.scale[c0:c1].float(), matrix.zero[c0:c1].float()  # [C, G]
-        acc = torch.zeros(x.shape[0], c1 - c0)
-        for g in range(k // GROUP):
-            dot = a[:, g] @ q[:, g].T  # [M, C] exact integers (|dot| < 2^24)
-            t = d[:, g, None] * sw[None, :, g]  # float32, as the kernel's multiply
-            acc = (acc.double() + t.double() * dot.double()).float()  # fma(t, dot, acc)
-            acc = (acc.double() + mw[None, :, g].double() * s[:, g, None].double()).float()  # fma(mw, s, acc)
-        out[:, c0:c1] = acc
-    return out
-
-
-def _q6_reference(a: torch.Tensor, d: torch.Tensor, matrix: QuantMatrix, columns: int,
-                  out: torch.Tensor) -> torch.Tensor:
-    """:func:`q4_reference` for a q6 matrix (``a [M, G, 32]``, ``d [M, G]``): per half the exact ``sum (q - 32) a``,
-    ``S = sc_0 D_0 + sc_1 D_1`` (exact in float32), ``acc = fma(d_w * dx, S, acc)``."""
-    n, k = matrix.shape
-    halves = a.reshape(a.shape[0], -1, 2, HALF)  # [M, G, 2, 16]
-    for c0 in range(0, n, columns):
-        c1 = min(n, c0 + columns)
-        q = matrix.codes[c0:c1].reshape(c1 - c0, -1, 2, HALF).float() - 32  # [C, G, 2, 16]
-        sub = matrix.zero[c0:c1].float().reshape(c1 - c0, -1, 2)  # [C, G, 2]
-        dw = matrix.scale[c0:c1].float()  # [C, G]
-        acc = torch.zeros(a.shape[0], c1 - c0)
-        for g in range(k // GROUP):
-            # S = sc_0 D_0 + sc_1 D_1 [M, C]: exact integers
-            s = (halves[:, g, 0] @ q[:, g, 0].T * sub[None, :, g, 0]
-                 + halves[:, g, 1] @ q[:, g, 1].T * sub[None, :, g, 1])
-            t = d[:, g, None] * dw[None, :, g]  # [M, C] float32, as the kernel's multiply
-            acc = (acc.double() + t.double() * s.double()).float()  # fma(t, S, acc)
-        out[:, c0:c1] = acc
-    return out
-
-
-def attach(module: torch.nn.Module, matrix: QuantMatrix, release_weight: bool = False) -> None:
-    """Make ``module`` (an ``nn.Linear``) the quantized ``matrix``: the matrix is recorded for the lean forward
-    (attribute :data:`ATTR`) and the float weight either becomes its dequantized values (in place, so tied and fused
-    views follow) or, with ``release_weight`` (for a module :func:`releasable` names), is dropped (:func:`release`).
-    A loader that decodes quantized blocks itself (GGUF) calls this with :meth:`QuantMatrix.int4`."""
-    weight = module.weight
-    if tuple(weight.shape) != tuple(matrix.shape):
-        raise ValueError(f"quantized matrix {tuple(matrix.shape)} does not fit weight {tuple(weight.shape)}")
-    if matrix.dtype != weight.dtype:
-        raise ValueError(f"quantized matrix computes in {matrix.dtype}, the weight is {weight.dtype}")
-    if not release_weight:
-        with normal_mode():
-            weight.copy_(matrix.dequantize())
-    setattr(module, ATTR, matrix)
-    if release_weight:
-        release(module)
-
-
-def unify_fused(groups: list[tuple[torch.nn.Module, ...]]) -> int:
-    """Give every quantized linear of a group that is multiplied as one matrix (``groups``: e.g.
-    :func:`speculant.core.lean.fused_groups`) a kind the fused matrix holds exactly: a q6 matrix beside another kind
-    becomes the q8 matrix :meth:`QuantMatrix.cat` would make of it, so that the model's own forward multiplies by the
-    very matrix the fused call does (a Q4_K_M file's Q6_K value projections, fused with Q4_K q and k). Returns the
-    matrices replaced."""
-    replaced = 0
-    for group in groups:
-        matrices = [getattr(m, ATTR, None) for m in group]
-        if any(q is None for q in matrices):
-            continue
-        for module, q, fused in zip(group, matrices, QuantMatrix.fusable(matrices)):
-            if fused is not q:
-                if module.weight.device.type == "meta":  # released: the matrix alone
-                    setattr(module, ATTR, fused)
-                else:  # a float weight kept: it takes the new matrix's values
-                    attach(module, fused)
-                replaced += 1
-    return replaced
-
-
-def quantized_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The linears :func:`quantize_model` quantizes: the decoder layers' ``nn.Linear`` modules and the LM head (not
-    the embedding, norms or other heads)."""
-    base = getattr(model, "base_model", model)
-    found = [m for m in base.modules() if isinstance(m, torch.nn.Linear)]
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, torch.nn.Linear) and all(head is not m for m in found):
-        found.append(head)
-    return found
-
-
-def quantization_of(model: torch.nn.Module) -> str:
-    """``"none"`` or one of :data:`KINDS`: what :func:`quantize_model` made of ``model``."""
-    return getattr(model, "speculant_quantization", "none")
-
-
-def quantize_model(model: torch.nn.Module, quantization: str) -> torch.nn.Module:
-    """Quantize ``model`` in place to ``quantization`` (one of :data:`QUANTIZATIONS`) and return it: every linear of
-    its decoder layers and its LM head (see the module doc). ``"none"`` leaves it as it is; quantizing again to
-    the same kind is a no-op, to another kind a ValueError (reload the model instead). int4, q4 and q8 need each
-    matrix's input size to be a multiple of 32.
-
-    A linear that already carries a matrix of a kind this one holds (:data:`HOLDS`; :func:`attach`: a GGUF loader
-    built it from the file's own codes, or it is a head shared with a target quantized alike) is kept as it is; one
-    that carries another kind is a ValueError (requantizing it would change the model that shares it)."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
-    current = quantization_of(model)
-    if quantization == "none" or quantization == current:
-        return model
-    if current != "none":
-        raise ValueError(f"the model is already quantized to {current}; load it again to quantize to {quantization}")
-    linears = quantized_linears(model)
-    other = [m for m in linears
-             if getattr(m, ATTR, None) is not None and getattr(m, ATTR).kind not in HOLDS[quantization]]
-    if other:
-        raise ValueError(f"a linear of the model already holds a {getattr(other[0], ATTR).kind} matrix (shared with "
-                         f"another model?): it cannot be quantized to {quantization}")
-    linears = [m for m in linears if getattr(m, ATTR, None) is None]
-    if quantization != "int8":
-        bad = [m for m in linears if m.weight.shape[1] % GROUP]
-        if bad:
-            raise ValueError(f"{quantization} needs input sizes that are multiples of {GROUP}, got "
-                             f"{bad[0].weight.shape[1]}")
-    free = releasable(model)
-    for m in linears:  # each float weight dropped as soon as its matrix exists: the peak stays near the float model
-        attach(m, QuantMatrix.quantize(m.weight, MATRIX_KIND.get(quantization, quantization)),
-               release_weight=id(m) in free)
-    model.speculant_quantization = quantization
-    return model
-
-
-class ReleasedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose float weight :func:`release` dropped: the weight is a ``meta`` tensor of
-    the same shape and dtype, the forward multiplies by the module's :class:`QuantMatrix`, and device or dtype moves
-    (``model.to(...)``) leave the weight as it is (it holds no data to move)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return getattr(self, ATTR).linear(x, self.bias)
-
-    def _apply(self, fn, recurse=True):
-        weight = self._parameters.pop("weight")
-        try:
-            return super()._apply(fn, recurse)
-        finally:
-            self._parameters["weight"] = weight
-
-
-def releasable(model: torch.nn.Module) -> set[int]:
-    """``id``\ s of the linears :func:`quantize_model` quantizes whose float weight no other, unquantized parameter
-    shares (a tied LM head's token embedding does: that weight stays, as its dequantized values)."""
-    linears = quantized_linears(model)
-    ids = {id(m) for m in linears}
-    keep = {p.untyped_storage().data_ptr() for module in model.modules() if id(module) not in ids
-            for p in module.parameters(recurse=False) if p.device.type != "meta"}
-    return {id(m) for m in linears if type(m) is torch.nn.Linear and m.weight.device.type != "meta"
-            and m.weight.untyped_storage().data_ptr() not in keep}
-
-
-def release(module: torch.nn.Linear) -> int:
-    """Drop the float weight of a quantized ``module`` (one :func:`releasable` names): the weight becomes a ``meta``
-    tensor of the same shape and dtype (shapes, dtypes and parameter counts still read right) and the module a
-    :class:`ReleasedLinear`, whose forward multiplies by its :class:`QuantMatrix`. Returns the bytes released."""
-    if getattr(module, ATTR, None) is None:
-        raise ValueError("only a quantized linear (with its QuantMatrix attached) can release its float weight")
-    w = module.weight
-    module.weight = torch.nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
-    module.__class__ = ReleasedLinear
-    return w.numel() * w.element_size()
