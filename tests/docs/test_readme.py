@@ -48,9 +48,10 @@ PLACEHOLDERS = {"path/to/target": "default-target", "path/to/draft": "default-dr
 SHELL = {"", "bash", "sh", "console", "shell"}
 FENCE = re.compile(r"^```(\S*)\s*$")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
-PATH = re.compile(r"(?<![\w/.-])((?:src/speculant|benchmarks)(?:/(?:[\w.+*-]|\{[\w.,+*-]*\})+)*/?)")
+PATH = re.compile(r"(?<![\w/.:-])((?:src/speculant|benchmarks)(?:/(?:[\w.+*-]|\{[\w.,+*-]*\})+)*/?)")
 """A path of the repository named in a page: ``src/speculant/...`` or ``benchmarks/...`` (``*`` and ``{a,b}``
-allowed: every alternative must exist, a pattern must match something)."""
+allowed: every alternative must exist, a pattern must match something). A path right after a colon is a file of an
+earlier commit (``git show COMMIT:benchmarks/old.py``), which the working tree need not hold."""
 
 
 def _rel(page: Path) -> str:
