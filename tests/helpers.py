@@ -219,3 +219,12 @@ def model_metrics(url: str) -> dict[str, float]:
             if set(s.labels) == {"model_name"}:
                 out[s.name] = s.value
     return out
+
+
+def serve_settings(models: dict, **kw):
+    """Checked settings of a server of ``models`` (``{"target": dir, "draft": dir}``) named ``tiny-chat``,
+    drafting ``chain:k=4``; ``kw`` sets any other :class:`speculant.serve.ServeSettings` field."""
+    from speculant.serve import ServeSettings, check_settings
+
+    return check_settings(ServeSettings(target=models["target"], draft=models["draft"], method="chain:k=4",
+                                        model_name="tiny-chat", **kw))

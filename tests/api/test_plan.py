@@ -15,11 +15,6 @@ from helpers import chat_model_pair
 PROMPT = "def add(a, b):\n    return a + b\n\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads(one_thread):
-    """Every test here runs on one thread."""
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     target, draft = chat_model_pair(tmp_path_factory.mktemp("edges"), layers=2)

@@ -14,11 +14,6 @@ from helpers import cli_error_line as assert_one_line_error
 from speculant import cli
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _threads(one_thread):
-    """Every test here runs on one thread."""
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     target, draft = chat_model_pair(tmp_path_factory.mktemp("edges"), layers=2)

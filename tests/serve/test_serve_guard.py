@@ -11,8 +11,8 @@ pytest.importorskip("uvicorn")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from helpers import chat_model_pair  # noqa: E402
-from speculant.serve import ServeSettings, check_settings, create_app  # noqa: E402
+from helpers import serve_settings  # noqa: E402
+from speculant.serve import create_app  # noqa: E402
 
 MODEL = "tiny-chat"
 LOCAL = "http://127.0.0.1"
@@ -20,21 +20,10 @@ _COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target, draft = chat_model_pair(tmp_path_factory.mktemp("edges"), layers=2, context=512)
-    return {"target": target, "draft": draft}
-
-
-def _settings(models, **kw) -> ServeSettings:
-    return check_settings(ServeSettings(target=models["target"], draft=models["draft"], method="chain:k=4",
-                                        model_name=MODEL, **kw))
-
-
-@pytest.fixture(scope="module")
 def unloaded(models):
     """Apps that are never started (no model loads): the guard answers before any route."""
     def make(**kw) -> TestClient:
-        return TestClient(create_app(_settings(models, **kw)), base_url=LOCAL)
+        return TestClient(create_app(serve_settings(models, **kw)), base_url=LOCAL)
     return make
 
 

@@ -14,8 +14,8 @@ pytest.importorskip("uvicorn")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from helpers import chat_model_pair, until_loaded  # noqa: E402
-from speculant.serve import ServeSettings, check_settings, create_app  # noqa: E402
+from helpers import serve_settings, until_loaded  # noqa: E402
+from speculant.serve import create_app  # noqa: E402
 
 MODEL = "tiny-chat"
 LOCAL = "http://127.0.0.1"
@@ -24,21 +24,10 @@ _COMPLETION = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    target, draft = chat_model_pair(tmp_path_factory.mktemp("edges"), layers=2, context=512)
-    return {"target": target, "draft": draft}
-
-
-def _settings(models, **kw) -> ServeSettings:
-    return check_settings(ServeSettings(target=models["target"], draft=models["draft"], method="chain:k=4",
-                                        model_name=MODEL, **kw))
-
-
-@pytest.fixture(scope="module")
 def c(models):
     """A loaded app without an API key, reached on a loopback address."""
 
-    with TestClient(create_app(_settings(models)), base_url=LOCAL) as client:
+    with TestClient(create_app(serve_settings(models)), base_url=LOCAL) as client:
         until_loaded(client)
         yield client
 

@@ -251,7 +251,7 @@ def add_model_arguments(
         required=required,
         default=target_default,
         help="target model: a packaged model name (" + ", ".join(PACKAGED) + "), a bundled name (default-target), "
-        "a model directory (save_pretrained output), a .gguf file (converted once into a cache, see README) or "
+        "a model directory (save_pretrained output), a .gguf file (converted once into a cache, see docs/models.md) or "
         f"a Hugging Face Hub id already in the local HF cache; {target_note}",
     )
     if draft:

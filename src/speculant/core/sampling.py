@@ -56,8 +56,8 @@ def nucleus(logits: torch.Tensor, top_p: float, first: int = 64) -> torch.Tensor
 
     Only the head of the order is sorted: the ``first`` most probable tokens (``torch.topk``), then 8 times as
     many while some row's head holds less than ``top_p`` (all of them once that passes a quarter of the
-    vocabulary). A full sort of Qwen's 151,936 logits took ~20 ms per row on the 2-core AMD EPYC host
-    (``benchmarks/sampler_cost.py``); a chat's nucleus is usually a few dozen tokens."""
+    vocabulary). A full sort of a 150k-token vocabulary costs tens of milliseconds per row on a small CPU
+    (``benchmarks/sampler_cost.py`` measures it); a chat's nucleus is usually a few dozen tokens."""
     probs = logits.softmax(-1)  # [..., V]
     vocab = probs.shape[-1]
     k = min(first, vocab)
@@ -89,8 +89,8 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     On a CPU it inverts the cumulative distribution at one uniform draw, accumulated in float64: exact to double
     precision, and a token of probability 0 is never drawn. Over a large vocabulary in two levels: the blocks'
     sums, then the cumulative sum inside the drawn block only. ``torch.multinomial``, which it replaced there, draws
-    V exponentials per token: over Qwen's 151,936 tokens ~20 times slower on the 2-core AMD EPYC host
-    (``benchmarks/sampler_cost.py``), several times per step of sampled speculation. On an accelerator
+    V exponentials per token: over a 150k-token vocabulary an order of magnitude slower on a CPU
+    (``benchmarks/sampler_cost.py`` measures both), several times per step of sampled speculation. On an accelerator
     ``torch.multinomial`` stays (one kernel, one wait)."""
     if probs.dim() != 1:
         raise ValueError(f"sample draws from one distribution [V], got shape {list(probs.shape)}")

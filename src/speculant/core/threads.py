@@ -20,7 +20,7 @@ Two remedies, both here:
   a quiet machine, the same as passive with a neighbour present at start (``auto`` then picks fewer threads), and
   idle threads still go to sleep (a server at rest uses no CPU). The runtime reads these once, when torch is
   imported, so they can only be set before that (:func:`set_default_wait_policy`); Python users set them in their
-  environment (README, "Threads").
+  environment (docs/python-api.md, "Threads").
 
 ``benchmarks/threads_busy.py`` measures plain decoding for each setting with and without a busy neighbour.
 Light on purpose (no torch at import): :mod:`speculant.cli` imports it before torch is loaded.

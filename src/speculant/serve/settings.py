@@ -127,7 +127,7 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
     (:func:`speculant.plan.resolve`: the rules of every front-end, so a method that needs a draft when none is
     given and speculant ships none for the target is an error, as for ``generate``); one-line ValueErrors for a
     bad method, KV options, device, or model, and for the server's own options. May convert a GGUF target once
-    (see README). Without a target: :func:`default_target`."""
+    (see docs/models.md). Without a target: :func:`default_target`."""
     if settings.speculation not in ("auto", "on", "off"):  # speculant.core.speculation.MODES (no torch import here)
         raise ValueError(f"--speculation must be auto, on or off, got {settings.speculation!r}")
     if settings.max_batch < 1:
