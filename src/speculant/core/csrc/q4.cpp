@@ -75,7 +75,7 @@ constexpr int MT_MAX = 16;       // rows per tile: each weight block is read onc
 // 16 blocks ahead (5 KB of 4-bit blocks, about one DRAM latency at 4 rows' pace): on 2 cores of an AMD EPYC (Zen 4),
 // the whole 1.5B q4m forward, 61 interleaved repeats against 4 ahead, 1 / 4 tokens 0.94 / 0.93x (two runs: 0.95 /
 // 0.90x); 10 ahead 0.98 / 0.96x, 24 0.89 / 0.94x, 32 0.98 / 0.98x, 48 0.95 / 1.05x (benchmarks/kernel_ab.py,
-// benchmarks/results/kernel-ab-s36/).
+// benchmarks/results/kernel-ab-avx512-changes/).
 constexpr int PREFETCH_BLOCKS = 16;
 
 [[maybe_unused]] float half_to_float(uint16_t h) {
