@@ -92,9 +92,10 @@ qwen-sibling-da: $(QWEN_STAMP)
 		--steps $(QWEN_SIBLING_STEPS) --batch-size 8 --lr 3e-5 --warmup 5 --keep 8192 --loss $$loss || exit 1; done
 	$(PY) benchmarks/sibling_da.py --run $(QWEN_SIBLING) --out benchmarks/results/qwen-sibling-da
 
-# First and later load times of the packaged Qwen models (README), in fresh processes and temporary caches.
+# First and later load times of the packaged Qwen models, in fresh processes and temporary caches; rewrites the
+# table in docs/results/bundled-pair.md.
 qwen-load: $(QWEN_STAMP)
-	$(PY) benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json --readme README.md
+	$(PY) benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json --readme docs/results/bundled-pair.md
 
 # The first thing to run: streams a whole answer from the first pair installed (the Qwen2.5-Coder pair after
 # `make qwen-models`), then times plain decoding, the pair's default method and prompt lookup on it, interleaved
@@ -122,8 +123,8 @@ bench: $(STAMP)
 		--methods ar,chain:k=4,chain:k=4:trim=0,tree:budget=12:topk=2:depth=8 --baselines hf-ar,hf-assisted,hf-prompt-lookup --threads 2 --out $(BENCH_OUT)
 
 # SmolLM2-135M-Instruct with its shipped drafter on the 80 MT-Bench first turns (chat template, end-of-turn stops),
-# greedy, 2 threads, per-category tables; writes $(MTBENCH_OUT) and the README block $(MTBENCH_MARKER). The defaults
-# make the float32 table; the README quotes the settings of the bfloat16 and temperature-0.7 ones.
+# greedy, 2 threads, per-category tables; writes $(MTBENCH_OUT) and the block $(MTBENCH_MARKER) of
+# docs/results/smollm2-mtbench.md. The defaults make the float32 table; that page gives the settings of the others.
 MTBENCH_OUT ?= benchmarks/results/mtbench-80-fp32
 MTBENCH_METHODS ?= ar,chain:k=3,chain:k=2:lookup=10,tree:budget=8:topk=2:depth=3:lookup=8
 MTBENCH_PROMPTS ?= 80
@@ -135,7 +136,8 @@ bench-mtbench: $(STAMP)
 	$(VENV)/bin/speculant bench --target smollm2-135m-instruct --prompts builtin:mt-bench --num-prompts $(MTBENCH_PROMPTS) --max-new-tokens 128 \
 		--methods $(MTBENCH_METHODS) --baselines $(MTBENCH_BASELINES) --dtype $(MTBENCH_DTYPE) \
 		--temperature $(MTBENCH_TEMPERATURE) --seed 0 --threads 2 --device cpu --out $(MTBENCH_OUT)
-	$(PY) benchmarks/readme_table.py --results $(MTBENCH_OUT)/results.json --marker $(MTBENCH_MARKER) --readme README.md
+	$(PY) benchmarks/readme_table.py --results $(MTBENCH_OUT)/results.json --marker $(MTBENCH_MARKER) \
+		--readme docs/results/smollm2-mtbench.md
 
 # llama.cpp baselines (bench --baselines llamacpp-ar,llamacpp-lookup,llamacpp-draft): llama.cpp's own programs
 # (llama-lookup, llama-speculative-simple, and llama-bench for by-hand runs) built from the sources vendored in the
@@ -208,7 +210,7 @@ SERVE_TOKENS ?= 64
 SERVE_METHOD ?= chain:k=2:lookup=10
 bench-serve: $(STAMP)
 	for m in default ar; do \
-	  opt=$$( [ $$m = ar ] && echo "--method ar" || echo "--method $(SERVE_METHOD)" ); out=benchmarks/results/serve$$( [ $$m = ar ] && echo "-ar" ); \
+	  opt=$$( [ $$m = ar ] && echo "--method ar" || echo "--method $(SERVE_METHOD)" ); out=benchmarks/results/serve-smollm2-$$m; \
 	  $(VENV)/bin/speculant serve --target smollm2-135m-instruct $$opt --dtype $(SERVE_DTYPE) --threads 2 \
 	    --port $(SERVE_PORT) & pid=$$!; \
 	  until curl -sf http://127.0.0.1:$(SERVE_PORT)/health >/dev/null; do sleep 1; done; \
@@ -260,9 +262,9 @@ confu-smollm2: $(STAMP)
 		eagle3:budget=$(CONFU_BUDGET):draft=$(CONFU_RUN)/eagle3-fkl/draft,eagle3:budget=$(CONFU_BUDGET):draft=$(CONFU_RUN)-eagle3/eagle3-fkl/draft,confu:budget=$(CONFU_BUDGET):draft=$(CONFU_RUN)/confu-fkl/draft,confu:budget=$(CONFU_BUDGET):contemplate=all:draft=$(CONFU_RUN)/confu-fkl/draft \
 		--out $(CONFU_OUT)/mtbench-t$$t || exit 1; done
 
-# Rewrite the README's benchmark table from the committed $(BENCH_OUT)/results.json.
+# Rewrite the table of docs/results/bundled-pair.md from the committed $(BENCH_OUT)/results.json.
 bench-readme: $(STAMP)
-	$(PY) benchmarks/readme_table.py --results $(BENCH_OUT)/results.json --readme README.md
+	$(PY) benchmarks/readme_table.py --results $(BENCH_OUT)/results.json --readme docs/results/bundled-pair.md
 
 bench-overhead: $(STAMP)
 	$(PY) benchmarks/engine_overhead.py

@@ -8,7 +8,7 @@ prompt + prefix, and reports the float32 logit gap between plain decoding's toke
 with the bf16 spacing at that logit's magnitude (``2**(floor(log2|logit|) - 7)``). A gap of the order of that
 spacing is a near-tie that bf16 rounding decides; a large gap would be a bug.
 
-    python benchmarks/bf16_ties.py --results benchmarks/results/mtbench-80-bf16-self2/results.json
+    python benchmarks/bf16_ties.py --results benchmarks/results/mtbench-80-bf16/results.json
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from speculant.models.loading import load_pretrained
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", default="benchmarks/results/mtbench-80-bf16-self2/results.json")
+    ap.add_argument("--results", default="benchmarks/results/mtbench-80-bf16/results.json")
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None, help="default: bf16_ties.json beside the results")

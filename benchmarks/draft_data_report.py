@@ -2,7 +2,7 @@
 feature drafters) the recorded states; with ``--drafter`` also the trained drafter's validation history.
 
     python benchmarks/draft_data_report.py runs/qwen2.5-coder-1.5b-draft \
-        --drafter runs/qwen2.5-coder-1.5b-draft/eagle3-fkl --out benchmarks/results/qwen-eagle3-v1
+        --drafter runs/qwen2.5-coder-1.5b-draft/eagle3-fkl --out benchmarks/results/qwen-eagle3
 
 Writes ``OUT/data.json`` and copies the drafter's ``MODEL_CARD.md``, ``attached.json``, ``history.json`` and
 ``run_config.json`` (never its weights). Answer time: the runs' own records (``answers/RUNS.json``) when present,

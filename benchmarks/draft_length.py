@@ -23,9 +23,9 @@ acceptance: what a drafter as good as this one but that much cheaper would gain.
 and free, k + 1 tokens per forward over k + 1 rows (what the target forward's cost in T allows on this machine).
 
     python benchmarks/draft_length.py --target qwen2.5-coder-1.5b-instruct --repeats 25 \
-        --results CODE_CHAT_RUN/results.json,MTBENCH_RUN/results.json \
-        --out benchmarks/results/draft-length-avx2.json
-    python benchmarks/draft_length.py ... --replay benchmarks/results/draft-length-avx2.json   # new policies, same data
+        --results benchmarks/results/qwen-code-chat-zen3/results.json,benchmarks/results/qwen-mtbench-zen3/results.json \
+        --out benchmarks/results/draft-length-zen3.json
+    python benchmarks/draft_length.py ... --replay benchmarks/results/draft-length-zen3.json   # new policies, same data
 
 Run it on a quiet machine (the costs are timed; ``--replay`` times nothing and loads no model).
 """

@@ -9,7 +9,7 @@ VocabTrim size of ``--trims`` (the drafter's top token among its calibration's N
 chain drafts; ``trim_coverage``: how many of the answer tokens lie in that set at all). Nothing is timed; the
 CPU may be shared.
 
-    python benchmarks/drafter_agreement.py --results benchmarks/results/mtbench-80-bf16-self2/results.json \
+    python benchmarks/drafter_agreement.py --results benchmarks/results/mtbench-80-bf16/results.json \
         --drafts smollm2-135m-instruct-draft,runs/smollm2-draft-self/fkl/draft --out benchmarks/results/X.json
 """
 
@@ -30,7 +30,7 @@ from speculant.models.loading import load_draft, load_pretrained, resolve_model
 @torch.inference_mode()
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", default="benchmarks/results/mtbench-80-bf16-self2/results.json")
+    ap.add_argument("--results", default="benchmarks/results/mtbench-80-bf16/results.json")
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--drafts", required=True, help="drafter names or directories, separated by ','")
     ap.add_argument("--trims", default="4096,8192", help="VocabTrim sizes to score too, separated by ','")

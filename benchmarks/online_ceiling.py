@@ -21,8 +21,8 @@ if what it learns keeps growing past the first window. Three measurements, from 
   frozen (it is shared with the target).
 
     python benchmarks/online_ceiling.py --requests 400 --train 300 --steps 600 --lr 0.001 \\
-        --answers benchmarks/results/online-stream-traffic-lookup-ngram2-v1/online_stream.json \\
-        --answers-cache benchmarks/results/online-replay-cc-v1/answers.json --out benchmarks/results/online-ceiling-cc
+        --answers benchmarks/results/online-stream-traffic/online_stream.json \\
+        --answers-cache benchmarks/results/online-replay-cc/answers.json --out benchmarks/results/online-ceiling-cc
 """
 
 from __future__ import annotations

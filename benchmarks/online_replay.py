@@ -26,7 +26,7 @@ output), kept in ``--answers-cache``.
 
     python benchmarks/online_replay.py --prompts builtin:sharegpt --topic 'javascript|react|typescript|node\\.?js' \\
         --requests 150 --method chain:k=4 --online-every 8 --steps 32 --lr 0.001 --positions all --min-held 4 \\
-        [--traffic 10] --answers-cache benchmarks/results/online-replay-js-v1/answers.json --out OUT
+        [--traffic 10] --answers-cache benchmarks/results/online-replay-js/answers.json --out OUT
 """
 
 from __future__ import annotations

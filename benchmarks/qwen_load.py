@@ -1,4 +1,4 @@
-"""First and later load times of the packaged Qwen2.5-Coder models (README, "Packaged Qwen2.5-Coder models").
+"""First and later load times of the packaged Qwen2.5-Coder models (docs/results/bundled-pair.md).
 
 Each load runs in a fresh Python process (imports included in neither figure: they are timed apart), 2 threads:
 "first" in an empty SPECULANT_CACHE (assembling the parts, checking the SHA-256, deriving config and tokenizer),
@@ -6,9 +6,9 @@ in the model's packaged quantization (file for the 1.5B, q4 for the 0.5B: what `
 quantized matrices are then cached, :mod:`speculant.models.matrix_cache`), "later" against the filled cache, in that
 quantization and unquantized in float32 and bfloat16. Writes JSON with machine info:
 
-    python benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json --readme README.md
+    python benchmarks/qwen_load.py --out benchmarks/results/qwen-load.json --readme docs/results/bundled-pair.md
 
-``--readme`` rewrites the README block between ``<!-- qwen-load:start -->`` and ``<!-- qwen-load:end -->``;
+``--readme`` rewrites the page's block between ``<!-- qwen-load:start -->`` and ``<!-- qwen-load:end -->``;
 ``--render`` only re-renders it from an existing ``--out`` file.
 """
 
@@ -63,7 +63,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="qwen2.5-coder-0.5b-instruct,qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--readme", help="rewrite this README's qwen-load block from the results")
+    parser.add_argument("--readme", help="rewrite this page's qwen-load block from the results")
     parser.add_argument("--render", action="store_true", help="do not measure: render --out into --readme")
     args = parser.parse_args()
     if not args.render:

@@ -62,7 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-new-tokens", type=int, default=192)
-    ap.add_argument("--answers", default="benchmarks/results/qwen-vocab-trim/answers.jsonl")
+    ap.add_argument("--answers", default="runs/qwen-vocab-trim/answers.jsonl")
     ap.add_argument("--out", default="src/speculant/assets/calibration/qwen2.5-coder-0.5b-instruct.vocab_trim.json")
     ap.add_argument("--default-size", type=int, default=32768)
     args = ap.parse_args()

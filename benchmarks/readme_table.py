@@ -1,11 +1,12 @@
-"""Rewrite the README's benchmark table from a committed results.json (no figure is typed by hand).
+"""Rewrite a page's benchmark table from a committed results.json (no figure is typed by hand).
 
-Replaces what lies between the markers ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in the README (``--marker
+Replaces what lies between the markers ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` in the page (``--marker
 NAME``, default ``bench``) with the table :func:`speculant.bench.report.readme_section` renders from the results; everything outside the markers is
 left byte for byte. ``make bench`` writes the results, ``make bench-readme`` runs this script.
 
-    python benchmarks/readme_table.py [--results benchmarks/results/bench/results.json] [--readme README.md]
-    python benchmarks/readme_table.py --results benchmarks/results/mtbench-80-fp32/results.json --marker mtbench-fp32
+    python benchmarks/readme_table.py [--results benchmarks/results/bench/results.json] [--readme docs/results/bundled-pair.md]
+    python benchmarks/readme_table.py --results benchmarks/results/mtbench-80-fp32/results.json --marker mtbench-fp32 \
+        --readme docs/results/smollm2-mtbench.md
 """
 
 from __future__ import annotations
@@ -34,13 +35,13 @@ def rewrite(text: str, block: str, marker: str = "bench") -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", type=Path, default=ROOT / "benchmarks/results/bench/results.json")
-    ap.add_argument("--readme", type=Path, default=ROOT / "README.md")
-    ap.add_argument("--marker", default="bench", help="the README block to rewrite (default: %(default)s)")
+    ap.add_argument("--readme", type=Path, default=ROOT / "docs/results/bundled-pair.md")
+    ap.add_argument("--marker", default="bench", help="the block to rewrite (default: %(default)s)")
     args = ap.parse_args(argv)
     try:
         results = json.loads(args.results.read_text(encoding="utf-8"))
         try:
-            source = args.results.resolve().relative_to(args.readme.resolve().parent).as_posix()
+            source = args.results.resolve().relative_to(ROOT).as_posix()
         except ValueError:
             source = str(args.results)
         text = args.readme.read_text(encoding="utf-8")

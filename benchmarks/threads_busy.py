@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_OUT = Path("benchmarks/results/threads-busy")
+DEFAULT_OUT = Path("benchmarks/results/threads-busy-spin")
 PROMPT = "def fibonacci(n):\n    "
 WAITS = {"active": {"OMP_WAIT_POLICY": "ACTIVE"}, "passive": {"OMP_WAIT_POLICY": "PASSIVE"}, "unset": {},
          "spin20k": {"GOMP_SPINCOUNT": "20000"}}  # spin20k: GNU OpenMP spins 20,000 rounds, then sleeps

@@ -3,8 +3,8 @@ with tracemalloc while a stream's requests (prompt + answer) are added, no bound
 
     python benchmarks/traffic_memory_size.py --out benchmarks/results/traffic_memory_size.json
 
-The stream: the 400 code-chat-train requests of benchmarks/results/online-replay-cc-v1 (its answers: the first 100
-from online-stream-traffic-lookup-ngram2-v1, the rest from its answers.json), SmolLM2's tokenizer.
+The stream: the 400 code-chat-train requests of benchmarks/results/online-replay-cc (its answers: the first 100
+from online-stream-traffic, the rest from its answers.json), SmolLM2's tokenizer.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ RESULTS = Path(__file__).parent / "results"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=400)
-    ap.add_argument("--answers", default=str(RESULTS / "online-stream-traffic-lookup-ngram2-v1/online_stream.json"))
-    ap.add_argument("--answers-cache", default=str(RESULTS / "online-replay-cc-v1/answers.json"))
+    ap.add_argument("--answers", default=str(RESULTS / "online-stream-traffic/online_stream.json"))
+    ap.add_argument("--answers-cache", default=str(RESULTS / "online-replay-cc/answers.json"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     session = speculant.load("smollm2-135m-instruct", method="ar")

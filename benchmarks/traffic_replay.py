@@ -11,7 +11,7 @@ every step, the first included, drafts at most ``remaining - 1`` tokens; τ = ne
 the stream's own run has the measured tokens/s. The model chain is the *shipped* drafter's throughout (no
 distillation): this separates what the memory gives from what the online updates give.
 
-    python benchmarks/traffic_replay.py --stream benchmarks/results/online-stream-traffic-v1/online_stream.json \
+    python benchmarks/traffic_replay.py --stream benchmarks/results/online-stream-traffic-distill/online_stream.json \
         [--traffic 4,8,16] [--out .../traffic_replay.json]
 """
 
