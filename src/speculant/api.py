@@ -15,6 +15,7 @@ import torch
 
 from .core import engine
 from .core.checks import as_id_list, check_stream
+from .core.prefix_cache import PrefixCache
 from .core.types import Generation
 from .drafters.base import Drafter
 from .drafters.registry import resolve_drafter
@@ -41,6 +42,7 @@ def generate(
     forward: str = "auto",
     logprobs: int | None = None,
     prompt_embeds: torch.Tensor | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` with ``target``, losslessly accelerated.
 
@@ -82,6 +84,11 @@ def generate(
             :func:`~speculant.models.vlm.text_view`; a drafter then should see the text only:
             :class:`speculant.drafters.text_only.TextOnlyDrafter`). :meth:`speculant.Session.generate` with
             ``images=`` does all of this.
+        prefix_cache: a :class:`speculant.core.prefix_cache.PrefixCache` (one per process, shared by the calls):
+            the longest prefix of the prompt an earlier call computed is reused instead of computed again (the
+            target's keys/values and a draft model's), and this call's blocks are kept for later ones; the output
+            is the same. None (default): every call computes its whole prompt. A session keeps one for its
+            generations (:attr:`speculant.Session.prefix_cache`).
 
     Returns:
         :class:`speculant.core.types.Generation` with ``token_ids`` (new tokens only), ``stats`` and
@@ -94,7 +101,7 @@ def generate(
     return engine.generate(target, ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                            stream=stream, kv_policy=kv_policy, kv_budget=kv_budget, kv_block=kv_block,
-                           forward=forward, logprobs=logprobs, prompt_embeds=prompt_embeds)
+                           forward=forward, logprobs=logprobs, prompt_embeds=prompt_embeds, prefix_cache=prefix_cache)
 
 
 def generate_steps(
@@ -112,6 +119,7 @@ def generate_steps(
     kv_block: int = 128,
     forward: str = "auto",
     logprobs: int | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> engine.Steps:
     """:func:`generate` one step at a time: an iterator of :class:`speculant.core.types.StepEvent` (each step's
     committed tokens, what was accepted of what was drafted); ``.result`` is the :class:`Generation` once it ends,
@@ -128,7 +136,7 @@ def generate_steps(
     return engine.generate_steps(target, ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                  eos_token_id=eos_token_id, kv_policy=kv_policy, kv_budget=kv_budget,
-                                 kv_block=kv_block, forward=forward, logprobs=logprobs)
+                                 kv_block=kv_block, forward=forward, logprobs=logprobs, prefix_cache=prefix_cache)
 
 
 def generate_batch(
@@ -147,6 +155,7 @@ def generate_batch(
     forward: str = "auto",
     logprobs: int | None = None,
     speculation: str = "on",
+    prefix_cache: PrefixCache | None = None,
 ) -> list[Generation]:
     """Decode several prompts together: one target forward per step verifies every unfinished sequence
     (:class:`speculant.core.batch.Batch`), each with its own drafter, cache and acceptance. Returns one
@@ -185,5 +194,6 @@ def generate_batch(
     return engine.generate_batch(target, ids, [resolve_drafter(d) for d in drafters], max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                  eos_token_id=eos_token_id, kv_policy=kv_policy, kv_budget=kv_budget,
-                                 kv_block=kv_block, forward=forward, logprobs=logprobs, speculation=speculation)
+                                 kv_block=kv_block, forward=forward, logprobs=logprobs, speculation=speculation,
+                                 prefix_cache=prefix_cache)
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .core.modes import normal_tensors
+from .core.prefix_cache import PrefixCache
 from .plan import Model, ParsedMethod, SessionPlan, generate_defaults, is_attached_draft, resolve
 
 if TYPE_CHECKING:
@@ -108,6 +109,18 @@ class Session:
     draft: torch.nn.Module | None = None
     context: dict = field(default_factory=dict)  # drafter-building context, e.g. {"tokenizers_match": True}
     _parsed: dict = field(default_factory=dict, repr=False)
+    prefix_cache: PrefixCache | None = field(default=None, repr=False)
+    """The keys/values of prompt prefixes this session's generations computed (target and draft model), which
+    later ones reuse (:mod:`speculant.core.prefix_cache`); made from :attr:`SessionPlan.prefix_cache_mb` (None when
+    that is 0). Shared by every generation of the session, also from several threads."""
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache is not None or self.plan.prefix_cache_mb <= 0:
+            return
+        if self.plan.kv_policy is not None:  # every generation keeps its own evicting cache
+            log.info("prompt prefixes are not reused: a KV eviction policy (%s) keeps its own cache", self.plan.kv_spec)
+            return
+        self.prefix_cache = PrefixCache(int(self.plan.prefix_cache_mb * (1 << 20)))
 
     @property
     def method(self) -> ParsedMethod:
@@ -141,7 +154,7 @@ class Session:
                        quantization=self.plan.quantization, draft_quantization=kind,
                        threads=None,  # threads: set by the first load
                        kv_policy=self.plan.kv_policy, kv_budget=self.plan.kv_budget, kv_block=self.plan.kv_block,
-                       draft_for=("another draft",))
+                       draft_for=("another draft",), prefix_cache_mb=self.plan.prefix_cache_mb)
         plan = dataclasses.replace(plan, target_name=self.plan.target_name, kv_spec=self.plan.kv_spec)
         return load_plan(plan)
 
@@ -178,7 +191,7 @@ class Session:
         options = self.generate_options()
         return engine.generate_batch(self.target, [ids for ids, _ in encoded], [self.drafter() for _ in encoded],
                                      seed=seed, eos_token_id=encoded[0][1], logprobs=logprobs,
-                                     speculation=speculation, **sampling, **options)
+                                     speculation=speculation, prefix_cache=self.prefix_cache, **sampling, **options)
 
     def encode(self, prompt: str | Sequence[int] | Any, raw: bool = False,
                system: str | None = None) -> tuple[list[int], list[int] | None]:
@@ -281,7 +294,7 @@ class Session:
             drafter = self.text_only(drafter)
         return engine.generate(self.target, ids, drafter=drafter, eos_token_id=eos_token_id if eos_token_id
                                is not None else stops, stream=stream, logprobs=logprobs, prompt_embeds=embeds,
-                               **sampling, **self.generate_options(parsed))
+                               prefix_cache=self.prefix_cache, **sampling, **self.generate_options(parsed))
 
     def encode_images(self, prompt: str | list[dict], images: Sequence[Any], system: str | None = None,
                       raw: bool = False) -> tuple[list[int], list[int] | None, torch.Tensor]:

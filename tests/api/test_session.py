@@ -256,3 +256,28 @@ def test_shared_model_options_have_one_help_text():
                 helps.setdefault(action.dest, set()).add(action.help)
     assert set(helps) == {"draft", "method", "dtype", "threads", "kv_policy", "kv_budget", "kv_block"}
     assert all(len(texts) == 1 for texts in helps.values()), helps
+
+
+# ----------------------------------------------------------------------------------------------- prefix reuse
+
+
+def test_a_session_reuses_the_prefixes_of_its_earlier_generations(pair):
+    """Generations of one session share a prefix cache (target and draft): a conversation's next turn computes only
+    its new tokens, and the answers equal those of a session that reuses nothing."""
+    from speculant.plan import DEFAULT_PREFIX_CACHE_MB
+
+    session = load(pair["chat_target"], pair["chat_draft"], "chain:k=3")
+    cold = load(pair["chat_target"], pair["chat_draft"], "chain:k=3", prefix_cache_mb=0)
+    assert session.prefix_cache.budget_bytes == int(DEFAULT_PREFIX_CACHE_MB * 2**20) and cold.prefix_cache is None
+    text = "def wrap(text, width):\n    lines = text.split()\n"
+    first = session.generate(text, max_new_tokens=24)
+    assert first.stats.prompt_cached_tokens == 0
+    again = session.generate(text + " and more", max_new_tokens=24)
+    assert again.token_ids == cold.generate(text + " and more", max_new_tokens=24).token_ids
+    assert again.stats.prompt_cached_tokens >= 16 and again.stats.draft_cached_tokens >= 16
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "big", True])
+def test_a_bad_prefix_cache_budget_is_one_line_before_loading(pair, bad):
+    with pytest.raises(ValueError, match="prefix cache's budget must be a number of MiB >= 0"):
+        resolve(pair["target"], pair["draft"], "chain:k=3", prefix_cache_mb=bad)

@@ -28,10 +28,13 @@ def plan_bench_models(target: Model, draft: Model | None, tokenizer: Any, dtype:
     """The session plan of a benchmark (nothing loaded): its method is the reference ``ar``; the draft is resolved
     (the drafter speculant ships for the target when none is given) and loaded when ``draft_for`` (the method
     specs and baselines that draft with the shared draft) is not empty, else a one-line ValueError as
-    everywhere (:func:`speculant.plan.resolve`). ``device`` None: the CPU; ``quantization``: as ``resolve``'s."""
+    everywhere (:func:`speculant.plan.resolve`). ``device`` None: the CPU; ``quantization``: as ``resolve``'s.
+    No prefix cache: every request of a benchmark is measured as a new one, prefill included (methods take turns
+    on the same prompts, which would otherwise read each other's prefixes)."""
     return resolve(target, draft, "ar", tokenizer=tokenizer, dtype=dtype, quantization=quantization,
                    device=device if device is not None else "cpu", draft_for=draft_for,
-                   threads=None)  # the caller's (speculant bench: --threads), not auto's
+                   threads=None,  # the caller's (speculant bench: --threads), not auto's
+                   prefix_cache_mb=0)
 
 
 @dataclass

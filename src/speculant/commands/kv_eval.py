@@ -161,6 +161,7 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     budgets = [int(b) for b in cfg.budgets.split(",")] if cfg.budgets else None
     users = ["KV policy speckv"] if any("speckv" in p for p in policies) else []
     plan = resolve(args.target or TARGETS["niah"], args.draft, "ar", dtype=args.dtype, device=args.device,
+                   prefix_cache_mb=0,
                    quantization=args.quantization,
                    threads=args.threads, draft_for=users)  # the no-draft rule of every front-end
     session = load_plan(plan)
@@ -226,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
     if args.task == "niah":
         return _run_niah(args, cfg)
     plan = resolve(args.target or TARGETS["fidelity"], args.draft, "ar", dtype=args.dtype, device=args.device,
+                   prefix_cache_mb=0,
                    quantization=args.quantization,
                    threads=args.threads)
     session = load_plan(plan)

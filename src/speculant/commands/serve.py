@@ -78,6 +78,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode up to N requests together, one target forward per step for all of them (on a CPU "
                    "a forward over several rows costs little more than over one, since it reads every weight once); "
                    "1: one request at a time; default: %(default)s")
+    p.add_argument("--prefix-cache-mb", type=_nonnegative("a number of MiB"), metavar="MB",
+                   default=d["prefix_cache_mb"],
+                   help="keep the keys/values of computed prompt prefixes (the target's and the draft model's), up to "
+                   "MB MiB, least recently used evicted first: a request that starts as an earlier one did (the "
+                   "same conversation one turn later, a shared system prompt, the same file) computes only the tokens "
+                   "after its longest cached prefix, in blocks of 16 tokens; the answer is the same either way. 0: "
+                   "no reuse; default: %(default)g")
     p.add_argument("--speculation", choices=["auto", "on", "off"], default=d["speculation"],
                    help="how deep each request drafts per step: auto (the depth that maximises tokens per second "
                    "for the batch, from each request's measured acceptance and the measured cost of a forward over "

@@ -38,6 +38,7 @@ from .checks import (
 from .draft_batch import plan_together
 from .drafting import Drafter, capability, sync
 from .eviction import BudgetedKV, EvictionPolicy
+from .prefix_cache import PrefixCache
 from .sequence import Sequence
 from .speculation import MODES, Speculation, draft_model_id
 from .target_forward import FORWARDS, TargetForward, batched_logits
@@ -52,14 +53,18 @@ class Batch:
     """Sequences of ``target`` decoded together (see the module doc). ``forward``: ``"auto"``, ``"lean"`` or
     ``"model"`` (:class:`~speculant.core.target_forward.TargetForward`), for every sequence. ``speculation``: how deep
     the sequences draft each step (:class:`~speculant.core.speculation.Speculation` or its mode: ``"on"``, each drafter
-    as deep as it likes; ``"off"``; ``"auto"``, by goodput from the measured acceptance and forward cost)."""
+    as deep as it likes; ``"off"``; ``"auto"``, by goodput from the measured acceptance and forward cost).
+    ``prefixes``: a :class:`~speculant.core.prefix_cache.PrefixCache` every sequence reuses prompt prefixes from and
+    stores its blocks in (the target's and its draft model's; None: no reuse)."""
 
-    def __init__(self, target: torch.nn.Module, forward: str = "auto", speculation: Speculation | str = "on") -> None:
+    def __init__(self, target: torch.nn.Module, forward: str = "auto", speculation: Speculation | str = "on",
+                 prefixes: PrefixCache | None = None) -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
         self.speculation = speculation if isinstance(speculation, Speculation) else Speculation(speculation)
         self.target = target
         self.forward_mode = forward
+        self.prefixes = prefixes
         self._sequences: dict[int, Sequence] = {}  # active
         self._finished: dict[int, Sequence] = {}  # finished or cancelled, until released
         self._next = 0
@@ -148,7 +153,7 @@ class Batch:
         index, self._next = self._next, self._next + 1
         seq = Sequence(index, self.target, forward, ids, drafter, max_new_tokens, params,
                        resolve_eos(self.target, eos_token_id), kv, logprobs, prompt_embeds,
-                       None if positions is None else positions.to(self.target.device))
+                       None if positions is None else positions.to(self.target.device), self.prefixes)
         seq.speculation = speculation
         with torch.inference_mode():
             seq.prefill()

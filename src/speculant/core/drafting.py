@@ -58,6 +58,9 @@ class DecodeState:
     # states [P, F] in slot order (ConFu reads its contemplate tokens' final states here), else None
     probe_hidden: torch.Tensor | None = None
     max_draft: int | None = None
+    # keys/values of prompt prefixes computed by earlier generations (speculant.core.prefix_cache.PrefixCache), which
+    # a drafter with a model of its own may restore into its cache and extend; None: no reuse
+    prefixes: Any = None
 
     @property
     def draft_limit(self) -> int:

@@ -20,6 +20,7 @@ from .batch import Batch
 from .checks import check_stream
 from .drafting import Drafter
 from .eviction import EvictionPolicy
+from .prefix_cache import PrefixCache
 from .types import Generation, StepEvent
 
 __all__ = ["Steps", "generate", "generate_batch", "generate_steps"]
@@ -44,6 +45,7 @@ def generate(
     forward: str = "auto",
     logprobs: int | None = None,
     prompt_embeds: torch.Tensor | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Generation:
     """The decoding loop behind :func:`speculant.generate` (see it for every argument), on resolved objects only.
 
@@ -55,11 +57,14 @@ def generate(
 
     ``stream(ids)`` (``stream(ids, logprobs)`` when ``logprobs`` is asked for) is called with each step's committed
     tokens. ``prompt_embeds [1, T, H]``: the prompt's embeddings to prefill with (a vision-language prompt, see
-    :meth:`speculant.core.batch.Batch.add`). Built on :func:`generate_steps`.
+    :meth:`speculant.core.batch.Batch.add`). ``prefix_cache``: keys/values of prompt prefixes earlier generations
+    computed (:class:`~speculant.core.prefix_cache.PrefixCache`), reused and extended by this one (target and draft
+    model); None: the whole prompt is computed. Built on :func:`generate_steps`.
     """
     check_stream(stream)
     steps = generate_steps(target, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed,
-                           eos_token_id, kv_policy, kv_budget, kv_block, forward, logprobs, prompt_embeds)
+                           eos_token_id, kv_policy, kv_budget, kv_block, forward, logprobs, prompt_embeds,
+                           prefix_cache)
     for event in steps:
         if stream is not None:
             if event.logprobs is None:
@@ -122,11 +127,12 @@ def generate_steps(
     forward: str = "auto",
     logprobs: int | None = None,
     prompt_embeds: torch.Tensor | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> Steps:
     """:func:`generate` as an iterator of steps (:class:`Steps`): the arguments are checked and the prompt is
     prefilled at once, then each ``next()`` runs one decoding step and returns its
     :class:`~speculant.core.types.StepEvent`; :meth:`Steps.close` stops early (e.g. a client that went away)."""
-    batch = Batch(target, forward)
+    batch = Batch(target, forward, prefixes=prefix_cache)
     index = batch.add(input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, kv_policy,
                       kv_budget, kv_block, logprobs, prompt_embeds=prompt_embeds)
     return Steps(batch, index)
@@ -148,13 +154,14 @@ def generate_batch(
     forward: str = "auto",
     logprobs: int | None = None,
     speculation: str = "on",
+    prefix_cache: PrefixCache | None = None,
 ) -> list[Generation]:
     """Decode several prompts together (:class:`~speculant.core.batch.Batch`): one verification forward per step
     for every unfinished sequence, each with its own drafter (``drafters[i]``, a distinct object per prompt, or
     None for plain decoding; None: plain decoding for all) and cache. ``seed``: one for all or one per prompt;
     the other settings apply to every prompt (see :func:`speculant.generate`); ``speculation``: ``"on"`` (each
     drafter as deep as it likes), ``"off"`` or ``"auto"`` (depths chosen per step by goodput,
-    :mod:`speculant.core.speculation`). Returns one
+    :mod:`speculant.core.speculation`); ``prefix_cache`` as in :func:`generate`. Returns one
     :class:`~speculant.core.types.Generation` per prompt, in order; each equals what :func:`generate` gives the
     prompt alone, token for token, greedy, with quantized weights (see the batch module on float weights)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -168,7 +175,7 @@ def generate_batch(
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"seed: give one seed, or one per prompt ({len(prompts)}), got {len(seeds)}")
-    batch = Batch(target, forward, speculation)
+    batch = Batch(target, forward, speculation, prefix_cache)
     kv = {"kv_policy": kv_policy, "kv_budget": kv_budget, "kv_block": kv_block}  # each sequence its own budget
     ids = [batch.check(p, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, logprobs=logprobs, **kv)
            for p, d, s in zip(prompts, drafters, seeds)]  # every prompt checked before any is prefilled

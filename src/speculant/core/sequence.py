@@ -19,15 +19,17 @@ decoding (no drafter) is the same step with an empty tree, so it is the fair bas
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 from .cache import SpecCache
-from .checks import num_layers
+from .checks import num_layers, warn_once
 from .drafting import DecodeState, Drafter, capability, sync
 from .eviction import BudgetedKV
 from .logprobs import emission_rows, token_logprobs
+from .prefix_cache import PrefixCache
 from .sampling import make_generator
 from .target_forward import Segment, TargetForward
 from .tree import TreeAttention
@@ -35,6 +37,8 @@ from .types import DraftTree, Generation, GenerationStats, PromptEmbeds, Samplin
 from .verification import verify
 
 __all__ = ["Sequence"]
+
+log = logging.getLogger(__name__)
 
 _EMPTY = DraftTree.empty()
 
@@ -46,12 +50,15 @@ class Sequence:
     prompt's input embeddings ``[1, len(ids), H]`` to prefill with instead of the ids' own (a vision-language
     target's prompt, image features in place of its image tokens; the root, the last token, is fed as an id);
     ``prompt_positions``: the prompt's M-RoPE positions ``[3, 1, len(ids)]`` (None: the token index), which the
-    prompt is prefilled at, every later token at its index plus their offset (:meth:`PromptEmbeds.offset_of`)."""
+    prompt is prefilled at, every later token at its index plus their offset (:meth:`PromptEmbeds.offset_of`).
+    ``prefixes``: a :class:`~speculant.core.prefix_cache.PrefixCache` to reuse the prompt's longest computed prefix
+    from and to store this generation's blocks in (None: no reuse; see :meth:`prefill` for when it cannot apply)."""
 
     def __init__(self, index: int, target: torch.nn.Module, forward: TargetForward, ids: list[int],
                  drafter: Drafter | None, max_new_tokens: int, params: SamplingParams, stops: set[int],
                  kv: BudgetedKV | None = None, logprobs: int | None = None,
-                 prompt_embeds: torch.Tensor | None = None, prompt_positions: torch.Tensor | None = None) -> None:
+                 prompt_embeds: torch.Tensor | None = None, prompt_positions: torch.Tensor | None = None,
+                 prefixes: PrefixCache | None = None) -> None:
         self.index = index
         self.prompt_embeds = prompt_embeds  # [1, len(ids), H] or None: the prompt's embeddings (image features)
         self.prompt_positions = prompt_positions  # [3, 1, len(ids)] or None: its M-RoPE positions
@@ -64,6 +71,10 @@ class Sequence:
                                  generator=make_generator(params.seed, self.device),
                                  max_length=len(ids) + max_new_tokens, remaining=max_new_tokens,
                                  stats=GenerationStats(target_forward=forward.kind))
+        self.prefixes = prefixes if prefixes is not None and self._reusable(prefixes, drafter, kv,
+                                                                            prompt_embeds) else None
+        self.state.prefixes = self.prefixes
+        self._stored = 0  # the cache length when its blocks were last stored in the prefix cache
         self.new: list[int] = []
         self.new_logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.done = False
@@ -102,12 +113,18 @@ class Sequence:
             self.drafter.begin(state)
         if self.kv is None:
             self._cache = SpecCache(num_layers(self.target), capacity=state.max_length + 64)
-            if len(ids) > 1:  # prefill everything but the root; its logits are not needed, so skip the LM head
-                embeds = None if self.prompt_embeds is None else self.prompt_embeds[:, : len(ids) - 1]
-                positions = None if self.prompt_positions is None else self.prompt_positions[:, :, : len(ids) - 1]
-                self.forward.prefill(self._cache, torch.tensor([ids[:-1]], device=self.device),
+            reused = 0
+            if self.prefixes is not None:  # the longest prefix an earlier generation computed: copied, not fed
+                reused = self.prefixes.restore(self.target, ids[:-1], self._cache)
+                self.stats.prompt_cached_tokens = reused
+            if len(ids) - 1 > reused:  # prefill the rest but the root; its logits are not needed: no LM head
+                embeds = None if self.prompt_embeds is None else self.prompt_embeds[:, reused: len(ids) - 1]
+                positions = None if self.prompt_positions is None else (
+                    self.prompt_positions[:, :, reused: len(ids) - 1])
+                self.forward.prefill(self._cache, torch.tensor([ids[reused:-1]], device=self.device),
                                      hidden_out=self.hidden, inputs_embeds=embeds, positions=positions)
             self.prompt_embeds = self.prompt_positions = None  # read once
+            self._store()
         else:
             self._cache = self.kv.cache  # block-wise prefill: at most kv_budget + kv_block tokens per layer
             if len(ids) > 1:
@@ -185,6 +202,8 @@ class Sequence:
             state.probe_hidden = hidden[len(tree) + 1:] if tree.probes is not None else None  # [P, F]
         first = cache_len + soft  # the root's slot (after the soft entries, which go with the rejected rows)
         self._cache.keep(cache_len, [first] + [first + 1 + n for n in verdict.accepted])
+        if self.prefixes is not None:
+            self._store()
         if self.kv is not None:  # only verified tokens are in the cache now
             self.kv.after_step(capture, [0] + [1 + n for n in verdict.accepted])
         accepted = [tree.tokens[n] for n in verdict.accepted]
@@ -217,6 +236,30 @@ class Sequence:
         # as stats.record_step counts a step cut short inside its accepted block: its last token is the bonus
         taken = len(verdict.accepted) if len(emitted) > len(verdict.accepted) else len(emitted) - 1
         return StepEvent(self.index, emitted, taken, offered, len(tree), step_logprobs, self.done, self.finish_reason)
+
+    # ------------------------------------------------------------------------------------------------ reuse
+
+    @staticmethod
+    def _reusable(prefixes: PrefixCache, drafter: Drafter | None, kv: BudgetedKV | None,
+                  prompt_embeds: torch.Tensor | None) -> bool:
+        """Whether this generation can reuse and store prompt prefixes; says once in the log why not."""
+        why = ("a KV eviction policy keeps its own cache" if kv is not None else
+               "an image prompt's embeddings are not token ids" if prompt_embeds is not None else
+               "the drafter reads the target's hidden states, which are not cached" if capability(
+                   drafter, "uses_target_hidden") else None)
+        if why is None:
+            return prefixes.budget_bytes > 0
+        warn_once(log, f"prompt prefixes are not reused for this generation: {why}; it computes its whole prompt")
+        return False
+
+    def _store(self) -> None:
+        """Store the blocks of committed tokens the target's cache completed since the last call (after the
+        prefill, then after each step): the cache holds ``ids[:length]``, every committed token but the root."""
+        length = self._cache.length
+        if self.prefixes is None or length // self.prefixes.block == self._stored // self.prefixes.block:
+            return
+        self.prefixes.store(self.target, self.state.ids[:length], self._cache)
+        self._stored = length  # tried once per completed block, whether the budget kept it or not
 
     # ------------------------------------------------------------------------------------------------ the end
 

@@ -239,6 +239,8 @@ class GenerationStats:
     draft_tokens: int = 0
     target_forward: str = ""  # "lean" or "model": which target forward ran (speculant.core.target_forward)
     kv_peak_bytes: int = 0  # the target's KV cache at its largest (live keys and values, all layers)
+    prompt_cached_tokens: int = 0  # prompt tokens whose keys/values the target reused (core.prefix_cache)
+    draft_cached_tokens: int = 0  # context tokens whose keys/values the draft model reused
 
     @property
     def acceptance_length(self) -> float:

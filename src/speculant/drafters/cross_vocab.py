@@ -73,6 +73,8 @@ class CrossVocabDrafter(DraftModelBase):
     def _shared_vocab(self, state: DecodeState) -> int:
         return vocab_size(self.model)  # its own vocabulary: nothing is shared with the target's ids
 
+    holds_target_ids = False  # its cache holds the draft tokenizer's tokens of the text
+
     def _extra_slots(self) -> int:
         return self.k
 

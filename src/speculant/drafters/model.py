@@ -66,6 +66,10 @@ class DraftModelBase(Drafter):
     """
 
     lean_forward: bool = True
+    holds_target_ids: bool = True
+    """The draft cache's slot ``i`` holds committed token ``state.ids[i]``: its keys/values are then reused from,
+    and stored in, the generation's prefix cache (:attr:`DecodeState.prefixes`). A drafter that tokenizes the text
+    its own way says False."""
 
     def __init__(
         self,
@@ -122,6 +126,12 @@ class DraftModelBase(Drafter):
         self._tree = None
         self._fed = 0
         self._lean = llama_forward_for(self.model) if self.lean_forward else None
+        # a feature drafter's rows read the target's states, which are not cached with the keys/values
+        self._prefixes = state.prefixes if self.holds_target_ids and not self.uses_target_hidden else None
+        self._stored = 0  # the context length when its blocks were last stored
+        if self._prefixes is not None:  # the context's longest prefix an earlier generation fed: copied, not fed
+            self._n_cached = self._prefixes.restore(self.model, state.ids[:-1], self._cache, count=False)
+            state.stats.draft_cached_tokens = self._n_cached
 
     def params_per_forward(self) -> int:
         """Parameters one draft forward reads (for MBSU's cost ratio): the transformer blocks and final norm,
@@ -185,6 +195,10 @@ class DraftModelBase(Drafter):
         """Start a proposal: feed what the cache lacks (ending with the root); ``p``'s logits after the root."""
         logits = self._next_logits(state, state.ids[self._n_cached :])
         self._n_cached = len(state.ids)  # the cache now holds every committed token
+        block = self._prefixes.block if self._prefixes is not None else 0
+        if block and self._n_cached // block > self._stored // block:
+            self._prefixes.store(self.model, state.ids, self._cache)  # its first len(ids) slots are the committed ones
+            self._stored = self._n_cached
         return logits
 
     # ------------------------------------------------------------------------------------ trimmed indices

@@ -402,8 +402,11 @@ class _Shape:
 
     @staticmethod
     def usage(result: Result) -> dict:
+        """OpenAI's usage field; ``prompt_tokens_details.cached_tokens``: the prompt tokens reused from the prefix
+        cache (their keys/values were not computed again)."""
         return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                "total_tokens": result.prompt_tokens + result.completion_tokens}
+                "total_tokens": result.prompt_tokens + result.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
     def body(self, text: str, result: Result, prompt_ids: list[int]) -> dict:
         if self.chat:

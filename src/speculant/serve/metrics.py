@@ -7,6 +7,8 @@ vLLM's names (``prometheus_client`` appends ``_total`` to counters in the exposi
   (up to ``--max-batch``) and the requests queued behind it;
 * ``vllm:prompt_tokens``, ``vllm:generation_tokens`` (counters): tokens read and generated (every generated token,
   also those of a cancelled request);
+* ``vllm:prefix_cache_queries``, ``vllm:prefix_cache_hits`` (counters): prompt tokens looked up in the prefix cache
+  and those of them reused (:mod:`speculant.core.prefix_cache`; with ``--prefix-cache-mb 0``, none);
 * ``vllm:request_success`` (counter, label ``finished_reason``: ``stop``, ``length``, or ``abort`` for requests
   the server ended while shutting down, as vLLM counts them);
 * ``vllm:time_to_first_token_seconds`` (request arrival to its first generated token, queueing and prefill
@@ -66,6 +68,10 @@ class ServerMetrics:
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued", m, registry=reg).labels(model_name)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens read").labels(model_name)
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated").labels(model_name)
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prompt tokens looked up in the prefix cache").labels(model_name)
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prompt tokens reused from the prefix cache").labels(model_name)
         self._success = counter("vllm:request_success", "Requests finished", ["finished_reason"])
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Request arrival to first token",
                               _LATENCY_BUCKETS)

@@ -73,7 +73,8 @@ class ServeSettings:
     "frequent", the chain ending where its estimated chance falls below ``online_traffic_min_score``, or with
     ``online_traffic_tree`` > 0 a tree of that many nodes) or most recently ("recent"); ``online_distill`` False:
     the traffic memory only, no draft model trained (any method, any draft); ``online_state``: a directory the
-    adapted drafter, its buffer and history are saved to on shutdown and resumed from."""
+    adapted drafter, its buffer and history are saved to on shutdown and resumed from. ``prefix_cache_mb``: MiB of
+    keys/values of computed prompt prefixes kept for later requests (:mod:`speculant.core.prefix_cache`; 0: none)."""
 
     target: str | None = None
     draft: str | None = None
@@ -85,6 +86,7 @@ class ServeSettings:
     quantization: str | None = None
     threads: int | str | None = None
     device: str | None = None
+    prefix_cache_mb: float = 2048.0  # speculant.plan.DEFAULT_PREFIX_CACHE_MB (tests hold them equal)
     host: str = "127.0.0.1"
     port: int = 8000
     max_queue: int = 64
@@ -119,7 +121,7 @@ def plan(settings: ServeSettings):
     return resolve(settings.target, settings.draft, settings.method, dtype=settings.dtype,
                    quantization=settings.quantization, device=settings.device,
                    threads=settings.threads, kv_policy=settings.kv_policy, kv_budget=settings.kv_budget,
-                   kv_block=settings.kv_block)
+                   kv_block=settings.kv_block, prefix_cache_mb=settings.prefix_cache_mb)
 
 
 def check_settings(settings: ServeSettings) -> ServeSettings:

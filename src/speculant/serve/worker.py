@@ -70,6 +70,7 @@ class Result:
     stats: dict[str, Any]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None  # the token entries of token_ids (serve.logprobs) when asked for
+    cached_tokens: int = 0  # prompt tokens whose keys/values were reused from the prefix cache
 
 
 @dataclass(eq=False)
@@ -117,6 +118,7 @@ class _Active:
         self.steps = {"calls": 0, "tokens": 0, "draft": 0, "accepted": 0, "per_pos": []}
         self.first: float | None = None
         self.drafter = None  # its observed drafter (--online): what the adapter learns from
+        self.cached = 0  # prompt tokens reused from the prefix cache
         self.generated: list[int] = []
         self.returned = 0  # characters of text handed to the client
         self.entries: list[dict] = []  # logprob entries of generated (job.logprobs set)
@@ -221,7 +223,7 @@ class _Active:
         m.finished(final)
         stats = _stats(self.worker.settings.method, self.steps, end - self.start)
         return "done", Result(final, len(job.ids), len(generated), stats, generated,
-                              self.entries[:len(generated)] if job.logprobs is not None else None)
+                              self.entries[:len(generated)] if job.logprobs is not None else None, self.cached)
 
 
 class Worker:
@@ -469,7 +471,7 @@ class Worker:
         active: dict[int, _Active] = {}
         while (joining := self._admit(len(active))) is not None:
             if batch is None:
-                batch = Batch(self.target, self._forward(), self.speculation)
+                batch = Batch(self.target, self._forward(), self.speculation, self.session.prefix_cache)
             for job in joining:
                 try:
                     a = self._join(batch, job)
@@ -575,6 +577,10 @@ class Worker:
                           **options)
         a = _Active(self, job, index, start)
         a.drafter = observed
+        a.cached = batch.result(index).stats.prompt_cached_tokens
+        if self.session.prefix_cache is not None:
+            m.prefix_cache_queries.inc(len(job.ids))
+            m.prefix_cache_hits.inc(a.cached)
         return a
 
 
