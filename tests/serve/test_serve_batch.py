@@ -182,11 +182,14 @@ def test_the_page_is_served_and_chats_in_a_real_browser(servers, tmp_path):
     page = httpx.get(url + "/", timeout=10)
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "<script" in page.text and "http" not in page.text.split("<script")[0].replace("http-equiv", "")
+    assert "script-src 'sha256-" in page.headers["content-security-policy"]  # tests/serve/test_serve_guard.py
     if browser_paths() is None:
         pytest.skip("chromium and chromedriver are not installed (apt install chromium chromium-driver)")
     with Browser() as b:
         b.open(url + "/")
         b.wait("return document.getElementById('model').textContent === 'tiny-chat'", what="the model list")
+        # the Content-Security-Policy admits the page's own style (a blocked <style> has no sheet) and script
+        assert b.js("return [...document.querySelectorAll('style')].every(s => s.sheet && s.sheet.cssRules.length)")
         b.type("#prompt", "Write a poem about the sea.")
         b.click("#send")
         final = b.wait("return document.getElementById('final').textContent", what="the streamed answer")

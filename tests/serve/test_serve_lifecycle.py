@@ -1,5 +1,6 @@
 """A request's life in the server beyond its answer: a non-streaming client that goes away
-cancels its generation at once (or before it starts, when queued); bodies over ``--max-body-bytes`` are 413 and
+cancels its generation at once (or before it starts, when queued; one gone while still sending its body is a
+cancelled request, not a failed one); bodies over ``--max-body-bytes`` are 413 and
 prompts too long to fit are 400 before tokenising, which runs off the event loop; SIGTERM drains (503 for new
 work, running and queued requests finish within ``--shutdown-grace``, then end with ``finish_reason`` ``abort``
 and ``[DONE]``). Real server subprocesses where a connection or a signal matters (bounded by tokens decoded, never
@@ -70,8 +71,14 @@ def _events(lines) -> list:
 
 
 @pytest.fixture(scope="module")
-def server(models, tmp_path_factory):
-    proc, url = start_server(_args(models), tmp_path_factory.mktemp("lifecycle") / "stderr.txt", ready=True)
+def server_log(tmp_path_factory):
+    """The stderr of :func:`server`."""
+    return tmp_path_factory.mktemp("lifecycle") / "stderr.txt"
+
+
+@pytest.fixture(scope="module")
+def server(models, server_log):
+    proc, url = start_server(_args(models), server_log, ready=True)
     yield url
     stop_server(proc)
 
@@ -112,6 +119,26 @@ def test_queued_non_streaming_request_whose_client_left_never_starts(server):
     prompt = after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"]
     first = httpx.post(url + "/v1/completions", json={**_LONG_BODY, "max_tokens": 1}, timeout=60).json()
     assert prompt == first["usage"]["prompt_tokens"]  # the queued one was never prefilled
+
+
+def test_a_client_gone_while_sending_its_body_is_cancelled_not_failed(server, server_log):
+    """A client that hangs up halfway through its request body cancelled its request: counted with the other
+    cancellations, not as a failure, and without a traceback in the log; the server goes on."""
+    url = server
+    before = _metrics(url)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 1000\r\n\r\n{\"model\": \"tiny-" % path.encode())
+    after = wait_for(lambda: (m := _metrics(url))["speculant:requests_cancelled_total"]
+                     == before["speculant:requests_cancelled_total"] + 2 and m, "both cancellations")
+    assert after["speculant:requests_failed_total"] == before["speculant:requests_failed_total"]
+    assert after["vllm:prompt_tokens_total"] == before["vllm:prompt_tokens_total"]  # nothing reached the model
+    log = server_log.read_text()
+    assert "Traceback" not in log and "ClientDisconnect" not in log and "unexpected error" not in log, log
+    r = httpx.post(url + "/v1/completions", json={**_LONG_BODY, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 # ---------------------------------------------------------------------------------------------- limits

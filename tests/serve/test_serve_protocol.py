@@ -1,7 +1,8 @@
 """The server's request protocol at its edges: bad input gets a 400 naming the field (unpaired surrogates, numbers
 beyond float64, logprobs out of range), huge client values are not echoed whole, a full queue is a 429 with
-Retry-After, chat content stays text, /v1/models reports the context length, and ``completion_tokens`` counts what
-was returned after a stop string. In-process apps (FastAPI's TestClient) over a tiny chat model pair."""
+Retry-After, chat content stays text, /v1/models reports the context length, ``completion_tokens`` counts what was
+returned after a stop string, and a ``top_k`` of any size is accepted. In-process apps (FastAPI's TestClient) over
+a tiny chat model pair."""
 
 from __future__ import annotations
 
@@ -87,6 +88,43 @@ def test_queue_full_429_carries_retry_after(c, monkeypatch):
     r = c.post("/v1/completions", json=_COMPLETION)
     assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
     assert r.json()["error"]["code"] == "queue_full"
+
+
+def test_top_k_of_any_size_is_the_whole_vocabulary(models, monkeypatch):
+    """A ``top_k`` at least the vocabulary's size filters nothing: 200 at any size (2**70), the same seeded tokens
+    as no ``top_k``, and the job samples without a filter (torch never sees the number); below it, ``top_k`` is
+    kept as sent; negative and non-integer values stay 400. An app of its own: sampled requests of a random model
+    accept few drafts, and what they measure would keep the shared app's later requests from drafting."""
+    from speculant.core.checks import vocab_size
+
+    with TestClient(create_app(serve_settings(models)), base_url=LOCAL) as c:
+        until_loaded(c)
+        worker = c.app.state.worker
+        vocab, real, sent = vocab_size(worker.target), worker.submit, []
+
+        def submit(job):
+            sent.append(job.sampling.top_k)
+            return real(job)
+
+        monkeypatch.setattr(worker, "submit", submit)
+        _sample_with_top_k(c, vocab)
+    assert sent == [None, None, None, None, None, vocab - 1] * 2
+
+
+def _sample_with_top_k(c, vocab: int) -> None:
+    """On chat and completions: seeded samples with ``top_k`` from the vocabulary's size up to 10**30 equal those
+    without it (streamed too), one below it is taken, bad values are 400."""
+    for path, base in (("/v1/chat/completions", _CHAT), ("/v1/completions", _COMPLETION)):
+        body = {**base, "max_tokens": 8, "temperature": 1.0, "seed": 7, "ignore_eos": True, "return_token_ids": True}
+        plain = c.post(path, json=body).json()["choices"][0]["token_ids"]
+        for k in (2**70, 10**30, vocab):
+            r = c.post(path, json={**body, "top_k": k})
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == plain, (k, r.text)
+        stream = c.post(path, json={**body, "top_k": 2**70, "stream": True})
+        assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]"), stream.text[-300:]
+        assert c.post(path, json={**body, "top_k": vocab - 1}).status_code == 200
+        for bad in (-2, -(2**70), 1.5, "5", True):
+            _error(c.post(path, json={**body, "top_k": bad}), 400, "top_k")
 
 
 def _tokenizer(models):

@@ -147,8 +147,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait behind a full batch; one more is answered 429 at once; "
                    "default: %(default)s")
     p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV, d["api_key"]),
-                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (401 otherwise); default: ${API_KEY_ENV} "
-                   "if set (keeps the key out of the process list), else none")
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (401 otherwise); GET /metrics and GET "
+                   "/health stay open without the key unless --metrics-need-key is given (then /metrics needs it); "
+                   f"default: ${API_KEY_ENV} if set (keeps the key out of the process list), else none")
+    p.add_argument("--metrics-need-key", action="store_true",
+                   help="with --api-key: GET /metrics needs the key too (401 without it). Default: /metrics and "
+                   "/health are open without the key, as vLLM serves them (for scrapers and load balancers); "
+                   "/health stays open either way")
     p.add_argument("--allow-origin", dest="allow_origin", action="append", metavar="ORIGIN", default=None,
                    help="let web pages from ORIGIN (e.g. http://localhost:3000; * for any) call the server, with "
                    "CORS; repeat for several. Default: none: without --api-key, requests from other origins and "

@@ -4,9 +4,11 @@ Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or
 (and ``/v1/models/{id}``; the model object carries the context length as ``max_model_len`` and
 ``context_length``), ``GET /health`` (200 once the model is loaded, 503 before and while shutting down),
 ``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs
-``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open. Without one, web pages
-cannot drive the server (:mod:`speculant.serve.guard`: a foreign ``Host`` is 421, a foreign ``Origin`` 403,
-``--allow-origin`` opens CORS).
+``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open (``/metrics`` needs the
+key too with ``--metrics-need-key``). Without one, web pages cannot drive the server (:mod:`speculant.serve.guard`:
+a foreign ``Host`` is 421, a foreign ``Origin`` 403, ``--allow-origin`` opens CORS); a malformed ``Host`` is 400
+either way. Every response carries ``X-Content-Type-Options: nosniff``, the page ``GET /`` a Content-Security-Policy
+(:func:`speculant.serve.guard.page_headers`).
 
 Every error has OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request
 (:mod:`speculant.serve.protocol`), 401, 403 and 421 (:mod:`speculant.serve.guard`), 404 (unknown model or
@@ -14,7 +16,8 @@ route), 405, 413 (a body over ``--max-body-bytes``, :mod:`speculant.serve.limits
 with ``Retry-After``), 503 (model not loaded yet; or the server is shutting down, with ``Retry-After``:
 :mod:`speculant.serve.shutdown`), 500 (a request that failed; the server goes on). A client's value quoted in a
 message is cut to 80 characters. A client that disconnects cancels its generation at the next step, streaming or
-not (a request still queued never starts).
+not (a request still queued never starts); one that disconnects while still sending its body is a cancelled
+request too (``speculant:requests_cancelled``, one debug line), not a failed one.
 
 Responses carry OpenAI's fields plus ``speculant``: this response's speculative statistics (method, τ =
 acceptance_length, target_calls, draft_tokens, accepted_tokens, accepted_per_position, decode_s).
@@ -37,10 +40,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..core.types import SamplingParams
 from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from .guard import BrowserGuard
+from .guard import BrowserGuard, page_headers
 from .limits import BodyLimit, check_prompt_chars
 from .logprobs import LogprobShape
 from .page import PAGE
@@ -111,7 +115,8 @@ def _add_guards(app: FastAPI, settings: ServeSettings) -> None:
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     """Every error as OpenAI's error body: the API's own (:class:`APIError`), unknown routes and methods (404,
-    405), malformed requests (400) and anything unexpected (500, counted as a failed request)."""
+    405), malformed requests (400) and anything unexpected (500, counted as a failed request). A client that went
+    away while sending its body is a cancelled request: nobody reads the 499."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -134,6 +139,12 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         message = errors[0].get("msg", "invalid request") if errors else "invalid request"
         return JSONResponse(error_body(message, "invalid_request_error", param or None, "invalid_value"), 400)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        log.debug("client went away while sending its request (%s %s)", request.method, clip(request.url.path))
+        metrics.cancelled.inc()
+        return Response(status_code=499)  # nginx's "client closed request"
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
@@ -144,17 +155,21 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 def _add_routes(app: FastAPI, server: _Server) -> None:
     """The routes: the playground page, /health, /metrics, the model list and the two completion routes."""
 
+    security = page_headers(PAGE)
+
     @app.get("/")
     async def page() -> HTMLResponse:
         """The chat playground (speculant.serve.page): same origin, so the browser guard lets it call the API."""
-        return HTMLResponse(PAGE)
+        return HTMLResponse(PAGE, headers=security)
 
     @app.get("/health")
     async def health() -> Response:
         return server.health()
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        if server.settings.metrics_need_key:
+            server.authorize(request)
         return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
@@ -347,6 +362,13 @@ class _Server:
                            code="context_length_exceeded") from None
         return n
 
+    def top_k(self, req: GenerationRequest) -> int | None:
+        """The request's ``top_k`` for sampling: None (no filter) when it keeps the whole vocabulary, so any size a
+        client sends (``2**70``) means what it says and never reaches torch."""
+        from ..core.checks import vocab_size
+
+        return req.top_k if req.top_k is None or req.top_k < vocab_size(self.worker.target) else None
+
     async def complete(self, request: Request, req: GenerationRequest) -> Response:
         """Tokenise the request (off the event loop), submit its job (429 when the queue is full) and answer: an
         event stream, or the whole response once it is done."""
@@ -357,7 +379,7 @@ class _Server:
             ids, embeds = await asyncio.wrap_future(worker.call(self.image_prompt, req))  # the vision tower: torch
         else:
             ids = await asyncio.to_thread(self.prompt_ids, req)
-        sampling = SamplingParams(temperature=req.temperature, top_k=req.top_k, top_p=req.top_p, seed=req.seed)
+        sampling = SamplingParams(temperature=req.temperature, top_k=self.top_k(req), top_p=req.top_p, seed=req.seed)
         job = Job(ids=ids, max_tokens=self.max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
                   stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
                   sources=req.sources and req.stream, speculation=req.speculation, prompt_embeds=embeds)

@@ -25,9 +25,9 @@ steps, one target forward each; per-request ``target_calls`` count each request'
 ``speculant:step_rows`` (histogram: rows of each batched step's target forward, every request's root and draft),
 ``speculant:shared_draft_forwards`` and ``speculant:shared_draft_requests`` (counters: draft forwards run for
 several requests at once, and the requests' forwards they served: their ratio is how many requests shared one),
-``speculant:requests_cancelled`` (clients that went away, or stop strings never reached: cancelled while queued
-or decoding) and ``speculant:cancelled_generation_tokens`` (tokens generated for cancelled requests before the
-generation stopped), ``speculant:requests_failed`` (requests answered 500).
+``speculant:requests_cancelled`` (clients that went away, or stop strings never reached: cancelled while still
+sending the request body, queued or decoding) and ``speculant:cancelled_generation_tokens`` (tokens generated for
+cancelled requests before the generation stopped), ``speculant:requests_failed`` (requests answered 500).
 
 Every server has its own registry (tests and Ray replicas may hold several apps in one process).
 """

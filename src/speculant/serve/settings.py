@@ -56,12 +56,14 @@ class ServeSettings:
     ``speculation``: how deep each request drafts per step (``auto``: by goodput from its measured acceptance and the
     measured cost of a forward over the batch's rows, :mod:`speculant.core.speculation`; ``on``: as deep as the method
     drafts; ``off``: plain decoding). ``api_key`` None: no authentication (printable ASCII: HTTP headers carry ASCII).
-    ``port``: 0 to 65535 (0: a free one). ``allow_origin``: the browser origins (``http://localhost:3000``, or ``*``)
-    allowed to call the server cross-origin, with CORS; without an API key every other origin, and any ``Host`` that
-    is not this server's address or a loopback name, is refused (:mod:`speculant.serve.guard`). ``max_body_bytes``: a
-    larger request body is answered 413 before it is read (:mod:`speculant.serve.limits`); the default, 4 MiB, is well
-    above the longest prompt a served model can take: a 128K-token context is about 0.5 MB of text (4 bytes per
-    token), 1.5 MB if every character is sent as a ``\\uXXXX`` escape, and under 1 MB as token ids.
+    ``metrics_need_key``: ``GET /metrics`` needs the API key too (by default it is open, as vLLM serves it, like
+    ``GET /health``). ``port``: 0 to 65535 (0: a free one). ``allow_origin``: the browser origins
+    (``http://localhost:3000``, or ``*``) allowed to call the server cross-origin, with CORS; without an API key
+    every other origin, and any ``Host`` that is not this server's address or a loopback name, is refused
+    (:mod:`speculant.serve.guard`). ``max_body_bytes``: a larger request body is answered 413 before it is read
+    (:mod:`speculant.serve.limits`); the default, 4 MiB, is well above the longest prompt a served model can take: a
+    128K-token context is about 0.5 MB of text (4 bytes per token), 1.5 MB if every character is sent as a
+    ``\\uXXXX`` escape, and under 1 MB as token ids.
     ``shutdown_grace``: seconds that running and queued requests get to finish after SIGTERM or Ctrl-C, while new ones
     are answered 503; those still running then end with ``finish_reason`` ``abort`` (:mod:`speculant.serve.shutdown`).
     ``online``: adapt the draft model to the traffic (:mod:`speculant.online`): an update every ``online_every``
@@ -93,6 +95,7 @@ class ServeSettings:
     max_batch: int = 4
     speculation: str = "auto"
     api_key: str | None = None
+    metrics_need_key: bool = False
     model_name: str | None = None
     allow_origin: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20
@@ -179,6 +182,8 @@ def check_settings(settings: ServeSettings) -> ServeSettings:
     if settings.api_key is not None and not (settings.api_key.isascii() and settings.api_key.isprintable()):
         # a client's header is read as Latin-1 bytes: a non-ASCII key could never match
         raise ValueError("--api-key must be printable ASCII (it travels in an HTTP header)")
+    if settings.metrics_need_key and settings.api_key is None:
+        raise ValueError("--metrics-need-key needs --api-key (there is no key to require)")
     settings = dataclasses.replace(settings, allow_origin=check_origins(settings.allow_origin))
     if settings.target is None:
         settings = dataclasses.replace(settings, target=default_target())
