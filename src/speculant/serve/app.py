@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not), ``GET /v1/models``
 (and ``/v1/models/{id}``; the model object carries the context length as ``max_model_len`` and
 ``context_length``), ``GET /health`` (200 once the model is loaded, 503 before and while shutting down),
-``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs
+``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`), ``GET /`` (the web page) and ``GET /static/...``
+(its files, :mod:`speculant.serve.page`). With an API key, every ``/v1`` route needs
 ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open. Without one, web pages
 cannot drive the server (:mod:`speculant.serve.guard`: a foreign ``Host`` is 421, a foreign ``Origin`` 403,
 ``--allow-origin`` opens CORS).
@@ -43,7 +44,7 @@ from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .guard import BrowserGuard
 from .limits import BodyLimit, check_prompt_chars
 from .logprobs import LogprobShape
-from .page import PAGE
+from .page import PAGE, static_file
 from .protocol import (APIError, GenerationRequest, clip, error_body, parse_body, parse_chat_request,
                        parse_completion_request)
 from .settings import ServeSettings
@@ -142,12 +143,22 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 
 def _add_routes(app: FastAPI, server: _Server) -> None:
-    """The routes: the playground page, /health, /metrics, the model list and the two completion routes."""
+    """The routes: the playground page and its files, /health, /metrics, the model list and the completion routes."""
 
     @app.get("/")
     async def page() -> HTMLResponse:
         """The chat playground (speculant.serve.page): same origin, so the browser guard lets it call the API."""
         return HTMLResponse(PAGE)
+
+    @app.get("/static/{name:path}")
+    async def static(name: str) -> Response:
+        """The page's script, style and vendored renderer files (speculant.serve.page.STATIC); 404 otherwise."""
+        found = static_file(name)
+        if found is None:
+            raise StarletteHTTPException(404)
+        content, media_type = found
+        return Response(content, media_type=media_type,
+                        headers={"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff"})
 
     @app.get("/health")
     async def health() -> Response:
