@@ -142,6 +142,14 @@
     return div;
   }
 
+  // run change(), then keep the log scrolled to its end if it was there (reading further up stays put)
+  function follow(change) {
+    const log = $("log");
+    const atEnd = log.scrollHeight - log.scrollTop - log.clientHeight < 40;
+    change();
+    if (atEnd) log.scrollTop = log.scrollHeight;
+  }
+
   function busy(on) {
     $("send").disabled = on;
     $("stop").hidden = !on;
@@ -151,7 +159,7 @@
     if (!model) await loadModel();
     const mine = chat;
     messages.push({role: "user", content: text});
-    add("user", text);
+    follow(() => add("user", text));
     const out = add("assistant", "");
     const meta = add("meta", "");
     busy(true);
@@ -159,7 +167,7 @@
     let steps = 0, tokens = 0, accepted = 0, first = null, answer = "", usage = null, stats = null, finish = "";
     const origins = [];
     let pending = false;
-    const paint = () => { pending = false; render(out, answer, origins); out.scrollIntoView({block: "end"}); };
+    const paint = () => { pending = false; follow(() => render(out, answer, origins)); };
     const schedule = () => { if (!pending) { pending = true; requestAnimationFrame(paint); } };
     const show = () => {
       $("tau").textContent = steps ? (tokens / steps).toFixed(2) : "-";
@@ -235,7 +243,7 @@
     } finally {
       controller = null;
       paint();
-      meta.textContent = describe(usage, tokens, stats, first, finish);
+      follow(() => { meta.textContent = describe(usage, tokens, stats, first, finish); });
       busy(false);
     }
   }
