@@ -3,7 +3,8 @@ marked, DOMPurify and highlight.js) with their types; the page names nothing els
 style or handler (it runs under ``default-src 'self'``). In a real headless chromium (skipped without one) against
 a real ``speculant serve`` of the tiny chat pair: a two-turn conversation (the second request carries the first
 exchange), accepted drafts coloured, the prompt-token line under each answer, markdown rendered with highlighted
-code blocks, and an answer's HTML shown as text, never run."""
+code blocks, an answer's HTML shown as text, never run, and a canned stream whose usage chunk reports reused
+prompt tokens."""
 
 from __future__ import annotations
 
@@ -184,3 +185,43 @@ def test_html_in_an_answer_is_shown_not_run(browser):
     text = b.js("return document.getElementById('evil').textContent")
     assert '<img src=x onerror="window.pwned=1">' in text and "<script>window.pwned=2</script>" in text
     b.js("document.getElementById('evil').remove()")
+
+
+def test_a_streamed_answer_shows_the_reused_prompt_tokens_and_renders_its_code(browser):
+    """The page's own stream handling against a canned stream: markdown arriving in pieces, the usage chunk with
+    ``prompt_tokens_details.cached_tokens`` (the server's prefix cache) shown under the answer."""
+    b = browser
+    b.click("#new")
+    pieces = ["Use this:\n\n```py", "thon\nprint('hi')  # greet\n", "```\n\nDone <b>now</b>."]
+    chunks = [{"choices": [{"index": 0, "delta": {"content": p}, "finish_reason": None}],
+               "speculant": {"tokens": 3, "accepted": 2, "sources": [[len(p), "draft"]]}} for p in pieces]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                   "speculant": {"acceptance_length": 3.0, "target_calls": 3, "method": "chain:k=3"}})
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 9, "total_tokens": 49,
+                                            "prompt_tokens_details": {"cached_tokens": 32}}})
+    b.js("const chunks = arguments[0], real = window.fetch;"
+         "window.fetch = (url, o) => { if (!String(url).includes('/chat/')) return real(url, o);"
+         "  const enc = new TextEncoder();"
+         "  const body = new ReadableStream({async start(c) {"
+         "    for (const ch of chunks) { c.enqueue(enc.encode('data: ' + JSON.stringify(ch) + '\\n\\n'));"
+         "      await new Promise(r => setTimeout(r, 30)); }"
+         "    c.enqueue(enc.encode('data: [DONE]\\n\\n')); c.close(); }});"
+         "  return Promise.resolve(new Response(body, {headers: {'Content-Type': 'text/event-stream'}})); };",
+         chunks)
+    try:
+        b.type("#prompt", "How do I greet?")
+        b.click("#send")
+        meta = b.wait("return document.querySelector('.meta') && document.querySelector('.meta').textContent",
+                      what="the canned answer")
+        assert meta.startswith("prompt 40 tokens, 32 reused · 9 tokens · τ 3.00"), meta
+        assert meta.endswith("stop")
+        code = b.js("const c = document.querySelector('.assistant pre code.hljs.language-python');"
+                    "return c && c.innerHTML")
+        assert code and 'class="hljs-built_in"' in code and "hljs-comment" in code, code
+        assert b.js("return document.querySelector('.assistant').textContent").strip().endswith("Done <b>now</b>.")
+        assert b.js("return document.querySelectorAll('.assistant b').length") == 0
+        assert b.js("return document.querySelectorAll('.assistant .draft').length") > 0  # all draft: coloured
+        assert b.js("return window.speculantPage.messages")[1] == {"role": "assistant", "content": "".join(pieces)}
+    finally:
+        b.js("window.location.reload()")
+        b.wait(f"return document.getElementById('model').textContent === '{MODEL}'", what="the reloaded page")
