@@ -1,5 +1,5 @@
 """A minimal W3C WebDriver client over HTTP (no selenium): drives Debian's ``chromium`` through its
-``chromedriver`` for the web page's tests and the README's screenshot (benchmarks/page_screenshot.py)."""
+``chromedriver`` for the web page's tests and the docs' screenshot (benchmarks/page_screenshot.py)."""
 
 from __future__ import annotations
 

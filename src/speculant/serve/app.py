@@ -3,11 +3,12 @@
 Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not), ``GET /v1/models``
 (and ``/v1/models/{id}``; the model object carries the context length as ``max_model_len`` and
 ``context_length``), ``GET /health`` (200 once the model is loaded, 503 before and while shutting down),
-``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs
-``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open (``/metrics`` needs the
-key too with ``--metrics-need-key``). Without one, web pages cannot drive the server (:mod:`speculant.serve.guard`:
-a foreign ``Host`` is 421, a foreign ``Origin`` 403, ``--allow-origin`` opens CORS); a malformed ``Host`` is 400
-either way. Every response carries ``X-Content-Type-Options: nosniff``, the page ``GET /`` a Content-Security-Policy
+``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`), ``GET /`` (the web page) and ``GET /static/...``
+(its files, :mod:`speculant.serve.page`). With an API key, every ``/v1`` route needs ``Authorization: Bearer KEY``
+(401 otherwise); ``/health``, ``/metrics`` and the page's files stay open (``/metrics`` needs the key too with
+``--metrics-need-key``). Without one, web pages cannot drive the server (:mod:`speculant.serve.guard`: a foreign
+``Host`` is 421, a foreign ``Origin`` 403, ``--allow-origin`` opens CORS); a malformed ``Host`` is 400 either way.
+Every response carries ``X-Content-Type-Options: nosniff``, the page ``GET /`` a Content-Security-Policy
 (:func:`speculant.serve.guard.page_headers`).
 
 Every error has OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request
@@ -47,7 +48,7 @@ from .metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from .guard import BrowserGuard, page_headers
 from .limits import BodyLimit, check_prompt_chars
 from .logprobs import LogprobShape
-from .page import PAGE
+from .page import PAGE, static_file
 from .protocol import (APIError, GenerationRequest, clip, error_body, parse_body, parse_chat_request,
                        parse_completion_request)
 from .settings import ServeSettings
@@ -153,7 +154,7 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 
 def _add_routes(app: FastAPI, server: _Server) -> None:
-    """The routes: the playground page, /health, /metrics, the model list and the two completion routes."""
+    """The routes: the playground page and its files, /health, /metrics, the model list and the completion routes."""
 
     security = page_headers(PAGE)
 
@@ -161,6 +162,16 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
     async def page() -> HTMLResponse:
         """The chat playground (speculant.serve.page): same origin, so the browser guard lets it call the API."""
         return HTMLResponse(PAGE, headers=security)
+
+    @app.get("/static/{name:path}")
+    async def static(name: str) -> Response:
+        """The page's script, style and vendored renderer files (speculant.serve.page.STATIC); 404 otherwise."""
+        found = static_file(name)
+        if found is None:
+            raise StarletteHTTPException(404)
+        content, media_type = found
+        return Response(content, media_type=media_type,
+                        headers={"Cache-Control": "no-cache"})  # nosniff: the guard adds it
 
     @app.get("/health")
     async def health() -> Response:

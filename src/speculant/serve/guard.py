@@ -97,18 +97,18 @@ def _listen_name(host: str) -> str:
 
 
 def page_headers(page: str) -> dict[str, str]:
-    """The security headers of the HTML document ``page``: a Content-Security-Policy that runs only its own inline
-    ``<script>`` and ``<style>`` blocks (by their SHA-256; no inline event handlers or style attributes), loads
-    nothing from elsewhere (``default-src 'self'``, ``connect-src 'self'``, ``img-src 'self' data:``), takes no
-    ``<base>``, plugins or framing (``frame-ancestors 'none'``, with ``X-Frame-Options: DENY`` for older
-    browsers)."""
+    """The security headers of the HTML document ``page``: a Content-Security-Policy that runs only the server's own
+    script and style files and the page's own inline ``<script>`` and ``<style>`` blocks, if any (by their SHA-256;
+    no inline event handlers or style attributes), loads nothing from elsewhere (``default-src 'self'``,
+    ``connect-src 'self'``, ``img-src 'self' data:``), takes no ``<base>``, plugins or framing
+    (``frame-ancestors 'none'``, with ``X-Frame-Options: DENY`` for older browsers)."""
 
-    def hashes(tag: str) -> str:
-        blocks = re.findall(rf"<{tag}\b[^>]*>(.*?)</{tag}\s*>", page, re.S | re.I)
+    def sources(tag: str) -> str:
+        blocks = [b for b in re.findall(rf"<{tag}\b[^>]*>(.*?)</{tag}\s*>", page, re.S | re.I) if b.strip()]
         digests = (base64.b64encode(hashlib.sha256(b.encode()).digest()).decode() for b in blocks)
-        return " ".join(f"'sha256-{d}'" for d in digests) or "'none'"
+        return " ".join(["'self'", *(f"'sha256-{d}'" for d in digests)])
 
-    policy = (f"default-src 'self'; script-src {hashes('script')}; style-src {hashes('style')}; "
+    policy = (f"default-src 'self'; script-src {sources('script')}; style-src {sources('style')}; "
               "connect-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'self'; "
               "frame-ancestors 'none'")
     return {"Content-Security-Policy": policy, "X-Frame-Options": "DENY"}

@@ -1,52 +1,68 @@
-"""The server's web page (``GET /``): a chat playground in one HTML document, no external assets, no build step.
+"""The server's web page (``GET /``) and the files it loads (``GET /static/...``): a chat client, no build step.
 
-It lists the served model (``GET /v1/models``), sends the conversation to ``/v1/chat/completions`` with
-``stream: true`` and ``speculant_sources: true``, and renders the answer as it streams: each character coloured by
-how its token came, an accepted draft token (green) or the target's own (the bonus token of a step, or plain
-decoding), from each chunk's ``speculant.sources`` spans; below it, live τ (tokens per target forward), tokens per
-second and the share of accepted draft tokens, then the final statistics of the response. An API key field is there
-for servers started with ``--api-key``.
+The page (``PAGE``) is HTML only; its script and style are files shipped in the package under
+``speculant/assets/web`` (:data:`STATIC`): ``page.js`` and ``page.css``, and the vendored renderers, marked
+(markdown), DOMPurify (sanitizing) and highlight.js (code blocks), whose versions and update steps
+``assets/web/README.md`` gives. Nothing is fetched from elsewhere, and there is no inline script, style or event
+handler: the page works under a Content-Security-Policy of ``default-src 'self'`` (it declares one itself).
+
+The page keeps the conversation and sends it whole to ``/v1/chat/completions`` with each request (``stream: true``,
+``stream_options.include_usage`` and ``speculant_sources: true``); "New chat" clears it. The answer is rendered
+as markdown while it streams, the model's raw HTML shown as text, each character coloured by how its token came
+(an accepted draft token, green, or the target's own) from the chunks' ``speculant.sources`` spans. Under each
+answer: its prompt tokens and how many the server reused from its prefix cache
+(``usage.prompt_tokens_details.cached_tokens``), its tokens, τ and speed; above the input, live τ (tokens per
+target forward), tokens per second and the share of accepted draft tokens. An API key field is there for servers
+started with ``--api-key``.
 """
 
 from __future__ import annotations
 
-__all__ = ["PAGE"]
+from pathlib import Path
+
+__all__ = ["PAGE", "STATIC", "static_file"]
+
+WEB = Path(__file__).resolve().parent.parent / "assets" / "web"
+"""The page's files in the package."""
+
+MEDIA_TYPES = {".js": "text/javascript; charset=utf-8", ".css": "text/css; charset=utf-8"}
+
+STATIC: dict[str, Path] = {p.relative_to(WEB).as_posix(): p for p in sorted(WEB.rglob("*"))
+                           if p.is_file() and p.suffix in MEDIA_TYPES}
+"""The files served under ``/static/``: every script and style sheet under ``assets/web``, by relative path."""
+
+
+def static_file(name: str) -> tuple[bytes, str] | None:
+    """``(content, media type)`` of the served file ``name`` (a key of :data:`STATIC`), None for any other name."""
+    path = STATIC.get(name)
+    if path is None:
+        return None
+    return path.read_bytes(), MEDIA_TYPES[path.suffix]
+
 
 PAGE = """<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
+<meta http-equiv="Content-Security-Policy" content="default-src 'self'; object-src 'none'; base-uri 'none'">
 <title>speculant</title>
-<style>
-  body { font-family: system-ui, sans-serif; margin: 0; background: #f6f7f9; color: #1c1e21; }
-  header { background: #20232a; color: #fff; padding: 10px 18px; display: flex; gap: 16px; align-items: baseline; }
-  header h1 { font-size: 18px; margin: 0; }
-  header span { opacity: .8; font-size: 14px; }
-  main { max-width: 920px; margin: 0 auto; padding: 14px; }
-  #log { background: #fff; border: 1px solid #dde; border-radius: 8px; padding: 12px; min-height: 280px;
-         white-space: pre-wrap; font-family: ui-monospace, monospace; font-size: 14px; line-height: 1.45; }
-  .user { color: #555; border-left: 3px solid #88a; padding-left: 8px; margin: 8px 0; }
-  .assistant { margin: 8px 0 16px 0; }
-  .draft { background: #c8f2cf; }
-  .target { background: transparent; }
-  .error { color: #b00020; }
-  form { display: flex; gap: 8px; margin-top: 10px; }
-  textarea { flex: 1; font: inherit; padding: 8px; border-radius: 6px; border: 1px solid #bbc; min-height: 56px; }
-  button { padding: 0 18px; border-radius: 6px; border: 0; background: #2f6fed; color: #fff; font-size: 15px; }
-  button:disabled { background: #99a; }
-  #stats { margin-top: 8px; font-size: 13px; color: #333; display: flex; gap: 18px; flex-wrap: wrap; }
-  #stats b { font-variant-numeric: tabular-nums; }
-  .legend { font-size: 13px; margin-top: 6px; color: #444; }
-  details { margin-top: 10px; font-size: 13px; }
-  input { font: inherit; padding: 3px 6px; }
-</style>
+<link rel="stylesheet" href="/static/highlight/github.min.css">
+<link rel="stylesheet" href="/static/page.css">
+<script defer src="/static/marked/marked.umd.js"></script>
+<script defer src="/static/dompurify/purify.min.js"></script>
+<script defer src="/static/highlight/highlight.min.js"></script>
+<script defer src="/static/page.js"></script>
 </head>
 <body>
-<header><h1>speculant</h1><span id="model">loading the model list...</span></header>
+<header><h1>speculant</h1><span id="model">loading the model list...</span>
+  <button id="new" type="button">New chat</button></header>
 <main>
   <div id="log" aria-live="polite"></div>
-  <div class="legend"><span class="draft">accepted draft token</span> &nbsp; <span>the target's own token</span></div>
+  <div class="legend">
+    <label><input id="drafts" type="checkbox" checked> colour <span class="draft">accepted draft tokens</span></label>
+    <span>(uncoloured: the target's own tokens)</span>
+  </div>
   <div id="stats">
     <span>τ <b id="tau">-</b></span><span>tokens/s <b id="tps">-</b></span>
     <span>accepted drafts <b id="share">-</b></span><span>tokens <b id="ntok">0</b></span>
@@ -55,137 +71,14 @@ PAGE = """<!doctype html>
   <form id="form">
     <textarea id="prompt" placeholder="Ask something (Enter sends, Shift+Enter for a new line)"></textarea>
     <button id="send" type="submit">Send</button>
+    <button id="stop" type="button" hidden>Stop</button>
   </form>
   <details><summary>settings</summary>
     <p>max tokens <input id="max" type="number" value="256" min="1"> &nbsp;
        temperature <input id="temp" type="number" value="0" min="0" step="0.1"> &nbsp;
        API key <input id="key" type="password" placeholder="if the server has one"></p>
-    <p><button id="clear" type="button">New conversation</button></p>
   </details>
 </main>
-<script>
-"use strict";
-const $ = (id) => document.getElementById(id);
-const messages = [];
-let model = null;
-
-function headers() {
-  const h = {"Content-Type": "application/json"};
-  if ($("key").value) h["Authorization"] = "Bearer " + $("key").value;
-  return h;
-}
-
-async function loadModel() {
-  try {
-    const r = await fetch("/v1/models", {headers: headers()});
-    const body = await r.json();
-    if (!r.ok) throw new Error(body.error ? body.error.message : r.statusText);
-    model = body.data[0].id;
-    $("model").textContent = model;
-  } catch (e) {
-    $("model").textContent = "model list unavailable: " + e.message;
-  }
-}
-
-function add(cls, text) {
-  const div = document.createElement("div");
-  div.className = cls;
-  if (text) div.textContent = text;
-  $("log").appendChild(div);
-  return div;
-}
-
-function paint(div, text, sources) {
-  const chars = Array.from(text);  // code points, as the server counts them
-  if (!sources) { div.appendChild(document.createTextNode(text)); return; }
-  let at = 0;
-  for (const [n, source] of sources) {
-    const span = document.createElement("span");
-    span.className = source;
-    span.textContent = chars.slice(at, at + n).join("");
-    div.appendChild(span);
-    at += n;
-  }
-  if (at < chars.length) div.appendChild(document.createTextNode(chars.slice(at).join("")));
-}
-
-async function send(text) {
-  if (!model) await loadModel();
-  messages.push({role: "user", content: text});
-  add("user", text);
-  const out = add("assistant", "");
-  $("send").disabled = true;
-  let steps = 0, tokens = 0, accepted = 0, first = null, answer = "";
-  const show = () => {
-    $("tau").textContent = steps ? (tokens / steps).toFixed(2) : "-";
-    $("share").textContent = tokens ? Math.round(100 * accepted / tokens) + "%" : "-";
-    $("ntok").textContent = tokens;
-    if (first !== null) {
-      const s = (performance.now() - first) / 1000;
-      $("tps").textContent = s > 0 ? (tokens / s).toFixed(1) : "-";
-    }
-  };
-  try {
-    const r = await fetch("/v1/chat/completions", {method: "POST", headers: headers(), body: JSON.stringify({
-      model: model, messages: messages, stream: true, speculant_sources: true,
-      max_tokens: parseInt($("max").value, 10) || 256, temperature: parseFloat($("temp").value) || 0})});
-    if (!r.ok) {
-      const body = await r.json().catch(() => ({}));
-      throw new Error(body.error ? body.error.message : r.statusText);
-    }
-    const reader = r.body.getReader();
-    const decoder = new TextDecoder();
-    let buffer = "";
-    for (;;) {
-      const {value, done} = await reader.read();
-      if (done) break;
-      buffer += decoder.decode(value, {stream: true});
-      let cut;
-      while ((cut = buffer.indexOf("\\n\\n")) >= 0) {
-        const line = buffer.slice(0, cut).trim();
-        buffer = buffer.slice(cut + 2);
-        if (!line.startsWith("data: ")) continue;
-        const data = line.slice(6);
-        if (data === "[DONE]") continue;
-        const chunk = JSON.parse(data);
-        if (chunk.error) throw new Error(chunk.error.message);
-        const choice = chunk.choices && chunk.choices[0];
-        const piece = choice && choice.delta && choice.delta.content;
-        const sp = chunk.speculant;
-        if (sp && sp.tokens !== undefined) {
-          if (first === null) first = performance.now();
-          steps += 1; tokens += sp.tokens; accepted += sp.accepted;
-        }
-        if (piece) { answer += piece; paint(out, piece, sp && sp.sources); }
-        if (sp && sp.acceptance_length !== undefined) {
-          $("final").textContent = "response: τ " + sp.acceptance_length.toFixed(2) + ", " + sp.target_calls +
-            " target calls, " + sp.method + ", " + (choice ? choice.finish_reason : "");
-        }
-        show();
-      }
-    }
-    messages.push({role: "assistant", content: answer});
-  } catch (e) {
-    add("error", "error: " + e.message);
-    messages.pop();
-  } finally {
-    $("send").disabled = false;
-  }
-}
-
-$("form").addEventListener("submit", (ev) => {
-  ev.preventDefault();
-  const text = $("prompt").value.trim();
-  if (!text || $("send").disabled) return;
-  $("prompt").value = "";
-  send(text);
-});
-$("prompt").addEventListener("keydown", (ev) => {
-  if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); $("form").requestSubmit(); }
-});
-$("clear").addEventListener("click", () => { messages.length = 0; $("log").textContent = ""; });
-loadModel();
-</script>
 </body>
 </html>
 """
