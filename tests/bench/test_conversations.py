@@ -134,7 +134,7 @@ def test_replay_records_every_turn_and_round_trips(server, tmp_path, sent, capsy
     assert bodies == [b for turns in per_conv for b in turns + turns]  # conversation by conversation: a, then b
     assert [t["server"] for t in again["turns"]][:6] == ["a"] * 3 + ["b"] * 3
     md = (out2 / "results.md").read_text()
-    assert "| median | a | b |" in md and "TTFT, turns 2+" in md and "## a" in md and "## b" in md
+    assert "| median | a | b |" in md and "TTFT ms, turns 2+" in md and "## a" in md and "## b" in md
     assert "| median | a | b |" in captured.out
 
 

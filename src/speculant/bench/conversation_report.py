@@ -38,8 +38,8 @@ def turn_table(results: dict, label: str) -> str:
     return "\n".join(rows)
 
 
-_COMPARED = (("TTFT, turn 1", "first", "ttft_s"), ("TTFT, turns 2+", "later", "ttft_s"),
-             ("total, turn 1", "first", "e2e_s"), ("total, turns 2+", "later", "e2e_s"))
+_COMPARED = (("TTFT ms, turn 1", "first", "ttft_s"), ("TTFT ms, turns 2+", "later", "ttft_s"),
+             ("total ms, turn 1", "first", "e2e_s"), ("total ms, turns 2+", "later", "e2e_s"))
 
 
 def comparison_table(results: dict) -> str:
@@ -48,7 +48,7 @@ def comparison_table(results: dict) -> str:
     labels = [s["label"] for s in results["servers"]]
     summary = results["summary"]
     fim = results["mode"] == "fim"
-    compared = ((("TTFT", "all", "ttft_s"), ("total", "all", "e2e_s")) if fim else _COMPARED)
+    compared = ((("TTFT ms", "all", "ttft_s"), ("total ms", "all", "e2e_s")) if fim else _COMPARED)
     rows = ["| median | " + " | ".join(labels) + " |", "|---|" + "---:|" * len(labels)]
 
     def line(name: str, values: list) -> str:
@@ -57,11 +57,11 @@ def comparison_table(results: dict) -> str:
         for k, v in enumerate(values):
             ratio = f" ({v / base:.2f}×)" if k and v is not None and base else ""
             cells.append(_ms(v) + ratio)
-        return f"| {name} ms | " + " | ".join(cells) + " |"
+        return f"| {name} | " + " | ".join(cells) + " |"
 
     for name, group, key in compared:
         rows.append(line(name, [summary[lb][group][key] for lb in labels]))
-    rows.append(line("file" if fim else "conversation",
+    rows.append(line("whole file ms" if fim else "whole conversation ms",
                      [summary[lb]["conversation_wall_s"]["median"] for lb in labels]))
     group = "all" if fim else "later"
     rows.append(f"| cached prompt tokens{'' if fim else ', turns 2+'} | " + " | ".join(
