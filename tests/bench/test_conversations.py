@@ -154,6 +154,23 @@ def test_mtbench_conversations_have_two_turns_and_reference_replies():
     assert len(with_refs) == 30 and all(c.assistants[0] for c in with_refs)
 
 
+def test_sharegpt_conversations_keep_three_user_turns_or_more(tmp_path):
+    from speculant.data.sharegpt import sharegpt_conversations
+
+    def chat(cid, *texts):
+        return {"id": cid, "conversations": [{"from": "human" if i % 2 == 0 else "gpt", "value": t}
+                                             for i, t in enumerate(texts)]}
+
+    rows = [chat("a_0", "q1", "r1", "q2", "r2", "q3", "r3"), chat("b_0", "q1", "r1", "q2", "r2"),
+            chat("c_0", "q1", "r1", "q2", "r2", "q3", "", "q4", "r4"), chat("a_1", "x", "y", "x", "y", "x", "y"),
+            chat("d_0", "p1", "s1", "p2", "s2", "p3", "s3", "p4")]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(rows)[:-1] + ', {"id": "cut')  # the packaged file ends cut off
+    convs = sharegpt_conversations(path=path)
+    assert [c["id"] for c in convs] == ["sharegpt-a", "sharegpt-d"]
+    assert convs[0]["turns"][2] == {"user": "q3", "assistant": "r3"} and len(convs[1]["turns"]) == 3
+
+
 def test_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
     url = "http://127.0.0.1:9"
     base = ["bench", "serve", "--url", url, "--out", str(tmp_path / "out")]

@@ -77,7 +77,8 @@ def _settings_line(results: dict) -> str:
             f"{results['num_conversations']} conversations of {s['source']} ({s['concurrency']} at a time)")
     servers = "; ".join(f"{x['label']}: `{x['model']}` at {x['url']}" for x in results["servers"])
     return (f"{what}, greedy, {s['max_tokens']} new tokens at most per answer, {s['warmup']} warm-up request(s) "
-            f"per server; {servers}; client {results['client']['platform']}, {results['client']['cpus']} CPUs")
+            f"per server; {servers}; client {results['client']['platform']}, {results['client'].get('cpu') or 'CPU'} "
+            f"({results['client']['cpus']} CPUs)")
 
 
 def render_markdown(results: dict) -> str:

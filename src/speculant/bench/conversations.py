@@ -25,6 +25,7 @@ server in turn) after a warm-up of each, so a drifting machine hurts none of the
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import statistics
 import sysconfig
@@ -193,12 +194,17 @@ def _client(s: ReplaySettings, connections: int):
 
 
 def _client_info() -> dict:
+    """The machine the client (and, on loopback, the servers) ran on."""
     from .. import __version__
 
-    import os
-
+    cpu = platform.processor() or None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
     return {"platform": platform.platform(), "python": platform.python_version(), "speculant": __version__,
-            "cpus": os.cpu_count()}
+            "cpu": cpu, "cpus": os.cpu_count()}
 
 
 async def run_conversations(settings: ReplaySettings, convs: list[Conversation],

@@ -105,29 +105,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true",
                    help="print the results as one JSON object on the last stdout line")
     g = p.add_argument_group("conversations and FIM replay")
-    g.add_argument("--conversations", metavar="SOURCE", default=None,
-                   help="replay multi-turn conversations turn by turn: builtin:mt-bench, builtin:sharegpt or a JSONL "
-                        "file (see below)")
-    g.add_argument("--num-conversations", type=positive_int, metavar="N", default=None,
-                   help="replay the first N conversations; default: all")
-    g.add_argument("--record", metavar="FILE", default=None,
-                   help="write the replies every conversation was replayed with (recorded, or the first server's "
-                        "live answers) to FILE (JSONL), for --replay")
-    g.add_argument("--replay", metavar="FILE", default=None,
-                   help="take the replies from FILE (written by --record) instead of the source's")
-    g.add_argument("--fim-replay", metavar="FILE", default=None,
-                   help="replay an editor moving down FILE (a path, or stdlib:MODULE) with llama.cpp /infill "
-                        "requests")
-    g.add_argument("--fim-every", type=positive_int, metavar="N", default=8,
-                   help="a cursor position every N lines of code; default: %(default)s")
-    g.add_argument("--fim-positions", type=positive_int, metavar="N", default=32,
-                   help="cursor positions at most; default: %(default)s")
-    g.add_argument("--llama-server", metavar="GGUF", default=None,
-                   help="also start llama.cpp's llama-server on GGUF (make llamacpp builds it; its prompt cache on) "
-                        "and compare it, after the --url servers; stopped at the end")
-    g.add_argument("--llama-server-threads", type=positive_int, metavar="N", default=None,
-                   help="llama-server's threads; default: llama.cpp's own")
-
+    replay_options = (
+        ("--conversations", "SOURCE", None, None, "replay multi-turn conversations turn by turn: builtin:mt-bench, "
+         "builtin:sharegpt or a JSONL file (see below)"),
+        ("--num-conversations", "N", positive_int, None, "replay the first N conversations; default: all"),
+        ("--record", "FILE", None, None, "write the replies every conversation was replayed with (recorded, or the "
+         "first server's live answers) to FILE (JSONL), for --replay"),
+        ("--replay", "FILE", None, None, "take the replies from FILE (written by --record) instead of the source's"),
+        ("--fim-replay", "FILE", None, None, "replay an editor moving down FILE (a path, or stdlib:MODULE) with "
+         "llama.cpp /infill requests"),
+        ("--fim-every", "N", positive_int, 8, "a cursor position every N lines of code; default: %(default)s"),
+        ("--fim-positions", "N", positive_int, 32, "cursor positions at most; default: %(default)s"),
+        ("--llama-server", "GGUF", None, None, "also start llama.cpp's llama-server on GGUF (make llamacpp builds "
+         "it; its prompt cache on) and compare it, after the --url servers; stopped at the end"),
+        ("--llama-server-threads", "N", positive_int, None, "llama-server's threads; default: llama.cpp's own"),
+    )
+    for flag, metavar, kind, default, text in replay_options:
+        g.add_argument(flag, metavar=metavar, default=default, help=text, **({"type": kind} if kind else {}))
 
 def _modes(text: str) -> tuple[str, ...]:
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
