@@ -314,11 +314,17 @@ def test_counts_read_openai_usage_and_llamacpp_timings():
 # ---------------------------------------------------------------------------------------------- llama-server
 
 FAKE_SERVER = """\
-import http.server, sys
+import http.server, json, sys
 port = int(sys.argv[sys.argv.index("--port") + 1])
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b'{"status": "ok"}')
+        self.send_response(200); self.end_headers()
+        self.wfile.write(b'{"status": "ok"}' if self.path == "/health" else b'{"data": [{"id": "m"}]}')
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200); self.end_headers()
+        for e in ({"content": "pass", "stop": False}, {"content": "", "stop": True, "timings": {"cache_n": 3}}):
+            self.wfile.write(("data: " + json.dumps(e) + "\\n\\n").encode())
     def log_message(self, *a): pass
 http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
 """
@@ -347,3 +353,13 @@ def test_llama_server_helper(tmp_path, monkeypatch):
     finally:
         llamacpp.stop_llama_server(proc)
     assert proc.poll() is not None
+    # bench serve --llama-server starts it, replays against it and stops it
+    source = tmp_path / "mod.py"
+    source.write_text(SOURCE)
+    out = tmp_path / "out"
+    assert cli.main(["bench", "serve", "--llama-server", str(gguf), "--fim-replay", str(source), "--fim-every", "3",
+                     "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert [s["label"] for s in results["servers"]] == ["llama-server"] and results["settings"]["llama_server"]
+    assert [t["cached_tokens"] for t in results["turns"]] == [3, 3] and (out / "llama-server.log").is_file()
+    assert results["turns"][0]["server_timings"] == {"cache_n": 3}

@@ -93,6 +93,7 @@ class TurnResult:
     prompt_chars: int = 0
     line: int | None = None
     first_line_match: bool | None = None
+    server_timings: dict | None = None  # llama.cpp's own timings of the request (prompt_ms, predicted_ms, ...)
     error: str | None = None
 
 
@@ -141,7 +142,7 @@ def _turn(got, server: str, conversation: str, turn: int, prompt_chars: int) -> 
     prompt, cached, output = _counts(got)
     return TurnResult(server=server, conversation=conversation, turn=turn, e2e_s=got.e2e_s, ttft_s=got.ttft_s,
                       prompt_tokens=prompt, cached_tokens=cached, completion_tokens=output,
-                      prompt_chars=prompt_chars, error=got.error)
+                      prompt_chars=prompt_chars, server_timings=got.native.get("timings"), error=got.error)
 
 
 def _chat_body(server: Server, messages: list[dict], s: ReplaySettings) -> dict:
