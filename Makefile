@@ -140,8 +140,9 @@ bench-mtbench: $(STAMP)
 		--readme docs/results/smollm2-mtbench.md
 
 # llama.cpp baselines (bench --baselines llamacpp-ar,llamacpp-lookup,llamacpp-draft): llama.cpp's own programs
-# (llama-lookup, llama-speculative-simple, and llama-bench for by-hand runs) built from the sources vendored in the
-# llama-cpp-python sdist into .llamacpp/build/bin. About 10-15 minutes on 2 cores; never part of `make test`.
+# (llama-lookup, llama-speculative-simple, llama-bench for by-hand runs, and llama-server for `speculant bench
+# serve --llama-server`) built from the sources vendored in the llama-cpp-python sdist into .llamacpp/build/bin.
+# About 10-15 minutes on 2 cores; never part of `make test`.
 # Natively (-march=native), except on a CPU with AMX: there ggml also compiles its AMX kernels, and on an Intel Xeon
 # with AVX-512 and AMX (a VM) ggml_backend_amx_mul_mat segfaults at the first decode (0.3.36; the runtime flag
 # --no-repack avoids it too, but loses the repacked kernels), so the build names the CPU's instruction sets up to
@@ -153,14 +154,14 @@ LLAMACPP_NO_AMX := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_AVX_VNN
 	-DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 LLAMACPP_ISA ?= $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo '$(LLAMACPP_NO_AMX)' || echo -DGGML_NATIVE=ON)
 LLAMACPP_CMAKE_ARGS ?=
-LLAMACPP_TOOLS ?= llama-lookup llama-speculative-simple llama-bench
+LLAMACPP_TOOLS ?= llama-lookup llama-speculative-simple llama-bench llama-server
 llamacpp: $(STAMP)
 	mkdir -p $(LLAMACPP_DIR)
 	$(PY) -m pip download -q --no-deps --no-binary :all: "$(LLAMACPP_SPEC)" -d $(LLAMACPP_DIR)
 	cd $(LLAMACPP_DIR) && tar xzf $$(ls -t llama_cpp_python-*.tar.gz | head -n 1) && \
 	  src=$$(ls -td llama_cpp_python-*/ | head -n 1)vendor/llama.cpp && \
 	  cmake -S $$src -B build -DCMAKE_BUILD_TYPE=Release $(LLAMACPP_ISA) -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-	    -DLLAMA_BUILD_TESTS=OFF $(LLAMACPP_CMAKE_ARGS) && \
+	    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON $(LLAMACPP_CMAKE_ARGS) && \
 	  cmake --build build -j$${JOBS:-2} --target $(LLAMACPP_TOOLS)
 
 # The target forward: plain decoding through transformers' generate (hf-ar), through the model's own

