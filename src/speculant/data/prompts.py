@@ -158,7 +158,7 @@ def check_record(obj: Any, where: str, allow_ids: bool = False) -> dict:
     kinds = ("prompt", "messages", "prefix", "input_ids") if allow_ids else ("prompt", "messages", "prefix")
     given = [k for k in kinds if isinstance(obj, dict) and (k in obj or (k == "prefix" and "suffix" in obj))]
     if not given:
-        fields = " or ".join(f"'{k}'" for k in kinds)
+        fields = " or ".join(f"'{k}'" for k in kinds if k != "prefix")  # FIM's pair: named below
         raise ValueError(f"{where}: no {fields} field (expected a JSON object with a 'prompt' string, a "
                          "'messages' list or 'prefix' and 'suffix' strings)")
     if len(given) > 1:
