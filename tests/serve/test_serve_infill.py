@@ -158,3 +158,11 @@ def test_a_model_without_fim_tokens_is_400(chat_models):
             assert "no fill-in-the-middle tokens" in error["message"] and error["code"] == "fim_not_supported"
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": PREFIX, "max_tokens": 2})
         assert r.status_code == 200  # and it goes on serving
+
+
+def test_bench_serve_sends_fim_records_with_suffix():
+    from speculant.bench.serve_load import LoadSettings, _body
+
+    settings = LoadSettings(url="http://127.0.0.1:1")
+    path, body = _body({"id": "f", "prefix": PREFIX, "suffix": SUFFIX, "middle": "c = a + b"}, MODEL, settings)
+    assert path == "/v1/completions" and body["prompt"] == PREFIX and body["suffix"] == SUFFIX
