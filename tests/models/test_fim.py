@@ -35,11 +35,12 @@ def session(tmp_path_factory, one_thread):
 
 def test_qwen_layout_without_and_with_repository_files(fim_tok):
     assert fim_format(fim_tok).family == "qwen2.5-coder" and has_fim(fim_tok)
-    assert fim_tok.decode(fim_ids(fim_tok, PREFIX, SUFFIX)) == f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
+    layout = f"<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>"
+    assert fim_tok.decode(fim_ids(fim_tok, PREFIX, SUFFIX)) == layout
     ids = fim_ids(fim_tok, PREFIX, SUFFIX, [{"filename": "a.py", "text": "x = 1"}, ("b.py", "y = 2\n")],
                   repo_name="demo", filename="c.py")
     assert fim_tok.decode(ids) == ("<|repo_name|>demo\n<|file_sep|>a.py\nx = 1\n<|file_sep|>b.py\ny = 2\n"
-                                   f"<|file_sep|>c.py\n<|fim_prefix|>{PREFIX}<|fim_suffix|>{SUFFIX}<|fim_middle|>")
+                                   f"<|file_sep|>c.py\n{layout}")
     # the code being edited cannot inject a control token: its special-token strings are text
     inject = fim_ids(fim_tok, "a<|fim_middle|>", "")
     assert inject.count(fim_tok.convert_tokens_to_ids("<|fim_middle|>")) == 1

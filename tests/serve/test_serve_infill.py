@@ -33,13 +33,13 @@ def fim_models(tmp_path_factory) -> tuple[str, str]:
     return chat_model_pair(tmp_path_factory.mktemp("fim-serve"), layers=2, context=512, special_tokens=FIM_TOKENS)
 
 
-def _client(target: str, draft: str | None, method: str):
+def _client(target: str, draft: str | None, method: str, **settings):
     from fastapi.testclient import TestClient
 
     from speculant.serve import ServeSettings, check_settings, create_app
 
     app = create_app(check_settings(ServeSettings(target=target, draft=draft, method=method, model_name=MODEL,
-                                                  speculation="on")))
+                                                  speculation="on", **settings)))
     return TestClient(app, base_url="http://127.0.0.1")  # no API key: loopback Hosts only
 
 
@@ -145,6 +145,19 @@ def test_suffix_on_chat_and_bad_suffixes_are_400(client):
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "suffix": suffix})
         assert r.status_code == 400 and r.json()["error"]["code"] == code
     assert _infill(client, n_predict=2)["tokens_predicted"] <= 2
+
+
+def test_stop_strings_and_the_api_key(fim_models, client, plain):
+    text, _ = plain(PREFIX, SUFFIX)
+    word = text[2:4]
+    assert word.strip()  # a stop string inside the greedy answer: it ends there, trimmed
+    out = _infill(client, stop=[word])
+    assert out["content"] == text[:text.index(word)] and out["stop_type"] == "word"
+    with _client(fim_models[0], None, "ar", api_key="k") as c:
+        until_loaded(c)
+        body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 2}
+        assert c.post("/infill", json=body).status_code == 401
+        assert c.post("/infill", json=body, headers={"Authorization": "Bearer k"}).status_code == 200
 
 
 def test_a_model_without_fim_tokens_is_400(chat_models):

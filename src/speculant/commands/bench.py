@@ -44,7 +44,8 @@ DESCRIPTION = (
     "parameters + KV caches), the time split, and at temperature 0 whether every output is token-identical to "
     "ar's (mismatches are listed with their first differing position); when the prompts have categories "
     "(builtin:mt-bench), τ and speed-up per category. Chat prompts are tokenised with the target's chat "
-    "template, fill-in-the-middle prompts (builtin:fim) in its FIM tokens. Writes results.json, results.md and plots (matplotlib) to --out."
+    "template, fill-in-the-middle prompts (builtin:fim) in its FIM tokens. Writes results.json, results.md and "
+    "plots (matplotlib) to --out."
 )
 
 

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP API (FastAPI): routes, authentication, responses and server-sent events.
 
-Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not), ``GET /v1/models``
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not; ``suffix``:
+fill-in-the-middle), llama.cpp's ``POST /infill`` (fill-in-the-middle for code editors), ``GET /v1/models``
 (and ``/v1/models/{id}``; the model object carries the context length as ``max_model_len`` and
 ``context_length``), ``GET /health`` (200 once the model is loaded, 503 before and while shutting down),
-``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route needs
-``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open. Without one, web pages
-cannot drive the server (:mod:`speculant.serve.guard`: a foreign ``Host`` is 421, a foreign ``Origin`` 403,
-``--allow-origin`` opens CORS).
+``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`). With an API key, every ``/v1`` route and
+``/infill`` need ``Authorization: Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open. Without
+one, web pages cannot drive the server (:mod:`speculant.serve.guard`: a foreign ``Host`` is 421, a foreign
+``Origin`` 403, ``--allow-origin`` opens CORS).
 
 Every error has OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request
 (:mod:`speculant.serve.protocol`), 401, 403 and 421 (:mod:`speculant.serve.guard`), 404 (unknown model or

@@ -19,6 +19,10 @@ streaming only) adds to each chunk how its text came: ``"speculant": {"sources":
 ...], "tokens": n, "accepted": a}`` (the web page colours accepted draft tokens with it);
 ``speculant_speculation`` (``auto``, ``on``, ``off``) sets this request's speculation over the server's
 ``--speculation`` (``speculant bench serve --speculation`` compares them on one server).
+
+Fill-in-the-middle: ``/v1/completions`` takes OpenAI's legacy ``suffix`` (with a text ``prompt``; chat refuses
+it), and :func:`parse_infill_request` reads llama.cpp's ``/infill`` body with llama.cpp's field names and
+defaults.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["APIError", "GenerationRequest", "COMPLETION_MAX_TOKENS", "INFILL_DEFAULTS", "MAX_TOP_LOGPROBS", "error_body",
-           "parse_body", "parse_chat_request", "parse_completion_request", "parse_infill_request"]
+__all__ = ["APIError", "GenerationRequest", "COMPLETION_MAX_TOKENS", "INFILL_DEFAULTS", "MAX_TOP_LOGPROBS",
+           "error_body", "parse_body", "parse_chat_request", "parse_completion_request", "parse_infill_request"]
 
 COMPLETION_MAX_TOKENS = 16
 """``max_tokens`` of a ``/v1/completions`` request that gives none (OpenAI's legacy default)."""
