@@ -86,6 +86,8 @@ def test_infill_answers_as_llama_cpp_and_equals_plain_decoding(client, plain):
     # repository files, and llama.cpp's "prompt": text inserted at the cursor, after the prefix
     assert _infill(client, input_extra=FILES)["content"] == plain(PREFIX, SUFFIX, FILES)[0]
     assert _infill(client, prompt="c = ")["content"] == plain(PREFIX + "c = ", SUFFIX)[0]
+    # seeded sampling (llama.cpp's default temperature, top-k and top-p) is reproducible
+    assert _infill(client, temperature=None, seed=3)["content"] == _infill(client, temperature=None, seed=3)["content"]
     # llama.cpp's hints and neutral values are taken
     assert _infill(client, cache_prompt=True, t_max_predict_ms=500, samplers=["top_k"], n_probs=0, seed=-1,
                    top_k=0)["content"] == text
