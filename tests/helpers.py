@@ -135,11 +135,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}<
 """A minimal ChatML-like template for the tiny test tokenizers (``<s>`` / ``</s>`` are their bos / eos)."""
 
 
-def chat_model_pair(root, layers: int = 2, context: int = 256):
-    """A tiny random target and its perturbed draft whose tokenizer has :data:`CHAT_TEMPLATE`; their dirs."""
+def chat_model_pair(root, layers: int = 2, context: int = 256, special_tokens=()):
+    """A tiny random target and its perturbed draft whose tokenizer has :data:`CHAT_TEMPLATE` (and
+    ``special_tokens`` after its 300 tokens, e.g. :data:`speculant.tiny_models.FIM_TOKENS`); their dirs."""
     from speculant.tiny_models import save_model_pair, tiny_tokenizer
 
-    tok = tiny_tokenizer(vocab_size=300)
+    tok = tiny_tokenizer(vocab_size=300, special_tokens=special_tokens)
     tok.chat_template = CHAT_TEMPLATE
     target, draft = save_model_pair(root, tok, hidden=32, layers=layers, context=context, init_std=0.5)
     return str(target), str(draft)

@@ -296,6 +296,41 @@ class Session:
                                is not None else stops, stream=stream, logprobs=logprobs, prompt_embeds=embeds,
                                prefix_cache=self.prefix_cache, **sampling, **self.generate_options(parsed))
 
+    def infill(self, prefix: str, suffix: str, extra: Sequence[Any] | None = None, *,
+               repo_name: str | None = None, filename: str | None = None, **kwargs: Any) -> Generation:
+        """Fill in the middle: what goes between ``prefix`` (the text before the cursor) and ``suffix`` (the text
+        after it), written by the target in its own FIM tokens (:mod:`speculant.models.fim`), drafted by the
+        session's method as any generation.
+
+        Args:
+            prefix, suffix: the text around the cursor.
+            extra: other files of the repository as context: ``{"filename", "text"}`` mappings or
+                ``(filename, text)`` pairs (:func:`speculant.models.fim.repo_files`); ``repo_name`` and
+                ``filename`` (the file being edited) name them in the prompt (None: llama.cpp's placeholders).
+            kwargs: as :meth:`generate` (``max_new_tokens``, ``temperature``, ``seed``, ``stream``, ``method``,
+                ``drafter`` ...); ``eos_token_id`` None (default): the family's FIM end tokens and the model's
+                EOS (:func:`speculant.models.fim.fim_stop_ids`).
+
+        Returns:
+            :meth:`generate`'s :class:`speculant.core.types.Generation` (``token_ids``: the middle, ending with the
+            stop token when one ended it).
+
+        Raises:
+            ValueError: one line: a target whose tokenizer has no FIM tokens (naming them), a bad argument.
+        """
+        from .models.fim import FILENAME, REPO_NAME, fim_ids, fim_stop_ids
+
+        for name in ("raw", "system", "images", "prompt_embeds"):
+            if kwargs.get(name):
+                raise ValueError(f"infill takes no {name}: the prompt is built in the model's FIM tokens")
+        if self.tokenizer is None:
+            raise ValueError("infill needs the target's tokenizer: pass tokenizer=")
+        ids = fim_ids(self.tokenizer, prefix, suffix, extra, repo_name=REPO_NAME if repo_name is None else repo_name,
+                      filename=FILENAME if filename is None else filename)
+        if kwargs.get("eos_token_id") is None:
+            kwargs["eos_token_id"] = fim_stop_ids(self.tokenizer, self.target)
+        return self.generate(ids, **kwargs)
+
     def encode_images(self, prompt: str | list[dict], images: Sequence[Any], system: str | None = None,
                       raw: bool = False) -> tuple[list[int], list[int] | None, torch.Tensor]:
         """``(input ids, stop ids, prompt embeddings [1, T, H])`` of a text ``prompt`` (or chat messages with image

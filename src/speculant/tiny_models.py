@@ -25,7 +25,7 @@ from transformers import (
     Qwen3Config,
 )
 
-__all__ = ["ARCHITECTURES", "tiny_config", "tiny_model", "perturbed", "stdlib_texts", "tiny_tokenizer",
+__all__ = ["ARCHITECTURES", "FIM_TOKENS", "tiny_config", "tiny_model", "perturbed", "stdlib_texts", "tiny_tokenizer",
            "save_model_pair", "VLM_ARCHITECTURES", "VLM_CHAT_TEMPLATE", "qwen2_vl_inputs", "save_tiny_llava",
            "tiny_vlm"]
 
@@ -94,14 +94,25 @@ def stdlib_texts(names: Iterable[str] = _STDLIB_FILES) -> list[str]:
     return texts or [_FALLBACK_TEXT]
 
 
-def tiny_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 1024):
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+              "<|endoftext|>")
+"""Qwen2.5-Coder's fill-in-the-middle and repository tokens (:mod:`speculant.models.fim`), for a tiny tokenizer
+that infills: ``tiny_tokenizer(special_tokens=FIM_TOKENS)``."""
+
+
+def tiny_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 1024, special_tokens: Iterable[str] = ()):
     """A byte-level BPE tokenizer trained on ``texts`` (default: :func:`stdlib_texts`), as a
     ``transformers.PreTrainedTokenizerFast`` with ``<s>`` = 0 (bos) and ``</s>`` = 1 (eos), the ids of
-    :func:`tiny_config`. It adds no special tokens when encoding."""
+    :func:`tiny_config`, and ``special_tokens`` added after its ``vocab_size`` tokens (e.g. :data:`FIM_TOKENS`).
+    It adds no special tokens when encoding."""
     from .train.bundled.tokenizer import train_tokenizer
 
-    return train_tokenizer(list(texts) if texts is not None else stdlib_texts(), vocab_size=vocab_size,
-                           min_frequency=0, bos=BOS, eos=EOS, pad=None)
+    tok = train_tokenizer(list(texts) if texts is not None else stdlib_texts(), vocab_size=vocab_size,
+                          min_frequency=0, bos=BOS, eos=EOS, pad=None)
+    extra = list(special_tokens)
+    if extra:
+        tok.add_special_tokens({"additional_special_tokens": extra})
+    return tok
 
 
 def save_model_pair(

@@ -11,6 +11,8 @@ and when the prompts carry a ``category`` (MT-Bench does), τ and speed-up per c
 
 Chat prompts (``messages``) are tokenised with the target tokenizer's chat template and, unless stop tokens are
 given, every method and baseline stops at the end of the assistant's turn (:func:`speculant.models.chat.stop_ids`).
+Fill-in-the-middle prompts (``prefix`` and ``suffix``, ``builtin:fim``) are built in the target's own FIM tokens
+and every method and baseline stops at the model's FIM end tokens (:func:`speculant.models.fim.fim_stop_ids`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 
 from ..models.chat import stop_ids
+from ..models.fim import fim_stop_ids
 from ..core.checks import check_fits_context, check_positive_int, resolve_device, resolve_eos, warn_once
 from ..core.quant import quantization_of
 from ..drafters.registry import NO_DEFAULT, get_method, split_spec
@@ -44,7 +47,7 @@ from . import llamacpp
 from .hf import BASELINES, hf_runner, parse_baseline
 from .models import BenchModels, plan_bench_models
 from .probe import peak_kv_bytes, probing
-from ..data.prompts import check_record, is_chat, load_prompts, prompt_ids
+from ..data.prompts import check_record, is_chat, is_fim, load_prompts, prompt_ids
 from .speed import MethodRun, machine_info, run_side_by_side, summarise, summarise_by
 
 __all__ = ["DEFAULT", "DEFAULT_FAMILIES", "DEFAULT_METHODS", "DEFINITIONS", "REFERENCE", "check_out_dir",
@@ -189,12 +192,15 @@ def _with_images(record: Mapping, n: int) -> str | list[dict]:
     return out
 
 
-def _stops(model: torch.nn.Module, tokenizer: Any, eos_token_id, chat: bool) -> list[int]:
+def _stops(model: torch.nn.Module, tokenizer: Any, eos_token_id, chat: bool, fim: bool = False) -> list[int]:
     """The stop tokens of every method: ``eos_token_id`` when given (``[]``: none), else the model's EOS, plus
-    for chat prompts the end-of-turn tokens (the tokenizer's and the generation config's EOS)."""
+    for chat prompts the end-of-turn tokens (the tokenizer's and the generation config's EOS) and for
+    fill-in-the-middle prompts the model's FIM end tokens (:func:`speculant.models.fim.fim_stop_ids`)."""
     stops = set(resolve_eos(model, eos_token_id))
     if eos_token_id is None and chat and tokenizer is not None:
         stops.update(stop_ids(tokenizer, model))
+    if eos_token_id is None and fim and tokenizer is not None:
+        stops.update(fim_stop_ids(tokenizer, model))
     return sorted(stops)
 
 
@@ -319,7 +325,8 @@ def run_bench(
 
     target_model = models.session.target
     chats = sum(is_chat(r) for r in records)
-    stops = _stops(target_model, models.session.tokenizer, eos_token_id, chat=chats > 0)
+    fims = sum(is_fim(r) for r in records)
+    stops = _stops(target_model, models.session.tokenizer, eos_token_id, chat=chats > 0, fim=fims > 0)
     pad = _pad_id(target_model, stops)
     k_default = _default_k(lineup.methods)
     ours = {spec: _EngineMethod(models.for_draft(lineup.method_drafts.get(spec)), method, stops)
@@ -337,7 +344,8 @@ def run_bench(
     settings = {"prompts": source, "num_prompts": len(records),
                 **_model_settings(lineup, models),
                 "max_new_tokens": max_new_tokens, **sampling, "repeats": repeats, "warmup": warmup,
-                "eos_token_id": stops, "chat_prompts": chats, "pad_token_id": pad, "hf_default_k": k_default,
+                "eos_token_id": stops, "chat_prompts": chats, "fim_prompts": fims, "pad_token_id": pad,
+                "hf_default_k": k_default,
                 **({"llamacpp": llamacpp.SETTINGS_NOTE} if lineup.uses_llamacpp else {})}
     results = {
         "benchmark": "speculant bench",

@@ -15,7 +15,8 @@ Around each level ``/metrics`` is scraped and the difference kept: drafts, draft
 ``vllm:spec_decode_*``), generation tokens and target calls (τ = generation tokens / target calls), the
 acceptance rate (accepted / draft tokens) and the per-position acceptance (accepted at depth i / drafts).
 
-Chat records (``messages``) go to ``/v1/chat/completions``, text records (``prompt``) to ``/v1/completions``.
+Chat records (``messages``) go to ``/v1/chat/completions``, text records (``prompt``) to ``/v1/completions``,
+fill-in-the-middle records (``prefix`` and ``suffix``, ``builtin:fim``) to ``/v1/completions`` with ``suffix``.
 Only loopback URLs are accepted: this is a benchmark for one's own server, not a load tool for other hosts.
 """
 
@@ -173,6 +174,8 @@ def _body(record: Mapping, model: str, s: LoadSettings, mode: str | None = None)
         body["speculant_speculation"] = mode
     if chat:
         body["messages"] = record["messages"]
+    elif "prefix" in record and "suffix" in record:  # fill-in-the-middle: OpenAI's legacy suffix
+        body["prompt"], body["suffix"] = record["prefix"], record["suffix"]
     else:
         body["prompt"] = record["prompt"]
     return ("/v1/chat/completions" if chat else "/v1/completions"), body

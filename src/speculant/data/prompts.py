@@ -2,7 +2,9 @@
 
 A prompt record is a dict with an ``id`` and one of ``prompt`` (raw text, tokenised as is: the tokenizer's default
 special tokens, no chat template), ``messages`` (a chat: a list of ``{"role", "content"}``, tokenised with the
-target tokenizer's chat template and the assistant's generation prompt, :func:`speculant.models.chat.chat_ids`) or, in
+target tokenizer's chat template and the assistant's generation prompt, :func:`speculant.models.chat.chat_ids`),
+``prefix`` and ``suffix`` (fill-in-the-middle: the text before and after the cursor, with optional ``extra``
+repository files, tokenised in the target's own FIM tokens, :func:`speculant.models.fim.fim_ids`) or, in
 process only, ``input_ids``. Every other field (``category``, ``source`` ...) is kept; a ``category`` gives the
 report a per-category table.
 
@@ -29,8 +31,12 @@ permutation within each):
 ``sharegpt`` / ``sharegpt-eval``
     real users' first turns from ShareGPT (:mod:`speculant.data.sharegpt`): the training conversations, and the
     500 held out for evaluation (all of them by default).
+``fim``
+    fill-in-the-middle: a span of 1 to 8 lines cut out of a function's body, between the code before and after it
+    (:mod:`speculant.data.fim`); needs a target with FIM tokens.
 
-A JSONL file has one object per line with a ``prompt`` string or a ``messages`` list; every other field is kept.
+A JSONL file has one object per line with a ``prompt`` string, a ``messages`` list or ``prefix`` and ``suffix``
+strings; every other field is kept.
 Records without an ``id`` get their line number.
 """
 
@@ -43,13 +49,15 @@ from pathlib import Path
 from typing import Any
 
 from ..models.chat import chat_ids, check_messages, has_chat_template
+from ..models.fim import fim_ids, repo_files
 from .code_chat import code_chat_prompts
+from .fim import fim_prompts
 from .mtbench import jsonl_rows, mtbench_questions
 from .sharegpt import sharegpt_prompts
 from .stdlib_functions import FUNCTIONS, split_functions, stratified, top_module
 
 __all__ = ["BUILTIN_SETS", "builtin_prompts", "check_record", "code_prompts", "grounded_prompts", "is_chat",
-           "load_prompts", "mt_bench_prompts", "prompt_ids"]
+           "is_fim", "load_prompts", "mt_bench_prompts", "prompt_ids"]
 
 def _signature_and_docstring(source_lines: list[str], node: ast.FunctionDef) -> str | None:
     doc = node.body[0] if node.body else None
@@ -122,12 +130,14 @@ BUILTIN_SETS: dict[str, Callable[..., list[dict]]] = {
     "code-chat-train": lambda n=1564: code_chat_prompts(n, split="train"),
     "sharegpt": lambda n=None: sharegpt_prompts(n, split="train"),
     "sharegpt-eval": lambda n=None: sharegpt_prompts(n, split="eval"),
+    "fim": fim_prompts,
 }
 
 
 def builtin_prompts(name: str, n: int | None = None) -> list[dict]:
     """The built-in set ``name`` (``builtin:NAME`` on the command line): ``n`` prompts, or the set's default
-    size (24 for ``code``/``grounded``, all 80 for ``mt-bench``, 80 for ``code-chat``, every ShareGPT first turn of
+    size (24 for ``code``/``grounded``/``fim``, all 80 for ``mt-bench``, 80 for ``code-chat``, every ShareGPT
+    first turn of
     the split for ``code-chat-train``
     requests of the ``code-chat`` kind made from the corpus's training modules (1,564 of them; never a
     ``code-chat`` prompt): for training drafters.
@@ -141,15 +151,16 @@ def check_record(obj: Any, where: str, allow_ids: bool = False) -> dict:
     """``obj`` if it is a prompt record, else a one-line ValueError that starts with ``where``.
 
     A record is a dict with exactly one of ``prompt`` (a non-empty string), ``messages`` (a non-empty list of
-    ``{"role": str, "content": str}``) or, with ``allow_ids``, ``input_ids``. Role names are checked when the
-    chat template is applied (:func:`speculant.models.chat.chat_ids`).
+    ``{"role": str, "content": str}``), ``prefix`` and ``suffix`` (strings, not both empty; fill-in-the-middle,
+    with optional ``extra`` files) or, with ``allow_ids``, ``input_ids``. Role names are checked when the chat
+    template is applied (:func:`speculant.models.chat.chat_ids`).
     """
-    kinds = ("prompt", "messages", "input_ids") if allow_ids else ("prompt", "messages")
-    given = [k for k in kinds if isinstance(obj, dict) and k in obj]
+    kinds = ("prompt", "messages", "prefix", "input_ids") if allow_ids else ("prompt", "messages", "prefix")
+    given = [k for k in kinds if isinstance(obj, dict) and (k in obj or (k == "prefix" and "suffix" in obj))]
     if not given:
-        fields = " or ".join(f"'{k}'" for k in kinds)
-        raise ValueError(f"{where}: no {fields} field (expected a JSON object with a 'prompt' string or a "
-                         "'messages' list)")
+        fields = " or ".join(f"'{k}'" for k in kinds if k != "prefix")  # FIM's pair: named below
+        raise ValueError(f"{where}: no {fields} field (expected a JSON object with a 'prompt' string, a "
+                         "'messages' list or 'prefix' and 'suffix' strings)")
     if len(given) > 1:
         raise ValueError(f"{where}: give one of {', '.join(repr(k) for k in given)}, not several")
     if given == ["prompt"] and (not isinstance(obj["prompt"], str) or not obj["prompt"]):
@@ -159,7 +170,22 @@ def check_record(obj: Any, where: str, allow_ids: bool = False) -> dict:
             check_messages(obj["messages"])
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+    if given == ["prefix"]:
+        if not all(isinstance(obj.get(k), str) for k in ("prefix", "suffix")):
+            raise ValueError(f"{where}: a fill-in-the-middle record needs 'prefix' and 'suffix' strings")
+        if not obj["prefix"] and not obj["suffix"]:
+            raise ValueError(f"{where}: 'prefix' and 'suffix' are both empty")
+        try:
+            repo_files(obj.get("extra"))
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
     return obj
+
+
+def is_fim(record: Mapping) -> bool:
+    """True for a fill-in-the-middle record (``prefix`` and ``suffix``): its tokens are the target's FIM prompt and
+    it ends at the model's FIM end tokens (:func:`speculant.models.fim.fim_stop_ids`)."""
+    return "prefix" in record and "suffix" in record and "input_ids" not in record
 
 
 def is_chat(record: Mapping) -> bool:
@@ -171,11 +197,13 @@ def is_chat(record: Mapping) -> bool:
 def prompt_ids(record: Mapping, tokenizer: Any) -> list[int]:
     """The token ids of a prompt record: ``input_ids`` as given, ``prompt`` through ``tokenizer`` (its default
     special tokens, no chat template), ``messages`` through the tokenizer's chat template with the generation
-    prompt (:func:`speculant.models.chat.chat_ids`).
+    prompt (:func:`speculant.models.chat.chat_ids`), ``prefix`` and ``suffix`` in the tokenizer's FIM tokens
+    (:func:`speculant.models.fim.fim_ids`).
 
     Raises:
         ValueError: one line naming the prompt: text without a tokenizer, a chat when the tokenizer has no chat
-            template (or a message the template rejects), or no tokens at all.
+            template (or a message the template rejects), a FIM record when it has no FIM tokens, or no tokens at
+            all.
     """
     name = record.get("id", "?")
     if "input_ids" in record:
@@ -188,6 +216,11 @@ def prompt_ids(record: Mapping, tokenizer: Any) -> list[int]:
                              "template: use a chat (instruct) target, or give the text as 'prompt'")
         try:
             ids = chat_ids(tokenizer, record["messages"])
+        except ValueError as exc:
+            raise ValueError(f"prompt {name!r}: {exc}") from None
+    elif is_fim(record):
+        try:
+            ids = fim_ids(tokenizer, record["prefix"], record["suffix"], record.get("extra"))
         except ValueError as exc:
             raise ValueError(f"prompt {name!r}: {exc}") from None
     else:

@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP API (FastAPI): routes, authentication, responses and server-sent events.
 
-Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not), ``GET /v1/models``
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming or not; ``suffix``:
+fill-in-the-middle), llama.cpp's ``POST /infill`` (fill-in-the-middle for code editors), ``GET /v1/models``
 (and ``/v1/models/{id}``; the model object carries the context length as ``max_model_len`` and
 ``context_length``), ``GET /health`` (200 once the model is loaded, 503 before and while shutting down),
 ``GET /metrics`` (Prometheus, :mod:`speculant.serve.metrics`), ``GET /`` (the web page) and ``GET /static/...``
-(its files, :mod:`speculant.serve.page`). With an API key, every ``/v1`` route needs ``Authorization: Bearer KEY``
-(401 otherwise); ``/health``, ``/metrics`` and the page's files stay open (``/metrics`` needs the key too with
+(its files, :mod:`speculant.serve.page`). With an API key, every ``/v1`` route and ``/infill`` need
+``Authorization: Bearer KEY`` (401 otherwise); ``/health``, ``/metrics`` and the page's files stay open (``/metrics`` needs the key too with
 ``--metrics-need-key``). Without one, web pages cannot drive the server (:mod:`speculant.serve.guard`: a foreign
 ``Host`` is 421, a foreign ``Origin`` 403, ``--allow-origin`` opens CORS); a malformed ``Host`` is 400 either way.
 Every response carries ``X-Content-Type-Options: nosniff``, the page ``GET /`` a Content-Security-Policy
@@ -50,7 +51,7 @@ from .limits import BodyLimit, check_prompt_chars
 from .logprobs import LogprobShape
 from .page import PAGE, static_file
 from .protocol import (APIError, GenerationRequest, clip, error_body, parse_body, parse_chat_request,
-                       parse_completion_request)
+                       parse_completion_request, parse_infill_request)
 from .settings import ServeSettings
 from .shutdown import Drain
 from .worker import ABORT, Job, QueueFull, Result, ShuttingDown, Worker
@@ -202,6 +203,11 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
     async def completions(request: Request) -> Response:
         return await server.complete(request, await server.read(request, "completion"))
 
+    @app.post("/infill")
+    async def infill(request: Request) -> Response:
+        """llama.cpp's fill-in-the-middle route (code editors' completion plugins)."""
+        return await server.complete(request, await server.read(request, "infill"))
+
 
 def _shutting_down() -> APIError:
     """The 503 of a request that comes while the server shuts down."""
@@ -282,7 +288,10 @@ class _Server:
         self.authorize(request)
         self.require_admitting()  # before reading the body: it would be for nothing
         body = parse_body(await request.body())
-        req = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
+        if kind == "infill":
+            req = parse_infill_request(body, self.settings.served_name)
+        else:
+            req = parse_chat_request(body) if kind == "chat" else parse_completion_request(body)
         self.check_model(req.model)
         self.require_ready()
         return req
@@ -322,6 +331,8 @@ class _Server:
 
         worker = self.worker
         check_prompt_chars(req, worker.context_length, worker.token_chars)
+        if req.suffix is not None:
+            return self.fim_prompt_ids(req)
         tok = worker.tokenizer
         with worker.tokenizer_lock:
             if req.kind == "chat":
@@ -346,6 +357,33 @@ class _Server:
         if not ids:
             raise APIError(400, f"'{field}' is empty after tokenization", param=field)
         return ids
+
+    def fim_prompt_ids(self, req: GenerationRequest) -> list[int]:
+        """Token ids of a fill-in-the-middle request (``/infill``, or ``/v1/completions`` with ``suffix``) in the
+        model's own FIM tokens (:mod:`speculant.models.fim`): a 400 for a model without them, or for a text too long
+        to fit. Blocking, as :meth:`prompt_ids`."""
+        from ..models.fim import fim_ids
+
+        worker, extra = self.worker, req.extra or []
+        ctx = worker.context_length
+        chars = len(req.prompt) + len(req.suffix) + sum(len(f["filename"]) + len(f["text"]) for f in extra)
+        if ctx is not None and chars > ctx * worker.token_chars:
+            raise APIError(400, f"this model's maximum context length is {ctx} tokens; the prefix, suffix and files "
+                                f"have {chars} characters, more than {ctx} tokens of this tokenizer can hold",
+                           param="prompt", code="context_length_exceeded")
+        param = "input_prefix" if req.kind == "infill" else "suffix"
+        with worker.tokenizer_lock:
+            try:
+                return fim_ids(worker.tokenizer, req.prompt, req.suffix, extra)
+            except ValueError as exc:
+                raise APIError(400, " ".join(str(exc).split()), param=param, code="fim_not_supported") from None
+
+    def fim_stops(self) -> list[int]:
+        """The stop tokens of a fill-in-the-middle request: the model's FIM end tokens and its EOS."""
+        from ..models.fim import fim_stop_ids
+
+        with self.worker.tokenizer_lock:
+            return fim_stop_ids(self.worker.tokenizer, self.worker.target)
 
     def max_tokens(self, req: GenerationRequest, n_prompt: int) -> int:
         """The tokens the request may generate after its ``n_prompt``-token prompt: its own limit, else what the
@@ -393,7 +431,8 @@ class _Server:
         sampling = SamplingParams(temperature=req.temperature, top_k=self.top_k(req), top_p=req.top_p, seed=req.seed)
         job = Job(ids=ids, max_tokens=self.max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
                   stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
-                  sources=req.sources and req.stream, speculation=req.speculation, prompt_embeds=embeds)
+                  sources=req.sources and req.stream, speculation=req.speculation, prompt_embeds=embeds,
+                  eos=self.fim_stops() if req.suffix is not None else None)
         try:
             worker.submit(job)
         except QueueFull as exc:
@@ -401,9 +440,11 @@ class _Server:
                            headers={"Retry-After": RETRY_AFTER_S}) from None
         except ShuttingDown:  # the drain began while this request was tokenised
             raise _shutting_down() from None
-        shape = _Shape(req, self.settings.served_name)
+        shape = _InfillShape(req, self.settings.served_name, job.eos) if req.kind == "infill" else _Shape(
+            req, self.settings.served_name)
         if req.stream:
-            return StreamingResponse(_sse(worker, job, shape), media_type="text/event-stream",
+            events = _infill_sse(worker, job, shape) if req.kind == "infill" else _sse(worker, job, shape)
+            return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         response = await _collect(request, worker, job, shape)
         if response is None:  # aborted by the shutdown: no partial answer
@@ -486,6 +527,35 @@ class _Shape:
         return {**head, "choices": [], "usage": self.usage(result)}
 
 
+class _InfillShape:
+    """llama.cpp's ``/infill`` (``/completion``) objects of one response: ``content``, ``stop``, ``stop_type``
+    (``eos``, ``word``: a stop string, ``limit``), ``tokens_predicted``, ``tokens_evaluated``, ``timings`` (the
+    generation's: a prompt joins a running batch, so no separate prompt time) and ``speculant``."""
+
+    def __init__(self, req: GenerationRequest, model: str, eos: list[int] | None) -> None:
+        self.model = model
+        self.eos = frozenset(eos or ())
+        self.params = {"n_predict": -1 if req.max_tokens is None else req.max_tokens,
+                       "temperature": req.temperature, "top_k": req.top_k or 0, "top_p": req.top_p or 1.0,
+                       "seed": -1 if req.seed is None else req.seed, "stop": req.stop, "stream": req.stream}
+
+    def chunk(self, text: str) -> dict:
+        return {"index": 0, "content": text, "stop": False}
+
+    def body(self, text: str, result: Result, prompt_ids: list[int]) -> dict:
+        n, s = result.completion_tokens, result.stats.get("decode_s", 0.0)
+        ended_on_eos = bool(result.token_ids) and result.token_ids[-1] in self.eos
+        stop_type = {"length": "limit", "stop": "eos" if ended_on_eos else "word"}.get(result.finish_reason, "none")
+        return {"index": 0, "content": text, "stop": True, "model": self.model, "stop_type": stop_type,
+                "tokens_predicted": n, "tokens_evaluated": result.prompt_tokens, "truncated": False,
+                "has_new_line": "\n" in text, "generation_settings": self.params,
+                "timings": {"prompt_n": result.prompt_tokens, "predicted_n": n,
+                            "predicted_ms": round(1000 * s, 3),
+                            "predicted_per_token_ms": round(1000 * s / n, 3) if n else None,
+                            "predicted_per_second": round(n / s, 3) if n and s else None},
+                "speculant": result.stats}
+
+
 def _event(obj: dict | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -530,7 +600,30 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
             worker.cancel(job)
 
 
-async def _collect(request: Request, worker: Worker, job: Job, shape: _Shape) -> Response | None:
+async def _infill_sse(worker: Worker, job: Job, shape: _InfillShape) -> AsyncIterator[bytes]:
+    """llama.cpp's event stream of one ``/infill`` job: ``{"content", "stop": false}`` per step that committed
+    text, then the whole body with ``"stop": true`` and empty ``content`` (no ``[DONE]``, as llama.cpp). Closed
+    early (the client went away), it cancels the job."""
+    done = False
+    try:
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "text":
+                yield _event(shape.chunk(payload))
+            elif kind == "done":
+                done = True
+                yield _event(shape.body("", payload, job.ids))
+                return
+            elif kind == "error":
+                done = True
+                yield _event(error_body(f"the generation failed: {payload}", "server_error"))
+                return
+    finally:
+        if not done:
+            worker.cancel(job)
+
+
+async def _collect(request: Request, worker: Worker, job: Job, shape: _Shape | _InfillShape) -> Response | None:
     """The whole response of a non-streaming request (None: the server's shutdown aborted it). The client going
     away (ASGI ``http.disconnect``, seen at once: the disconnect is awaited beside the job's events, not polled
     between them, since a running job emits text every step) cancels the job: at its next step, or before it

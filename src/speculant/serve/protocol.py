@@ -19,6 +19,10 @@ streaming only) adds to each chunk how its text came: ``"speculant": {"sources":
 ...], "tokens": n, "accepted": a}`` (the web page colours accepted draft tokens with it);
 ``speculant_speculation`` (``auto``, ``on``, ``off``) sets this request's speculation over the server's
 ``--speculation`` (``speculant bench serve --speculation`` compares them on one server).
+
+Fill-in-the-middle: ``/v1/completions`` takes OpenAI's legacy ``suffix`` (with a text ``prompt``; chat refuses
+it), and :func:`parse_infill_request` reads llama.cpp's ``/infill`` body with llama.cpp's field names and
+defaults.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["APIError", "GenerationRequest", "COMPLETION_MAX_TOKENS", "MAX_TOP_LOGPROBS", "error_body", "parse_body",
-           "parse_chat_request", "parse_completion_request"]
+__all__ = ["APIError", "GenerationRequest", "COMPLETION_MAX_TOKENS", "INFILL_DEFAULTS", "MAX_TOP_LOGPROBS",
+           "error_body", "parse_body", "parse_chat_request", "parse_completion_request", "parse_infill_request"]
 
 COMPLETION_MAX_TOKENS = 16
 """``max_tokens`` of a ``/v1/completions`` request that gives none (OpenAI's legacy default)."""
@@ -106,6 +110,8 @@ class GenerationRequest:
     speculation: str | None = None  # speculant_speculation: this request's auto / on / off (None: the server's)
     logprobs: int | None = None  # alternatives per token to report (0: the emitted token's only); None: off
     max_tokens_param: str = "max_tokens"  # the field that set max_tokens (for errors)
+    suffix: str | None = None  # fill-in-the-middle: the text after the cursor (``prompt``: the text before it)
+    extra: list[dict[str, str]] | None = None  # fill-in-the-middle: repository files {"filename", "text"}
 
 
 # ---------------------------------------------------------------------------------------------- JSON
@@ -278,13 +284,13 @@ _CHAT_NEUTRAL: dict[str, _Neutral] = {
     "moderation": ((None,), "no moderation"),
     "prompt_cache_options": ((None,), "no prompt-cache options"),
     "prompt_cache_retention": ((None,), "no prompt-cache retention"),
+    "suffix": ((None,), "no suffix on chat (fill-in-the-middle is /v1/completions with 'suffix', or /infill)"),
     "add_generation_prompt": ((None, True), "the assistant's turn is always prompted"),
     "continue_final_message": ((None, False), "a new assistant turn is always started"),
 }
 _COMPLETION_NEUTRAL: dict[str, _Neutral] = {
     "echo": ((None, False), "echo: false"),
     "best_of": ((None, 1), "best_of = 1"),
-    "suffix": ((None, ""), "no suffix"),
 }
 # fields taken as they are, with no effect on generation (their type is checked)
 _FREE: dict[str, Callable[[Any], bool]] = {
@@ -298,7 +304,7 @@ _SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed"
                   "ignore_eos", "return_token_ids", "speculant_sources",
                   "speculant_speculation"}
 _CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-_COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "logprobs"}
+_COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "logprobs", "suffix"}
 
 
 def _check_fields(body: Mapping, known: set[str], neutral: dict[str, _Neutral]) -> None:
@@ -519,7 +525,118 @@ def _prompt(body: Mapping) -> str | list[int]:
 
 
 def parse_completion_request(body: Mapping) -> GenerationRequest:
-    """A ``/v1/completions`` body as a :class:`GenerationRequest`, or APIError 400 naming the field."""
+    """A ``/v1/completions`` body as a :class:`GenerationRequest`, or APIError 400 naming the field. A non-empty
+    ``suffix`` (a string) makes it fill-in-the-middle: the text prompt before the cursor, the suffix after it."""
     _check_fields(body, _COMPLETION_FIELDS, {**_COMMON_NEUTRAL, **_COMPLETION_NEUTRAL})
-    return GenerationRequest(prompt=_prompt(body), max_tokens=_max_tokens(body, chat=False),
-                             logprobs=_int(body, "logprobs", 0, MAX_TOP_LOGPROBS), **_common(body, "completion"))
+    prompt = _prompt(body)
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise _bad("suffix", f"'suffix' must be a string, got {_kind(suffix)}", "invalid_type")
+    if suffix and not isinstance(prompt, str):
+        raise _bad("suffix", "'suffix' needs a text 'prompt' (fill-in-the-middle builds the prompt from text), not "
+                             "token ids", "unsupported_value")
+    return GenerationRequest(prompt=prompt, max_tokens=_max_tokens(body, chat=False),
+                             logprobs=_int(body, "logprobs", 0, MAX_TOP_LOGPROBS), suffix=suffix or None,
+                             **_common(body, "completion"))
+
+
+# ---------------------------------------------------------------------------------------------- llama.cpp's /infill
+
+INFILL_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95}
+"""The sampling of an ``/infill`` request that sets none: llama.cpp's defaults."""
+
+_INFILL_FIELDS = {"input_prefix", "input_suffix", "input_extra", "prompt", "n_predict", "stream", "temperature",
+                  "top_k", "top_p", "seed", "stop", "ignore_eos", "model", "speculant_speculation"}
+# llama.cpp's hints that change no token of the answer, taken as they are (their type is checked)
+_INFILL_HINTS: dict[str, Callable[[Any], bool]] = {
+    "cache_prompt": lambda v: v is None or isinstance(v, bool),
+    "id_slot": lambda v: v is None or _is_int(v),
+    "t_max_prompt_ms": lambda v: v is None or _is_number(v),
+    "t_max_predict_ms": lambda v: v is None or _is_number(v),
+    "samplers": lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "response_fields": lambda v: v is None or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+}
+_INFILL_NEUTRAL: dict[str, _Neutral] = {
+    "n_probs": ((None, 0), "no token probabilities (n_probs = 0)"),
+    "n_indent": ((None, 0), "no indentation stop (n_indent = 0)"),
+    "repeat_penalty": ((None, 1), "no repetition penalty"),
+    "presence_penalty": ((None, 0), "no presence penalty"),
+    "frequency_penalty": ((None, 0), "no frequency penalty"),
+    "min_p": ((None, 0), "no min-p filter"),
+    "typical_p": ((None, 1), "no typical-p filter"),
+    "mirostat": ((None, 0), "no mirostat"),
+}
+
+
+def _text_field(body: Mapping, name: str) -> str | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, str):
+        raise _bad(name, f"'{name}' must be a string, got {_kind(v)}", "invalid_type")
+    return v
+
+
+def _input_extra(body: Mapping) -> list[dict[str, str]]:
+    """llama.cpp's ``input_extra``: an array of ``{"filename": str, "text": str}`` (repository files)."""
+    v = body.get("input_extra")
+    if v is None:
+        return []
+    if not isinstance(v, list):
+        raise _bad("input_extra", f"'input_extra' must be an array of {{\"filename\", \"text\"}} objects, got "
+                                  f"{_kind(v)}", "invalid_type")
+    files = []
+    for i, item in enumerate(v):
+        where = f"input_extra[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(where, f"'{where}' must be an object {{\"filename\", \"text\"}}, got {_kind(item)}",
+                       "invalid_type")
+        for key in item:
+            if key not in ("filename", "text"):
+                raise _bad(f"{where}.{clip(key, 40)}", f"'{where}.{clip(key, 40)}' is not supported (a file has "
+                                                       "filename and text)", "unknown_parameter")
+        name, text = item.get("filename", "tmp"), item.get("text")
+        if not isinstance(name, str):
+            raise _bad(f"{where}.filename", f"'{where}.filename' must be a string, got {_kind(name)}",
+                       "invalid_type")
+        if not isinstance(text, str):
+            raise _bad(f"{where}.text", f"'{where}.text' must be a string, got {_kind(text)}", "invalid_type")
+        files.append({"filename": name, "text": text})
+    return files
+
+
+def parse_infill_request(body: Mapping, model: str) -> GenerationRequest:
+    """A llama.cpp ``/infill`` body as a :class:`GenerationRequest` (``kind`` ``"infill"``: ``prompt`` the text
+    before the cursor, ``input_prefix`` then llama.cpp's ``prompt``; ``suffix`` the text after it; ``extra`` the
+    repository files), or APIError 400 naming the field. ``model`` (optional in the body) defaults to the served
+    model's name. ``n_predict`` -1 or absent: up to the end of the context; ``seed`` -1: unseeded; ``top_k`` <= 0:
+    no top-k filter; sampling otherwise as llama.cpp's defaults (:data:`INFILL_DEFAULTS`)."""
+    known = _INFILL_FIELDS | set(_INFILL_HINTS)
+    _check_fields(body, known, _INFILL_NEUTRAL)
+    for name, ok in _INFILL_HINTS.items():
+        if not ok(body.get(name)):
+            raise _bad(name, f"'{name}' has the wrong type ({_kind(body.get(name))})", "invalid_type")
+    prefix, suffix = _text_field(body, "input_prefix"), _text_field(body, "input_suffix")
+    if prefix is None and suffix is None:
+        raise _bad("input_prefix", "'input_prefix' and 'input_suffix' are missing: give the text before and after "
+                                   "the cursor", "missing_required")
+    cursor = _text_field(body, "prompt") or ""
+    n = _int(body, "n_predict", -1)
+    if n == 0:
+        raise _bad("n_predict", "'n_predict' must be -1 (up to the end of the context) or >= 1, got 0")
+    top_k = body.get("top_k", INFILL_DEFAULTS["top_k"])
+    if _is_int(top_k) and top_k <= 0:
+        top_k = None
+    else:
+        top_k = _int({"top_k": top_k}, "top_k", 1)
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    top_p = INFILL_DEFAULTS["top_p"] if top_p is None else top_p
+    seed = _int(body, "seed", _SEED_MIN, _SEED_MAX)
+    name = body.get("model", model)
+    if not isinstance(name, str) or not name:
+        raise _bad("model", f"'model' must be a non-empty string, got {_kind(name)}", "invalid_type")
+    return GenerationRequest(
+        kind="infill", model=name, prompt=(prefix or "") + cursor, suffix=suffix or "", extra=_input_extra(body),
+        max_tokens=None if n in (None, -1) else n, max_tokens_param="n_predict",
+        temperature=INFILL_DEFAULTS["temperature"] if temperature is None else temperature,
+        top_p=None if top_p == 1.0 else top_p, top_k=top_k, seed=None if seed == -1 else seed, stop=_stop(body),
+        stream=_bool(body, "stream"), ignore_eos=_bool(body, "ignore_eos"), speculation=_speculation(body))

@@ -87,6 +87,7 @@ class Job:
     sources: bool = False  # a ("sources", {...}) event before each text event: which characters were drafts
     speculation: str | None = None  # this request's speculation mode (None: the server's --speculation)
     prompt_embeds: Any = None  # [1, len(ids), H]: an image prompt's embeddings (a vision-language target)
+    eos: list[int] | None = None  # its own stop tokens, never shown as text (None: the worker's, by ``chat``)
     arrived: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
@@ -124,6 +125,7 @@ class _Active:
         self.entries: list[dict] = []  # logprob entries of generated (job.logprobs set)
         self.sent = 0  # entries handed to the client
         self._held: list[list] = []  # [chars, source] of text fed to the stop matcher and not handed out yet
+        self.hidden = frozenset(job.eos or ())  # stop tokens that are no text even when the tokenizer has them
 
     def release(self, upto: int) -> None:
         """A ("logprobs", entries) event for generated[sent:upto], before its text."""
@@ -152,7 +154,10 @@ class _Active:
             m.ttft.observe(self.first - job.arrived)
         if job.cancelled.is_set():
             return True
-        text = self._text(event) if job.sources else self.stops.feed(self.detok.push(event.tokens))
+        shown = event.tokens
+        if event.done and shown and shown[-1] in self.hidden:
+            shown = shown[:-1]  # e.g. a FIM end token the tokenizer would print (<|file_sep|>)
+        text = self._text(event, shown) if job.sources else self.stops.feed(self.detok.push(shown))
         if text:
             self.returned += len(text)
             # with stop strings, only the tokens of text handed out: held text may yet be trimmed
@@ -162,12 +167,12 @@ class _Active:
             job.emit("text", text)
         return self.stops.hit or job.aborted.is_set()  # aborted: this step's text was handed over
 
-    def _text(self, event: StepEvent) -> str:
-        """The text of ``event``'s tokens to hand out now, preceded by a ("sources", ...) event that says which of
-        its characters came from accepted draft tokens and which from the target's own (bonus) token."""
+    def _text(self, event: StepEvent, shown: list[int]) -> str:
+        """The text of ``event``'s tokens ``shown`` to hand out now, preceded by a ("sources", ...) event that says
+        which of its characters came from accepted draft tokens and which from the target's own (bonus) token."""
         cut = event.accepted if len(event.tokens) > event.accepted else len(event.tokens)
         out = ""
-        for part, source in ((event.tokens[:cut], "draft"), (event.tokens[cut:], "target")):
+        for part, source in ((shown[:cut], "draft"), (shown[cut:], "target")):
             piece = self.detok.push(part) if part else ""
             if piece:
                 self._held.append([len(piece), source])
@@ -565,7 +570,7 @@ class Worker:
             m.cancelled.inc()
             return None
         m.prompt_tokens.inc(len(job.ids))
-        eos = [] if job.ignore_eos else self.stop_ids(job.chat)
+        eos = [] if job.ignore_eos else job.eos if job.eos is not None else self.stop_ids(job.chat)
         options = {k: v for k, v in self.session.generate_options().items() if k != "forward"}
         s = job.sampling
         observed = self.online.drafter() if self.online is not None else None  # what the adapter learns from

@@ -99,8 +99,9 @@ def _prompt_rows(cfg: DraftRunConfig, run: Path) -> list[dict]:
 
 
 def _content(rows: list[dict]) -> list[tuple]:
-    """What a prompt row asks (its ``messages`` or ``prompt``), without the ids ``load_prompts`` adds."""
-    return [(r.get("messages"), r.get("prompt")) for r in rows]
+    """What a prompt row asks (its ``messages``, ``prompt`` or FIM ``prefix`` and ``suffix``), without the ids
+    ``load_prompts`` adds."""
+    return [(r.get("messages"), r.get("prompt"), r.get("prefix"), r.get("suffix")) for r in rows]
 
 
 def _answer_parts(folder: Path) -> list[dict]:
