@@ -270,6 +270,8 @@ def run_ray(settings: ServeSettings, replicas: int, address: str | None = None,
         from ray import serve
     except ImportError:
         raise ValueError("--ray needs Ray Serve: pip install 'speculant[ray]'") from None
+    if routing == "prefix" and replicas > 1:
+        prefix_router_class()  # a Ray without it is one line before any cluster starts
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address is None:
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
