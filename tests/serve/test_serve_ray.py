@@ -29,7 +29,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from helpers import chat_model_pair, serve_settings  # noqa: E402
 from speculant.serve import create_app  # noqa: E402
-from speculant.serve.ray_app import REPLICA_HEADER, RoutedReplica, RoutedRequest, routing_key  # noqa: E402
+from speculant.serve.ray_routing import REPLICA_HEADER, RoutedReplica, RoutedRequest, routing_key  # noqa: E402
 
 try:
     import ray.serve  # noqa: F401

@@ -1,6 +1,6 @@
 """The ingress of ``speculant serve --ray`` with prefix routing: one light Ray Serve deployment (no model) that
 takes every HTTP request from Ray's proxy, renders its routing key
-(:func:`speculant.serve.ray_app.routing_key`) and forwards it to the model deployment, whose handle routes by
+(:func:`speculant.serve.ray_routing.routing_key`) and forwards it to the model deployment, whose handle routes by
 that key (Ray's prefix-aware request router), relaying the answer as it comes (streams stay streams).
 
 Imported only when that deployment is built (it needs Ray Serve and FastAPI). No postponed annotations here:
@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 
-from .ray_app import RoutedRequest, routing_key
+from .ray_routing import RoutedRequest, routing_key
 
 __all__ = ["PrefixRouterIngress"]
 
@@ -22,7 +22,7 @@ app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
 @serve.ingress(app)
 class PrefixRouterIngress:
-    """Forwards each request to a replica of ``model`` (a handle of the :class:`~speculant.serve.ray_app
+    """Forwards each request to a replica of ``model`` (a handle of the :class:`~speculant.serve.ray_routing
     .RoutedReplica` deployment); reads at most ``max_body_bytes + 1`` bytes of a body (the replica answers 413
     to a longer one)."""
 
