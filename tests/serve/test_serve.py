@@ -593,6 +593,7 @@ def test_startup_errors_are_one_line(models, capsys, tmp_path):
     _one_line_error(capsys, ["serve", *t, "--method", "chain", "--port", "0"], "needs a draft model")
     _one_line_error(capsys, ["serve", *t, "--kv-policy", "keydiff", "--port", "0"], "--kv-budget")
     _one_line_error(capsys, ["serve", *t, "--replicas", "2"], "--replicas needs --ray")
+    _one_line_error(capsys, ["serve", *t, "--ray-routing", "default"], "--ray-routing needs --ray")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

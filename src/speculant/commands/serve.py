@@ -177,6 +177,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-address", metavar="ADDRESS", default=None,
                    help="with --ray: join this Ray cluster (e.g. auto, or HEAD:6379); default: $RAY_ADDRESS, else a "
                    "new local cluster")
+    p.add_argument("--ray-routing", choices=("prefix", "default"), default=None,
+                   help="with --ray and 2+ replicas: 'prefix' (default) sends a request to the replica that "
+                   "already holds the longest prefix of its prompt (its prefix cache then reuses it), else to the "
+                   "least busy one; 'default': Ray's own router, regardless of prompts")
 
 
 def _port(text: str) -> int:
@@ -257,6 +261,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--replicas needs --ray (without Ray one process serves one model)")
     if args.ray_address is not None and not args.ray:
         raise ValueError("--ray-address needs --ray")
+    if args.ray_routing is not None and not args.ray:
+        raise ValueError("--ray-routing needs --ray")
     _check_extra()
     names = {f.name for f in dataclasses.fields(ServeSettings)}
     given = {k: v for k, v in vars(args).items() if k in names}
@@ -274,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"speculant: serving {settings.served_name} (method {settings.method}) on Ray Serve, {replicas} "
                   f"replica(s), at {_url(settings.host, settings.port)}/v1", file=sys.stderr, flush=True)
 
-        return run_ray(settings, replicas, args.ray_address, on_ready=announce)
+        return run_ray(settings, replicas, args.ray_address, on_ready=announce,
+                       routing=args.ray_routing or "prefix")
     sock = _bind(settings.host, settings.port)
     try:
         settings = check_settings(settings)
