@@ -10,7 +10,7 @@ tokens (equal for every setting: the same greedy outputs). A shared 2-core machi
 run.
 
     python benchmarks/chunked_prefill.py --out benchmarks/results/chunked-prefill/default_pair.json
-        [--target default-target] [--draft default-draft] [--streams 3] [--prompt-tokens 2000] [--chunks 0,16,32,64]
+        [--target default-target] [--draft default-draft] [--streams 3] [--prompt-tokens 2000] [--chunks 0,16,32,64] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--join-tokens", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=8, help="steps before the long prompt joins")
     ap.add_argument("--chunks", default="0,16,32,64")
+    ap.add_argument("--repeats", type=int, default=2, help="passes over the settings, interleaved")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -77,15 +78,28 @@ def main() -> None:
                                                     "import os\n\ndef walk(path):")][: args.streams]
     run(session, streams[:1], long[:200], 32, 2, 8, 2)  # warm-up
     runs, reference = [], None
-    for chunk in (int(c) for c in args.chunks.split(",")):
-        r = run(session, streams, long, chunk, args.warmup, args.tokens, args.join_tokens)
-        outputs = r.pop("outputs")
-        reference = reference or outputs
-        r["outputs_equal_to_first"] = outputs == reference
-        runs.append(r)
-        print(json.dumps(r), flush=True)
+    for rep in range(args.repeats):
+        for chunk in (int(c) for c in args.chunks.split(",")):
+            r = run(session, streams, long, chunk, args.warmup, args.tokens, args.join_tokens)
+            outputs = r.pop("outputs")
+            reference = reference or outputs
+            r["outputs_equal_to_first"] = outputs == reference
+            r["repeat"] = rep
+            runs.append(r)
+            print(json.dumps(r), flush=True)
+    summary = {}
+    for r in runs:  # per setting, the median over repeats of each figure
+        summary.setdefault(r["prefill_chunk"], []).append(r)
+    summary = {c: {k: statistics.median(x[k] for x in rs) for k in ("step_s_median", "step_s_p99", "step_s_max",
+                                                                      "p99_over_median", "join_ttft_s",
+                                                                      "join_prefill_s")}
+               for c, rs in summary.items()}
+    for c, v in summary.items():
+        print(f"prefill_chunk {c}: step median {v['step_s_median'] * 1e3:.0f} ms, p99 {v['step_s_p99'] * 1e3:.0f} "
+              f"ms ({v['p99_over_median']:.1f}x), join TTFT {v['join_ttft_s']:.2f} s", flush=True)
     result = {"settings": vars(args), "method": session.method.spec,
-              "machine": platform.processor() or platform.machine(), "runs": runs}
+              "machine": platform.processor() or platform.machine(), "runs": runs, "median_over_repeats": summary,
+              "outputs_identical": all(r["outputs_equal_to_first"] for r in runs)}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -505,6 +505,7 @@ class Worker:
             self.metrics.rows.observe(batch.rows)
             self.metrics.shared_drafts.inc(batch.step_draft_forwards)
             self.metrics.shared_draft_requests.inc(batch.step_draft_segments)
+            self.metrics.prefill_chunk_tokens.inc(batch.prefill_rows)
             for event in events:
                 a = active[event.sequence]
                 try:
