@@ -3,14 +3,14 @@
 ``--streams`` sequences decode (greedy, the session's drafter); after ``--warmup`` steps a ``--prompt-tokens`` prompt
 joins (a Python file's tokens, cut to length) and decodes ``--join-tokens`` tokens. For each ``--chunks`` setting
 (0: the whole prompt prefilled as it joins, as before chunked prefill; N: N prompt tokens per step, folded into the
-step's forward) it reports the running streams' seconds per step from the first warm-up step until the joining
+step's forward; Ns: the same in a forward of their own before the step's, ``Batch.fold_chunks = False``) it reports the running streams' seconds per step from the first warm-up step until the joining
 sequence's first token (median, p99, max, p99 / median: the stall is the time from the step before the join to the
 next one, so the whole prefill counts as one step), the joining sequence's time to first token, and the streams'
 tokens (equal for every setting: the same greedy outputs). A shared 2-core machine is noisy: compare settings of one
 run.
 
     python benchmarks/chunked_prefill.py --out benchmarks/results/chunked-prefill/default_pair.json
-        [--target default-target] [--draft default-draft] [--streams 3] [--prompt-tokens 2000] [--chunks 0,16,32,64] [--repeats 2]
+        [--target default-target] [--draft default-draft] [--streams 3] [--prompt-tokens 2000] [--chunks 0,16,32,64,32s] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ import speculant
 from speculant.core.batch import Batch
 
 
-def run(session, streams: list[list[int]], long: list[int], chunk: int, warmup: int, tokens: int,
+def run(session, streams: list[list[int]], long: list[int], setting: str, warmup: int, tokens: int,
         join_tokens: int) -> dict:
+    chunk = int(setting.rstrip("s"))
     batch = Batch(session.target, speculation="on", prefill_chunk=chunk)
+    batch.fold_chunks = not setting.endswith("s")
     running = [batch.add(p, session.drafter(), tokens, eos_token_id=[]) for p in streams]
     times, joined, first, step_s = [], None, None, []
     last = time.perf_counter()
@@ -48,7 +50,7 @@ def run(session, streams: list[list[int]], long: list[int], chunk: int, warmup: 
     median = statistics.median(step_s)
     p99 = step_s[min(len(step_s) - 1, round(0.99 * (len(step_s) - 1)))]
     stats = batch.result(joined).stats
-    return {"prefill_chunk": chunk, "steps_measured": len(step_s), "step_s_median": median, "step_s_p99": p99,
+    return {"prefill_chunk": chunk, "folded": batch.fold_chunks, "setting": setting, "steps_measured": len(step_s), "step_s_median": median, "step_s_p99": p99,
             "step_s_max": step_s[-1], "p99_over_median": p99 / median, "join_ttft_s": first,
             "join_prefill_s": stats.prefill_s,
             "outputs": [batch.result(i).token_ids for i in running] + [batch.result(joined).token_ids]}
@@ -63,7 +65,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=400, help="new tokens per running stream")
     ap.add_argument("--join-tokens", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=8, help="steps before the long prompt joins")
-    ap.add_argument("--chunks", default="0,16,32,64")
+    ap.add_argument("--chunks", default="0,16,32,64,32s")
     ap.add_argument("--repeats", type=int, default=2, help="passes over the settings, interleaved")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", required=True)
@@ -76,11 +78,11 @@ def main() -> None:
     long = ids[: args.prompt_tokens]
     streams = [session.encode(text)[0] for text in ("def fibonacci(n):", "class Stack:\n    def push(self, x):",
                                                     "import os\n\ndef walk(path):")][: args.streams]
-    run(session, streams[:1], long[:200], 32, 2, 8, 2)  # warm-up
+    run(session, streams[:1], long[:200], "32", 2, 8, 2)  # warm-up
     runs, reference = [], None
     for rep in range(args.repeats):
-        for chunk in (int(c) for c in args.chunks.split(",")):
-            r = run(session, streams, long, chunk, args.warmup, args.tokens, args.join_tokens)
+        for setting in args.chunks.split(","):
+            r = run(session, streams, long, setting, args.warmup, args.tokens, args.join_tokens)
             outputs = r.pop("outputs")
             reference = reference or outputs
             r["outputs_equal_to_first"] = outputs == reference
@@ -89,7 +91,7 @@ def main() -> None:
             print(json.dumps(r), flush=True)
     summary = {}
     for r in runs:  # per setting, the median over repeats of each figure
-        summary.setdefault(r["prefill_chunk"], []).append(r)
+        summary.setdefault(r["setting"], []).append(r)
     summary = {c: {k: statistics.median(x[k] for x in rs) for k in ("step_s_median", "step_s_p99", "step_s_max",
                                                                       "p99_over_median", "join_ttft_s",
                                                                       "join_prefill_s")}

@@ -70,12 +70,15 @@ def test_a_long_prompt_joins_in_chunks_and_every_sequence_decodes_as_alone(arch,
     assert got.stats.prefill_s > 0
 
 
-def test_quantized_chunks_give_the_bits_of_a_whole_prefill():
-    """The joining sequence's first verification logits are equal bit for bit, chunked or whole."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_quantized_chunks_give_the_bits_of_a_whole_prefill(fold):
+    """The joining sequence's first verification logits are equal bit for bit, chunked or whole, the chunks folded
+    into the step's forward or in a forward of their own (``fold_chunks``)."""
     target, draft = _pair("llama", "q4")
     firsts = []
     for chunk in (0, 8, 5):
         batch = Batch(target, prefill_chunk=chunk)
+        batch.fold_chunks = fold
         batch.add(RUNNERS[0], None, 50, eos_token_id=[])
         batch.step()
         joiner = batch.add(_long(), None, 4, eos_token_id=[])

@@ -89,6 +89,9 @@ class Batch:
         self.steps = 0  # batched steps run
         self.rows = 0  # verification rows of the last step (sum over sequences of 1 + draft tokens)
         self.prefill_rows = 0  # prompt-chunk rows of the last step (chunked prefill)
+        # prompt chunks ride in the step's verification forward (one weight read for both); False: a forward of
+        # their own before it (measured slower on a CPU: benchmarks/chunked_prefill.py)
+        self.fold_chunks = True
         self.batch_drafts = True  # several sequences' draft forwards as one (core.draft_batch)
         self.draft_forwards = 0  # shared draft forwards run, and the sequences' forwards they served
         self.draft_segments = 0
@@ -214,15 +217,23 @@ class Batch:
             chunks = [s.chunk_segment(rest=not seqs) for s in filling]
             self.rows = sum(_rows(seg) for seg in segments)
             self.prefill_rows = sum(_rows(seg) for seg in chunks)
+            if chunks and seqs and not self.fold_chunks:  # the chunks in a forward of their own, first
+                start = time.perf_counter()
+                batched_logits([s.forward for s in filling], chunks, [s.hidden for s in filling])
+                sync(every[0].device)
+                elapsed = time.perf_counter() - start
+                for s, seg in zip(filling, chunks):
+                    s.absorb_chunk(elapsed * _rows(seg) / self.prefill_rows)
+                filling, chunks = [], []
             start = time.perf_counter()
             order = seqs + filling
             logits = batched_logits([s.forward for s in order], segments + chunks, [s.hidden for s in order])
             sync(every[0].device)
             elapsed = time.perf_counter() - start
-            if seqs:  # what verification rows cost (the chunks' rows only in the batch's total)
-                self.speculation.cost.observe(self.rows + self.prefill_rows, elapsed)
+            total = self.rows + sum(_rows(seg) for seg in chunks)  # the rows of this forward
+            if seqs:  # what a forward of that many rows costs
+                self.speculation.cost.observe(total, elapsed)
             events = [s.absorb(out[0], elapsed) for s, out in zip(seqs, logits)]
-            total = self.rows + self.prefill_rows
             for s, seg in zip(filling, chunks):  # each chunk's share of the forward, by rows
                 s.absorb_chunk(elapsed * _rows(seg) / total)
         self.steps += 1
