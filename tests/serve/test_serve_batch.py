@@ -27,7 +27,8 @@ def models(chat_models):
 
 def _start(models, tmp_path_factory, batch: int):
     args = ["--target", models["target"], "--draft", models["draft"], "--method", "chain:k=3", "--quantization",
-            "q4", "--served-model-name", MODEL, "--max-batch", str(batch), "--speculation", "on"]
+            "q4", "--served-model-name", MODEL, "--max-batch", str(batch), "--speculation", "on",
+            "--prefill-chunk", "8"]
     return start_server(args, tmp_path_factory.mktemp(f"batch{batch}") / "stderr.txt", ready=True)
 
 
@@ -109,6 +110,29 @@ def test_a_client_that_goes_away_leaves_the_batch_and_the_others_go_on(servers):
     wait_for(lambda: _metrics(url)["vllm:num_requests_running"] == 0, "the batch to empty")
 
 
+def test_a_long_prompt_joins_a_running_stream_in_chunks(servers):
+    """A request with a long prompt (token ids, at most attention.MAX_ROWS of them, so that a whole prefill also
+    attends row by row) joins a running stream: its prompt goes in 8 tokens per step inside the stream's steps, and
+    both answers are each one's alone."""
+    url, url1 = servers
+    long = [(7 * i) % 90 + 10 for i in range(60)]
+    want_long = _complete(url1, long, n=12)
+    want_stream = _complete(url1, PROMPTS[2], n=400)
+    before = _metrics(url)
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with httpx.Client(timeout=120) as c, c.stream("POST", url + "/v1/completions", json=body) as s:
+        lines = s.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        got_long = _complete(url, long, n=12)
+        text = "".join(__import__("json").loads(line[6:])["choices"][0]["text"] for line in lines
+                       if line.startswith("data: {"))
+    assert got_long["choices"][0]["token_ids"] == want_long["choices"][0]["token_ids"]
+    assert text and want_stream["choices"][0]["text"].endswith(text)
+    chunked = _metrics(url)["speculant:prefill_chunk_tokens_total"] - before["speculant:prefill_chunk_tokens_total"]
+    assert chunked >= 8  # at least one chunk rode in the stream's steps
+
+
 def test_a_failing_step_fails_its_requests_and_the_server_goes_on(models, monkeypatch):
     from fastapi.testclient import TestClient
 
@@ -149,6 +173,8 @@ def test_max_batch_is_checked():
 
     with pytest.raises(ValueError, match="--max-batch must be >= 1"):
         check_settings(ServeSettings(target="x", max_batch=0))
+    with pytest.raises(ValueError, match="--prefill-chunk must be >= 0"):
+        check_settings(ServeSettings(target="x", prefill_chunk=-1))
 
 
 # -------------------------------------------------------------- the sources of the characters (the web page)

@@ -78,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode up to N requests together, one target forward per step for all of them (on a CPU "
                    "a forward over several rows costs little more than over one, since it reads every weight once); "
                    "1: one request at a time; default: %(default)s")
+    p.add_argument("--prefill-chunk", type=nonnegative_int, metavar="N", default=d["prefill_chunk"],
+                   help="a request joining running ones enters its prompt N tokens per step, folded into the running "
+                   "requests' forward, so that a long prompt does not stall their tokens (chunked prefill); 0: the "
+                   "whole prompt at once; default: %(default)s")
     p.add_argument("--prefix-cache-mb", type=_nonnegative("a number of MiB"), metavar="MB",
                    default=d["prefix_cache_mb"],
                    help="keep the keys/values of computed prompt prefixes (the target's and the draft model's), up to "

@@ -2,8 +2,8 @@
 
 A :class:`Batch` holds :class:`~speculant.core.sequence.Sequence` objects of one target model, each with its own
 prompt length, cache, drafter (chain, tree, lookup ... or none), sampling settings, generator, stop tokens and
-budget. Sequences join (:meth:`Batch.add`: the prompt is prefilled then, alone) and leave (finished, or
-:meth:`Batch.cancel`) between steps. :meth:`Batch.step` drafts for every active sequence, runs *one* target
+budget. Sequences join (:meth:`Batch.add`: the prompt is prefilled then, alone, or chunk by chunk: see below) and
+leave (finished, or :meth:`Batch.cancel`) between steps. :meth:`Batch.step` drafts for every active sequence, runs *one* target
 forward over all their ``[root] + tree`` rows (:func:`speculant.core.target_forward.batched_logits`: the matrix
 products, LM head included, take every sequence's rows at once, so the weights are read once per step for the whole
 batch; attention runs per sequence over its own cache) and verifies each sequence with the one verifier. Ragged
@@ -12,6 +12,20 @@ acceptance needs no padding: each sequence keeps only its accepted path in its o
 Exactness: with quantized weights (int8, int4, q4, q8) and row-by-row attention a row is the same bits in a batch as
 alone, so a batch's greedy output equals each prompt decoded alone, token for token; with float weights torch's
 dense products may round a batched row differently (not row independent), which can flip a near-tie.
+
+Chunked prefill (``prefill_chunk``): a prompt joining running sequences would stall all of them for its whole
+prefill (a 2,000-token prompt on a 1.5B model on two cores: seconds without a token for anyone). With
+``prefill_chunk=N`` such a sequence joins *prefilling*: its prompt (after any reused prefix) enters the cache N tokens
+a time, each chunk folded into a step's one forward as a segment that wants no logits (the chunk's rows share the
+weight reads with the verification rows: cheaper on a CPU than a forward of its own), and it drafts and verifies only
+once the prompt is in. A step with no sequence decoding takes the rest of every prompt at once (nobody to protect),
+and so does a sequence joining an empty batch. A KV policy's cache (block-wise prefill with its own scoring) and an
+image prompt prefill at once as before. The draft model reads the context at the sequence's first proposal, as
+before (a small model's prefill). Exactness: a chunk of at most
+:data:`~speculant.core.attention.MAX_ROWS` rows attends row by row, so with quantized weights a chunked prompt's
+keys and values are the bits of a whole prefill that also attends row by row (a prompt of at most that many tokens);
+a longer whole prefill takes SDPA's kernels, whose last bits may differ (as a reused prefix's rest does), which can
+flip a near-tie, never the losslessness of the speculation that follows.
 
 The engine's entry points (:func:`speculant.core.engine.generate`, ``generate_steps``, ``generate_batch``) are
 built on this class; a server keeps one Batch and feeds it requests.
@@ -55,12 +69,16 @@ class Batch:
     the sequences draft each step (:class:`~speculant.core.speculation.Speculation` or its mode: ``"on"``, each drafter
     as deep as it likes; ``"off"``; ``"auto"``, by goodput from the measured acceptance and forward cost).
     ``prefixes``: a :class:`~speculant.core.prefix_cache.PrefixCache` every sequence reuses prompt prefixes from and
-    stores its blocks in (the target's and its draft model's; None: no reuse)."""
+    stores its blocks in (the target's and its draft model's; None: no reuse). ``prefill_chunk``: prompt tokens per
+    step of a sequence joining running ones (chunked prefill, see the module doc; 0: the whole prompt at once, the
+    default: an entry point decoding its own sequences has no running streams to protect)."""
 
     def __init__(self, target: torch.nn.Module, forward: str = "auto", speculation: Speculation | str = "on",
-                 prefixes: PrefixCache | None = None) -> None:
+                 prefixes: PrefixCache | None = None, prefill_chunk: int = 0) -> None:
         if forward not in FORWARDS:
             raise ValueError(f"forward must be one of {', '.join(FORWARDS)}, got {forward!r}")
+        _check_chunk(prefill_chunk)
+        self.prefill_chunk = prefill_chunk
         self.speculation = speculation if isinstance(speculation, Speculation) else Speculation(speculation)
         self.target = target
         self.forward_mode = forward
@@ -70,6 +88,10 @@ class Batch:
         self._next = 0
         self.steps = 0  # batched steps run
         self.rows = 0  # verification rows of the last step (sum over sequences of 1 + draft tokens)
+        self.prefill_rows = 0  # prompt-chunk rows of the last step (chunked prefill)
+        # prompt chunks ride in the step's verification forward (one weight read for both); False: a forward of
+        # their own before it (measured slower on a CPU: benchmarks/chunked_prefill.py)
+        self.fold_chunks = True
         self.batch_drafts = True  # several sequences' draft forwards as one (core.draft_batch)
         self.draft_forwards = 0  # shared draft forwards run, and the sequences' forwards they served
         self.draft_segments = 0
@@ -108,13 +130,18 @@ class Batch:
             top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
             eos_token_id: int | list[int] | None = None, kv_policy: EvictionPolicy | None = None,
             kv_budget: int | None = None, kv_block: int = 128, logprobs: int | None = None,
-            speculation: str | None = None, prompt_embeds: torch.Tensor | PromptEmbeds | None = None) -> int:
+            speculation: str | None = None, prompt_embeds: torch.Tensor | PromptEmbeds | None = None,
+            prefill_chunk: int | None = None) -> int:
         """Add a generation (the arguments of :func:`speculant.core.engine.generate`, checked: :meth:`check`) and
         prefill its prompt; returns its index (``StepEvent.sequence``). A drafter object serves one sequence at a
         time (it keeps per-generation state). ``speculation``: this sequence's own mode (``auto``, ``on``,
         ``off``), over the batch's (None). ``prompt_embeds [1, len(input_ids), H]``: the prompt's embeddings to
         prefill with (a vision-language prompt: :mod:`speculant.models.vlm`), or a :class:`PromptEmbeds` with their
-        positions too (M-RoPE); its last token, the root, goes in as an id, so it must be a text token."""
+        positions too (M-RoPE); its last token, the root, goes in as an id, so it must be a text token.
+        ``prefill_chunk``: this sequence's chunk size, over the batch's (None); it applies when other sequences are
+        active (else the prompt goes in at once), without a KV policy or image prompt."""
+        if prefill_chunk is not None:
+            _check_chunk(prefill_chunk)
         ids = self.check(input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
                          kv_policy, kv_budget, kv_block, logprobs)
         positions = None
@@ -155,17 +182,24 @@ class Batch:
                        resolve_eos(self.target, eos_token_id), kv, logprobs, prompt_embeds,
                        None if positions is None else positions.to(self.target.device), self.prefixes)
         seq.speculation = speculation
+        chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
+        if not self._sequences or kv is not None:
+            chunk = 0  # nobody to protect, or a KV policy's block-wise prefill
         with torch.inference_mode():
-            seq.prefill()
+            seq.prefill(chunk)
         self._sequences[index] = seq
         return index
 
     def step(self) -> list[StepEvent]:
-        """One decoding step for every active sequence: draft, one verification forward for all, verify, commit.
-        Returns one event per sequence (finished ones leave the batch; :meth:`result` still has them)."""
-        seqs = list(self._sequences.values())
-        if not seqs:
+        """One decoding step for every active sequence: draft, one verification forward for all, verify, commit;
+        the same forward carries the next chunk of every prefilling sequence's prompt (see the module doc).
+        Returns one event per decoding sequence (finished ones leave the batch; :meth:`result` still has them); a
+        prefilling one has none until it decodes."""
+        every = list(self._sequences.values())
+        if not every:
             return []
+        seqs = [s for s in every if not s.prefilling]
+        filling = [s for s in every if s.prefilling]
         self.speculation.plan(seqs, shared_drafts=self.batch_drafts)
         modeled = sum(1 for s in seqs if s.drafter is not None and s.state.draft_limit > 0
                       and draft_model_id(s) is not None)
@@ -180,14 +214,28 @@ class Batch:
                 _share_first_proposals([s for s in fresh if s.draft_start is not None])
             else:
                 segments = [s.plan() for s in seqs]
-            self.rows = sum(seg.input_ids.shape[1] if seg.input_ids is not None else seg.inputs_embeds.shape[1]
-                            for seg in segments)
+            chunks = [s.chunk_segment(rest=not seqs) for s in filling]
+            self.rows = sum(_rows(seg) for seg in segments)
+            self.prefill_rows = sum(_rows(seg) for seg in chunks)
+            if chunks and seqs and not self.fold_chunks:  # the chunks in a forward of their own, first
+                start = time.perf_counter()
+                batched_logits([s.forward for s in filling], chunks, [s.hidden for s in filling])
+                sync(every[0].device)
+                elapsed = time.perf_counter() - start
+                for s, seg in zip(filling, chunks):
+                    s.absorb_chunk(elapsed * _rows(seg) / self.prefill_rows)
+                filling, chunks = [], []
             start = time.perf_counter()
-            logits = batched_logits([s.forward for s in seqs], segments, [s.hidden for s in seqs])
-            sync(seqs[0].device)
+            order = seqs + filling
+            logits = batched_logits([s.forward for s in order], segments + chunks, [s.hidden for s in order])
+            sync(every[0].device)
             elapsed = time.perf_counter() - start
-            self.speculation.cost.observe(self.rows, elapsed)
+            total = self.rows + sum(_rows(seg) for seg in chunks)  # the rows of this forward
+            if seqs:  # what a forward of that many rows costs
+                self.speculation.cost.observe(total, elapsed)
             events = [s.absorb(out[0], elapsed) for s, out in zip(seqs, logits)]
+            for s, seg in zip(filling, chunks):  # each chunk's share of the forward, by rows
+                s.absorb_chunk(elapsed * _rows(seg) / total)
         self.steps += 1
         done = [seq for seq in seqs if seq.done]
         self.speculation.observe(done)  # their last step and their lengths count too
@@ -216,6 +264,18 @@ class Batch:
     def release(self, index: int) -> None:
         """Forget finished sequence ``index`` (its cache and result)."""
         self._finished.pop(index, None)
+
+
+def _rows(seg) -> int:
+    """A segment's new rows."""
+    return seg.input_ids.shape[1] if seg.input_ids is not None else seg.inputs_embeds.shape[1]
+
+
+def _check_chunk(chunk) -> None:
+    """A one-line ValueError unless ``chunk`` is a whole number >= 0."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"prefill_chunk must be a whole number of tokens >= 0 (0: the whole prompt at once), got "
+                         f"{chunk!r:.40}")
 
 
 def _share_first_proposals(started: list[Sequence]) -> None:

@@ -13,6 +13,10 @@ many sequences in one forward:
    dropped from it, never zeroed), commits the accepted tokens and the bonus, cuts at a stop token or the budget,
    records the statistics and tells the drafter; it returns the step's :class:`StepEvent`.
 
+A sequence joining a batch of running ones may instead prefill chunk by chunk (:meth:`Sequence.prefill` with
+``chunk``): each step's forward then carries one chunk of its prompt (:meth:`Sequence.chunk_segment`, no logits) and
+:meth:`Sequence.absorb_chunk` takes it in; it drafts and verifies once the whole prompt is in.
+
 Invariant (as before the split): the cache holds every committed token except the last one, the *root*. Plain
 decoding (no drafter) is the same step with an empty tree, so it is the fair baseline.
 """
@@ -75,6 +79,10 @@ class Sequence:
                                                                             prompt_embeds) else None
         self.state.prefixes = self.prefixes
         self._stored = 0  # the cache length when its blocks were last stored in the prefix cache
+        self._fed: int | None = None  # prompt tokens in the cache while prefilling chunk by chunk (None: not)
+        self._chunk = 0  # tokens per chunk
+        self._pending = 0  # the cache length once the chunk in flight is in
+        self._prefill_s = 0.0  # the chunked prefill's seconds so far
         self.new: list[int] = []
         self.new_logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.done = False
@@ -105,8 +113,21 @@ class Sequence:
 
     # ------------------------------------------------------------------------------------------------ prefill
 
-    def prefill(self) -> None:
-        """Start the clock, begin the drafter and feed the prompt (all but the root) into a new cache."""
+    @property
+    def prefilling(self) -> bool:
+        """Whether the prompt is still entering the cache chunk by chunk (:meth:`prefill` with ``chunk``); such a
+        sequence neither drafts nor verifies yet."""
+        return self._fed is not None
+
+    def prefill(self, chunk: int = 0) -> None:
+        """Start the clock, begin the drafter and feed the prompt (all but the root) into a new cache.
+
+        ``chunk > 0``: only start (the clock, the drafter, the prefix cache's restore) when more than ``chunk``
+        prompt tokens are left to compute; the rest then enters ``chunk`` tokens at a time through
+        :meth:`chunk_segment` and :meth:`absorb_chunk` (a batch folds each chunk into a step's forward, so that the
+        running sequences are not stalled by a long prompt) and :attr:`prefilling` holds until it is in. A KV policy's
+        cache (block-wise prefill with its own scoring) and an image prompt (embeddings, M-RoPE positions) always
+        prefill at once."""
         state, ids = self.state, self.state.ids
         self._start = time.perf_counter()
         if self.drafter is not None:
@@ -117,6 +138,10 @@ class Sequence:
             if self.prefixes is not None:  # the longest prefix an earlier generation computed: copied, not fed
                 reused = self.prefixes.restore(self.target, ids[:-1], self._cache)
                 self.stats.prompt_cached_tokens = reused
+            if chunk > 0 and self.prompt_embeds is None and len(ids) - 1 - reused > chunk:
+                self._fed, self._chunk = reused, chunk
+                self._prefill_s = time.perf_counter() - self._start
+                return
             if len(ids) - 1 > reused:  # prefill the rest but the root; its logits are not needed: no LM head
                 embeds = None if self.prompt_embeds is None else self.prompt_embeds[:, reused: len(ids) - 1]
                 positions = None if self.prompt_positions is None else (
@@ -135,6 +160,34 @@ class Sequence:
             self.hidden.clear()
         sync(self.device)
         self.stats.prefill_s = time.perf_counter() - self._start
+
+    def chunk_segment(self, rest: bool = False) -> Segment:
+        """The next prompt chunk's forward inputs while :attr:`prefilling`: ``chunk`` tokens (``rest``: every token
+        left) after those in the cache, at their own positions (a chain from the cache length), no logits wanted
+        (``head_rows=0``: the cache and, for a drafter reading the target's states, :attr:`hidden` receive them)."""
+        ids = self.state.ids
+        start = self._fed
+        stop = len(ids) - 1 if rest else min(start + self._chunk, len(ids) - 1)
+        self._pending = stop
+        return Segment(self._cache, torch.tensor([ids[start:stop]], device=self.device), head_rows=0)  # [1, T]
+
+    def absorb_chunk(self, forward_s: float) -> bool:
+        """After :meth:`chunk_segment`'s forward (``forward_s``: this chunk's share of its seconds): the chunk is in
+        the cache; its target states join the drafter's (in prompt order, as one prefill gives them) and completed
+        blocks go to the prefix cache. Returns True once the whole prompt is in (:attr:`prefilling` ends;
+        ``stats.prefill_s`` is then the start's seconds plus every chunk's share)."""
+        state = self.state
+        self._fed = self._pending
+        self._prefill_s += forward_s
+        if self.hidden:
+            state.target_hidden.extend(h[0] for h in self.hidden)  # [T_i, F] blocks
+            self.hidden.clear()
+        self._store()
+        if self._fed < len(state.ids) - 1:
+            return False
+        self._fed = None
+        self.stats.prefill_s = self._prefill_s
+        return True
 
     # ------------------------------------------------------------------------------------------------ a step
 

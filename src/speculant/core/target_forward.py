@@ -170,7 +170,8 @@ def batched_logits(forwards: list[TargetForward], segments: list[Segment],
     ``forwards[s]`` being sequence s's forward (one model). Those on a Llama forward run as one forward over all
     their rows (:meth:`~speculant.core.llama_forward.LlamaForward.hidden_batch`: every matrix, the LM head included,
     read once per step for the whole batch); any on the model's own forward run one by one. ``hidden_outs[s]``: as
-    :meth:`TargetForward.__call__`'s ``hidden_out`` for sequence s (None: not wanted)."""
+    :meth:`TargetForward.__call__`'s ``hidden_out`` for sequence s (None: not wanted). A segment with
+    ``head_rows=0`` (a prompt chunk: its keys and values, no logits) gets an empty ``[1, 0, *]`` tensor."""
     out: list[torch.Tensor | None] = [None] * len(segments)
     first = next((f.llama for f in forwards if f.llama is not None), None)
     shared = [i for i, f in enumerate(forwards) if f.llama is not None and f.llama is first]
@@ -188,7 +189,7 @@ def batched_logits(forwards: list[TargetForward], segments: list[Segment],
         heads = [h.shape[1] if segments[i].head_rows is None else segments[i].head_rows
                  for i, h in zip(shared, hidden)]
         rows = torch.cat([h[:, :n] for h, n in zip(hidden, heads)], 1)  # [1, sum n_s, H]: the rows wanting logits
-        logits = engine.logits(rows)  # [1, sum n_s, V]
+        logits = engine.logits(rows) if rows.shape[1] else rows  # [1, sum n_s, V]; none wanted: [1, 0, H]
         start = head = 0  # the segment's first row in hidden, in logits
         for i, h, n in zip(shared, hidden, heads):
             stop = start + h.shape[1]

@@ -224,6 +224,8 @@ class GenerationStats:
     its last emitted token takes the bonus's place, and the draft tokens after it count neither as accepted nor
     as offered.
     ``overhead_s`` is everything that is neither a target nor a draft forward (the engine's own cost).
+    ``prefill_s``: the prompt's prefill; prefilled in chunks inside a batch's steps (:class:`speculant.core.batch.Batch`
+    ``prefill_chunk``), the start (prefix restore, drafter) plus each chunk's share of its step's forward, by rows.
     """
 
     new_tokens: int = 0

@@ -25,6 +25,8 @@ steps, one target forward each; per-request ``target_calls`` count each request'
 ``speculant:step_rows`` (histogram: rows of each batched step's target forward, every request's root and draft),
 ``speculant:shared_draft_forwards`` and ``speculant:shared_draft_requests`` (counters: draft forwards run for
 several requests at once, and the requests' forwards they served: their ratio is how many requests shared one),
+``speculant:prefill_chunk_tokens`` (counter: prompt tokens that entered in chunks inside the running requests'
+steps, ``--prefill-chunk``),
 ``speculant:requests_cancelled`` (clients that went away, or stop strings never reached: cancelled while still
 sending the request body, queued or decoding) and ``speculant:cancelled_generation_tokens`` (tokens generated for
 cancelled requests before the generation stopped), ``speculant:requests_failed`` (requests answered 500).
@@ -107,6 +109,8 @@ class ServerMetrics:
                                      "Draft forwards run for several requests at once").labels(model_name)
         self.shared_draft_requests = counter("speculant:shared_draft_requests",
                                              "Requests' draft forwards served by shared ones").labels(model_name)
+        self.prefill_chunk_tokens = counter("speculant:prefill_chunk_tokens",
+                                            "Prompt tokens prefilled in chunks inside batched steps").labels(model_name)
         for reason in ("stop", "length"):  # present from the start, so a scrape before any request sees 0
             self._success.labels(model_name, reason)
         self.running.set(0)

@@ -3,8 +3,9 @@
 The HTTP handlers (asyncio) tokenise a request and :meth:`Worker.submit` a :class:`Job`; the worker thread keeps a
 :class:`speculant.core.batch.Batch` of up to ``max_batch`` jobs (``--max-batch``), each with a fresh drafter of the
 session's method (drafters hold per-generation state), its own sampling settings, seed and stop tokens. At each
-step boundary waiting jobs join in arrival order (their prompts are prefilled as they join), then one batched step
-drafts for every job and verifies them all in one target forward. Each job's committed tokens go through its
+step boundary waiting jobs join in arrival order (their prompts are prefilled as they join, or, joining running
+jobs, ``--prefill-chunk`` tokens per step inside the batch's forward: a long prompt does not stall the running
+streams), then one batched step drafts for every job and verifies them all in one target forward. Each job's committed tokens go through its
 :class:`~speculant.models.text.Detokenizer` and :class:`~speculant.models.text.StopMatcher` and are handed back to the
 handler's event loop as events (``("text", str)``, then ``("done", Result)`` or ``("error", str)``). The statistics
 of a response (τ, accepted per position) are the engine's own step events (:class:`~speculant.core.types.StepEvent`),
@@ -476,7 +477,8 @@ class Worker:
         active: dict[int, _Active] = {}
         while (joining := self._admit(len(active))) is not None:
             if batch is None:
-                batch = Batch(self.target, self._forward(), self.speculation, self.session.prefix_cache)
+                batch = Batch(self.target, self._forward(), self.speculation, self.session.prefix_cache,
+                              prefill_chunk=self.settings.prefill_chunk)
             for job in joining:
                 try:
                     a = self._join(batch, job)
@@ -503,6 +505,7 @@ class Worker:
             self.metrics.rows.observe(batch.rows)
             self.metrics.shared_drafts.inc(batch.step_draft_forwards)
             self.metrics.shared_draft_requests.inc(batch.step_draft_segments)
+            self.metrics.prefill_chunk_tokens.inc(batch.prefill_rows)
             for event in events:
                 a = active[event.sequence]
                 try:
@@ -562,7 +565,9 @@ class Worker:
         return lo
 
     def _join(self, batch, job: Job) -> _Active | None:
-        """Add ``job`` to the batch (its prompt is prefilled now); None when its client went away while it waited."""
+        """Add ``job`` to the batch (its prompt is prefilled now, or chunk by chunk in the next steps: its first
+        token, and so its time to first token, comes once the prompt is in); None when its client went away while it
+        waited."""
         m = self.metrics
         start = time.perf_counter()
         m.queue_time.observe(start - job.arrived)
