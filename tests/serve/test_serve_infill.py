@@ -93,6 +93,25 @@ def test_infill_answers_as_llama_cpp_and_equals_plain_decoding(client, plain):
                    top_k=0)["content"] == text
 
 
+def test_infill_keeps_the_text_near_the_cursor_as_llama_cpp_and_reports_reuse(client, monkeypatch):
+    """/infill keeps the prefix's last and the suffix's first tokens (llama.cpp's split of its batch, here shrunk
+    to fit the tiny model), /v1/completions keeps all; a repeated request reuses its prompt (llama.cpp's
+    ``tokens_cached`` and ``timings.cache_n``)."""
+    from speculant.serve import app as app_module
+
+    monkeypatch.setattr(app_module, "INFILL_TAKE", (12, 6))
+    long_prefix, long_suffix = "import os\n" * 20 + PREFIX, SUFFIX + "print(add(1, 2))\n" * 10
+    first = _infill(client, input_prefix=long_prefix, input_suffix=long_suffix)
+    again = _infill(client, input_prefix=long_prefix, input_suffix=long_suffix)
+    assert first["tokens_evaluated"] == again["tokens_evaluated"] <= 12 + 6 + 3 + 2
+    assert again["content"] == first["content"]
+    assert again["tokens_cached"] == again["timings"]["cache_n"] >= 16 and \
+        again["timings"]["prompt_n"] == again["tokens_evaluated"] - again["tokens_cached"]
+    full = client.post("/v1/completions", json={"model": MODEL, "prompt": long_prefix, "suffix": long_suffix,
+                                                "max_tokens": 2, "temperature": 0})
+    assert full.status_code == 200 and full.json()["usage"]["prompt_tokens"] > first["tokens_evaluated"]
+
+
 def test_infill_streams_server_sent_events(client, plain):
     body = {"input_prefix": PREFIX, "input_suffix": SUFFIX, "n_predict": 24, "temperature": 0, "stream": True}
     with client.stream("POST", "/infill", json=body) as s:

@@ -24,9 +24,11 @@ exceed. A chain is touched from its last block back to its first, so a parent is
 its children and eviction takes leaves first (a block is never orphaned while its children stay).
 
 Exactness: a reused key/value is the value that was computed for the same tokens at the same positions by the same
-model. With speculant's quantized kernels a row's result does not depend on the other rows of its forward, so the
-reused values are the same bits as recomputed ones and outputs are identical; with float weights torch's dense
-products may round a row differently in a forward of another size (as batching does), which can flip a near-tie.
+model. With speculant's quantized kernels a row's products do not depend on the other rows of its forward, and the
+attention of a forward of at most 64 new tokens runs row by row: a prompt of that size computes the same bits with
+or without reuse. A longer prefill's attention runs through torch's SDPA, and float weights through torch's dense
+products, which may round a row differently in a forward of another size (as batching does); that can flip a
+near-tie between two tokens, and nothing else.
 """
 
 from __future__ import annotations

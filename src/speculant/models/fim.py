@@ -177,10 +177,12 @@ def _leading(tokenizer: Any) -> list[int]:
 
 
 def fim_ids(tokenizer: Any, prefix: str, suffix: str, extra: Sequence[Any] | None = None, *,
-            repo_name: str = REPO_NAME, filename: str = FILENAME) -> list[int]:
+            repo_name: str = REPO_NAME, filename: str = FILENAME, max_prefix_tokens: int | None = None,
+            max_suffix_tokens: int | None = None) -> list[int]:
     """The token ids of a FIM prompt in ``tokenizer``'s own FIM tokens (:func:`fim_format`): ``prefix`` and
     ``suffix`` around the cursor and, with ``extra`` (:func:`repo_files`), the repository files first, then the
-    current file's path ``filename``, under ``repo_name``.
+    current file's path ``filename``, under ``repo_name``. ``max_prefix_tokens`` / ``max_suffix_tokens`` keep only
+    the prefix's last / the suffix's first tokens (None: all), the text nearest the cursor.
 
     Raises:
         ValueError: one line: a tokenizer without FIM tokens (naming them), repository files for a family
@@ -204,8 +206,13 @@ def fim_ids(tokenizer: Any, prefix: str, suffix: str, extra: Sequence[Any] | Non
             text = f.text if not f.text or f.text.endswith("\n") else f.text + "\n"
             ids += [vocab[fmt.file_sep]] + _encode(tokenizer, f"{f.filename}\n{text}")
         ids += [vocab[fmt.file_sep]] + _encode(tokenizer, filename + "\n")
-    ids += [vocab[fmt.prefix]] + _encode(tokenizer, prefix)
-    ids += [vocab[fmt.suffix]] + _encode(tokenizer, suffix)
+    before, after = _encode(tokenizer, prefix), _encode(tokenizer, suffix)
+    if max_prefix_tokens is not None:
+        before = before[len(before) - max_prefix_tokens:] if len(before) > max_prefix_tokens else before
+    if max_suffix_tokens is not None:
+        after = after[:max_suffix_tokens]
+    ids += [vocab[fmt.prefix]] + before
+    ids += [vocab[fmt.suffix]] + after
     ids.append(vocab[fmt.middle])
     return ids
 

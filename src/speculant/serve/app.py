@@ -372,9 +372,11 @@ class _Server:
                                 f"have {chars} characters, more than {ctx} tokens of this tokenizer can hold",
                            param="prompt", code="context_length_exceeded")
         param = "input_prefix" if req.kind == "infill" else "suffix"
+        caps = INFILL_TAKE if req.kind == "infill" else (None, None)  # llama.cpp's /infill keeps the text near the cursor
         with worker.tokenizer_lock:
             try:
-                return fim_ids(worker.tokenizer, req.prompt, req.suffix, extra)
+                return fim_ids(worker.tokenizer, req.prompt, req.suffix, extra, max_prefix_tokens=caps[0],
+                               max_suffix_tokens=caps[1])
             except ValueError as exc:
                 raise APIError(400, " ".join(str(exc).split()), param=param, code="fim_not_supported") from None
 
@@ -529,8 +531,10 @@ class _Shape:
 
 class _InfillShape:
     """llama.cpp's ``/infill`` (``/completion``) objects of one response: ``content``, ``stop``, ``stop_type``
-    (``eos``, ``word``: a stop string, ``limit``), ``tokens_predicted``, ``tokens_evaluated``, ``timings`` (the
-    generation's: a prompt joins a running batch, so no separate prompt time) and ``speculant``."""
+    (``eos``, ``word``: a stop string, ``limit``), ``tokens_predicted``, ``tokens_evaluated``, ``tokens_cached`` (the
+    prompt tokens reused from the prefix cache), ``timings`` (``cache_n`` reused and ``prompt_n`` computed prompt
+    tokens, as llama.cpp counts them; the generation's time: a prompt joins a running batch, so no separate prompt
+    time) and ``speculant``."""
 
     def __init__(self, req: GenerationRequest, model: str, eos: list[int] | None) -> None:
         self.model = model
@@ -546,14 +550,22 @@ class _InfillShape:
         n, s = result.completion_tokens, result.stats.get("decode_s", 0.0)
         ended_on_eos = bool(result.token_ids) and result.token_ids[-1] in self.eos
         stop_type = {"length": "limit", "stop": "eos" if ended_on_eos else "word"}.get(result.finish_reason, "none")
+        cached = result.cached_tokens  # prompt tokens reused from the prefix cache, not computed again
         return {"index": 0, "content": text, "stop": True, "model": self.model, "stop_type": stop_type,
-                "tokens_predicted": n, "tokens_evaluated": result.prompt_tokens, "truncated": False,
-                "has_new_line": "\n" in text, "generation_settings": self.params,
-                "timings": {"prompt_n": result.prompt_tokens, "predicted_n": n,
+                "tokens_predicted": n, "tokens_evaluated": result.prompt_tokens, "tokens_cached": cached,
+                "truncated": False, "has_new_line": "\n" in text, "generation_settings": self.params,
+                "timings": {"cache_n": cached, "prompt_n": result.prompt_tokens - cached, "predicted_n": n,
                             "predicted_ms": round(1000 * s, 3),
                             "predicted_per_token_ms": round(1000 * s / n, 3) if n else None,
                             "predicted_per_second": round(n / s, 3) if n and s else None},
                 "speculant": result.stats}
+
+
+INFILL_TAKE = (1536, 510)
+"""Tokens of an ``/infill`` request's prefix (its last) and suffix (its first) that enter the prompt: llama.cpp's
+server keeps 3/4 of its default batch of 2,048 tokens for the prefix and the rest, less two FIM tokens, for the
+suffix, so an editor plug-in that sends a large window gets the same prompt from both servers. ``/v1/completions``
+with ``suffix`` keeps all of both (OpenAI's semantics)."""
 
 
 def _event(obj: dict | str) -> bytes:
