@@ -57,6 +57,8 @@ def main() -> None:
                     help="the q4/q8 kernel's route for q8 codes below 128 (AVX2 without VNNI); both: each variant "
                     "twice, ':8bit' with the route off, interleaved")
     ap.add_argument("--out", default="benchmarks/results/forward_cost.json")
+    ap.add_argument("--prefill", action="store_true",
+                    help="time a prompt's prefill of T tokens (no LM head), not a forward with the logits of every row")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     counts = [int(t) for t in args.tokens.split(",")]
@@ -101,7 +103,10 @@ def main() -> None:
                     q4_amx(":vnni" not in dt)
                     q4_seven(":8bit" not in dt)
                     start = time.perf_counter()
-                    forwards[dt](caches[dt], input_ids=new[:, :t])
+                    if args.prefill:  # a prompt's prefill: no logits (the root's are computed by the first step)
+                        forwards[dt].prefill(caches[dt], new[:, :t])
+                    else:
+                        forwards[dt](caches[dt], input_ids=new[:, :t])
                     elapsed = time.perf_counter() - start
                     caches[dt].crop(args.context)  # drop the t tokens just added
                     if rep >= 2:
