@@ -66,6 +66,11 @@ class DraftModelBase(Drafter):
     """
 
     lean_forward: bool = True
+    context_window: int = 0
+    """Read at most this many of the prompt's last tokens (0: the whole prompt). The draft model then reads a
+    short context whatever the prompt's length (a fill-in-the-middle request's file, a long conversation), as if
+    the text began there (its positions start at 0): its prefill and its attention stay short. Exactness does not
+    depend on it (the verifier decides); only acceptance may."""
     holds_target_ids: bool = True
     """The draft cache's slot ``i`` holds committed token ``state.ids[i]``: its keys/values are then reused from,
     and stored in, the generation's prefix cache (:attr:`DecodeState.prefixes`). A drafter that tokenizes the text
@@ -94,6 +99,7 @@ class DraftModelBase(Drafter):
         self._head: TrimmedHead | None = None
         self._cache: SpecCache | None = None
         self._n_cached = 0  # committed tokens whose keys/values are in the draft cache
+        self._offset = 0  # the first committed token the draft reads (context_window)
         self._vocab = 0
         self._max_input_id = 0
         # the last proposal, for commit: its tree, the cache length before its nodes, and where each node was fed
@@ -126,11 +132,13 @@ class DraftModelBase(Drafter):
         self._tree = None
         self._fed = 0
         self._lean = llama_forward_for(self.model) if self.lean_forward else None
+        window = self.context_window
+        self._offset = max(0, len(state.ids) - window) if window else 0  # state.ids[offset + i] is in slot i
         # a feature drafter's rows read the target's states, which are not cached with the keys/values
         self._prefixes = state.prefixes if self.holds_target_ids and not self.uses_target_hidden else None
         self._stored = 0  # the context length when its blocks were last stored
         if self._prefixes is not None:  # the context's longest prefix an earlier generation fed: copied, not fed
-            self._n_cached = self._prefixes.restore(self.model, state.ids[:-1], self._cache, count=False)
+            self._n_cached = self._prefixes.restore(self.model, state.ids[self._offset:-1], self._cache, count=False)
             state.stats.draft_cached_tokens = self._n_cached
 
     def params_per_forward(self) -> int:
@@ -193,11 +201,11 @@ class DraftModelBase(Drafter):
 
     def _catch_up(self, state: DecodeState) -> torch.Tensor:
         """Start a proposal: feed what the cache lacks (ending with the root); ``p``'s logits after the root."""
-        logits = self._next_logits(state, state.ids[self._n_cached :])
-        self._n_cached = len(state.ids)  # the cache now holds every committed token
+        logits = self._next_logits(state, state.ids[self._offset + self._n_cached :])
+        self._n_cached = len(state.ids) - self._offset  # the cache now holds every committed token (of the window)
         block = self._prefixes.block if self._prefixes is not None else 0
         if block and self._n_cached // block > self._stored // block:
-            self._prefixes.store(self.model, state.ids, self._cache)  # its first len(ids) slots are the committed ones
+            self._prefixes.store(self.model, state.ids[self._offset:], self._cache)  # slots: the committed tokens
             self._stored = self._n_cached
         return logits
 
@@ -222,7 +230,7 @@ class DraftModelBase(Drafter):
         ``len(state.ids) + position``: an int ``n`` for nodes ``0..n-1`` at positions ``0..n-1``, or a list with
         each node's position (-1: not fed). Every fed node's parent must be fed before it."""
         self._tree = tree
-        self._base = len(state.ids)
+        self._base = len(state.ids) - self._offset
         self._fed = fed
 
     def _root_slot(self) -> int:

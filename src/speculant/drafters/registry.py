@@ -278,12 +278,19 @@ def _model_drafter(cls: type) -> Callable[..., Drafter]:
     its ConFu variant (:func:`speculant.drafters.confu.confu_variant`)."""
 
     def factory(draft_model: torch.nn.Module, tokenizers_match: bool | None = None, trim: int | None = None,
-                lookup: int = 0, **options: Any) -> Drafter:
+                lookup: int = 0, window: int = 0, **options: Any) -> Drafter:
         from .confu import confu_variant
 
         use = confu_variant(cls) if is_confu_drafter(draft_model) else \
             feature_variant(cls) if is_feature_drafter(draft_model) else cls
         drafter = use(draft_model, tokenizers_match=tokenizers_match, vocab_trim=trim, **options)
+        if window:
+            if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+                raise ValueError(f"window must be a number of tokens >= 0 (0: the whole prompt), got {window!r}")
+            if drafter.uses_target_hidden:
+                raise ValueError(f"window: a feature (EAGLE) draft model's rows follow the target's states of the "
+                                 "whole context; drop window=")
+            drafter.context_window = window
         if lookup:
             from .model_lookup import ModelWithLookup
 
@@ -295,6 +302,8 @@ def _model_drafter(cls: type) -> Callable[..., Drafter]:
 
 _TRIM = Key(int, "VocabTrim: draft over the N most frequent tokens of the draft's calibration; 0 = full LM head; "
             "default: the size the draft ships with, if any")
+_WINDOW = Key(int, "the draft model reads at most the prompt's last N tokens, as if the text began there (a short "
+              "prefill and attention whatever the prompt's length; only acceptance can change); 0 = the whole prompt", 0)
 _LOOKUP = Key(int, "also merge a prompt-lookup chain of up to N tokens into each draft, verified in the same "
               "forward as a deterministic draft (a sampled chain's tokens then count as point masses); 0 = none", 0)
 
@@ -308,6 +317,7 @@ def _keys(cls: type, **docs: tuple[Any, str]) -> dict[str, Key]:
             default = "/".join(map(str, default))
         keys[name] = Key(typ, doc, default)
     keys["trim"] = _TRIM
+    keys["window"] = _WINDOW
     return keys
 
 
