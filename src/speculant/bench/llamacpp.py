@@ -261,12 +261,11 @@ def start_llama_server(gguf: str | Path, threads: int | None = None, n_ctx: int 
     import urllib.error
     import urllib.request
 
-    binary = llama_server_binary()
+    llama_server_binary()  # a one-line error when it is not built
     if not Path(gguf).is_file():
         raise ValueError(f"--llama-server: no GGUF file {str(gguf)!r}")
     port = _free_port()
-    cmd = llama_server_command(gguf, port, threads, n_ctx, parallel)
-    cmd[0] = str(binary)
+    cmd = llama_server_command(gguf, port, threads, n_ctx, parallel)  # runs that same binary
     sink = open(log, "w") if log is not None else subprocess.DEVNULL  # noqa: SIM115: closed with the process
     proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

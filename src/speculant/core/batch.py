@@ -183,8 +183,8 @@ class Batch:
                        None if positions is None else positions.to(self.target.device), self.prefixes)
         seq.speculation = speculation
         chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
-        if not self._sequences or kv is not None:
-            chunk = 0  # nobody to protect, or a KV policy's block-wise prefill
+        if not self._sequences:
+            chunk = 0  # nobody to protect (KV-policy and image prompts prefill whole: Sequence.prefill)
         with torch.inference_mode():
             seq.prefill(chunk)
         self._sequences[index] = seq
@@ -230,7 +230,7 @@ class Batch:
             logits = batched_logits([s.forward for s in order], segments + chunks, [s.hidden for s in order])
             sync(every[0].device)
             elapsed = time.perf_counter() - start
-            total = self.rows + sum(_rows(seg) for seg in chunks)  # the rows of this forward
+            total = self.rows + (self.prefill_rows if chunks else 0)  # the rows of this forward
             if seqs:  # what a forward of that many rows costs
                 self.speculation.cost.observe(total, elapsed)
             events = [s.absorb(out[0], elapsed) for s, out in zip(seqs, logits)]

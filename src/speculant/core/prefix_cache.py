@@ -165,8 +165,9 @@ class PrefixCache:
                 key = (parent, tuple(ids[i: i + b]))
                 block = self._blocks.get(key)
                 if block is None:
-                    keys = torch.stack([layer.keys[0, :, i: i + b] for layer in layers]).clone()  # [L, H, B, D_k]
-                    values = torch.stack([layer.values[0, :, i: i + b] for layer in layers]).clone()
+                    # stack copies: the block shares no memory with the cache
+                    keys = torch.stack([layer.keys[0, :, i: i + b] for layer in layers])  # [L, H_kv, B, D_k]
+                    values = torch.stack([layer.values[0, :, i: i + b] for layer in layers])  # [L, H_kv, B, D_v]
                     block = _Block(self._next_id, key, keys, values)
                     if not self._make_room(block.nbytes, keep=chain):
                         break

@@ -255,8 +255,7 @@ class Sequence:
             state.probe_hidden = hidden[len(tree) + 1:] if tree.probes is not None else None  # [P, F]
         first = cache_len + soft  # the root's slot (after the soft entries, which go with the rejected rows)
         self._cache.keep(cache_len, [first] + [first + 1 + n for n in verdict.accepted])
-        if self.prefixes is not None:
-            self._store()
+        self._store()
         if self.kv is not None:  # only verified tokens are in the cache now
             self.kv.after_step(capture, [0] + [1 + n for n in verdict.accepted])
         accepted = [tree.tokens[n] for n in verdict.accepted]

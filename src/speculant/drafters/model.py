@@ -134,8 +134,8 @@ class DraftModelBase(Drafter):
         self._lean = llama_forward_for(self.model) if self.lean_forward else None
         window = self.context_window
         self._offset = max(0, len(state.ids) - window) if window else 0  # state.ids[offset + i] is in slot i
-        # a feature drafter's rows read the target's states, which are not cached with the keys/values
-        self._prefixes = state.prefixes if self.holds_target_ids and not self.uses_target_hidden else None
+        # (the sequence gives none to a feature drafter, whose rows read the target's states: Sequence._reusable)
+        self._prefixes = state.prefixes if self.holds_target_ids else None
         self._stored = 0  # the context length when its blocks were last stored
         if self._prefixes is not None:  # the context's longest prefix an earlier generation fed: copied, not fed
             self._n_cached = self._prefixes.restore(self.model, state.ids[self._offset:-1], self._cache, count=False)
