@@ -59,6 +59,9 @@ def test_routing_key_of_a_next_turn_extends_the_turn_before():
     assert routing_key(json.dumps(_body(parts)).encode()) == "ab\n<|user|>\n"
     assert routing_key(b'{"prompt": "def f(", "suffix": "return 1"}') == "def f("
     assert routing_key(b'{"prompt": [5, 17]}') == "5 17 "
+    # llama.cpp's /infill: the files, then the prefix and the text at the cursor, as its FIM prompt starts
+    assert routing_key(b'{"input_prefix": "def f(", "prompt": "x", "input_suffix": "1"}') == "def f(x"
+    assert routing_key(b'{"input_extra": [{"filename": "a.py", "text": "A"}], "input_prefix": "p"}') == "a.py\nA\np"
     for bad in (b"", b"not json", b"[1, 2]", b'{"prompt": 3}', b'{"messages": "x"}', b"\xff"):
         assert routing_key(bad) == ""
 

@@ -35,7 +35,8 @@ def routing_key(body: bytes) -> str:
     turn (its earlier messages, the answer, a new message) starts with the key of the turn before, and requests
     that share a system prompt share a key prefix. Chat: each message's text then its role
     (``content\\n<|role|>\\n``: the role after the text, so two conversations do not match on a role name
-    alone); completions and infill: the prompt text (token ids as decimal numbers, one space after each). A body
+    alone); completions: the prompt text (token ids as decimal numbers, one space after each); llama.cpp's
+    ``/infill``: its repository files, then ``input_prefix`` and ``prompt`` (the order its FIM prompt starts in). A body
     that is not JSON or names no prompt gives ``""`` (the request is then load-balanced, and the replica it
     reaches answers any error)."""
     try:
@@ -49,6 +50,11 @@ def routing_key(body: bytes) -> str:
         return "".join(f"{_content_text(m.get('content'))}\n<|{m.get('role', '')}|>\n"
                        for m in messages if isinstance(m, dict))
     prompt = data.get("prompt")
+    if "input_prefix" in data or "input_extra" in data:  # /infill: its prompt starts with the files, then the prefix
+        extra = data.get("input_extra")
+        files = "".join(f"{f.get('filename', '')}\n{f.get('text', '')}\n" for f in extra if isinstance(f, dict)) \
+            if isinstance(extra, list) else ""
+        return "".join(t for t in (files, data.get("input_prefix"), prompt) if isinstance(t, str))
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
