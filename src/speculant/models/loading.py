@@ -216,6 +216,7 @@ def load_model_dir(path: str | Path, dtype: torch.dtype | str | None = None, qua
         return model, processor.tokenizer
     else:
         model = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True, **kwargs)
+        _keep_tied(model)
     tokenizer = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     model.eval()
     if backing is None:  # (a GGUF-backed model came quantized)
@@ -268,6 +269,18 @@ BUNDLED = {
     "qwen2.5-coder-1.5b-instruct-confu": "qwen2.5-coder-1.5b-instruct-confu",  # once trained and shipped
 }
 """Names of the models shipped inside the package (directories under ``speculant/assets``)."""
+
+
+def _keep_tied(model: torch.nn.Module) -> None:
+    """Tie the head to the input embedding when the config says so and loading left them apart. A checkpoint of a
+    tied model holds no ``lm_head.weight``; transformers ties it while loading, but it has been seen to report the
+    head MISSING and "newly initialized" instead (a random head, silently changing every output), so the loader
+    checks."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if (getattr(text, "tie_word_embeddings", False) and head is not None and embed is not None
+            and head.weight is not embed.weight):
+        model.tie_weights()
 
 
 def bundled_dir(name: str) -> Path | None:
