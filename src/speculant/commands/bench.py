@@ -66,7 +66,11 @@ def epilog() -> str:
         "  docstring, or edit one (rename, type-hints, class, fix a planted bug), one category each;\n"
         "  builtin:fim is fill-in-the-middle: 1 to 8 lines cut out of standard-library functions, built in the\n"
         "  target's own FIM tokens (a code model such as Qwen2.5-Coder); a JSONL file may give {\"prefix\": TEXT,\n"
-        "  \"suffix\": TEXT} records too\n\n"
+        "  \"suffix\": TEXT} records too;\n"
+        "  builtin:json-extract is 40 chats asking for JSON that matches a schema (package metadata of the\n"
+        "  installed distributions, standard-library functions), each with its response_format and reference;\n"
+        "  builtin:tools is 48 chats that need one tool call, tools made from standard-library functions (the\n"
+        "  right one among distractors), tool_choice auto or required, each with its expected call\n\n"
         "outputs (--out DIR): results.json (machine, versions, settings, per-run raw numbers, summary),\n"
         "  results.md (tables), speedup.png and accepted_lengths.png\n\n"
         "budget-matched trees (sampling; every family at 8 and 16 tree tokens per target call):\n"
@@ -88,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=positive_int, metavar="N", default=d["num_prompts"],
                    help="use N prompts: the first N of a file; N of a built-in set, spread over its modules or "
                    "categories; default: all (24 for builtin:code, builtin:grounded and builtin:fim, 80 for "
-                   "builtin:mt-bench and builtin:code-chat)")
+                   "builtin:mt-bench and builtin:code-chat, 40 for builtin:json-extract, 48 for builtin:tools)")
     p.add_argument("--methods", metavar="SPEC[,SPEC...]", default=d["methods"],
                    help=f"drafting methods, comma-separated registry specs; '{REFERENCE}' always runs as the "
                    f"reference; '{DEFAULT}' is the target's packaged default method (else the registry's "

@@ -34,6 +34,14 @@ permutation within each):
 ``fim``
     fill-in-the-middle: a span of 1 to 8 lines cut out of a function's body, between the code before and after it
     (:mod:`speculant.data.fim`); needs a target with FIM tokens.
+``json-extract``
+    40 chats asking for JSON that matches a schema, extracted from an installed distribution's metadata or a
+    held-out standard-library function (:mod:`speculant.data.json_extract`); each record carries its
+    ``response_format`` (OpenAI's ``json_schema``) and its ``reference`` answer.
+``tools``
+    48 chats that need one tool call, with ``tools`` made from standard-library functions (the right one among
+    distractors) and ``tool_choice`` ``auto`` or ``required`` (:mod:`speculant.data.tools`); each record carries
+    its ``expected`` call.
 
 A JSONL file has one object per line with a ``prompt`` string, a ``messages`` list or ``prefix`` and ``suffix``
 strings; every other field is kept.
@@ -52,9 +60,11 @@ from ..models.chat import chat_ids, check_messages, has_chat_template
 from ..models.fim import fim_ids, repo_files
 from .code_chat import code_chat_prompts
 from .fim import fim_prompts
+from .json_extract import json_extract_prompts
 from .mtbench import jsonl_rows, mtbench_questions
 from .sharegpt import sharegpt_prompts
 from .stdlib_functions import FUNCTIONS, split_functions, stratified, top_module
+from .tools import tools_prompts
 
 __all__ = ["BUILTIN_SETS", "builtin_prompts", "check_record", "code_prompts", "grounded_prompts", "is_chat",
            "is_fim", "load_prompts", "mt_bench_prompts", "prompt_ids"]
@@ -131,17 +141,16 @@ BUILTIN_SETS: dict[str, Callable[..., list[dict]]] = {
     "sharegpt": lambda n=None: sharegpt_prompts(n, split="train"),
     "sharegpt-eval": lambda n=None: sharegpt_prompts(n, split="eval"),
     "fim": fim_prompts,
+    "json-extract": json_extract_prompts,
+    "tools": tools_prompts,
 }
 
 
 def builtin_prompts(name: str, n: int | None = None) -> list[dict]:
     """The built-in set ``name`` (``builtin:NAME`` on the command line): ``n`` prompts, or the set's default
-    size (24 for ``code``/``grounded``/``fim``, all 80 for ``mt-bench``, 80 for ``code-chat``, every ShareGPT
-    first turn of
-    the split for ``code-chat-train``
-    requests of the ``code-chat`` kind made from the corpus's training modules (1,564 of them; never a
-    ``code-chat`` prompt): for training drafters.
-``sharegpt`` / ``sharegpt-eval``)."""
+    size (24 for ``code``/``grounded``/``fim``, all 80 for ``mt-bench``, 80 for ``code-chat``, 1,564 for
+    ``code-chat-train``, every first turn of the split for ``sharegpt``/``sharegpt-eval``, 40 for
+    ``json-extract``, 48 for ``tools``)."""
     if name not in BUILTIN_SETS:
         raise ValueError(f"unknown built-in prompt set {name!r}; known: {', '.join(BUILTIN_SETS)}")
     return BUILTIN_SETS[name]() if n is None else BUILTIN_SETS[name](n=n)
