@@ -17,6 +17,10 @@ acceptance rate (accepted / draft tokens) and the per-position acceptance (accep
 
 Chat records (``messages``) go to ``/v1/chat/completions``, text records (``prompt``) to ``/v1/completions``,
 fill-in-the-middle records (``prefix`` and ``suffix``, ``builtin:fim``) to ``/v1/completions`` with ``suffix``.
+Structured records go with their constraint: a ``response_format`` (``builtin:json-extract``) or ``tools`` and
+``tool_choice`` (``builtin:tools``) is sent as given, the streamed tool calls are put together, and each answer
+is checked (:func:`speculant.data.answers.check_answer`): per level, the share of valid answers (parses and matches
+the schema or a tool's parameters) and of exact ones (equal to the record's reference or expected call).
 Only loopback URLs are accepted: this is a benchmark for one's own server, not a load tool for other hosts.
 """
 
@@ -32,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from ..data.answers import check_answer, is_structured
 
 __all__ = ["LoadSettings", "RequestResult", "Streamed", "check_url", "list_models", "percentile", "run_load",
            "scrape_metrics", "stream_post", "wait_ready"]
@@ -69,6 +75,8 @@ class RequestResult:
     tpot_s: float | None = None
     completion_tokens: int = 0
     error: str | None = None
+    valid: bool | None = None  # structured records only (check_answer): the answer is what the request requires
+    exact: bool | None = None  # ... and equals the record's reference (None: no reference)
 
 
 def check_url(url: str) -> str:
@@ -174,22 +182,29 @@ def _body(record: Mapping, model: str, s: LoadSettings, mode: str | None = None)
         body["speculant_speculation"] = mode
     if chat:
         body["messages"] = record["messages"]
+        if record.get("tools"):
+            body["tools"] = record["tools"]
+            body["tool_choice"] = record.get("tool_choice", "auto")
     elif "prefix" in record and "suffix" in record:  # fill-in-the-middle: OpenAI's legacy suffix
         body["prompt"], body["suffix"] = record["prefix"], record["suffix"]
     else:
         body["prompt"] = record["prompt"]
+    if record.get("response_format") is not None:
+        body["response_format"] = record["response_format"]
     return ("/v1/chat/completions" if chat else "/v1/completions"), body
 
 
 @dataclass
 class Streamed:
     """What one streamed POST gave the client: seconds from sending to the first chunk with text (``ttft_s``) and
-    to the end (``e2e_s``), the text, the last ``usage`` the server sent (OpenAI's), and llama.cpp's native fields
-    when it sent them (``timings``, ``tokens_cached``, ``tokens_evaluated``, ``tokens_predicted``)."""
+    to the end (``e2e_s``), the text, the tool calls (OpenAI's ``function`` objects ``{"name", "arguments"}``, put
+    together from the ``delta.tool_calls`` pieces), the last ``usage`` the server sent (OpenAI's), and llama.cpp's
+    native fields when it sent them (``timings``, ``tokens_cached``, ``tokens_evaluated``, ``tokens_predicted``)."""
 
     e2e_s: float
     ttft_s: float | None = None
     text: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
     usage: dict | None = None
     native: dict = field(default_factory=dict)
     error: str | None = None
@@ -205,6 +220,7 @@ async def stream_post(client, url: str, body: dict, headers: dict) -> Streamed:
     t0 = time.perf_counter()
     out = Streamed(e2e_s=0.0)
     pieces: list[str] = []
+    calls: dict[int, dict] = {}
     first: float | None = None
     try:
         async with client.stream("POST", url, json=body, headers=headers) as r:
@@ -238,12 +254,31 @@ async def stream_post(client, url: str, body: dict, headers: dict) -> Streamed:
                         if piece:
                             first = time.perf_counter() if first is None else first
                             pieces.append(piece)
+                    for c in obj.get("choices") or []:
+                        if _add_tool_calls(calls, (c.get("delta") or {}).get("tool_calls")):
+                            first = time.perf_counter() if first is None else first
     except Exception as exc:  # noqa: BLE001: a failed request is counted, the run goes on
         out.error = f"{type(exc).__name__}: {exc}"[:300]
     out.e2e_s = time.perf_counter() - t0
     out.ttft_s = None if first is None else first - t0
     out.text = "".join(pieces)
+    out.tool_calls = [calls[i] for i in sorted(calls)]
     return out
+
+
+def _add_tool_calls(calls: dict[int, dict], deltas: Any) -> bool:
+    """Fold one chunk's ``delta.tool_calls`` into ``calls`` (index -> ``{"name", "arguments"}``): the name comes
+    once, the arguments in pieces. True when the chunk carried any."""
+    if not isinstance(deltas, list) or not deltas:
+        return False
+    for k, d in enumerate(deltas):
+        if not isinstance(d, dict):
+            continue
+        call = calls.setdefault(int(d.get("index", k)), {"name": "", "arguments": ""})
+        fn = d.get("function") or {}
+        call["name"] += fn.get("name") or ""
+        call["arguments"] += fn.get("arguments") or ""
+    return True
 
 
 async def _request(client, base: str, record: Mapping, model: str, s: LoadSettings, headers: dict,
@@ -255,6 +290,9 @@ async def _request(client, base: str, record: Mapping, model: str, s: LoadSettin
                            completion_tokens=tokens, error=got.error)
     if got.ttft_s is not None and tokens > 1:
         result.tpot_s = (got.e2e_s - got.ttft_s) / (tokens - 1)
+    if got.error is None and is_structured(record):
+        check = check_answer(record, got.text, got.tool_calls)
+        result.valid, result.exact = check["valid"], check["exact"]
     return result
 
 
@@ -291,9 +329,20 @@ def _summary(concurrency: int, results: list[RequestResult], wall: float, spec: 
         "ttft_s": _distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot_s": _distribution([r.tpot_s for r in ok if r.tpot_s is not None]),
         "e2e_s": _distribution([r.e2e_s for r in ok]),
+        "structured": _structured([r for r in ok if r.valid is not None]),
         "spec": spec,
         "per_request": [asdict(r) for r in results],
     }
+
+
+def _structured(checked: list[RequestResult]) -> dict | None:
+    """Of the answered structured requests: how many, the share valid, the share exact (of those with a
+    reference); None when there were none."""
+    if not checked:
+        return None
+    refs = [r for r in checked if r.exact is not None]
+    return {"checked": len(checked), "valid_share": sum(r.valid for r in checked) / len(checked),
+            "exact_share": sum(r.exact for r in refs) / len(refs) if refs else None}
 
 
 async def wait_ready(client, base: str, timeout_s: float, progress=None, poll_s: float = 2.0) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-__all__ = ["level_table", "render_markdown", "write_plot", "write_results"]
+__all__ = ["level_table", "render_markdown", "structured_table", "write_plot", "write_results"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,23 @@ def level_table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def structured_table(results: dict) -> str:
+    """One Markdown row per level that sent structured requests (``response_format`` or ``tools``): how many
+    answers were checked, the share valid and exact, and the end-to-end latency; "" when none did."""
+    levels = [lv for lv in results["levels"] if lv.get("structured")]
+    if not levels:
+        return ""
+    modes = any(lv.get("speculation") for lv in levels)
+    rows = ["| " + ("speculation | " if modes else "") + "concurrency | checked | valid | exact | E2E ms |",
+            "|" + ("---|" if modes else "") + "---:|---:|---:|---:|---:|"]
+    for lv in levels:
+        st = lv["structured"]
+        rows.append(("| " + str(lv.get("speculation")) + " " if modes else "") + f"| {lv['concurrency']} | "
+                    f"{st['checked']} | {st['valid_share']:.1%} | {_fmt(st['exact_share'], '.1%')} | "
+                    f"{_latency(lv['e2e_s'])} |")
+    return "\n".join(rows)
+
+
 def _settings_line(results: dict) -> str:
     s = results["settings"]
     greedy = "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}"
@@ -55,6 +72,12 @@ def render_markdown(results: dict) -> str:
              "TTFT: request sent to the first chunk with text; TPOT: (end - first text) / (tokens - 1) per request; "
              "latencies are median (p90 / p99). τ = generated tokens / target calls and the acceptance rate "
              "(accepted / draft tokens) are the differences of the server's /metrics counters around each level."]
+    structured = structured_table(results)
+    if structured:
+        lines += ["", "## Structured answers", "", structured, "",
+                  "valid: the answer parses and matches the request's JSON Schema, or makes at least one tool call "
+                  "and every call names an offered tool with arguments that match its parameters; exact: equal to "
+                  "the record's reference answer or expected call (of those that have one)."]
     failed = [lv for lv in results["levels"] if lv["failed"]]
     for lv in failed:
         lines += ["", f"concurrency {lv['concurrency']}: {lv['failed']} failed request(s), e.g. {lv['errors'][0]}"]

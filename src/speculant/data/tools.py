@@ -431,10 +431,13 @@ def call_matches(call: Any, expected: Mapping) -> bool:
 def tool_calls_report(calls: Sequence[Any] | None, record: Mapping) -> dict:
     """How a reply's tool ``calls`` (OpenAI's ``function`` objects, in order; None or empty: none) answer the
     tools ``record``: ``valid`` (at least one call and every call valid, :func:`tool_call_errors`),
-    ``exact`` (the first call is the expected one, :func:`call_matches`), ``errors``."""
+    ``exact`` (the first call is the record's ``expected`` one, :func:`call_matches`; None without one),
+    ``errors`` (at most 5)."""
     calls = list(calls or [])
     errors = [e for c in calls for e in tool_call_errors(c, record["tools"])]
     if not calls:
         errors = ["no tool call"]
-    return {"valid": not errors, "exact": bool(calls) and call_matches(calls[0], record["expected"]),
+    expected = record.get("expected")
+    exact = None if expected is None else bool(calls) and call_matches(calls[0], expected)
+    return {"valid": not errors, "exact": exact,
             "errors": errors[:5]}
