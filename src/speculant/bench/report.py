@@ -11,10 +11,18 @@ import json
 import logging
 from pathlib import Path
 
-__all__ = ["budget_tables", "category_table", "main_table", "readme_section", "render_markdown", "write_plots",
-           "write_results"]
+from .structured import structured_table
+
+__all__ = ["budget_tables", "category_table", "main_table", "readme_section", "render_markdown",
+           "structured_table", "write_plots", "write_results"]
 
 log = logging.getLogger(__name__)
+
+STRUCTURED_NOTE = ("Prompts with a response_format or tools, every method decoding under the constraint. valid: "
+                   "the answer parses and matches the schema, or calls an offered tool with arguments that match "
+                   "its parameters (in parentheses: runs checked); exact: equal to the reference answer or "
+                   "expected call; mask: time building the constraint's token masks, per step and as a share of "
+                   "decoding; forced tokens: tokens the constraint allowed alone, as a share of new tokens.")
 
 
 def _speedup(s: dict) -> str:
@@ -207,6 +215,9 @@ def render_markdown(results: dict) -> str:
     categories = category_table(results)
     if categories:
         parts += ["## Per category", "", CATEGORY_NOTE + " In parentheses: runs per method.", "", categories, ""]
+    structured = structured_table(results)
+    if structured:
+        parts += ["## Structured output", "", STRUCTURED_NOTE, "", structured, ""]
     budget = budget_tables(results)
     if budget:
         parts += ["## Budget-matched comparison", "", budget]
