@@ -8,14 +8,8 @@ import json
 
 import pytest
 
-from speculant.data.json_extract import (
-    CATEGORIES,
-    SCHEMAS,
-    STATUSES,
-    answer_report,
-    distribution_headers,
-    json_extract_prompts,
-)
+from speculant.data.json_extract import CATEGORIES, SCHEMAS, STATUSES, answer_report, json_extract_prompts
+from speculant.data.json_extract import distribution_headers
 from speculant.data.json_schema import check_schema, schema_errors
 from speculant.data.prompts import BUILTIN_SETS, check_record, load_prompts
 

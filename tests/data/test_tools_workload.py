@@ -11,14 +11,8 @@ import pytest
 
 from speculant.data.json_schema import check_schema, schema_errors
 from speculant.data.prompts import BUILTIN_SETS, check_record, load_prompts
-from speculant.data.tools import (
-    CATEGORIES,
-    call_matches,
-    tool_call_errors,
-    tool_calls_report,
-    tool_catalogue,
-    tools_prompts,
-)
+from speculant.data.tools import CATEGORIES, call_matches, tool_call_errors, tool_calls_report, tool_catalogue
+from speculant.data.tools import tools_prompts
 
 
 @pytest.fixture(scope="module")
