@@ -47,18 +47,19 @@ __all__ = ["CATEGORIES", "SCHEMAS", "STATUSES", "answer_report", "distribution_h
 STATUSES = ("Planning", "Pre-Alpha", "Alpha", "Beta", "Production/Stable", "Mature", "Inactive", "not stated")
 """The ``development_status`` values: the trove classifiers' ``Development Status`` names, or ``not stated``."""
 
-_STR = {"type": "string"}
+_NAME_STR = {"type": "string", "maxLength": 100}
 
 SCHEMAS: dict[str, dict] = {
     "package": {
         "type": "object",
         "properties": {
-            "name": _STR,
-            "version": {"type": "object", "properties": {"text": _STR, "major": {"type": "integer", "minimum": 0},
+            "name": _NAME_STR,
+            "version": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 40},
+                                                          "major": {"type": "integer", "minimum": 0},
                                                           "minor": {"type": "integer", "minimum": 0}},
                         "required": ["text", "major", "minor"], "additionalProperties": False},
-            "summary": _STR,
-            "requires_python": {"type": ["string", "null"]},
+            "summary": {"type": "string", "maxLength": 200},
+            "requires_python": {"type": ["string", "null"], "maxLength": 100},
         },
         "required": ["name", "version", "summary", "requires_python"],
         "additionalProperties": False,
@@ -66,9 +67,9 @@ SCHEMAS: dict[str, dict] = {
     "dependencies": {
         "type": "object",
         "properties": {
-            "package": _STR,
-            "requires": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "properties": {"name": _STR, "conditional": {"type": "boolean"}},
+            "package": _NAME_STR,
+            "requires": {"type": "array", "minItems": 1, "maxItems": 10, "items": {
+                "type": "object", "properties": {"name": _NAME_STR, "conditional": {"type": "boolean"}},
                 "required": ["name", "conditional"], "additionalProperties": False}},
         },
         "required": ["package", "requires"],
@@ -77,9 +78,9 @@ SCHEMAS: dict[str, dict] = {
     "classifiers": {
         "type": "object",
         "properties": {
-            "package": _STR,
+            "package": _NAME_STR,
             "development_status": {"type": "string", "enum": list(STATUSES)},
-            "audiences": {"type": "array", "items": _STR},
+            "audiences": {"type": "array", "maxItems": 8, "items": _NAME_STR},
         },
         "required": ["package", "development_status", "audiences"],
         "additionalProperties": False,
@@ -87,17 +88,20 @@ SCHEMAS: dict[str, dict] = {
     "function": {
         "type": "object",
         "properties": {
-            "name": _STR,
-            "summary": _STR,
-            "parameters": {"type": "array", "items": {
-                "type": "object", "properties": {"name": _STR, "default": {"type": ["string", "null"]}},
+            "name": _NAME_STR,
+            "summary": {"type": "string", "maxLength": 300},
+            "parameters": {"type": "array", "maxItems": 6, "items": {
+                "type": "object", "properties": {"name": _NAME_STR,
+                                                 "default": {"type": ["string", "null"], "maxLength": 100}},
                 "required": ["name", "default"], "additionalProperties": False}},
         },
         "required": ["name", "summary", "parameters"],
         "additionalProperties": False,
     },
 }
-"""The schema of each shape (JSON Schema, the subset of :mod:`speculant.data.json_schema`)."""
+"""The schema of each shape (JSON Schema, the subset of :mod:`speculant.data.json_schema`). Strings and arrays are
+bounded by how the set is built (at most 8 classifiers, 10 requirements, 6 parameters, a 200-character summary
+...), so an answer decoded under the schema always ends."""
 
 CATEGORIES = tuple(SCHEMAS)
 """Every record's ``category``, in the order they take turns."""
@@ -220,7 +224,7 @@ def _functions(max_chars: int) -> tuple[dict, ...]:
         defaults += [None if x is None else _as_written(lines, x) for x in a.kw_defaults]
         pairs = [(p, d) for p, d in zip(params, defaults) if p not in ("self", "cls")]
         summary = " ".join(docstring.split("\n\n")[0].split())
-        if not 1 <= len(pairs) <= 6 or not 20 <= len(summary) <= 300:
+        if not 1 <= len(pairs) <= 6 or not 20 <= len(summary) <= 300 or any(len(d or "") > 100 for _, d in pairs):
             continue
         body = node.body[0]
         first = node.lineno - 1 - len(node.decorator_list)
