@@ -34,9 +34,10 @@ def test_body_carries_the_constraint(json_record, tool_record):
     assert "tools" not in body
     path, body = _body(tool_record, "m", SETTINGS)
     assert body["tools"] == tool_record["tools"] and body["tool_choice"] == "required"
+    assert body["parallel_tool_calls"] is False
     assert "response_format" not in body
     _, plain = _body({"id": "p", "messages": [{"role": "user", "content": "hi"}]}, "m", SETTINGS)
-    assert not {"tools", "tool_choice", "response_format"} & set(plain)
+    assert not {"tools", "tool_choice", "parallel_tool_calls", "response_format"} & set(plain)
 
 
 def sse(chunks: list[dict]) -> bytes:

@@ -64,6 +64,7 @@ def test_each_request_offers_the_expected_tool_among_distractors(records):
         names = [t["function"]["name"] for t in r["tools"]]
         assert len(names) == 4 and len(set(names)) == 4 and r["expected"]["name"] in names
         assert r["id"].endswith(r["expected"]["name"]) and r["category"] == r["tool_choice"]
+        assert r["parallel_tool_calls"] is False  # one call answers each request
         # the expected call is a valid call, and what the request states
         call = {"name": r["expected"]["name"], "arguments": json.dumps(r["expected"]["arguments"])}
         assert tool_call_errors(call, r["tools"]) == []

@@ -17,8 +17,8 @@ acceptance rate (accepted / draft tokens) and the per-position acceptance (accep
 
 Chat records (``messages``) go to ``/v1/chat/completions``, text records (``prompt``) to ``/v1/completions``,
 fill-in-the-middle records (``prefix`` and ``suffix``, ``builtin:fim``) to ``/v1/completions`` with ``suffix``.
-Structured records go with their constraint: a ``response_format`` (``builtin:json-extract``) or ``tools`` and
-``tool_choice`` (``builtin:tools``) is sent as given, the streamed tool calls are put together, and each answer
+Structured records go with their constraint: a ``response_format`` (``builtin:json-extract``) or ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (``builtin:tools``) are sent as given, the streamed tool calls are put together, and each answer
 is checked (:func:`speculant.data.answers.check_answer`): per level, the share of valid answers (parses and matches
 the schema or a tool's parameters) and of exact ones (equal to the record's reference or expected call).
 Only loopback URLs are accepted: this is a benchmark for one's own server, not a load tool for other hosts.
@@ -185,6 +185,8 @@ def _body(record: Mapping, model: str, s: LoadSettings, mode: str | None = None)
         if record.get("tools"):
             body["tools"] = record["tools"]
             body["tool_choice"] = record.get("tool_choice", "auto")
+            if "parallel_tool_calls" in record:
+                body["parallel_tool_calls"] = bool(record["parallel_tool_calls"])
     elif "prefix" in record and "suffix" in record:  # fill-in-the-middle: OpenAI's legacy suffix
         body["prompt"], body["suffix"] = record["prefix"], record["suffix"]
     else:

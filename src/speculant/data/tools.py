@@ -8,11 +8,12 @@ parameter names (:func:`inspect.signature` where the function has one; a ``*args
 types are stated here per function (the standard library has no annotations); parameters with no JSON form
 (``key=``, ``cls=``, ``**kwargs``) are left out. :func:`tool_catalogue` lists them.
 
-Each request ``{"id", "category", "messages", "tools", "tool_choice", "expected"}``: a system message and a user
-message that needs exactly one of the tools (its values drawn from a seeded generator), the right tool among
-``distractors`` others (one from the same module when there is one, the rest seeded picks; the order shuffled),
-``tool_choice`` alternating ``auto`` and ``required`` (the ``category``), and ``expected``: ``{"name",
-"arguments"}``, the call that answers it (arguments with their defaults left out). The same ``seed`` gives the same
+Each request ``{"id", "category", "messages", "tools", "tool_choice", "parallel_tool_calls", "expected"}``: a
+system message and a user message that needs exactly one of the tools (its values drawn from a seeded generator),
+the right tool among ``distractors`` others (one from the same module when there is one, the rest seeded picks;
+the order shuffled), ``tool_choice`` alternating ``auto`` and ``required`` (the ``category``),
+``parallel_tool_calls`` false (one call answers it), and ``expected``: ``{"name", "arguments"}``, the call that
+answers it (arguments with their defaults left out). The same ``seed`` gives the same
 set on one interpreter.
 
 :func:`tool_call_errors` checks a call against the request's tools (validity: the named tool exists and its
@@ -393,7 +394,7 @@ def tools_prompts(n: int = 48, seed: int = 0, distractors: int = 3) -> list[dict
         choice = CATEGORIES[i % len(CATEGORIES)]
         rows.append({"id": f"{choice}/{i:03d}/{tool.name}", "category": choice,
                      "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": message}],
-                     "tools": [t.spec for t in offered], "tool_choice": choice,
+                     "tools": [t.spec for t in offered], "tool_choice": choice, "parallel_tool_calls": False,
                      "expected": {"name": tool.name, "arguments": arguments}})
     return rows
 
