@@ -1,0 +1,1 @@
+"""Structured outputs: constrained decoding and tool calls."""
