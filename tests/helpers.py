@@ -151,7 +151,7 @@ TOOL_CHAT_TEMPLATE = (
     "Call one as <tool_call>\n{\"name\": ..., \"arguments\": {...}}\n</tool_call></s>\n{% endif %}"
     "{%- for m in messages %}"
     "{% if m['role'] == 'assistant' and m['tool_calls'] %}<s>assistant\n{% if m['content'] %}{{ m['content'] }}\n"
-    "{% endif %}{% for c in m['tool_calls'] %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
+    "{% endif %}{% for c in m['tool_calls'] %}{% if not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
     "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}</s>\n"
     "{% else %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")

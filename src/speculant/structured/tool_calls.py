@@ -76,9 +76,13 @@ def schema_error(schema: Any) -> str | None:
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if not failed:
         return None
-    text = messages[0] if messages else "the schema does not compile"
-    text = text.split("\n")[0]
-    return re.sub(r"^at \d+\(\d+\): ", "", text)
+    lines = []
+    for line in (messages[0] if messages else "the schema does not compile").split("\n"):
+        if re.match(r"^\s*\d+ \|", line):  # the grammar's source quoted from here on
+            break
+        if line.strip() and line.strip() != "^" and not set(line.strip()) <= {"^"}:
+            lines.append(line.strip())
+    return re.sub(r"^at \d+\(\d+\): ", "", " ".join(lines))
 
 
 def check_tools(tools: Any) -> list[dict[str, Any]]:
