@@ -188,6 +188,24 @@ def test_html_in_an_answer_is_shown_not_run(browser):
     b.js("document.getElementById('evil').remove()")
 
 
+def _ask_canned(b, chunks: list[dict], prompt: str) -> str:
+    """Send ``prompt`` from the page, its chat request answered with ``chunks`` as a stream (30 ms apart, then
+    ``[DONE]``; the request bodies are recorded in ``window.sent``); the answer's meta line once it is there."""
+    b.js("window.sent = []; const chunks = arguments[0], real = window.fetch;"
+         "window.fetch = (url, o) => { if (!String(url).includes('/chat/')) return real(url, o);"
+         "  window.sent.push(JSON.parse(o.body)); const enc = new TextEncoder();"
+         "  const body = new ReadableStream({async start(c) {"
+         "    for (const ch of chunks) { c.enqueue(enc.encode('data: ' + JSON.stringify(ch) + '\\n\\n'));"
+         "      await new Promise(r => setTimeout(r, 30)); }"
+         "    c.enqueue(enc.encode('data: [DONE]\\n\\n')); c.close(); }});"
+         "  return Promise.resolve(new Response(body, {headers: {'Content-Type': 'text/event-stream'}})); };",
+         chunks)
+    b.type("#prompt", prompt)
+    b.click("#send")
+    return b.wait("return document.querySelector('.meta') && document.querySelector('.meta').textContent",
+                  what="the canned answer")
+
+
 def test_a_streamed_answer_shows_the_reused_prompt_tokens_and_renders_its_code(browser):
     """The page's own stream handling against a canned stream: markdown arriving in pieces, the usage chunk with
     ``prompt_tokens_details.cached_tokens`` (the server's prefix cache) shown under the answer."""
@@ -200,20 +218,8 @@ def test_a_streamed_answer_shows_the_reused_prompt_tokens_and_renders_its_code(b
                    "speculant": {"acceptance_length": 3.0, "target_calls": 3, "method": "chain:k=3"}})
     chunks.append({"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 9, "total_tokens": 49,
                                             "prompt_tokens_details": {"cached_tokens": 32}}})
-    b.js("const chunks = arguments[0], real = window.fetch;"
-         "window.fetch = (url, o) => { if (!String(url).includes('/chat/')) return real(url, o);"
-         "  const enc = new TextEncoder();"
-         "  const body = new ReadableStream({async start(c) {"
-         "    for (const ch of chunks) { c.enqueue(enc.encode('data: ' + JSON.stringify(ch) + '\\n\\n'));"
-         "      await new Promise(r => setTimeout(r, 30)); }"
-         "    c.enqueue(enc.encode('data: [DONE]\\n\\n')); c.close(); }});"
-         "  return Promise.resolve(new Response(body, {headers: {'Content-Type': 'text/event-stream'}})); };",
-         chunks)
     try:
-        b.type("#prompt", "How do I greet?")
-        b.click("#send")
-        meta = b.wait("return document.querySelector('.meta') && document.querySelector('.meta').textContent",
-                      what="the canned answer")
+        meta = _ask_canned(b, chunks, "How do I greet?")
         assert meta.startswith("prompt 40 tokens, 32 reused · 9 tokens · τ 3.00"), meta
         assert meta.endswith("stop")
         code = b.js("const c = document.querySelector('.assistant pre code.hljs.language-python');"
@@ -245,20 +251,8 @@ def test_a_tool_call_is_shown_with_its_name_and_arguments(browser):
     chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
     chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
                    "speculant": {"acceptance_length": 2.0, "target_calls": 9, "method": "chain:k=3"}})
-    b.js("window.sent = []; const chunks = arguments[0], real = window.fetch;"
-         "window.fetch = (url, o) => { if (!String(url).includes('/chat/')) return real(url, o);"
-         "  window.sent.push(JSON.parse(o.body)); const enc = new TextEncoder();"
-         "  const body = new ReadableStream({async start(c) {"
-         "    for (const ch of chunks) { c.enqueue(enc.encode('data: ' + JSON.stringify(ch) + '\\n\\n'));"
-         "      await new Promise(r => setTimeout(r, 20)); }"
-         "    c.enqueue(enc.encode('data: [DONE]\\n\\n')); c.close(); }});"
-         "  return Promise.resolve(new Response(body, {headers: {'Content-Type': 'text/event-stream'}})); };",
-         chunks)
     try:
-        b.type("#prompt", "Weather in Paris?")
-        b.click("#send")
-        meta = b.wait("return document.querySelector('.meta') && document.querySelector('.meta').textContent",
-                      what="the canned tool calls")
+        meta = _ask_canned(b, chunks, "Weather in Paris?")
         assert meta.endswith("tool_calls"), meta
         assert b.js("return window.sent[0].tools") == [tool]
         names = b.js("return [...document.querySelectorAll('.tool-call .tool-name')].map(e => e.textContent)")
