@@ -72,6 +72,8 @@ def scripted(app_client, monkeypatch):
     def script(pieces: list[str]) -> None:
         def submit(job):
             for piece in pieces:
+                if job.sources:
+                    job.emit("sources", {"sources": [[len(piece), "draft"]], "tokens": 2, "accepted": 1})
                 job.emit("text", piece)
             job.emit("done", Result("stop", len(job.ids), len(pieces), {"method": "chain:k=4"}))
 
@@ -126,6 +128,19 @@ def test_the_client_reads_streamed_tool_calls(client, scripted):
     with client.chat.completions.stream(model=MODEL, messages=ASK, tools=[WEATHER, NOW]) as s:
         final = s.get_final_completion()
     assert [c.function.name for c in final.choices[0].message.tool_calls] == ["get_weather", "now"]
+
+
+def test_streamed_calls_keep_the_step_counts_of_speculant_sources(app_client, scripted):
+    """``speculant_sources``: text the parser holds back still counts its steps (in a later chunk); a plain answer
+    keeps its spans."""
+    pieces = ["Hi", " <tool_", "call>\n", '{"name": "now", "arguments": {}}', "\n</tool_call>"]
+    scripted(pieces)
+    body = {"model": MODEL, "messages": ASK, "tools": [NOW], "stream": True, "speculant_sources": True}
+    with app_client.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    marks = [c["speculant"] for c in chunks if "sources" in c.get("speculant", {})]
+    assert sum(m["tokens"] for m in marks) == 2 * len(pieces)
+    assert marks[0]["sources"] == [[2, "draft"]] and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_text_that_is_no_call_stays_content(client, scripted):

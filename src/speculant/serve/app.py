@@ -659,6 +659,7 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
         from ..structured.tool_calls import ToolCallParser
 
         parser = ToolCallParser(*shape.tools)  # the text read for tool calls as it comes
+    held = None  # the "speculant" counts of text the parser holds back (speculant_sources)
     try:
         if shape.chat:
             yield _event(shape.chunk(role=True))
@@ -670,8 +671,14 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
                 sources = payload
             elif kind == "text" and parser is not None:
                 parts = parser.feed(payload)
-                if parts and parts != [("content", payload)]:
-                    sources = None  # its character counts are of the text as generated
+                if sources is not None and parts != [("content", payload)]:
+                    sources = {**sources, "sources": []}  # its spans are of the text as generated, not as sent
+                if not parts:  # all held: its step's counts go with the next chunk
+                    held = _add_steps(held, sources)
+                    sources = None
+                    continue
+                sources = _add_steps(held, sources)
+                held = None
                 for chunk in _tool_chunks(shape, parts, pending, sources):
                     yield _event(chunk)
                     pending, sources = [], None
@@ -684,7 +691,7 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
             elif kind == "done":
                 done = True
                 if parser is not None:
-                    for chunk in _tool_chunks(shape, parser.finish(), pending, None):
+                    for chunk in _tool_chunks(shape, parser.finish(), pending, held):
                         yield _event(chunk)
                         pending = []
                     if parser.calls and payload.finish_reason == "stop":
@@ -704,6 +711,15 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
             worker.cancel(job)
 
 
+def _add_steps(a: dict | None, b: dict | None) -> dict | None:
+    """Two chunks' ``speculant`` annotations (``speculant_sources``) as one: tokens and accepted summed, spans in
+    order."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {"sources": a["sources"] + b["sources"], "tokens": a["tokens"] + b["tokens"],
+            "accepted": a["accepted"] + b["accepted"]}
+
+
 def _tool_chunks(shape: _Shape, parts: list[tuple[str, Any]], logprobs: list[dict],
                  sources: dict | None) -> list[dict]:
     """The chunks of what a :class:`~speculant.structured.tool_calls.ToolCallParser` made ready: content deltas and
@@ -713,7 +729,7 @@ def _tool_chunks(shape: _Shape, parts: list[tuple[str, Any]], logprobs: list[dic
     for kind, value in parts:
         chunk = (shape.chunk(value, logprobs=logprobs) if kind == "content"
                  else shape.chunk(logprobs=logprobs, tool_call=value))
-        if sources is not None and kind == "content":
+        if sources is not None:
             chunk["speculant"] = sources
         out.append(chunk)
         logprobs, sources = [], None
