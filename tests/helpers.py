@@ -159,7 +159,7 @@ TOOL_CHAT_TEMPLATE = (
 assistant's calls as ``<tool_call>`` blocks (``arguments`` rendered with ``tojson``)."""
 
 
-def tool_model_pair(root, layers: int = 2, context: int = 512):
+def tool_model_pair(root, layers: int = 2, context: int = 1024):
     """A tiny random target and its draft whose tokenizer has :data:`TOOL_CHAT_TEMPLATE` and ``<tool_call>`` /
     ``</tool_call>`` as added (not special) tokens after its 300, as Qwen2.5's; their dirs."""
     from speculant.tiny_models import save_model_pair, tiny_tokenizer

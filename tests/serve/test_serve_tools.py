@@ -254,21 +254,27 @@ def test_tools_for_a_model_without_a_tool_format_are_400(models):
 @needs_constraints
 @pytest.mark.parametrize("stream", [False, True])
 def test_required_and_named_tool_choice_force_a_call(client, stream):
-    """A random tiny model calls the tool when it must: the grammar leaves it nothing else to write."""
-    for choice in ("required", {"type": "function", "function": {"name": "now"}}):
-        kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, NOW], tool_choice=choice, max_tokens=200,
+    """A random tiny model calls the tool when it must: the grammar leaves it nothing else to write (the arguments
+    are bounded, so the call ends well within max_tokens, and then only the end of the turn may follow)."""
+    city = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}}}
+    for choice in ("required", {"type": "function", "function": {"name": "now"}},
+                   {"type": "function", "function": {"name": "get_weather"}}):
+        kwargs = dict(model=MODEL, messages=ASK, tools=[city, {"type": "function", "function": {"name": "now"}}], tool_choice=choice, max_tokens=200,
                       temperature=0, parallel_tool_calls=False)
         if stream:
             with client.chat.completions.stream(**kwargs) as s:
                 r = s.get_final_completion()
         else:
             r = client.chat.completions.create(**kwargs)
-        calls = r.choices[0].message.tool_calls
-        assert r.choices[0].finish_reason in ("tool_calls", "length"), r
-        if r.choices[0].finish_reason == "tool_calls":
-            assert len(calls) == 1 and isinstance(json.loads(calls[0].function.arguments), dict)
-            if isinstance(choice, dict):
-                assert calls[0].function.name == "now"
+        assert r.choices[0].finish_reason == "tool_calls", r
+        call, = r.choices[0].message.tool_calls
+        args = json.loads(call.function.arguments)
+        assert call.function.name in ("get_weather", "now") and r.choices[0].message.content is None
+        if isinstance(choice, dict):
+            assert call.function.name == choice["function"]["name"]
+        assert args == {} if call.function.name == "now" else args["city"] in ("Paris", "Oslo")
 
 
 @needs_constraints
@@ -280,3 +286,20 @@ def test_response_format_json_makes_json(client):
                                                "required": ["n"], "additionalProperties": False}}})
     if r.choices[0].finish_reason == "stop":
         assert set(json.loads(r.choices[0].message.content)) == {"n"}
+
+
+@needs_constraints
+def test_auto_with_a_json_format_is_a_call_or_that_json(client):
+    """Tools with ``tool_choice: "auto"`` and a JSON ``response_format``: the reply is calls or an answer of the
+    schema, nothing else."""
+    answer = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+        "additionalProperties": False}}}
+    for seed in range(3):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[{"type": "function", "function": {
+            "name": "now"}}], response_format=answer, max_tokens=100, temperature=1.0, seed=seed)
+        message = r.choices[0].message
+        if r.choices[0].finish_reason == "tool_calls":
+            assert [c.function.name for c in message.tool_calls] == ["now"] * len(message.tool_calls)
+        else:
+            assert r.choices[0].finish_reason == "stop" and set(json.loads(message.content)) == {"ok"}

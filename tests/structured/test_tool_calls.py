@@ -83,7 +83,8 @@ def test_bad_tools_name_the_field(tools, param, needle):
 
 def test_tool_choice():
     tools = check_tools([WEATHER, NOW])
-    assert check_tools([NOW])[0]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert check_tools([NOW])[0]["function"]["parameters"] == {"type": "object", "properties": {},
+                                                                "additionalProperties": False}
     assert check_tool_choice(None, tools) == "auto" and check_tool_choice(None, []) == "none"
     assert check_tool_choice("required", tools) == "required"
     assert check_tool_choice({"type": "function", "function": {"name": "now"}}, tools) == "now"

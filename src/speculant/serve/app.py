@@ -586,6 +586,8 @@ class _Shape:
         shaped = self.logprobs(logprobs or []) if self.logprobs is not None and not role else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if role and self.tools is not None:
+                delta["content"] = None  # the reply may be calls only: no content yet
             if tool_call is not None:
                 delta = {"tool_calls": [tool_call]}
             choice = {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish}

@@ -88,8 +88,8 @@ def schema_error(schema: Any) -> str | None:
 def check_tools(tools: Any) -> list[dict[str, Any]]:
     """OpenAI's ``tools`` checked: an array of ``{"type": "function", "function": {"name", "description"?,
     "parameters"?, "strict"?}}`` with distinct names of ``[A-Za-z0-9_-]{1,64}`` and parameters an object schema
-    llguidance compiles. Returns the tools as the template takes them (``parameters`` defaults to an empty object
-    schema). Raises :class:`ToolSpecError` naming the field."""
+    llguidance compiles. Returns the tools as the template takes them (``parameters`` defaults to the schema of
+    ``{}``). Raises :class:`ToolSpecError` naming the field."""
     if not isinstance(tools, list):
         raise ToolSpecError("tools", f"'tools' must be an array of function tools, got {_kind(tools)}")
     out, seen = [], set()
@@ -124,8 +124,8 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
             raise ToolSpecError(f"{where}.function.strict", f"'{where}.function.strict' must be a boolean")
         params = fn.get("parameters")
-        if params is None:
-            params = {"type": "object", "properties": {}}
+        if params is None:  # no arguments: exactly {}
+            params = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise ToolSpecError(f"{where}.function.parameters", f"'{where}.function.parameters' must be a JSON "
                                                                 "schema of an object ({\"type\": \"object\", ...})")
