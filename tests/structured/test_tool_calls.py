@@ -81,6 +81,14 @@ def test_bad_tools_name_the_field(tools, param, needle):
     assert info.value.param == param
 
 
+def test_strict_false_skips_what_llguidance_does_not_implement(tok):
+    params = {"type": "object", "properties": {"a": {"type": "string", "format": "weird"}}}
+    with pytest.raises(ToolSpecError, match="weird"):
+        check_tools([{"type": "function", "function": {"name": "f", "parameters": params}}])
+    tools = check_tools([{"type": "function", "function": {"name": "f", "parameters": params, "strict": False}}])
+    _matcher(tok, tool_constraint(tool_format(tok), tools, "required")["grammar"])  # compiles
+
+
 def test_tool_choice():
     tools = check_tools([WEATHER, NOW])
     assert check_tools([NOW])[0]["function"]["parameters"] == {"type": "object", "properties": {},

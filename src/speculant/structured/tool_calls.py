@@ -65,14 +65,16 @@ def _kind(value: Any) -> str:
             dict: "an object"}.get(type(value), type(value).__name__)
 
 
-def schema_error(schema: Any) -> str | None:
+def schema_error(schema: Any, lenient: bool = False) -> str | None:
     """Why llguidance cannot compile JSON schema ``schema`` (one line), or None when it can (or when llguidance is
-    not installed: the constraint's own compilation says so then)."""
+    not installed: the constraint's own compilation says so then). ``lenient``: keywords llguidance does not
+    implement (``not``, an unknown ``format``) are skipped rather than refused."""
     try:
         import llguidance
     except ImportError:
         return None
-    grammar = llguidance.LLMatcher.grammar_from_lark("start: %json" + json.dumps(schema))
+    options = {"x-guidance": {"lenient": True}} if lenient else {}
+    grammar = llguidance.LLMatcher.grammar_from_lark("start: %json" + json.dumps({**schema, **options}))
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if not failed:
         return None
@@ -88,7 +90,8 @@ def schema_error(schema: Any) -> str | None:
 def check_tools(tools: Any) -> list[dict[str, Any]]:
     """OpenAI's ``tools`` checked: an array of ``{"type": "function", "function": {"name", "description"?,
     "parameters"?, "strict"?}}`` with distinct names of ``[A-Za-z0-9_-]{1,64}`` and parameters an object schema
-    llguidance compiles. Returns the tools as the template takes them (``parameters`` defaults to the schema of
+    llguidance compiles (``strict`` absent or true: a keyword llguidance does not implement is refused; false: it is
+    skipped). Returns the tools as the template takes them (``parameters`` defaults to the schema of
     ``{}``). Raises :class:`ToolSpecError` naming the field."""
     if not isinstance(tools, list):
         raise ToolSpecError("tools", f"'tools' must be an array of function tools, got {_kind(tools)}")
@@ -129,7 +132,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise ToolSpecError(f"{where}.function.parameters", f"'{where}.function.parameters' must be a JSON "
                                                                 "schema of an object ({\"type\": \"object\", ...})")
-        problem = schema_error(params)
+        problem = schema_error(params, lenient=fn.get("strict") is False)
         if problem is not None:
             raise ToolSpecError(f"{where}.function.parameters",
                                 f"'{where}.function.parameters' is not a JSON schema this server can follow: "
@@ -264,8 +267,9 @@ def _find_format(tokenizer) -> ToolFormat:
 
 def _call_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
     fn = tool["function"]
+    style = {**_JSON_STYLE, "lenient": True} if fn.get("strict") is False else _JSON_STYLE
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
-            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _JSON_STYLE}
+            "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": style}
 
 
 def tool_constraint(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], choice: str, parallel: bool = True,
