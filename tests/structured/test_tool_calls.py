@@ -207,6 +207,32 @@ def test_streamed_pieces_give_what_the_whole_text_gives(size):
         (c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls]
 
 
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_incremental_calls_stream_their_arguments_as_they_come(size):
+    """A forced call (incremental): a first item with id and name once the name is written, then the arguments
+    in pieces; put together, what the whole text gives."""
+    text = (_call("get_weather", {"city": "Z\u00fcrich \\\"}{", "days": [1, {"a": 2}]}) + "\n"
+            + _call("now", {}))
+    parser = ToolCallParser(FMT, {"get_weather", "now"}, incremental=True)
+    items = []
+    for i in range(0, len(text), size):
+        items += parser.feed(text[i:i + size])
+    items += parser.finish()
+    assert all(kind == "tool_call" for kind, _ in items)
+    calls: dict[int, dict] = {}
+    for _, item in items:
+        if "id" in item:
+            assert item["index"] not in calls and item["function"]["arguments"] == ""
+            calls[item["index"]] = {"name": item["function"]["name"], "arguments": ""}
+        calls[item["index"]]["arguments"] += item["function"]["arguments"]
+    if size == 1:
+        assert len(items) > 20  # piece by piece
+    whole = parse_tool_calls(text, FMT, {"get_weather", "now"})
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in whole.tool_calls]
+    assert json.loads(calls[0]["arguments"]) == {"city": "Z\u00fcrich \\\"}{", "days": [1, {"a": 2}]}
+
+
 @pytest.mark.slow
 def test_qwen_tool_call_tokens():
     """The packaged Qwen2.5-Coder's tokenizer: ``<tool_call>`` is added token 151657, and the forcing grammar

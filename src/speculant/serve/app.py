@@ -529,6 +529,7 @@ class _Shape:
     def __init__(self, req: GenerationRequest, model: str, tools: tuple[Any, set[str]] | None = None) -> None:
         self.chat = req.kind == "chat"
         self.tools = tools  # (ToolFormat, the tools' names): the reply is read for tool calls
+        self.forced = req.tool_choice not in ("none", "auto")  # a grammar makes the reply calls
         self.include_usage = req.include_usage
         self.token_ids = req.return_token_ids
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -660,7 +661,8 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
     if shape.tools is not None:
         from ..structured.tool_calls import ToolCallParser
 
-        parser = ToolCallParser(*shape.tools)  # the text read for tool calls as it comes
+        # the text read for tool calls as it comes; a forced call's arguments go out as they come
+        parser = ToolCallParser(*shape.tools, incremental=shape.forced)
     held = None  # the "speculant" counts of text the parser holds back (speculant_sources)
     try:
         if shape.chat:

@@ -299,9 +299,14 @@ def tool_constraint(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], choice:
 # ---------------------------------------------------------------------------------------------- parsing
 
 
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\{)')
+"""The head of a call's JSON up to its arguments object: ``{"name": "f", "arguments": `` (group 1: the name)."""
+
+
 def _call(body: str, names: set[str] | None) -> tuple[str, str] | None:
     """``(name, arguments as a JSON string)`` of one block's JSON, or None when it is no valid call (not JSON, not
-    ``{"name": str, "arguments": object}``, a name not in ``names``)."""
+    ``{"name": str, "arguments": object}``, a name not in ``names``). The arguments are the model's own text where
+    the call is written name first (as templates show it), else the object dumped again."""
     try:
         obj = json.loads(body)
     except ValueError:
@@ -318,6 +323,10 @@ def _call(body: str, names: set[str] | None) -> tuple[str, str] | None:
             return None
     if not isinstance(args, dict):
         return None
+    head = _HEAD.match(body)
+    if head is not None and "arguments" in obj:
+        _, end = json.JSONDecoder().raw_decode(body, head.end())
+        return obj["name"], body[head.end():end]
     return obj["name"], json.dumps(args, ensure_ascii=False)
 
 
@@ -335,14 +344,67 @@ class ToolCallParser:
     ``("content", text)`` and ``("tool_call", item)`` (``item``: an OpenAI ``tool_calls`` entry with its
     ``index``); :meth:`finish` once the reply ended. A call goes out whole once its closing marker arrives (or at
     the end, if its JSON is complete); a block that is no valid call goes out as content. Whitespace next to a call
-    is not content; a reply without calls is content exactly as generated."""
+    is not content; a reply without calls is content exactly as generated.
+
+    ``incremental`` (for a forced call, which a grammar keeps valid): a call goes out as OpenAI streams it, a first
+    item with its ``id``, ``type``, ``function.name`` and empty ``function.arguments`` once the name is written,
+    then items ``{"index", "function": {"arguments": piece}}`` as the arguments come."""
 
     fmt: ToolFormat
     names: set[str] | None = None  # the tools' names (None: any name)
+    incremental: bool = False
     calls: list[dict[str, Any]] = field(default_factory=list)
     _buf: str = ""
     _in_call: bool = False
     _space: str = ""  # whitespace held after content: sent only if more content follows
+    _live: dict[str, Any] | None = None  # the call going out piece by piece (incremental)
+    _args_at: int = 0  # where its arguments begin in _buf
+    _scanned: int = 0  # characters of its arguments read (and sent)
+    _depth: int = 0  # the arguments' JSON nesting at _scanned
+    _quoted: bool = False  # inside a JSON string there
+    _escaped: bool = False  # after a backslash in it
+
+    def _live_call(self, limit: int) -> list[tuple[str, Any]]:
+        """Incremental: the call's first item once its head is written, then its arguments read so far (within
+        ``_buf[:limit]``)."""
+        out: list[tuple[str, Any]] = []
+        if self._live is None:
+            head = _HEAD.match(self._buf)
+            if head is None:
+                return out
+            try:
+                name = json.loads('"' + head.group(1) + '"')
+            except ValueError:  # a bad escape: not a call
+                return out
+            if self.names is not None and name not in self.names:
+                return out
+            self._space = ""
+            self._live = {"index": len(self.calls), "id": tool_call_id(), "type": "function",
+                          "function": {"name": name, "arguments": ""}}
+            self.calls.append(self._live)
+            self._args_at, self._scanned, self._depth, self._quoted, self._escaped = head.end(), 0, 0, False, False
+            out.append(("tool_call", {**self._live, "function": {"name": name, "arguments": ""}}))
+        start = self._args_at + self._scanned
+        end = start
+        while end < limit and not (self._depth == 0 and self._scanned + end - start > 0):
+            ch = self._buf[end]
+            if self._escaped:
+                self._escaped = False
+            elif self._quoted:
+                self._quoted, self._escaped = ch != '"', ch == "\\"
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+            elif ch == '"':
+                self._quoted = True
+            end += 1
+        piece = self._buf[start:end]
+        self._scanned += len(piece)
+        if piece:
+            self._live["function"]["arguments"] += piece
+            out.append(("tool_call", {"index": self._live["index"], "function": {"arguments": piece}}))
+        return out
 
     def _text(self, text: str) -> list[tuple[str, Any]]:
         """Content ``text``, its trailing whitespace held back."""
@@ -357,6 +419,9 @@ class ToolCallParser:
         return [("content", out)]
 
     def _close(self, body: str, closed: bool) -> list[tuple[str, Any]]:
+        if self._live is not None:  # sent already, as it came
+            self._live = None
+            return []
         found = _call(body.strip(), self.names)
         if found is None:
             return self._text(self.fmt.open + body + (self.fmt.close if closed else ""))
@@ -373,6 +438,8 @@ class ToolCallParser:
         while True:
             if self._in_call:
                 at = self._buf.find(self.fmt.close)
+                if self.incremental:
+                    out += self._live_call(len(self._buf) if at < 0 else at)
                 if at < 0:
                     return out
                 body, self._buf = self._buf[:at], self._buf[at + len(self.fmt.close):]
