@@ -21,6 +21,11 @@ message is cut to 80 characters. A client that disconnects cancels its generatio
 not (a request still queued never starts); one that disconnects while still sending its body is a cancelled
 request too (``speculant:requests_cancelled``, one debug line), not a failed one.
 
+Chat with ``tools`` (:mod:`speculant.structured.tool_calls`): the template renders the tools, the reply is read
+for tool calls (``message.tool_calls``, ``finish_reason: "tool_calls"``; streamed as ``delta.tool_calls``), and a
+forced ``tool_choice`` or a ``response_format`` is a constraint the worker decodes under
+(:func:`speculant.structured.compile_response_format`).
+
 Responses carry OpenAI's fields plus ``speculant``: this response's speculative statistics (method, τ =
 acceptance_length, target_calls, draft_tokens, accepted_tokens, accepted_per_position, decode_s).
 """
