@@ -84,7 +84,8 @@ class DecodeState:
 class Drafter(abc.ABC):
     """Proposes draft trees for the one verifier (``speculant.core.verification``); base of every drafter.
 
-    The protocol is :meth:`begin`, :meth:`propose` and :meth:`commit`. The class attributes below are the
+    The protocol is :meth:`begin`, :meth:`propose` and :meth:`commit` (and the optional :meth:`prefill`). The
+    class attributes below are the
     drafter's *capabilities*, declared with their defaults; a subclass overrides what it has. Subclassing is
     optional: any object with ``begin``/``propose``/``commit`` counts as a Drafter (``isinstance`` checks the
     three methods), and :func:`capability` gives such a third-party drafter the defaults declared here.
@@ -117,6 +118,14 @@ class Drafter(abc.ABC):
     def commit(self, state: DecodeState, accepted: list[int]) -> None:  # noqa: B027 (optional hook)
         """Called after verification with the accepted draft tokens (bonus excluded); ``state.ids`` already
         holds them and the bonus."""
+
+    def prefill(self, state: DecodeState, stop: int) -> None:  # noqa: B027 (optional hook, a no-op by default)
+        """Read the committed context ``state.ids[:stop]`` ahead of the first proposal (``stop`` < ``len(ids)``).
+
+        A sequence whose prompt joins a running batch chunk by chunk calls it after each chunk, so that a drafter
+        with a model of its own reads the prompt at the same pace as the target instead of all at once in its first
+        proposal (which would stall every running stream for that whole prefill). A drafter without it reads its
+        context in its first proposal."""
 
     @classmethod
     def __subclasshook__(cls, other: type) -> bool:

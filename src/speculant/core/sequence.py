@@ -183,6 +183,9 @@ class Sequence:
             state.target_hidden.extend(h[0] for h in self.hidden)  # [T_i, F] blocks
             self.hidden.clear()
         self._store()
+        hook = getattr(self.drafter, "prefill", None)
+        if hook is not None:  # the drafter reads the prompt at the target's pace, not all at once in its first step
+            hook(state, self._fed)
         if self._fed < len(state.ids) - 1:
             return False
         self._fed = None

@@ -44,3 +44,8 @@ class DrafterWrapper(Drafter):
 
     def commit(self, state: DecodeState, accepted: list[int]) -> None:
         self.inner.commit(state, accepted)
+
+    def prefill(self, state: DecodeState, stop: int) -> None:
+        hook = getattr(self.inner, "prefill", None)
+        if hook is not None:
+            hook(state, stop)

@@ -203,11 +203,36 @@ class DraftModelBase(Drafter):
         """Start a proposal: feed what the cache lacks (ending with the root); ``p``'s logits after the root."""
         logits = self._next_logits(state, state.ids[self._offset + self._n_cached :])
         self._n_cached = len(state.ids) - self._offset  # the cache now holds every committed token (of the window)
+        self._store_blocks(state)
+        return logits
+
+    def prefill(self, state: DecodeState, stop: int) -> None:
+        """Feed the committed tokens ``state.ids[:stop]`` the cache lacks (a prompt joining a batch chunk by chunk:
+        :meth:`Drafter.prefill`), without the LM head. Only a drafter whose cache holds the target's ids in order
+        does (its own :meth:`_catch_up` reads the rest); the others read their context in their first proposal."""
+        if not self.holds_target_ids or type(self)._catch_up is not DraftModelBase._catch_up:
+            return
+        tokens = state.ids[self._offset + self._n_cached: stop]
+        if not tokens:
+            return
+        device = self.model.device
+        inputs = torch.tensor([tokens], device=device).clamp_(max=self._max_input_id)  # [1, T]
+        with state.draft_forward(device):
+            if self._lean is not None:
+                self._lean.hidden(inputs, self._cache)
+            else:
+                base = self.model.base_model
+                base(input_ids=inputs, **cache_kwarg(base, self._cache), use_cache=True)
+        self._n_cached += len(tokens)
+        self._store_blocks(state)
+
+    def _store_blocks(self, state: DecodeState) -> None:
+        """Store the context blocks the draft cache completed since the last call in the prefix cache."""
         block = self._prefixes.block if self._prefixes is not None else 0
         if block and self._n_cached // block > self._stored // block:
-            self._prefixes.store(self.model, state.ids[self._offset:], self._cache)  # slots: the committed tokens
+            # slots: the committed tokens in the cache
+            self._prefixes.store(self.model, state.ids[self._offset: self._offset + self._n_cached], self._cache)
             self._stored = self._n_cached
-        return logits
 
     # ------------------------------------------------------------------------------------ trimmed indices
 
