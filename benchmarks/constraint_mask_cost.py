@@ -10,7 +10,7 @@ speculant's own path (:meth:`speculant.core.constraint.Constraint.mask_after` on
 :class:`~speculant.structured.GuidanceConstraint`, the unpacking and the stop tokens included). A decoding step of
 the packaged 1.5B target takes about 60 ms on this machine's CPU; a mask well under a millisecond is noise beside it.
 
-    python benchmarks/constraint_mask_cost.py --out benchmarks/results/constraint-mask-cost.json
+    python benchmarks/constraint_mask_cost.py --out constraint-mask-cost.json
     python benchmarks/constraint_mask_cost.py --tokenizer tiny --out /tmp/smoke.json        # a smoke run
 """
 
