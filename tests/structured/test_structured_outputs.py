@@ -13,6 +13,7 @@ import torch
 import speculant
 from speculant.core import engine
 from speculant.core.types import DraftTree
+from speculant.drafters.model import DraftModelDrafter
 from speculant.drafters.registry import build_drafter
 from speculant.structured import CompiledFormat, compile_response_format
 from speculant.tiny_models import perturbed, tiny_model
@@ -50,10 +51,12 @@ def prompt(tok):
     return tok("def wrap(text, width):\n    ")["input_ids"]
 
 
-METHODS = ["chain:k=4", "specinfer", "rsd-s", "tree", "lookup", "hybrid"]
+METHODS = ["chain:k=4", "chain-trimmed", "specinfer", "rsd-s", "tree", "lookup", "hybrid"]
 
 
 def _drafter(spec, draft):
+    if spec == "chain-trimmed":  # VocabTrim: the constraint's mask taken onto the kept ids
+        return DraftModelDrafter(draft, k=3, vocab_trim=list(range(0, 300, 2)), tokenizers_match=True)
     return build_drafter(spec, draft, tokenizers_match=True) if spec is not None else None
 
 
