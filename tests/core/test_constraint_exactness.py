@@ -1,10 +1,11 @@
 """Exactness of speculative decoding under an output constraint (:mod:`speculant.core.constraint`), independent of
 any grammar engine: a stub constraint forbids tokens depending on the previous one, and sampled generations must
 follow the *constrained* target distribution (the target's logits masked before warping) exactly, by chi-square
-against the distribution enumerated from full forwards. SpecInfer's i.i.d. tree drafts forbidden tokens (it drafts
-from its unconstrained ``p``): those nodes are not fed to the target but stay in the verifier's tree; the negative
-control deletes them from the tree instead, which biases the output, and the test sees it. The draft-model chain
-drafts under the constraint (its ``p`` masked)."""
+against the distribution enumerated from full forwards. SpecInfer's i.i.d. tree, with its ``drafts_constrained``
+capability hidden (:class:`Unconstrained`), drafts forbidden tokens from its unconstrained ``p``: those nodes are
+not fed to the target but stay in the verifier's tree; the negative control deletes them from the tree instead,
+which biases the output, and the test sees it. The draft-model drafters as they are draft under the constraint
+(their ``p`` masked)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from speculant.core import engine
 from speculant.core.constraint import Constraint
 from speculant.core.sampling import warp
 from speculant.core.types import DraftTree, SamplingParams
-from speculant.drafters.base import Drafter
+from speculant.drafters.base import Drafter, DrafterWrapper
 from speculant.drafters.model import DraftModelDrafter
 from speculant.drafters.registry import build_drafter
 from speculant.tiny_models import perturbed, tiny_model
@@ -119,6 +120,15 @@ def constrained_joint(target, params: SamplingParams) -> np.ndarray:
     return joint
 
 
+class Unconstrained(DrafterWrapper):
+    """``inner`` without its ``drafts_constrained`` capability: it drafts from its own ``p``, forbidden tokens
+    included."""
+
+    def __init__(self, inner: Drafter) -> None:
+        super().__init__(inner)
+        self.drafts_constrained = False
+
+
 class Deleting(Drafter):
     """The negative control: deletes the forbidden nodes of ``inner``'s tree (and their draft rows) before the
     verifier sees it, which changes the rejection-sampling rule (the residual update of a drafted token)."""
@@ -169,8 +179,10 @@ def sample(target, make_drafter, params: SamplingParams, n: int, seed0: int, for
 
 
 SETTINGS = [
+    *sizes(3000, "unconstrained specinfer:width=3:depth=2", SamplingParams(temperature=1.0), id="specinfer-cut"),
+    *sizes(3000, "unconstrained specinfer:width=3:depth=2", SamplingParams(temperature=0.8, top_k=3),
+           id="specinfer-cut-topk3"),
     *sizes(3000, "specinfer:width=3:depth=2", SamplingParams(temperature=1.0), id="specinfer"),
-    *sizes(3000, "specinfer:width=3:depth=2", SamplingParams(temperature=0.8, top_k=3), id="specinfer-topk3"),
     *sizes(3000, "chain:k=2", SamplingParams(temperature=1.0), id="chain"),
     *sizes(3000, "chain-trim", SamplingParams(temperature=1.0), id="chain-vocab-trim"),
     *sizes(3000, "rsd-s:width=2:depth=2", SamplingParams(temperature=1.0, top_p=0.9), id="rsd-s-topp0.9",
@@ -185,6 +197,8 @@ def test_constrained_speculative_sampling_keeps_the_constrained_distribution(mod
     def make():
         if spec == "chain-trim":  # VocabTrim: the chain drafts over 3 of the 5 tokens, masked on the kept ids
             return DraftModelDrafter(draft, k=2, vocab_trim=[3, 0, 2])
+        if spec.startswith("unconstrained "):
+            return Unconstrained(build_drafter(spec.split()[1], draft, tokenizers_match=True))
         return build_drafter(spec, draft, tokenizers_match=True)
 
     counts, _ = sample(target, make, params, n, seed0=1000, force=True)
@@ -195,8 +209,8 @@ def test_constrained_speculative_sampling_keeps_the_constrained_distribution(mod
 
 
 def test_specinfer_drafts_forbidden_tokens_and_the_chain_does_not(models):
-    """The premise of the tests above: SpecInfer's tree holds forbidden nodes (left out of the forward), the
-    constrained chain never drafts one; forced tokens are used."""
+    """The premise of the tests above: unconstrained SpecInfer's tree holds forbidden nodes (left out of the
+    forward); the constrained chain and SpecInfer never draft one; forced tokens are used."""
     target, draft = models
     import speculant.core.sequence as sequence
 
@@ -209,12 +223,14 @@ def test_specinfer_drafts_forbidden_tokens_and_the_chain_does_not(models):
 
     sequence._fed_tree = spy
     try:
-        _, seen = sample(target, lambda: build_drafter("specinfer:width=3:depth=2", draft), SamplingParams(
-            temperature=1.0), 50, seed0=1, force=True)
+        _, seen = sample(target, lambda: Unconstrained(build_drafter("specinfer:width=3:depth=2", draft)),
+                         SamplingParams(temperature=1.0), 50, seed0=1, force=True)
         assert any(pruned) and seen["forced"] > seen["accepted_forced"] > 0  # accepted only where q allows
         pruned.clear()
-        _, _ = sample(target, lambda: DraftModelDrafter(draft, k=2), SamplingParams(temperature=1.0), 50, seed0=1)
-        assert pruned and not any(pruned)
+        for make in (lambda: DraftModelDrafter(draft, k=2), lambda: build_drafter("specinfer:width=3:depth=2", draft)):
+            pruned.clear()
+            sample(target, make, SamplingParams(temperature=1.0), 50, seed0=1)
+            assert pruned and not any(pruned)
     finally:
         sequence._fed_tree = real
 
@@ -222,8 +238,8 @@ def test_specinfer_drafts_forbidden_tokens_and_the_chain_does_not(models):
 def test_negative_control_deleting_forbidden_nodes_is_detected(models):
     target, draft = models
     params = SamplingParams(temperature=1.0)
-    counts, _ = sample(target, lambda: build_drafter("specinfer:width=3:depth=2", draft), params, 1500, seed0=1000,
-                       deleting=True)
+    counts, _ = sample(target, lambda: Unconstrained(build_drafter("specinfer:width=3:depth=2", draft)), params, 1500,
+                       seed0=1000, deleting=True)
     p = chisq_pvalue(counts, constrained_joint(target, params))
     assert p < FAIL_P, f"the bias went undetected (p = {p:.3g})"
 
@@ -232,7 +248,7 @@ def test_greedy_under_the_stub_is_plain_constrained_greedy(models):
     target, draft = models
     plain = engine.generate(target, PROMPT, max_new_tokens=12, eos_token_id=[], constraint=Stub())
     for make in (lambda: build_drafter("specinfer:width=3:depth=2", draft), lambda: DraftModelDrafter(draft, k=3),
-                 lambda: build_drafter("lookup")):
+                 lambda: build_drafter("lookup"), lambda: Unconstrained(build_drafter("tree", draft))):
         gen = engine.generate(target, PROMPT, drafter=make(), max_new_tokens=12, eos_token_id=[],
                               constraint=Stub(force=True))
         assert gen.token_ids == plain.token_ids

@@ -223,6 +223,22 @@ class DraftModelBase(Drafter):
         """Draft probabilities ``[..., V_shared]`` from ``[..., V_shared]`` or trimmed ``[..., M]``."""
         return probs if self._head is None else self._head.lift(probs, self._vocab)
 
+    def _allowed(self, state: DecodeState, tokens: list[int]) -> torch.Tensor | None:
+        """Under an output constraint (a drafter declaring ``drafts_constrained``): which drafted indices
+        (``[V_shared]``, or ``[M]`` trimmed) it allows after ``tokens``; None when none may be drafted there (a
+        path ending at a stop token, or nothing allowed among the kept ids). Without one: an empty marker
+        (``[0]``), everything allowed."""
+        if state.constraint is None:
+            return torch.ones(0, dtype=torch.bool)
+        mask = state.constraint.mask_after(tokens)  # [V] bool
+        if mask is None:
+            return None
+        mask = mask.to(self.model.device)
+        if mask.shape[0] < self._vocab:
+            mask = torch.nn.functional.pad(mask, (0, self._vocab - mask.shape[0]))
+        mask = mask[: self._vocab] if self._head is None else mask[self._head.keep]
+        return mask if bool(mask.any()) else None
+
     # --------------------------------------------------------------------------------------------- commit
 
     def _record(self, state: DecodeState, tree: DraftTree, fed: int | list[int]) -> None:
@@ -295,21 +311,6 @@ class DraftModelDrafter(DraftModelBase):
 
     def _extra_slots(self) -> int:
         return self.k
-
-    def _allowed(self, state: DecodeState, tokens: list[int]) -> torch.Tensor | None:
-        """Under an output constraint: which drafted indices (``[V_shared]``, or ``[M]`` trimmed) it allows after
-        ``tokens``; None when nothing may be drafted there (the chain ends). Without one: all of them (``[0]``, a
-        marker)."""
-        if state.constraint is None:
-            return torch.ones(0, dtype=torch.bool)
-        mask = state.constraint.mask_after(tokens)  # [V] bool
-        if mask is None:
-            return None
-        mask = mask.to(self.model.device)
-        if mask.shape[0] < self._vocab:
-            mask = torch.nn.functional.pad(mask, (0, self._vocab - mask.shape[0]))
-        mask = mask[: self._vocab] if self._head is None else mask[self._head.keep]
-        return mask if bool(mask.any()) else None
 
     def propose(self, state: DecodeState) -> DraftTree:
         k = min(self.k, state.draft_limit)
