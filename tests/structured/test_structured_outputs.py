@@ -238,3 +238,32 @@ def test_core_imports_neither_llguidance_nor_structured():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] in ("llguidance", "structured") for n in names), path.name
+
+
+def test_a_batch_mixes_formats_chunked_prefill_and_a_format_that_can_only_end(pair, tok, prompt):
+    """Sequences of one batch, each with its own format (or none), joining while others run (chunked prefill),
+    each equal to its generation alone; one whose format can only end leaves at once with an empty event."""
+    from speculant.core.batch import Batch
+
+    target, draft = pair
+    formats = [REGEX, None, GRAMMAR, {"type": "regex", "pattern": ""}]
+    alone = [engine.generate(target, prompt, max_new_tokens=40, eos_token_id=EOS,
+                             constraint=None if f is None else compile_response_format(f, tok).constraint())
+             for f in formats]
+    batch = Batch(target, prefill_chunk=4)
+    first = batch.add(prompt, _drafter("chain:k=3", draft), max_new_tokens=40, eos_token_id=EOS,
+                      constraint=compile_response_format(REGEX, tok).constraint())
+    events = batch.step()
+    indices = [first] + [batch.add(prompt, _drafter("specinfer", draft), max_new_tokens=40, eos_token_id=EOS,
+                                   constraint=None if f is None else compile_response_format(f, tok).constraint())
+                         for f in formats[1:]]
+    while len(batch):
+        events += batch.step()
+    ended = [e for e in events if e.sequence == indices[3]]
+    assert len(ended) == 1 and ended[0].tokens == [] and ended[0].done
+    for i, gen in zip(indices, alone):
+        assert batch.result(i).token_ids == gen.token_ids
+    with pytest.raises(ValueError, match="a constraint serves one sequence"):
+        c = compile_response_format(REGEX, tok).constraint()
+        batch.add(prompt, max_new_tokens=4, constraint=c)
+        batch.add(prompt, max_new_tokens=4, constraint=c)
