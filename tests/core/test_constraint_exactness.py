@@ -256,3 +256,29 @@ def test_greedy_under_the_stub_is_plain_constrained_greedy(models):
     for t in plain.token_ids:
         assert t not in forbidden(history)
         history.append(t)
+
+
+class Every3rd(Stub):
+    """The stub, "forcing" a 7 at every third position (mostly rejected: the drafter's state must survive steps it
+    did not draft)."""
+
+    def forced(self, limit: int) -> list[int]:
+        chain = [7][:limit] if len(self.history) % 3 == 0 else []
+        self.proposed += len(chain)
+        return chain
+
+
+@pytest.mark.parametrize("spec", ["chain", "tree:budget=6:topk=2:depth=3"])
+def test_feature_drafters_under_a_constraint_equal_constrained_greedy(spec):
+    """EAGLE-style drafters (they read the target's states, which forced steps add too) under the stub: greedy
+    output equals plain constrained greedy decoding."""
+    from speculant.models.attached import build_attached
+
+    target = tiny_model("llama", seed=2)
+    draft = perturbed(build_attached(target, [1], features=True, taps=[0]), scale=0.05, seed=3)
+    prompt = list(range(3, 20))
+    plain = engine.generate(target, prompt, max_new_tokens=30, eos_token_id=[], constraint=Stub())
+    constraint = Every3rd()
+    gen = engine.generate(target, prompt, drafter=build_drafter(spec, draft), max_new_tokens=30, eos_token_id=[],
+                          constraint=constraint)
+    assert gen.token_ids == plain.token_ids and constraint.proposed > 0
