@@ -51,7 +51,7 @@ def prompt(tok):
     return tok("def wrap(text, width):\n    ")["input_ids"]
 
 
-METHODS = ["chain:k=4", "chain-trimmed", "specinfer", "rsd-s", "tree", "lookup", "hybrid"]
+METHODS = ["chain:k=4", "chain-trimmed", "specinfer", "spectr", "rsd-c", "rsd-s", "tree", "lookup", "hybrid", "mask-probe"]
 
 
 def _drafter(spec, draft):
