@@ -267,3 +267,15 @@ def test_a_batch_mixes_formats_chunked_prefill_and_a_format_that_can_only_end(pa
         c = compile_response_format(REGEX, tok).constraint()
         batch.add(prompt, max_new_tokens=4, constraint=c)
         batch.add(prompt, max_new_tokens=4, constraint=c)
+
+
+@pytest.mark.parametrize("spec", [None, "lookup", "specinfer", "chain:k=4"])
+def test_a_format_that_completes_without_stop_tokens_ends_the_generation(pair, tok, prompt, spec):
+    """No stop tokens at all (``eos_token_id=[]``): where the format is complete nothing may follow, and the
+    generation ends there (sampled; drafts past the end are cut, never sampled from)."""
+    target, draft = pair
+    fmt = {"type": "regex", "pattern": "(yes|no)!"}
+    for seed in range(3):
+        gen = speculant.generate(target, prompt, drafter=_drafter(spec, draft), max_new_tokens=30, temperature=1.0,
+                                 seed=seed, eos_token_id=[], response_format=fmt, tokenizer=tok)
+        assert gen.finish_reason == "stop" and tok.decode(gen.token_ids) in ("yes!", "no!")

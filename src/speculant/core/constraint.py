@@ -51,7 +51,9 @@ class Constraint(abc.ABC):
         """``(masks [N + 1, V] bool, allowed [N])`` for ``tree`` rooted at the committed state: row 0 is the mask
         after the committed tokens, row ``n + 1`` the mask after the path to node ``n`` (the verifier's logits
         rows); ``allowed[n]``: node ``n``'s token is allowed after its parent's path, and its parent is allowed. The
-        row of a node that is not allowed, or that ends in a stop token, is all True (a dummy: never read)."""
+        row of a node that is not allowed is a dummy (all True: never read); the row of a node after which nothing
+        is committed (a stop token, a complete format) allows none of its children's tokens (what the verifier
+        emits there is cut) and has at least one True, so no row the verifier reads is empty."""
 
     @abc.abstractmethod
     def mask_after(self, path: list[int]) -> torch.Tensor | None:

@@ -310,9 +310,9 @@ class Sequence:
                 emitted, reason = emitted[: i + 1], "stop"
                 break
         if self.constraint is not None:
-            taken = self.constraint.commit(emitted)
+            within = self.constraint.commit(emitted)
             if self.constraint.finished:  # nothing but a stop token may follow: it ends here
-                emitted, reason = emitted[:taken], "stop"
+                emitted, reason = emitted[:within], "stop"
             self._record_constraint()
             if forced:
                 stats.forced_tokens += min(len(verdict.accepted), len(emitted))

@@ -88,27 +88,40 @@ class GuidanceConstraint(Constraint):
         return self._root
 
     def tree_masks(self, tree: DraftTree) -> tuple[torch.Tensor, list[bool]]:
+        """See :meth:`Constraint.tree_masks`. A node after which nothing is committed (a stop token, or where the
+        format is complete and no stop token exists) has no allowed child; if it has children its row allows one
+        token that none of them holds, so the verifier accepts none of them (whatever it emits there is cut)."""
         n = len(tree)
         rows = np.ones((n + 1, self._vocab), dtype=bool)  # [N + 1, V]; dummy rows stay all True
         rows[0] = self._root_mask()
         allowed = [False] * n
-        terminal = [False] * n  # ends in a stop token: nothing after it is ever committed
+        end = [False] * n  # nothing after it is ever committed: a stop token, or a complete format
         paths: list[list[int]] = [[] for _ in range(n)]
         for i, (tok, par) in enumerate(zip(tree.tokens, tree.parents)):
-            if par >= 0 and (not allowed[par] or terminal[par]):
+            if par >= 0 and (not allowed[par] or end[par]):
                 continue
             if not (0 <= tok < self._vocab and rows[par + 1, tok]):
                 continue
             allowed[i] = True
             if tok in self._stops:
-                terminal[i] = True
+                end[i] = True
                 continue
             paths[i] = (paths[par] if par >= 0 else []) + [tok]
-            if self._goto(paths[i]):
-                rows[i + 1] = self._mask()
-            else:  # allowed by the mask but refused by the matcher: never expected; treat it as forbidden
+            if not self._goto(paths[i]):  # allowed by the mask but refused by the matcher: never expected
                 allowed[i] = False
+                continue
+            row = self._mask()
+            if row.any():
+                rows[i + 1] = row
+            else:  # complete, and no stop token to end it with
+                end[i] = True
         self._goto([])
+        for i in range(n):
+            kids = tree.children[i + 1]
+            if end[i] and kids:
+                held = {tree.tokens[c] for c in kids}
+                rows[i + 1] = False
+                rows[i + 1, next(t for t in [*self._stops, *range(self._vocab)] if t not in held)] = True
         return torch.from_numpy(rows), allowed
 
     def mask_after(self, path: list[int]) -> torch.Tensor | None:
