@@ -37,6 +37,7 @@ class GuidanceConstraint(Constraint):
         self._stops: list[int] = []
         self._spec: list[int] = []  # tokens consumed past the committed state (a tree walk), rolled back after
         self._root: np.ndarray | None = None  # [V] the mask after the committed tokens, until the next commit
+        self._after: dict[tuple[int, ...], np.ndarray] = {}  # path -> its mask [V], until the next commit
         self._ended = False  # a stop token was committed, or the matcher failed
         self.mask_s = 0.0
         self.masks = 0
@@ -45,6 +46,7 @@ class GuidanceConstraint(Constraint):
         self._vocab = int(vocab)
         self._stops = sorted(t for t in stops if 0 <= t < self._vocab)
         self._root = None
+        self._after.clear()
 
     # ------------------------------------------------------------------------------------------------ masks
 
@@ -87,6 +89,19 @@ class GuidanceConstraint(Constraint):
             self._root = self._mask()
         return self._root
 
+    def _mask_after(self, path: list[int]) -> np.ndarray | None:
+        """The mask after the committed tokens and ``path`` (None: ``path`` not allowed), computed once per path
+        between commits (a drafter drafting under the constraint and the verifier's rows ask for the same paths)."""
+        if not path:
+            return self._root_mask()
+        key = tuple(path)
+        hit = self._after.get(key)
+        if hit is None:
+            if not self._goto(list(path)):
+                return None
+            hit = self._after[key] = self._mask()
+        return hit
+
     def tree_masks(self, tree: DraftTree) -> tuple[torch.Tensor, list[bool]]:
         """See :meth:`Constraint.tree_masks`. A node after which nothing is committed (a stop token, or where the
         format is complete and no stop token exists) has no allowed child; if it has children its row allows one
@@ -107,10 +122,10 @@ class GuidanceConstraint(Constraint):
                 end[i] = True
                 continue
             paths[i] = (paths[par] if par >= 0 else []) + [tok]
-            if not self._goto(paths[i]):  # allowed by the mask but refused by the matcher: never expected
+            row = self._mask_after(paths[i])
+            if row is None:  # allowed by the mask but refused by the matcher: never expected
                 allowed[i] = False
                 continue
-            row = self._mask()
             if row.any():
                 rows[i + 1] = row
             else:  # complete, and no stop token to end it with
@@ -125,18 +140,17 @@ class GuidanceConstraint(Constraint):
         return torch.from_numpy(rows), allowed
 
     def mask_after(self, path: list[int]) -> torch.Tensor | None:
-        if not path:
-            return torch.from_numpy(self._root_mask().copy())
-        if not self._goto(list(path)):
+        out = self._mask_after(list(path))
+        if out is None or (path and not out.any()):
             return None
-        out = self._mask()
-        return torch.from_numpy(out) if out.any() else None
+        return torch.from_numpy(out.copy())
 
     # ------------------------------------------------------------------------------------------------ commit
 
     def commit(self, tokens: list[int]) -> int:
         self._goto([])
         self._root = None
+        self._after.clear()
         taken = 0
         for t in tokens:
             if self.finished:
@@ -146,6 +160,7 @@ class GuidanceConstraint(Constraint):
                 self._ended = True
                 break
             self._root = None
+            self._after.clear()
             if not self._matcher.consume_token(int(t)):
                 log.warning("the output constraint refused committed token %d (%s); the generation ends here", t,
                             self._matcher.get_error())
