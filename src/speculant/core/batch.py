@@ -38,7 +38,6 @@ import time
 
 import torch
 
-from .constraint import Constraint
 from .checks import (
     as_id_list,
     check_fits_context,
@@ -50,6 +49,7 @@ from .checks import (
     vocab_size,
     warn_once,
 )
+from .constraint import Constraint
 from .draft_batch import plan_together
 from .drafting import Drafter, capability, sync
 from .eviction import BudgetedKV, EvictionPolicy
