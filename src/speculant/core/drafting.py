@@ -61,6 +61,9 @@ class DecodeState:
     # keys/values of prompt prefixes computed by earlier generations (speculant.core.prefix_cache.PrefixCache), which
     # a drafter with a model of its own may restore into its cache and extend; None: no reuse
     prefixes: Any = None
+    # the generation's output constraint (speculant.core.constraint.Constraint), for a drafter declaring
+    # ``drafts_constrained = True`` only (None otherwise, or when the output is unconstrained): it drafts under it
+    constraint: Any = None
 
     @property
     def draft_limit(self) -> int:
@@ -103,6 +106,13 @@ class Drafter(abc.ABC):
     """The drafter's own draft model, or None (prompt lookup, mask probing). Other components may run it: a
     draft-guided KV policy (SpecKV) drafts its provisional answer with it."""
 
+    drafts_constrained: bool = False
+    """The drafter drafts under the generation's output constraint (:attr:`DecodeState.constraint`, which the
+    engine sets for such a drafter only): it masks its own draft distribution ``p`` with
+    :meth:`~speculant.core.constraint.Constraint.mask_after`, so its drafts are allowed and accepted more often. Exact
+    either way (``p`` is whatever it drew from); a drafter without it drafts as usual and its forbidden nodes are
+    cut before the target sees them."""
+
     def params_per_forward(self) -> int | None:
         """Parameters one draft forward reads, for MBSU's cost ratio (``speculant.bench.cost``); None (the
         default): not declared, the bench counts the ``nn.Module``s the drafter holds (0 if none)."""
@@ -135,7 +145,7 @@ class Drafter(abc.ABC):
         return NotImplemented
 
 
-CAPABILITIES = ("uses_target_hidden", "target_taps", "model", "params_per_forward")
+CAPABILITIES = ("uses_target_hidden", "target_taps", "model", "params_per_forward", "drafts_constrained")
 """The capabilities :class:`Drafter` declares (what :func:`capability` reads)."""
 
 def capability(drafter: Any, name: str) -> Any:

@@ -248,6 +248,22 @@ class DraftModelBase(Drafter):
         """Draft probabilities ``[..., V_shared]`` from ``[..., V_shared]`` or trimmed ``[..., M]``."""
         return probs if self._head is None else self._head.lift(probs, self._vocab)
 
+    def _allowed(self, state: DecodeState, tokens: list[int]) -> torch.Tensor | None:
+        """Under an output constraint (a drafter declaring ``drafts_constrained``): which drafted indices
+        (``[V_shared]``, or ``[M]`` trimmed) it allows after ``tokens``; None when none may be drafted there (a
+        path ending at a stop token, or nothing allowed among the kept ids). Without one: an empty marker
+        (``[0]``), everything allowed."""
+        if state.constraint is None:
+            return torch.ones(0, dtype=torch.bool)
+        mask = state.constraint.mask_after(tokens)  # [V] bool
+        if mask is None:
+            return None
+        mask = mask.to(self.model.device)
+        if mask.shape[0] < self._vocab:
+            mask = torch.nn.functional.pad(mask, (0, self._vocab - mask.shape[0]))
+        mask = mask[: self._vocab] if self._head is None else mask[self._head.keep]
+        return mask if bool(mask.any()) else None
+
     # --------------------------------------------------------------------------------------------- commit
 
     def _record(self, state: DecodeState, tree: DraftTree, fed: int | list[int]) -> None:
@@ -316,6 +332,8 @@ class DraftModelDrafter(DraftModelBase):
             raise ValueError(f"stop must be a probability in [0, 1), got {stop!r}")
         self.stop = float(stop)
 
+    drafts_constrained = True  # masks p with the output constraint (DecodeState.constraint): see _allowed
+
     def _extra_slots(self) -> int:
         return self.k
 
@@ -325,8 +343,13 @@ class DraftModelDrafter(DraftModelBase):
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(k):
+            allowed = self._allowed(state, tokens)  # before the forward: a dead end costs none
+            if allowed is None:
+                break
             if i:
                 logits = self._next_logits(state, [tokens[-1]])
+            if allowed.numel():  # the draft's distribution under the constraint: p is what it draws from (exact)
+                logits = logits.masked_fill(~allowed, float("-inf"))
             if state.params.greedy:
                 tok = int(logits.argmax())
                 unsure = self.stop and float(torch.softmax(logits.float(), -1)[tok]) < self.stop
@@ -339,6 +362,9 @@ class DraftModelDrafter(DraftModelBase):
             if unsure:  # proposed, and the last one (the decision reads p only)
                 break
         n = len(tokens)
+        if not n:
+            self._record(state, DraftTree.empty(), 0)
+            return DraftTree.empty()
         probs = torch.stack(rows) if rows else None  # [n, V_shared]: row i = p(. | root, d_1..d_i)
         if probs is not None:
             probs = torch.cat([probs, probs.new_zeros((1, probs.shape[1]))])  # row n: leaf, never read
