@@ -399,7 +399,8 @@ def run_case(model, tokenizer, sample: RulerSample, policy, budget: int | None, 
     one forward; ``query_aware``: context and question are prefilled together under the budget. The answer is
     decoded without further eviction. ``policy=None``: the full cache (blocks of ``block``, no eviction)."""
     from ..core.checks import num_layers
-    from ..kv.budget import BudgetCache, _block_forward, prefill_blockwise
+    from ..core.target_forward import TargetForward
+    from ..kv import budget as kv_budget
 
     special = not _chat_frame(tokenizer)[0]
     ctx = tokenizer(sample.context, add_special_tokens=special)["input_ids"]
@@ -408,23 +409,29 @@ def run_case(model, tokenizer, sample: RulerSample, policy, budget: int | None, 
     ctx_ids = torch.tensor([ctx], device=device)  # [1, C]
     q_ids = torch.tensor([q], device=device)  # [1, Q]
     total = len(ctx) + len(q) + sample.tokens_to_generate
-    cache = BudgetCache(num_layers(model), capacity=(budget or total) + block + len(q) + sample.tokens_to_generate)
+    cache = kv_budget.BudgetCache(num_layers(model),
+                                  capacity=(budget or total) + block + len(q) + sample.tokens_to_generate)
+    forward = TargetForward(model, max_length=total)  # the engine's forward (the lean one where it applies)
+
+    def feed_all(ids: torch.Tensor) -> torch.Tensor:  # [1, T] -> last logits [1, 1, V], nothing evicted
+        return forward(cache, input_ids=ids, positions=cache.position_ids(ids.shape[1], device=device),
+                       logits_to_keep=1)
+
     feed: list[int] = []
     start = time.perf_counter()
     if policy is None:
         ids = torch.cat([ctx_ids, q_ids], 1)  # [1, C + Q]
         for s in range(0, ids.shape[1], block):
-            chunk = ids[:, s : s + block]
-            logits = _block_forward(model, chunk, cache, cache.position_ids(chunk.shape[1], device=device), 1).logits
-            feed.append(chunk.shape[1])
+            logits = feed_all(ids[:, s : s + block])
+            feed.append(min(block, ids.shape[1] - s))
     elif query_aware:
         ids = torch.cat([ctx_ids, q_ids], 1)
-        logits = prefill_blockwise(model, ids, cache, policy, budget, block)[:, None]
+        logits = kv_budget.prefill_blockwise(model, ids, cache, policy, budget, block, forward=forward)[:, None]
         feed.append(ids.shape[1])
     else:
-        prefill_blockwise(model, ctx_ids, cache, policy, budget, block)
+        kv_budget.prefill_blockwise(model, ctx_ids, cache, policy, budget, block, forward=forward)
         feed.append(ctx_ids.shape[1])
-        logits = _block_forward(model, q_ids, cache, cache.position_ids(q_ids.shape[1], device=device), 1).logits
+        logits = feed_all(q_ids)
         feed.append(q_ids.shape[1])
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
@@ -436,8 +443,7 @@ def run_case(model, tokenizer, sample: RulerSample, policy, budget: int | None, 
         out.append(token)
         if len(out) >= sample.tokens_to_generate:
             break
-        step = torch.tensor([[token]], device=device)
-        logits = _block_forward(model, step, cache, cache.position_ids(1, device=device), 1).logits
+        logits = feed_all(torch.tensor([[token]], device=device))
         token = int(logits[0, -1].argmax())
     decode_s = time.perf_counter() - start
     if progress is not None:
