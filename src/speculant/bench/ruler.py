@@ -15,11 +15,11 @@ are run in-process (:func:`generate_samples`), their imports served as follows, 
 * the module-level ``random``/``numpy`` seeding of the scripts happens inside a saved and restored RNG state.
 
 RULER's ``max_seq_length`` is the length here: input tokens plus the task's tokens to generate. The model's chat
-template (where the tokenizer has one) wraps the task text as the user turn and RULER's answer prefix starts the
-assistant turn, as RULER does with its chat templates for instruct models; the chat template's tokens are taken
-off the length before the generator sizes the haystack. Without a chat template the text is RULER's ``base``
-template. Each sample is split into the *context* (everything up to the end of the document) and the *question*
-(the rest: the question, the end of the user turn, the answer prefix).
+template (where the tokenizer has one) wraps the task text as the user turn and RULER's answer prefix (its leading
+space dropped) starts the assistant turn, as RULER does with its chat templates for instruct models; the chat
+template's tokens are taken off the length before the generator sizes the haystack. Without a chat template the text
+is RULER's ``base`` template. Each sample is split into the *context* (everything up to the end of the document) and
+the *question* (the rest: the question, the end of the user turn, the answer prefix).
 
 Evaluation (:func:`run_case`): the question comes after the context is compressed (query-agnostic, kvpress's
 default): the context is prefilled block-wise under the budget (:func:`speculant.kv.budget.prefill_blockwise`),

@@ -9,9 +9,11 @@ tasks generated offline, :mod:`speculant.bench.ruler`: ``--ruler-tasks``, ``--le
 Output: a table on stdout, or with ``--json`` one JSON object on its LAST line:
 ``{"results": [{"policy", "budget", "top1_agreement", "kl", "nll_ratio", "retrieval_accuracy", "per_file", ...}],
 "memory": [{"prompt_tokens", "full_peak_kv_bytes", "budget_peak_kv_bytes", ...}], "settings": {...}}``.
-With ``--out DIR`` the same object is written to ``DIR/kv_results.json``. A progress bar over the policy x budget
-grid goes to stderr. Bad input raises ValueError (reported as one line by ``speculant.cli.main``). Defaults come
-from :class:`speculant.bench.kv_fidelity.EvalConfig`. The one-line help of ``speculant --help`` is in
+With ``--out DIR`` the same object is written to ``DIR/kv_results.json``. ``--task ruler``'s rows are ``{"policy",
+"budget_spec", "block", "task", "length", "score", "full_score", "share_of_full", "peak_kv_bytes",
+"prefill_seconds", "decode_seconds", ...}`` (:func:`speculant.bench.ruler.run_ruler`). A progress bar over the
+policy x budget grid goes to stderr. Bad input raises ValueError (reported as one line by ``speculant.cli.main``).
+Defaults come from :class:`speculant.bench.kv_fidelity.EvalConfig`. The one-line help of ``speculant --help`` is in
 ``speculant.cli.COMMANDS``.
 """
 
@@ -45,9 +47,9 @@ DESCRIPTION = (
 )
 _DEFAULTS = EvalConfig()
 TARGETS = {"fidelity": "default-target", "niah": "smollm2-135m-instruct", "ruler": "smollm2-135m-instruct"}
+"""The target of each task when --target is not given."""
 LENGTHS = {"niah": "1024,2048,4096,8000", "ruler": "4096,8192"}
 """The default --lengths of each task."""
-"""The target of each task when --target is not given."""
 _HELPS = {
     "policies": "comma-separated policy specs",
     "budgets": "comma-separated token budgets per layer (default: --budget-fraction of each prompt)",
