@@ -103,11 +103,18 @@ def test_every_task_generates_and_is_fixed_by_the_seed(task, offline):
             assert all(o.lower() not in s.question.lower() for o in s.outputs)
 
 
-def test_length_checks(tok):
+def test_length_checks(tok, monkeypatch):
+    spec = importlib.util.find_spec
     with pytest.raises(ValueError, match="unknown RULER task 'nope'"):
         ruler.check_lengths(["nope"], [4096])
-    with pytest.raises(ValueError, match="RULER task vt needs at least 1024 tokens, got 512"):
+    with pytest.raises(ValueError, match="RULER task vt needs a length of at least 1024 tokens, got 512"):
         ruler.check_lengths(["niah_single_1", "vt"], [4096, 512])
+    with pytest.raises(ValueError, match="needs a length of at least 256 tokens, got 100"):
+        ruler.generate_samples("fwe", 100, 1, 0, tok)
+    monkeypatch.setattr(ruler.importlib.util, "find_spec", lambda name: None if name == "scipy" else spec(name))
+    with pytest.raises(ValueError, match="RULER task fwe needs scipy"):
+        ruler.check_lengths(["fwe"], [4096])
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="no sample fits in"):  # RULER's retry loop would never end here
         ruler.generate_samples("qa_1", 512, 1, 0, tok)
 
@@ -208,7 +215,7 @@ def test_cli_ruler_end_to_end_and_errors(chat_models, tmp_path, capsys):
     base = ["kv-eval", "--task", "ruler", "--target", chat_models[0]]
     for extra, message in ((["--lengths", "4k"], "--lengths must be comma-separated positive integers"),
                            (["--lengths", "0"], "--lengths must be comma-separated positive integers"),
-                           (["--lengths", "100"], "needs at least 256 tokens"),
+                           (["--lengths", "100"], "needs a length of at least 256 tokens"),
                            (["--lengths", "4096"], "exceed the target model's context of 2048"),
                            (["--ruler-tasks", "cwe"], "unknown RULER task 'cwe'"),
                            (["--budget-fractions", "1.5"], "--budget-fractions must be"),

@@ -309,9 +309,8 @@ def generate_samples(task: str, length: int, samples: int, seed: int, tokenizer)
     configs = _configs()
     if task not in configs:
         raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(configs)}")
+    check_lengths([task], [length])
     cfg = configs[task]
-    if length < _min_length(cfg):
-        raise ValueError(f"RULER task {task} needs a length of at least {_min_length(cfg)} tokens, got {length}")
     head, tail = _chat_frame(tokenizer)
     frame = len(tokenizer(head + tail, add_special_tokens=False)["input_ids"]) if head or tail else 0
     rows = _run_script(cfg, task, tokenizer, length - frame, samples, seed)
@@ -458,9 +457,12 @@ def check_lengths(tasks: Sequence[str], lengths: Sequence[int]) -> None:
     for task in tasks:
         if task not in configs:
             raise ValueError(f"unknown RULER task {task!r}; known: {', '.join(configs)}")
+        if configs[task]["task"] == "freq_words_extraction" and importlib.util.find_spec("scipy") is None:
+            raise ValueError(f"RULER task {task} needs scipy (its generator draws word counts with scipy's zeta): "
+                             "pip install scipy")
         short = [n for n in lengths if n < _min_length(configs[task])]
         if short:
-            raise ValueError(f"--lengths: RULER task {task} needs at least {_min_length(configs[task])} tokens, "
+            raise ValueError(f"RULER task {task} needs a length of at least {_min_length(configs[task])} tokens, "
                              f"got {short[0]}")
 
 
