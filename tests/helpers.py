@@ -146,6 +146,31 @@ def chat_model_pair(root, layers: int = 2, context: int = 256, special_tokens=()
     return str(target), str(draft)
 
 
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<s>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>\n{\"name\": ..., \"arguments\": {...}}\n</tool_call></s>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{% if m['role'] == 'assistant' and m['tool_calls'] %}<s>assistant\n{% if m['content'] %}{{ m['content'] }}\n"
+    "{% endif %}{% for c in m['tool_calls'] %}{% if not loop.first %}{{ '\\n' }}{% endif %}<tool_call>\n{\"name\": \"{{ c['function']['name'] }}\", "
+    "\"arguments\": {{ c['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}</s>\n"
+    "{% else %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+"""A Qwen2.5-style template with tools for the tiny tokenizers: the tools as JSON lines in a system turn, an
+assistant's calls as ``<tool_call>`` blocks (``arguments`` rendered with ``tojson``)."""
+
+
+def tool_model_pair(root, layers: int = 2, context: int = 1024):
+    """A tiny random target and its draft whose tokenizer has :data:`TOOL_CHAT_TEMPLATE` and ``<tool_call>`` /
+    ``</tool_call>`` as added (not special) tokens after its 300, as Qwen2.5's; their dirs."""
+    from speculant.tiny_models import save_model_pair, tiny_tokenizer
+
+    tok = tiny_tokenizer(vocab_size=300)
+    tok.add_tokens(["<tool_call>", "</tool_call>"])
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    target, draft = save_model_pair(root, tok, hidden=32, layers=layers, context=context, init_std=0.5)
+    return str(target), str(draft)
+
+
 def start_server(args: list[str], log: Path, env: dict | None = None,
                  ready: bool = False) -> tuple[subprocess.Popen, str]:
     """Start ``python -m speculant serve ARGS --port 0 --threads 1`` and return it with its base URL (read from its

@@ -15,14 +15,27 @@ import torch
 
 from .core import engine
 from .core.checks import as_id_list, check_stream
+from .core.constraint import Constraint
 from .core.prefix_cache import PrefixCache
 from .core.types import Generation
 from .drafters.base import Drafter
 from .drafters.registry import resolve_drafter
 from .kv.policies import ScorePolicy
 from .kv.registry import resolve_eviction
+from .structured import compile_response_format
 
-__all__ = ["generate", "generate_batch", "generate_steps"]
+__all__ = ["constraint_for", "generate", "generate_batch", "generate_steps"]
+
+
+def constraint_for(response_format: dict | None, tokenizer) -> Constraint | None:
+    """One generation's output constraint for ``response_format`` (None: none), compiled for ``tokenizer``
+    (:func:`speculant.structured.compile_response_format`, cached); a one-line ValueError for a bad format or a
+    missing tokenizer."""
+    if response_format is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("response_format needs the target's tokenizer: pass tokenizer= (a Session has its own)")
+    return compile_response_format(response_format, tokenizer).constraint()
 
 
 def generate(
@@ -43,6 +56,8 @@ def generate(
     logprobs: int | None = None,
     prompt_embeds: torch.Tensor | None = None,
     prefix_cache: PrefixCache | None = None,
+    response_format: dict | None = None,
+    tokenizer=None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` with ``target``, losslessly accelerated.
 
@@ -89,6 +104,12 @@ def generate(
             target's keys/values and a draft model's), and this call's blocks are kept for later ones; the output
             is the same. None (default): every call computes its whole prompt. A session keeps one for its
             generations (:attr:`speculant.Session.prefix_cache`).
+        response_format: constrain the output (structured outputs, :mod:`speculant.structured`):
+            ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``,
+            ``{"type": "regex", "pattern": ...}``, ``{"type": "grammar", "grammar": <Lark>}`` or ``{"type": "text"}``
+            (none). The target's distribution is masked to what the format allows, and speculation stays exact
+            under it; a bad format is a ValueError naming the problem. Needs ``tokenizer``.
+        tokenizer: the target's (fast) Hugging Face tokenizer, for ``response_format``.
 
     Returns:
         :class:`speculant.core.types.Generation` with ``token_ids`` (new tokens only), ``stats`` and
@@ -96,12 +117,14 @@ def generate(
     """
     ids = as_id_list(input_ids)  # before resolving anything: a bad prompt is the first error a caller sees
     check_stream(stream)
+    constraint = constraint_for(response_format, tokenizer)
     if kv_policy is not None:
         kv_policy = resolve_eviction(kv_policy)
     return engine.generate(target, ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                            stream=stream, kv_policy=kv_policy, kv_budget=kv_budget, kv_block=kv_block,
-                           forward=forward, logprobs=logprobs, prompt_embeds=prompt_embeds, prefix_cache=prefix_cache)
+                           forward=forward, logprobs=logprobs, prompt_embeds=prompt_embeds, prefix_cache=prefix_cache,
+                           constraint=constraint)
 
 
 def generate_steps(
@@ -120,6 +143,8 @@ def generate_steps(
     forward: str = "auto",
     logprobs: int | None = None,
     prefix_cache: PrefixCache | None = None,
+    response_format: dict | None = None,
+    tokenizer=None,
 ) -> engine.Steps:
     """:func:`generate` one step at a time: an iterator of :class:`speculant.core.types.StepEvent` (each step's
     committed tokens, what was accepted of what was drafted); ``.result`` is the :class:`Generation` once it ends,
@@ -131,12 +156,14 @@ def generate_steps(
     >>> steps.result.stats.acceptance_length
     """
     ids = as_id_list(input_ids)
+    constraint = constraint_for(response_format, tokenizer)
     if kv_policy is not None:
         kv_policy = resolve_eviction(kv_policy)
     return engine.generate_steps(target, ids, drafter=resolve_drafter(drafter), max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                  eos_token_id=eos_token_id, kv_policy=kv_policy, kv_budget=kv_budget,
-                                 kv_block=kv_block, forward=forward, logprobs=logprobs, prefix_cache=prefix_cache)
+                                 kv_block=kv_block, forward=forward, logprobs=logprobs, prefix_cache=prefix_cache,
+                                 constraint=constraint)
 
 
 def generate_batch(
@@ -156,6 +183,8 @@ def generate_batch(
     logprobs: int | None = None,
     speculation: str = "on",
     prefix_cache: PrefixCache | None = None,
+    response_format: dict | None = None,
+    tokenizer=None,
 ) -> list[Generation]:
     """Decode several prompts together: one target forward per step verifies every unfinished sequence
     (:class:`speculant.core.batch.Batch`), each with its own drafter, cache and acceptance. Returns one
@@ -169,6 +198,7 @@ def generate_batch(
         seed: one seed for every prompt, or one per prompt.
         speculation: ``"on"`` (each drafter as deep as it likes), ``"off"``, or ``"auto"`` (each sequence's depth
             chosen per step by goodput, :mod:`speculant.core.speculation`); output does not depend on it.
+        response_format, tokenizer: one output format for every prompt (each its own constraint), as :func:`generate`.
         the rest: as :func:`generate`, for every prompt.
 
     With quantized weights (``int8``/``int4``/``q4``/``file``/``q8``) each sequence's greedy output equals
@@ -189,11 +219,12 @@ def generate_batch(
                              "(one drafter is built per prompt), or a list of drafters, one per prompt")
     if len(drafters) != len(ids):
         raise ValueError(f"drafter: give one per prompt ({len(ids)}), got {len(drafters)}")
+    constraints = [constraint_for(response_format, tokenizer) for _ in ids]
     if kv_policy is not None:
         kv_policy = resolve_eviction(kv_policy)
     return engine.generate_batch(target, ids, [resolve_drafter(d) for d in drafters], max_new_tokens=max_new_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                  eos_token_id=eos_token_id, kv_policy=kv_policy, kv_budget=kv_budget,
                                  kv_block=kv_block, forward=forward, logprobs=logprobs, speculation=speculation,
-                                 prefix_cache=prefix_cache)
+                                 prefix_cache=prefix_cache, constraints=constraints)
 

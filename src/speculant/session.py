@@ -171,12 +171,15 @@ class Session:
         system: str | None = None,
         logprobs: int | None = None,
         speculation: str = "on",
+        response_format: dict | None = None,
     ) -> list[Generation]:
         """Several prompts decoded together with fresh drafters of the session's method, one verification
         forward per step for all of them (:func:`speculant.core.engine.generate_batch`); each prompt as in
         :meth:`generate` (text through the chat template unless ``raw``, or token ids; it stops at its own end of
         turn). ``seed``: one for all or one per prompt; ``speculation``: ``on``, ``off`` or ``auto``
-        (:mod:`speculant.core.speculation`)."""
+        (:mod:`speculant.core.speculation`); ``response_format``: one output format for every prompt, as
+        :meth:`generate`."""
+        from .api import constraint_for
         from .core import engine
 
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -189,9 +192,11 @@ class Session:
         sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p}
         sampling = {k: (d[k] if v is None else v) for k, v in sampling.items()}
         options = self.generate_options()
+        constraints = [constraint_for(response_format, self.tokenizer) for _ in encoded]
         return engine.generate_batch(self.target, [ids for ids, _ in encoded], [self.drafter() for _ in encoded],
                                      seed=seed, eos_token_id=encoded[0][1], logprobs=logprobs,
-                                     speculation=speculation, prefix_cache=self.prefix_cache, **sampling, **options)
+                                     speculation=speculation, prefix_cache=self.prefix_cache,
+                                     constraints=constraints, **sampling, **options)
 
     def encode(self, prompt: str | Sequence[int] | Any, raw: bool = False,
                system: str | None = None) -> tuple[list[int], list[int] | None]:
@@ -247,6 +252,7 @@ class Session:
         logprobs: int | None = None,
         images: Sequence[Any] | None = None,
         prompt_embeds: torch.Tensor | None = None,
+        response_format: dict | None = None,
     ) -> Generation:
         """One generation with a fresh drafter of the session's method.
 
@@ -266,10 +272,15 @@ class Session:
                 text only (:class:`speculant.drafters.text_only.TextOnlyDrafter`).
             prompt_embeds: token ids' prompt embeddings ``[1, T, H]`` already made by :meth:`encode_images` (a
                 benchmark encodes each image prompt once); the drafter then sees the text only too.
+            response_format: constrain the output to a format (:mod:`speculant.structured`; compiled with the
+                session's tokenizer and cached): ``{"type": "json_object"}``, ``{"type": "json_schema",
+                "json_schema": {"name": ..., "schema": {...}}}``, ``{"type": "regex", "pattern": ...}``,
+                ``{"type": "grammar", "grammar": <Lark>}`` or ``{"type": "text"}``; exact under speculation.
 
         Returns:
             the engine's :class:`speculant.core.types.Generation` (``token_ids``: the new tokens only).
         """
+        from .api import constraint_for
         from .core import engine
         from .core.checks import check_stream
 
@@ -281,6 +292,7 @@ class Session:
         else:
             ids, stops = self.encode(prompt, raw=raw, system=system)
         check_stream(stream)
+        constraint = constraint_for(response_format, self.tokenizer)
         d = generate_defaults()
         sampling = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                     "seed": seed}
@@ -294,7 +306,8 @@ class Session:
             drafter = self.text_only(drafter)
         return engine.generate(self.target, ids, drafter=drafter, eos_token_id=eos_token_id if eos_token_id
                                is not None else stops, stream=stream, logprobs=logprobs, prompt_embeds=embeds,
-                               prefix_cache=self.prefix_cache, **sampling, **self.generate_options(parsed))
+                               prefix_cache=self.prefix_cache, constraint=constraint, **sampling,
+                               **self.generate_options(parsed))
 
     def infill(self, prefix: str, suffix: str, extra: Sequence[Any] | None = None, *,
                repo_name: str | None = None, filename: str | None = None, **kwargs: Any) -> Generation:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import re
+
 import pytest
 import torch
 
@@ -281,3 +283,22 @@ def test_a_session_reuses_the_prefixes_of_its_earlier_generations(pair):
 def test_a_bad_prefix_cache_budget_is_one_line_before_loading(pair, bad):
     with pytest.raises(ValueError, match="prefix cache's budget must be a number of MiB >= 0"):
         resolve(pair["target"], pair["draft"], "chain:k=3", prefix_cache_mb=bad)
+
+
+def test_a_session_decodes_under_a_response_format(pair):
+    """``response_format`` on :meth:`Session.generate` and :meth:`Session.generate_batch`: compiled with the
+    session's tokenizer; chain and plain agree; the prefix cache is reused as without a format; a bad format is a
+    one-line ValueError."""
+    session = load(pair["chat_target"], pair["chat_draft"], "chain:k=3")
+    fmt = {"type": "regex", "pattern": r"(yes|no), [a-z]{2,6}\."}
+    text = "def wrap(text, width):\n    lines = text.split()\n"
+    first = session.generate(text, max_new_tokens=24, response_format=fmt)
+    plain = session.generate(text, max_new_tokens=24, response_format=fmt, drafter=None)
+    assert first.token_ids == plain.token_ids and first.finish_reason == "stop"
+    assert re.fullmatch(fmt["pattern"], session.tokenizer.decode(first.token_ids))
+    assert plain.stats.prompt_cached_tokens >= 16  # the constraint leaves the cache alone
+    batch = session.generate_batch([text, text + " x"], max_new_tokens=24, response_format=fmt)
+    assert batch[0].token_ids == first.token_ids
+    assert re.fullmatch(fmt["pattern"], session.tokenizer.decode(batch[1].token_ids))
+    with pytest.raises(ValueError, match=r"^response_format regex: .*unclosed group"):
+        session.generate(text, response_format={"type": "regex", "pattern": "("})

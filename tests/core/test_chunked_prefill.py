@@ -89,6 +89,30 @@ def test_quantized_chunks_give_the_bits_of_a_whole_prefill(fold):
     assert torch.equal(firsts[0], firsts[1]) and torch.equal(firsts[0], firsts[2])
 
 
+@pytest.mark.parametrize("spec", ["chain:k=3", "specinfer:width=2:depth=2", "chain:k=3:window=24"])
+def test_the_draft_model_reads_the_prompt_chunk_by_chunk_too(spec):
+    """A draft model reads the joining prompt at the target's pace (``Drafter.prefill`` after each chunk), so its
+    first proposal feeds only the root instead of the whole prompt at once (which would stall every running stream
+    for a whole draft prefill); outputs as alone."""
+    target, draft = _pair("llama", "q4")
+    batch = Batch(target, prefill_chunk=8)
+    batch.add(RUNNERS[0], None, 60, eos_token_id=[])
+    batch.step()
+    drafter = _drafter(spec, draft)
+    joiner = batch.add(_long(), drafter, 20, eos_token_id=[])
+    seq = batch._sequences[joiner]
+    calls = []
+    while seq.prefilling:
+        batch.step()
+        calls.append(seq.stats.draft_calls)
+    window = 24 if "window" in spec else len(_long())
+    assert 0 < calls[-1] <= len(calls)  # at most one draft forward per chunk, none before the window
+    assert drafter._n_cached == min(window, len(_long())) - 1  # all but the root, before the first proposal
+    while joiner in batch.active:
+        batch.step()
+    assert batch.result(joiner).token_ids == _alone(target, draft, _long(), spec, 20).token_ids
+
+
 def test_feature_drafters_read_the_target_states_of_every_chunk():
     """A feature (EAGLE-style) drafter reads the target's states of every prompt token, a lower layer's too: the
     chunks hand them over in order, as one prefill does."""

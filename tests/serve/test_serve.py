@@ -286,7 +286,8 @@ BAD_REQUESTS = [
     ("n 2", "/v1/chat/completions", {**_CHAT, "n": 2}, 400, "n"),
     ("logprobs not a boolean", "/v1/chat/completions", {**_CHAT, "logprobs": 1}, 400, "logprobs"),
     ("frequency penalty", "/v1/chat/completions", {**_CHAT, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
-    ("tools", "/v1/chat/completions", {**_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+    ("tools for a template without them", "/v1/chat/completions",
+     {**_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
     ("unknown field", "/v1/chat/completions", {**_CHAT, "foo": 1}, 400, "foo"),
     ("stop not a string", "/v1/chat/completions", {**_CHAT, "stop": 5}, 400, "stop"),
@@ -448,7 +449,7 @@ def test_fuzz_malformed_bodies(raw, share):
             "n": [2, 0, "1"], "logprobs": ["yes", 1], "frequency_penalty": [0.1, -2, "0"],
             "presence_penalty": [1, "x"], "user": [1, [], {}], "logit_bias": [{"1": 5}, 1],
             "max_completion_tokens": [0, "x", -1], "ignore_eos": [1, "y"], "return_token_ids": [2, "y"],
-            "tools": [[{"type": "function"}], 1], "response_format": [{"type": "json_object"}, 1],
+            "tools": [[{"type": "function"}], 1], "response_format": [{"type": "xml"}, 1],
         }[field])
 
     cases = []

@@ -3,11 +3,12 @@ marked, DOMPurify and highlight.js) with their types; the page names nothing els
 style or handler (it runs under ``default-src 'self'``). In a real headless chromium (skipped without one) against
 a real ``speculant serve`` of the tiny chat pair: a two-turn conversation (the second request carries the first
 exchange), accepted drafts coloured, the prompt-token line under each answer, markdown rendered with highlighted
-code blocks, an answer's HTML shown as text, never run, and a canned stream whose usage chunk reports reused
-prompt tokens."""
+code blocks, an answer's HTML shown as text, never run, a canned stream whose usage chunk reports reused
+prompt tokens, and a canned stream of tool calls shown with their names and indented arguments."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -187,6 +188,24 @@ def test_html_in_an_answer_is_shown_not_run(browser):
     b.js("document.getElementById('evil').remove()")
 
 
+def _ask_canned(b, chunks: list[dict], prompt: str) -> str:
+    """Send ``prompt`` from the page, its chat request answered with ``chunks`` as a stream (30 ms apart, then
+    ``[DONE]``; the request bodies are recorded in ``window.sent``); the answer's meta line once it is there."""
+    b.js("window.sent = []; const chunks = arguments[0], real = window.fetch;"
+         "window.fetch = (url, o) => { if (!String(url).includes('/chat/')) return real(url, o);"
+         "  window.sent.push(JSON.parse(o.body)); const enc = new TextEncoder();"
+         "  const body = new ReadableStream({async start(c) {"
+         "    for (const ch of chunks) { c.enqueue(enc.encode('data: ' + JSON.stringify(ch) + '\\n\\n'));"
+         "      await new Promise(r => setTimeout(r, 30)); }"
+         "    c.enqueue(enc.encode('data: [DONE]\\n\\n')); c.close(); }});"
+         "  return Promise.resolve(new Response(body, {headers: {'Content-Type': 'text/event-stream'}})); };",
+         chunks)
+    b.type("#prompt", prompt)
+    b.click("#send")
+    return b.wait("return document.querySelector('.meta') && document.querySelector('.meta').textContent",
+                  what="the canned answer")
+
+
 def test_a_streamed_answer_shows_the_reused_prompt_tokens_and_renders_its_code(browser):
     """The page's own stream handling against a canned stream: markdown arriving in pieces, the usage chunk with
     ``prompt_tokens_details.cached_tokens`` (the server's prefix cache) shown under the answer."""
@@ -199,20 +218,8 @@ def test_a_streamed_answer_shows_the_reused_prompt_tokens_and_renders_its_code(b
                    "speculant": {"acceptance_length": 3.0, "target_calls": 3, "method": "chain:k=3"}})
     chunks.append({"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 9, "total_tokens": 49,
                                             "prompt_tokens_details": {"cached_tokens": 32}}})
-    b.js("const chunks = arguments[0], real = window.fetch;"
-         "window.fetch = (url, o) => { if (!String(url).includes('/chat/')) return real(url, o);"
-         "  const enc = new TextEncoder();"
-         "  const body = new ReadableStream({async start(c) {"
-         "    for (const ch of chunks) { c.enqueue(enc.encode('data: ' + JSON.stringify(ch) + '\\n\\n'));"
-         "      await new Promise(r => setTimeout(r, 30)); }"
-         "    c.enqueue(enc.encode('data: [DONE]\\n\\n')); c.close(); }});"
-         "  return Promise.resolve(new Response(body, {headers: {'Content-Type': 'text/event-stream'}})); };",
-         chunks)
     try:
-        b.type("#prompt", "How do I greet?")
-        b.click("#send")
-        meta = b.wait("return document.querySelector('.meta') && document.querySelector('.meta').textContent",
-                      what="the canned answer")
+        meta = _ask_canned(b, chunks, "How do I greet?")
         assert meta.startswith("prompt 40 tokens, 32 reused · 9 tokens · τ 3.00"), meta
         assert meta.endswith("stop")
         code = b.js("const c = document.querySelector('.assistant pre code.hljs.language-python');"
@@ -224,4 +231,45 @@ def test_a_streamed_answer_shows_the_reused_prompt_tokens_and_renders_its_code(b
         assert b.js("return window.speculantPage.messages")[1] == {"role": "assistant", "content": "".join(pieces)}
     finally:
         b.js("window.location.reload()")
+        b.wait(f"return document.getElementById('model').textContent === '{MODEL}'", what="the reloaded page")
+
+
+def test_a_tool_call_is_shown_with_its_name_and_arguments(browser):
+    """A canned stream whose answer is two tool calls (OpenAI's ``delta.tool_calls``, the arguments of the first in
+    two pieces): each shown under the answer with its name and indented arguments, as text; the request carried
+    the settings' tools and the conversation keeps the calls."""
+    b = browser
+    b.click("#new")
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    b.js("document.getElementById('tools').value = arguments[0]", json.dumps([tool]))
+    deltas = [{"content": "Let me look."},
+              {"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                               "function": {"name": "get_weather", "arguments": '{"city": '}}]},
+              {"tool_calls": [{"index": 0, "function": {"arguments": '"<b>Paris</b>", "days": 2}'}}]},
+              {"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                               "function": {"name": "now", "arguments": "{}"}}]}]
+    chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+                   "speculant": {"acceptance_length": 2.0, "target_calls": 9, "method": "chain:k=3"}})
+    try:
+        meta = _ask_canned(b, chunks, "Weather in Paris?")
+        assert meta.endswith("tool_calls"), meta
+        assert b.js("return window.sent[0].tools") == [tool]
+        names = b.js("return [...document.querySelectorAll('.tool-call .tool-name')].map(e => e.textContent)")
+        assert names == ["tool call: get_weather", "tool call: now"]
+        args = b.js("return [...document.querySelectorAll('.tool-call pre')].map(e => e.textContent)")
+        assert args == ['{\n  "city": "<b>Paris</b>",\n  "days": 2\n}', "{}"]
+        assert b.js("return document.querySelectorAll('.tool-call b').length") == 0  # text, not HTML
+        assert b.js("return document.querySelector('.assistant').textContent").strip() == "Let me look."
+        last = b.js("return window.speculantPage.messages")[1]
+        assert last["content"] == "Let me look." and [c["function"]["name"] for c in last["tool_calls"]] == [
+            "get_weather", "now"]
+        assert last["tool_calls"][0]["function"]["arguments"] == '{"city": "<b>Paris</b>", "days": 2}'
+        b.js("document.getElementById('tools').value = '[oops'")
+        b.type("#prompt", "again")
+        b.click("#send")
+        assert "tools: not valid JSON" in b.wait(
+            "const e = document.querySelector('.error'); return e && e.textContent", what="the tools error")
+    finally:
+        b.js("document.getElementById('tools').value = ''; window.location.reload()")
         b.wait(f"return document.getElementById('model').textContent === '{MODEL}'", what="the reloaded page")

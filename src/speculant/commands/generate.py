@@ -147,6 +147,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=d["seed"],
         help="random seed for reproducible sampling; default: none (different samples on every run)",
     )
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        help="constrain the output to JSON valid against the JSON Schema in FILE (structured outputs; speculation "
+        "stays exact under the constraint)",
+    )
+    fmt.add_argument(
+        "--json-object",
+        action="store_true",
+        help="constrain the output to a JSON object (JSON mode)",
+    )
+    fmt.add_argument(
+        "--regex",
+        metavar="PATTERN",
+        help="constrain the output to text matching the regular expression PATTERN (whole)",
+    )
+    fmt.add_argument(
+        "--grammar",
+        metavar="FILE",
+        help="constrain the output to the llguidance Lark grammar in FILE (a start rule; JSON Schemas inline as "
+        "%%json{...})",
+    )
     p.add_argument(
         "--json",
         action="store_true",
@@ -187,6 +210,31 @@ def _summary(method: str, stats: GenerationStats) -> str:
     )
 
 
+def response_format(args: argparse.Namespace) -> dict | None:
+    """The ``response_format`` of ``--json-schema``, ``--json-object``, ``--regex`` or ``--grammar`` (None: none);
+    a one-line ValueError for a file that cannot be read or a schema that is not JSON."""
+    if getattr(args, "json_object", False):
+        return {"type": "json_object"}
+    if getattr(args, "regex", None) is not None:
+        return {"type": "regex", "pattern": args.regex}
+    for flag, name in (("--json-schema", "json_schema"), ("--grammar", "grammar")):
+        path = getattr(args, name, None)
+        if path is None:
+            continue
+        try:
+            text = Path(path).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{flag}: cannot read {path!r}: {getattr(e, 'strerror', None) or e}") from None
+        if name == "grammar":
+            return {"type": "grammar", "grammar": text}
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag}: {path!r} is not JSON: {e}") from None
+        return {"type": "json_schema", "json_schema": {"name": Path(path).stem, "schema": schema, "strict": True}}
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``speculant generate``; returns the exit code (bad input raises ValueError)."""
     import dataclasses
@@ -207,6 +255,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--image: {path!r} is not a file")
     SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     check_positive_int("max_new_tokens", args.max_new_tokens)
+    fmt = response_format(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if not prompt:
         raise ValueError("the prompt is empty: give some text")
@@ -217,10 +266,14 @@ def run(args: argparse.Namespace) -> int:
         plan = dataclasses.replace(plan, method=plan.method.with_options(k=args.k))
 
     session = load_plan(plan)
+    if fmt is not None:  # compiled (and checked) before any token is generated
+        from ..structured import compile_response_format
+
+        compile_response_format(fmt, session.tokenizer)
     stream = None if args.json else _Writer(session.tokenizer, sys.stdout)
     gen = session.generate(prompt, raw=args.raw, system=args.system, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                           stream=stream, images=args.images)
+                           stream=stream, images=args.images, response_format=fmt)
     if args.json:
         text = session.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
         print(json.dumps({"text": text, "token_ids": gen.token_ids, "stats": gen.stats.as_dict()}))

@@ -1,15 +1,19 @@
 """``speculant kv-eval``: fidelity, retrieval accuracy and peak KV memory of eviction policies under a budget.
 
-Two tasks: ``--task fidelity`` (default; teacher-forced fidelity, the synthetic dict retrieval and the memory
-profile, :mod:`speculant.bench.kv_fidelity`) and ``--task niah`` (needle in a haystack on real essays,
-:mod:`speculant.bench.niah`: ``--lengths``, ``--depths``, ``--haystack``, ``--needles``).
+Three tasks: ``--task fidelity`` (default; teacher-forced fidelity, the synthetic dict retrieval and the memory
+profile, :mod:`speculant.bench.kv_fidelity`), ``--task niah`` (needle in a haystack on real essays,
+:mod:`speculant.bench.niah`: ``--lengths``, ``--depths``, ``--haystack``, ``--needles``) and ``--task ruler`` (RULER's
+tasks generated offline, :mod:`speculant.bench.ruler`: ``--ruler-tasks``, ``--lengths``, ``--samples``,
+``--budget-fractions``, ``--blocks``, ``--query-aware``; resumable with ``--out``).
 
 Output: a table on stdout, or with ``--json`` one JSON object on its LAST line:
 ``{"results": [{"policy", "budget", "top1_agreement", "kl", "nll_ratio", "retrieval_accuracy", "per_file", ...}],
 "memory": [{"prompt_tokens", "full_peak_kv_bytes", "budget_peak_kv_bytes", ...}], "settings": {...}}``.
-With ``--out DIR`` the same object is written to ``DIR/kv_results.json``. A progress bar over the policy x budget
-grid goes to stderr. Bad input raises ValueError (reported as one line by ``speculant.cli.main``). Defaults come
-from :class:`speculant.bench.kv_fidelity.EvalConfig`. The one-line help of ``speculant --help`` is in
+With ``--out DIR`` the same object is written to ``DIR/kv_results.json``. ``--task ruler``'s rows are ``{"policy",
+"budget_spec", "block", "task", "length", "score", "full_score", "share_of_full", "peak_kv_bytes",
+"prefill_seconds", "decode_seconds", ...}`` (:func:`speculant.bench.ruler.run_ruler`). A progress bar over the
+policy x budget grid goes to stderr. Bad input raises ValueError (reported as one line by ``speculant.cli.main``).
+Defaults come from :class:`speculant.bench.kv_fidelity.EvalConfig`. The one-line help of ``speculant --help`` is in
 ``speculant.cli.COMMANDS``.
 """
 
@@ -24,6 +28,7 @@ from pathlib import Path
 
 from ..core.checks import context_length
 from ..bench.kv_fidelity import RETRIEVAL_FORMATS, EvalConfig, run_eval
+from ..bench.ruler import DEFAULT_TASKS
 from ..kv import warn_nesting
 from ..kv.registry import parse_policy, policy_names
 from . import common
@@ -41,8 +46,10 @@ DESCRIPTION = (
     "e.g. snapkv:window=32, snapkv:passes=2 or speckv:passes=2)."
 )
 _DEFAULTS = EvalConfig()
-TARGETS = {"fidelity": "default-target", "niah": "smollm2-135m-instruct"}
+TARGETS = {"fidelity": "default-target", "niah": "smollm2-135m-instruct", "ruler": "smollm2-135m-instruct"}
 """The target of each task when --target is not given."""
+LENGTHS = {"niah": "1024,2048,4096,8000", "ruler": "4096,8192"}
+"""The default --lengths of each task."""
 _HELPS = {
     "policies": "comma-separated policy specs",
     "budgets": "comma-separated token budgets per layer (default: --budget-fraction of each prompt)",
@@ -61,15 +68,18 @@ _HELPS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``kv-eval``; defaults are :class:`EvalConfig`'s."""
-    p.add_argument("--task", choices=["fidelity", "niah"], default="fidelity",
+    p.add_argument("--task", choices=["fidelity", "niah", "ruler"], default="fidelity",
                    help="fidelity: teacher-forced fidelity + synthetic dict retrieval + memory profile; niah: "
-                   "needle in a haystack on real essays, answers decoded greedily under each budget (%(default)s)")
+                   "needle in a haystack on real essays, answers decoded greedily under each budget; ruler: RULER's "
+                   "long-context tasks generated offline, scored as RULER scores them (%(default)s)")
     common.add_model_arguments(p, method=False, kv=False, target_default=None,
                                target_note=f"default: {TARGETS['fidelity']} for --task fidelity, {TARGETS['niah']} "
-                               "for --task niah; --draft is the draft of the speckv policy")
-    niah = p.add_argument_group("niah task")
-    niah.add_argument("--lengths", default="1024,2048,4096,8000",
-                      help="comma-separated context lengths in tokens, template and question included (%(default)s)")
+                               "for --task niah and ruler; --draft is the draft of the speckv policy")
+    niah = p.add_argument_group("niah and ruler tasks")
+    niah.add_argument("--lengths", default=None,
+                      help="comma-separated context lengths in tokens, template and question included (ruler: "
+                      f"RULER's max_seq_length, the answer's tokens included) (niah: {LENGTHS['niah']}; ruler: "
+                      f"{LENGTHS['ruler']})")
     niah.add_argument("--depths", default="0.1,0.5,0.9",
                       help="comma-separated needle depths in the document, 0 = start, 1 = end (%(default)s)")
     niah.add_argument("--haystack", default=None,
@@ -80,6 +90,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "facts)")
     niah.add_argument("--needle-count", type=int, default=4, help="made-up needles per cell (%(default)s)")
     niah.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (%(default)s)")
+    ruler = p.add_argument_group("ruler task")
+    ruler.add_argument("--ruler-tasks", default=",".join(DEFAULT_TASKS),
+                       help="comma-separated RULER task names (%(default)s)")
+    ruler.add_argument("--samples", type=int, default=10, help="samples per task and length (%(default)s)")
+    ruler.add_argument("--budget-fractions", default=None,
+                       help="comma-separated budgets as fractions of each prompt's prefill (default: "
+                       "--budget-fraction; --budgets gives token counts instead)")
+    ruler.add_argument("--blocks", default=None, help="comma-separated prefill block sizes (default: --block)")
+    ruler.add_argument("--query-aware", action="store_true",
+                       help="prefill the question with the context under the budget (default: query-agnostic, "
+                       "the question is fed after the context is compressed)")
     p.add_argument("--text", nargs="+", default=None,
                    help="text file(s) for the fidelity sequences (default: the --files longest held-out modules)")
     p.add_argument("--out", default=None, help="directory to write kv_results.json into")
@@ -139,6 +160,13 @@ def _floats(name: str, text: str, low: float, high: float) -> list[float]:
     return values
 
 
+def _lengths(text: str) -> list[int]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or not all(v.isdigit() and int(v) > 0 for v in values):
+        raise ValueError(f"--lengths must be comma-separated positive integers, got {text!r}")
+    return [int(v) for v in values]
+
+
 def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     """``--task niah``: the grid of :func:`speculant.bench.niah.run_niah`, a table or the JSON line."""
     from tqdm.auto import tqdm
@@ -147,7 +175,7 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     from ..plan import resolve
     from ..session import load_plan
 
-    lengths = [int(v) for v in _floats("lengths", args.lengths, 1, float("inf"))]
+    lengths = _lengths(args.lengths or LENGTHS["niah"])
     depths = _floats("depths", args.depths, 0.0, 1.0)
     if args.needle_count < 1 or args.max_new_tokens < 1:
         raise ValueError("--needle-count and --max-new-tokens must be >= 1")
@@ -204,6 +232,73 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
     return 0
 
 
+def _run_ruler(args: argparse.Namespace, cfg: EvalConfig) -> int:
+    """``--task ruler``: the grid of :func:`speculant.bench.ruler.run_ruler`, a table or the JSON line; with
+    ``--out`` resumable (``ruler_results.jsonl``) and ``kv_results.json`` rewritten after every case."""
+    from tqdm.auto import tqdm
+
+    from ..bench.ruler import check_lengths, run_ruler
+    from ..plan import resolve
+    from ..session import load_plan
+
+    lengths = _lengths(args.lengths or LENGTHS["ruler"])
+    tasks = [t.strip() for t in args.ruler_tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ValueError("--ruler-tasks is empty")
+    check_lengths(tasks, lengths)
+    if args.samples < 1:
+        raise ValueError("--samples must be >= 1")
+    if cfg.budgets:
+        budgets = [b.strip() for b in cfg.budgets.split(",") if b.strip()]
+    else:
+        fractions = _floats("budget-fractions", args.budget_fractions or str(cfg.budget_fraction), 0.0, 1.0)
+        if not all(0 < f < 1 for f in fractions):
+            raise ValueError(f"--budget-fractions must be in (0, 1), got {args.budget_fractions!r}")
+        budgets = [repr(f) for f in fractions]
+    blocks = _lengths(args.blocks) if args.blocks else [cfg.block]
+    policies = [p.strip() for p in cfg.policies.split(",") if p.strip()]
+    users = ["KV policy speckv"] if any("speckv" in p for p in policies) else []
+    target = args.target or TARGETS["ruler"]
+    plan = resolve(target, args.draft, "ar", dtype=args.dtype, device=args.device, prefix_cache_mb=0,
+                   quantization=args.quantization, threads=args.threads, draft_for=users)
+    session = load_plan(plan)
+    model, tokenizer, draft = session.target, session.tokenizer, session.draft
+    ctx = context_length(model)
+    if ctx is not None and max(lengths) > ctx:
+        raise ValueError(f"--lengths: {max(lengths)} tokens exceed the target model's context of {ctx} tokens")
+    out = Path(args.out) if args.out else None
+    settings = {"task": "ruler", "target": str(target), "dtype": str(model.dtype),
+                "quantization": args.quantization or "none", "ruler_tasks": tasks, "lengths": lengths,
+                "samples": args.samples, "seed": cfg.seed, "policies": policies, "budgets": budgets,
+                "blocks": blocks, "query_aware": args.query_aware}
+    rows: list[dict] = []
+    total = len(lengths) * len(tasks) * (1 + len(policies) * len(budgets) * len(blocks))
+    with tqdm(total=total, desc="ruler", unit="case", file=sys.stderr) as bar:
+        def progress(row: dict, ran: bool) -> None:
+            bar.update()
+            rows.append(row)
+            if not ran:
+                return
+            log.info("ruler %s", {k: v for k, v in row.items() if k not in ("predictions", "sample_scores")})
+            bar.set_postfix_str(f"{row['policy']} {row['task']} {row['length']}")
+            if out is not None:
+                _emit(argparse.Namespace(out=out, json=False), {"results": rows, "settings": settings})
+
+        report = run_ruler(model, tokenizer, policies, budgets, blocks, tasks, lengths, args.samples, cfg.seed,
+                           args.query_aware, out, draft, progress)
+    report["settings"] = settings
+    if _emit(args, report):
+        return 0
+    print(f"{'policy':<24}{'budget':>8}{'block':>7}{'task':>17}{'length':>8}{'score':>8}{'of full':>9}"
+          f"{'peak KV MB':>12}{'prefill s':>11}{'decode s':>10}")
+    for r in report["results"]:
+        share = "" if r["share_of_full"] is None else f"{r['share_of_full']:.2f}"
+        print(f"{r['policy']:<24}{r['budget_spec'] or 'full':>8}{r['block'] or '':>7}{r['task']:>17}"
+              f"{r['length']:>8}{r['score']:>8.1f}{share:>9}{r['peak_kv_bytes'] / 1e6:>12.1f}"
+              f"{r['prefill_seconds']:>11.2f}{r['decode_seconds']:>10.2f}")
+    return 0
+
+
 def _emit(args: argparse.Namespace, report: dict) -> bool:
     """Write ``--out``'s kv_results.json; with ``--json`` print the report as one line and return True (no
     table to print then)."""
@@ -226,6 +321,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = _config(args)
     if args.task == "niah":
         return _run_niah(args, cfg)
+    if args.task == "ruler":
+        return _run_ruler(args, cfg)
     plan = resolve(args.target or TARGETS["fidelity"], args.draft, "ar", dtype=args.dtype, device=args.device,
                    prefix_cache_mb=0,
                    quantization=args.quantization,

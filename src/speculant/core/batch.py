@@ -49,6 +49,7 @@ from .checks import (
     vocab_size,
     warn_once,
 )
+from .constraint import Constraint
 from .draft_batch import plan_together
 from .drafting import Drafter, capability, sync
 from .eviction import BudgetedKV, EvictionPolicy
@@ -131,7 +132,7 @@ class Batch:
             eos_token_id: int | list[int] | None = None, kv_policy: EvictionPolicy | None = None,
             kv_budget: int | None = None, kv_block: int = 128, logprobs: int | None = None,
             speculation: str | None = None, prompt_embeds: torch.Tensor | PromptEmbeds | None = None,
-            prefill_chunk: int | None = None) -> int:
+            prefill_chunk: int | None = None, constraint: Constraint | None = None) -> int:
         """Add a generation (the arguments of :func:`speculant.core.engine.generate`, checked: :meth:`check`) and
         prefill its prompt; returns its index (``StepEvent.sequence``). A drafter object serves one sequence at a
         time (it keeps per-generation state). ``speculation``: this sequence's own mode (``auto``, ``on``,
@@ -139,7 +140,9 @@ class Batch:
         prefill with (a vision-language prompt: :mod:`speculant.models.vlm`), or a :class:`PromptEmbeds` with their
         positions too (M-RoPE); its last token, the root, goes in as an id, so it must be a text token.
         ``prefill_chunk``: this sequence's chunk size, over the batch's (None); it applies when other sequences are
-        active (else the prompt goes in at once), without a KV policy or image prompt."""
+        active (else the prompt goes in at once), without a KV policy or image prompt. ``constraint``: the output
+        constraint the sequence decodes under (:class:`~speculant.core.constraint.Constraint`, one per sequence,
+        e.g. :meth:`speculant.structured.CompiledFormat.constraint`); None: unconstrained."""
         if prefill_chunk is not None:
             _check_chunk(prefill_chunk)
         ids = self.check(input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id,
@@ -163,6 +166,11 @@ class Batch:
             prompt_embeds = prompt_embeds.to(device=self.target.device, dtype=self.target.dtype)
         if speculation is not None and speculation not in MODES:
             raise ValueError(f"speculation must be one of {', '.join(MODES)}, got {speculation!r}")
+        if constraint is not None and not isinstance(constraint, Constraint):
+            raise ValueError(f"constraint must be a speculant Constraint (e.g. from speculant.structured."
+                             f"compile_response_format(...).constraint()), got {type(constraint).__name__}")
+        if constraint is not None and any(s.constraint is constraint for s in self._sequences.values()):
+            raise ValueError("a constraint serves one sequence: give each sequence its own (CompiledFormat.constraint)")
         if drafter is not None and any(s.drafter is drafter for s in self._sequences.values()):
             raise ValueError("a drafter object serves one sequence at a time: give each sequence its own drafter")
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
@@ -180,7 +188,7 @@ class Batch:
         index, self._next = self._next, self._next + 1
         seq = Sequence(index, self.target, forward, ids, drafter, max_new_tokens, params,
                        resolve_eos(self.target, eos_token_id), kv, logprobs, prompt_embeds,
-                       None if positions is None else positions.to(self.target.device), self.prefixes)
+                       None if positions is None else positions.to(self.target.device), self.prefixes, constraint)
         seq.speculation = speculation
         chunk = self.prefill_chunk if prefill_chunk is None else prefill_chunk
         if not self._sequences:
@@ -195,6 +203,12 @@ class Batch:
         the same forward carries the next chunk of every prefilling sequence's prompt (see the module doc).
         Returns one event per decoding sequence (finished ones leave the batch; :meth:`result` still has them); a
         prefilling one has none until it decodes."""
+        ended = [s for s in self._sequences.values() if s.done]  # finished on admission (a constraint's end)
+        for s in ended:
+            self._finished[s.index] = self._sequences.pop(s.index)
+        if ended:
+            return [StepEvent(s.index, [], 0, 0, 0, [] if s.logprobs is not None else None, True, s.finish_reason)
+                    for s in ended]
         every = list(self._sequences.values())
         if not every:
             return []

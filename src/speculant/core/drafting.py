@@ -61,6 +61,9 @@ class DecodeState:
     # keys/values of prompt prefixes computed by earlier generations (speculant.core.prefix_cache.PrefixCache), which
     # a drafter with a model of its own may restore into its cache and extend; None: no reuse
     prefixes: Any = None
+    # the generation's output constraint (speculant.core.constraint.Constraint), for a drafter declaring
+    # ``drafts_constrained = True`` only (None otherwise, or when the output is unconstrained): it drafts under it
+    constraint: Any = None
 
     @property
     def draft_limit(self) -> int:
@@ -84,7 +87,8 @@ class DecodeState:
 class Drafter(abc.ABC):
     """Proposes draft trees for the one verifier (``speculant.core.verification``); base of every drafter.
 
-    The protocol is :meth:`begin`, :meth:`propose` and :meth:`commit`. The class attributes below are the
+    The protocol is :meth:`begin`, :meth:`propose` and :meth:`commit` (and the optional :meth:`prefill`). The
+    class attributes below are the
     drafter's *capabilities*, declared with their defaults; a subclass overrides what it has. Subclassing is
     optional: any object with ``begin``/``propose``/``commit`` counts as a Drafter (``isinstance`` checks the
     three methods), and :func:`capability` gives such a third-party drafter the defaults declared here.
@@ -102,6 +106,13 @@ class Drafter(abc.ABC):
     """The drafter's own draft model, or None (prompt lookup, mask probing). Other components may run it: a
     draft-guided KV policy (SpecKV) drafts its provisional answer with it."""
 
+    drafts_constrained: bool = False
+    """The drafter drafts under the generation's output constraint (:attr:`DecodeState.constraint`, which the
+    engine sets for such a drafter only): it masks its own draft distribution ``p`` with
+    :meth:`~speculant.core.constraint.Constraint.mask_after`, so its drafts are allowed and accepted more often. Exact
+    either way (``p`` is whatever it drew from); a drafter without it drafts as usual and its forbidden nodes are
+    cut before the target sees them."""
+
     def params_per_forward(self) -> int | None:
         """Parameters one draft forward reads, for MBSU's cost ratio (``speculant.bench.cost``); None (the
         default): not declared, the bench counts the ``nn.Module``s the drafter holds (0 if none)."""
@@ -118,6 +129,14 @@ class Drafter(abc.ABC):
         """Called after verification with the accepted draft tokens (bonus excluded); ``state.ids`` already
         holds them and the bonus."""
 
+    def prefill(self, state: DecodeState, stop: int) -> None:  # noqa: B027 (optional hook, a no-op by default)
+        """Read the committed context ``state.ids[:stop]`` ahead of the first proposal (``stop`` < ``len(ids)``).
+
+        A sequence whose prompt joins a running batch chunk by chunk calls it after each chunk, so that a drafter
+        with a model of its own reads the prompt at the same pace as the target instead of all at once in its first
+        proposal (which would stall every running stream for that whole prefill). A drafter without it reads its
+        context in its first proposal."""
+
     @classmethod
     def __subclasshook__(cls, other: type) -> bool:
         # structural: a third-party class with the three protocol methods is a Drafter without subclassing
@@ -126,7 +145,7 @@ class Drafter(abc.ABC):
         return NotImplemented
 
 
-CAPABILITIES = ("uses_target_hidden", "target_taps", "model", "params_per_forward")
+CAPABILITIES = ("uses_target_hidden", "target_taps", "model", "params_per_forward", "drafts_constrained")
 """The capabilities :class:`Drafter` declares (what :func:`capability` reads)."""
 
 def capability(drafter: Any, name: str) -> Any:

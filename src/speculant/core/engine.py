@@ -18,6 +18,7 @@ import torch
 
 from .batch import Batch
 from .checks import check_stream
+from .constraint import Constraint
 from .drafting import Drafter
 from .eviction import EvictionPolicy
 from .prefix_cache import PrefixCache
@@ -46,6 +47,7 @@ def generate(
     logprobs: int | None = None,
     prompt_embeds: torch.Tensor | None = None,
     prefix_cache: PrefixCache | None = None,
+    constraint: Constraint | None = None,
 ) -> Generation:
     """The decoding loop behind :func:`speculant.generate` (see it for every argument), on resolved objects only.
 
@@ -59,12 +61,14 @@ def generate(
     tokens. ``prompt_embeds [1, T, H]``: the prompt's embeddings to prefill with (a vision-language prompt, see
     :meth:`speculant.core.batch.Batch.add`). ``prefix_cache``: keys/values of prompt prefixes earlier generations
     computed (:class:`~speculant.core.prefix_cache.PrefixCache`), reused and extended by this one (target and draft
-    model); None: the whole prompt is computed. Built on :func:`generate_steps`.
+    model); None: the whole prompt is computed. ``constraint``: the output constraint to decode under
+    (:mod:`speculant.core.constraint`; a fresh one per generation); None: unconstrained. Built on
+    :func:`generate_steps`.
     """
     check_stream(stream)
     steps = generate_steps(target, input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed,
                            eos_token_id, kv_policy, kv_budget, kv_block, forward, logprobs, prompt_embeds,
-                           prefix_cache)
+                           prefix_cache, constraint)
     for event in steps:
         if stream is not None:
             if event.logprobs is None:
@@ -128,13 +132,14 @@ def generate_steps(
     logprobs: int | None = None,
     prompt_embeds: torch.Tensor | None = None,
     prefix_cache: PrefixCache | None = None,
+    constraint: Constraint | None = None,
 ) -> Steps:
     """:func:`generate` as an iterator of steps (:class:`Steps`): the arguments are checked and the prompt is
     prefilled at once, then each ``next()`` runs one decoding step and returns its
     :class:`~speculant.core.types.StepEvent`; :meth:`Steps.close` stops early (e.g. a client that went away)."""
     batch = Batch(target, forward, prefixes=prefix_cache)
     index = batch.add(input_ids, drafter, max_new_tokens, temperature, top_k, top_p, seed, eos_token_id, kv_policy,
-                      kv_budget, kv_block, logprobs, prompt_embeds=prompt_embeds)
+                      kv_budget, kv_block, logprobs, prompt_embeds=prompt_embeds, constraint=constraint)
     return Steps(batch, index)
 
 
@@ -155,6 +160,7 @@ def generate_batch(
     logprobs: int | None = None,
     speculation: str = "on",
     prefix_cache: PrefixCache | None = None,
+    constraints: list[Constraint | None] | None = None,
 ) -> list[Generation]:
     """Decode several prompts together (:class:`~speculant.core.batch.Batch`): one verification forward per step
     for every unfinished sequence, each with its own drafter (``drafters[i]``, a distinct object per prompt, or
@@ -162,7 +168,8 @@ def generate_batch(
     the other settings apply to every prompt (see :func:`speculant.generate`); ``speculation``: ``"on"`` (each
     drafter as deep as it likes), ``"off"`` or ``"auto"`` (depths chosen per step by goodput,
     :mod:`speculant.core.speculation`); ``prefix_cache`` as in :func:`generate`. Returns one
-    :class:`~speculant.core.types.Generation` per prompt, in order; each equals what :func:`generate` gives the
+    :class:`~speculant.core.types.Generation` per prompt, in order (``constraints``: one output constraint, or None,
+    per prompt; None: all unconstrained); each equals what :func:`generate` gives the
     prompt alone, token for token, greedy, with quantized weights (see the batch module on float weights)."""
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token id sequences")
@@ -175,14 +182,18 @@ def generate_batch(
     seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"seed: give one seed, or one per prompt ({len(prompts)}), got {len(seeds)}")
+    if constraints is None:
+        constraints = [None] * len(prompts)
+    if not isinstance(constraints, (list, tuple)) or len(constraints) != len(prompts):
+        raise ValueError(f"constraints must be a list with one constraint (or None) per prompt ({len(prompts)})")
     batch = Batch(target, forward, speculation, prefix_cache)
     kv = {"kv_policy": kv_policy, "kv_budget": kv_budget, "kv_block": kv_block}  # each sequence its own budget
     ids = [batch.check(p, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, logprobs=logprobs, **kv)
            for p, d, s in zip(prompts, drafters, seeds)]  # every prompt checked before any is prefilled
     if len({id(d) for d in drafters if d is not None}) < sum(d is not None for d in drafters):
         raise ValueError("a drafter object serves one sequence at a time: give each prompt its own drafter")
-    indices = [batch.add(p, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, logprobs=logprobs, **kv)
-               for p, d, s in zip(ids, drafters, seeds)]
+    indices = [batch.add(p, d, max_new_tokens, temperature, top_k, top_p, s, eos_token_id, logprobs=logprobs,
+                         constraint=c, **kv) for p, d, s, c in zip(ids, drafters, seeds, constraints)]
     while len(batch):
         batch.step()
     return [batch.result(i) for i in indices]

@@ -29,7 +29,8 @@ import time
 import torch
 
 from .cache import SpecCache
-from .checks import num_layers, warn_once
+from .checks import num_layers, vocab_size, warn_once
+from .constraint import Constraint
 from .drafting import DecodeState, Drafter, capability, sync
 from .eviction import BudgetedKV
 from .logprobs import emission_rows, token_logprobs
@@ -56,13 +57,15 @@ class Sequence:
     ``prompt_positions``: the prompt's M-RoPE positions ``[3, 1, len(ids)]`` (None: the token index), which the
     prompt is prefilled at, every later token at its index plus their offset (:meth:`PromptEmbeds.offset_of`).
     ``prefixes``: a :class:`~speculant.core.prefix_cache.PrefixCache` to reuse the prompt's longest computed prefix
-    from and to store this generation's blocks in (None: no reuse; see :meth:`prefill` for when it cannot apply)."""
+    from and to store this generation's blocks in (None: no reuse; see :meth:`prefill` for when it cannot apply).
+    ``constraint``: the output constraint it decodes under (:mod:`speculant.core.constraint`: masked target rows,
+    forbidden draft nodes never fed, forced tokens proposed as a chain; None: none)."""
 
     def __init__(self, index: int, target: torch.nn.Module, forward: TargetForward, ids: list[int],
                  drafter: Drafter | None, max_new_tokens: int, params: SamplingParams, stops: set[int],
                  kv: BudgetedKV | None = None, logprobs: int | None = None,
                  prompt_embeds: torch.Tensor | None = None, prompt_positions: torch.Tensor | None = None,
-                 prefixes: PrefixCache | None = None) -> None:
+                 prefixes: PrefixCache | None = None, constraint: Constraint | None = None) -> None:
         self.index = index
         self.prompt_embeds = prompt_embeds  # [1, len(ids), H] or None: the prompt's embeddings (image features)
         self.prompt_positions = prompt_positions  # [3, 1, len(ids)] or None: its M-RoPE positions
@@ -78,6 +81,11 @@ class Sequence:
         self.prefixes = prefixes if prefixes is not None and self._reusable(prefixes, drafter, kv,
                                                                             prompt_embeds) else None
         self.state.prefixes = self.prefixes
+        self.constraint = constraint
+        if constraint is not None:
+            constraint.begin(vocab_size(target), stops)
+            if capability(drafter, "drafts_constrained"):  # it masks its own draft distribution with it
+                self.state.constraint = constraint
         self._stored = 0  # the cache length when its blocks were last stored in the prefix cache
         self._fed: int | None = None  # prompt tokens in the cache while prefilling chunk by chunk (None: not)
         self._chunk = 0  # tokens per chunk
@@ -160,6 +168,18 @@ class Sequence:
             self.hidden.clear()
         sync(self.device)
         self.stats.prefill_s = time.perf_counter() - self._start
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        """Finish now (reason ``"stop"``, nothing more emitted) when the constraint allows nothing but a stop token:
+        a grammar that can only end."""
+        if self.constraint is not None and not self.done and self.constraint.finished:
+            self._record_constraint()
+            self._finish("stop")
+
+    def _record_constraint(self) -> None:
+        self.stats.constraint_mask_s = self.constraint.mask_s
+        self.stats.constraint_masks = self.constraint.masks
 
     def chunk_segment(self, rest: bool = False) -> Segment:
         """The next prompt chunk's forward inputs while :attr:`prefilling`: ``chunk`` tokens (``rest``: every token
@@ -183,10 +203,14 @@ class Sequence:
             state.target_hidden.extend(h[0] for h in self.hidden)  # [T_i, F] blocks
             self.hidden.clear()
         self._store()
+        hook = getattr(self.drafter, "prefill", None)
+        if hook is not None:  # the drafter reads the prompt at the target's pace, not all at once in its first step
+            hook(state, self._fed)
         if self._fed < len(state.ids) - 1:
             return False
         self._fed = None
         self.stats.prefill_s = self._prefill_s
+        self._check_constraint()
         return True
 
     # ------------------------------------------------------------------------------------------------ a step
@@ -195,7 +219,12 @@ class Sequence:
         """Draft this step's tree and return the verification forward's inputs for this sequence."""
         state, device = self.state, self.device
         tree = _EMPTY
-        if self.drafter is not None and state.draft_limit > 0:
+        forced = False
+        if self.constraint is not None and self.drafter is not None and state.draft_limit > 0:
+            chain = self.constraint.forced(state.draft_limit)  # the only continuation: no draft forward needed
+            if chain:
+                tree, forced = DraftTree.chain(chain), True
+        if not forced and self.drafter is not None and state.draft_limit > 0:
             start = time.perf_counter()
             fed = len(state.ids)
             tree = self.drafter.propose(state)
@@ -206,12 +235,19 @@ class Sequence:
                 per = seconds / tree.max_depth
                 self.draft_s_per_level = per if self.draft_s_per_level is None else (
                     0.7 * self.draft_s_per_level + 0.3 * per)
-        if state.max_draft is None and self.drafter is not None:  # its own depth and width (adaptive speculation)
+        if state.max_draft is None and self.drafter is not None and not forced:  # its own depth and width
             self.probed_at = self.stats.target_calls
             if tree.max_depth:
                 self.natural_depth = max(self.natural_depth, tree.max_depth)
                 self.rows_per_level = len(tree) / tree.max_depth
         cache_len = self._cache.length
+        masks, fed = None, None
+        if self.constraint is not None:
+            masks, allowed = self.constraint.tree_masks(tree)  # [N + 1, V] bool, [N]
+            masks = masks.to(device)
+            if not all(allowed) and tree.probes is None:  # forbidden nodes are not fed (see core.constraint)
+                fed = [i for i in range(len(tree)) if allowed[i]]
+        verified, tree = tree, _fed_tree(tree, fed)  # the verifier's tree; the tree the forward carries
         inputs = torch.tensor([[state.ids[-1], *tree.tokens]], device=device)  # [1, Q]
         embeds = None
         soft = 0  # key/value slots only the probes see, between the cache and the new rows (types.Probes)
@@ -235,7 +271,7 @@ class Sequence:
             positions = positions + shift
         if self.kv is not None:
             capture = self.kv.capture(self.target)
-        self._step = (tree, cache_len, soft, capture)
+        self._step = (verified, cache_len, soft, capture, masks, fed, forced)
         head = len(tree) + 1 if tree.probes is not None and not tree.probes.logits else None  # probes: states only
         return Segment(self._cache, None if embeds is not None else inputs, embeds, positions, mask, capture, head)
 
@@ -243,21 +279,30 @@ class Sequence:
         """Verify this step's ``logits [Q (+ P), V]`` (``[Q, V]`` when the probes want no logits; the forward of
         :meth:`plan`'s inputs, which took ``forward_s`` seconds), commit what is accepted and the bonus, and return
         the step's event."""
-        tree, cache_len, soft, capture = self._step
+        tree, cache_len, soft, capture, masks, fed, forced = self._step
         self._step = None
         state, stats = self.state, self.stats
         stats.target_forward_s += forward_s
-        verdict = verify(tree, logits[: len(tree) + 1], state.params, state.generator)
+        if fed is not None:  # the verifier's rows: the fed nodes' logits, dummy (zero) rows for the forbidden ones
+            full = logits.new_zeros((len(tree) + 1, logits.shape[-1]))  # [N + 1, V]
+            full[[0] + [1 + i for i in fed]] = logits[: len(fed) + 1]
+            logits = full
+        rows = logits[: len(tree) + 1]  # [N + 1, V]
+        if masks is not None:  # the constrained distribution: forbidden tokens out before any warping
+            rows = rows.masked_fill(~masks, float("-inf"))
+        verdict = verify(tree, rows, state.params, state.generator)
         state.last_logits, state.last_accepted = logits, verdict.accepted
+        # the cache's rows of the accepted nodes: their index among the fed nodes
+        kept = verdict.accepted if fed is None else [fed.index(n) for n in verdict.accepted]
         if self.hidden is not None:  # the root's and the accepted nodes' states: the rows the cache keeps
             hidden = self.hidden.pop()[0]  # [Q (+ P), F]
-            state.target_hidden.append(hidden[[0] + [1 + n for n in verdict.accepted]])  # [1 + a, F]
+            state.target_hidden.append(hidden[[0] + [1 + n for n in kept]])  # [1 + a, F]
             state.probe_hidden = hidden[len(tree) + 1:] if tree.probes is not None else None  # [P, F]
         first = cache_len + soft  # the root's slot (after the soft entries, which go with the rejected rows)
-        self._cache.keep(cache_len, [first] + [first + 1 + n for n in verdict.accepted])
+        self._cache.keep(cache_len, [first] + [first + 1 + n for n in kept])
         self._store()
         if self.kv is not None:  # only verified tokens are in the cache now
-            self.kv.after_step(capture, [0] + [1 + n for n in verdict.accepted])
+            self.kv.after_step(capture, [0] + [1 + n for n in kept])
         accepted = [tree.tokens[n] for n in verdict.accepted]
         emitted = accepted + [verdict.bonus]
         if len(emitted) > state.remaining:
@@ -267,10 +312,17 @@ class Sequence:
             if tok in self.stops:
                 emitted, reason = emitted[: i + 1], "stop"
                 break
+        if self.constraint is not None:
+            within = self.constraint.commit(emitted)
+            if self.constraint.finished:  # nothing but a stop token may follow: it ends here
+                emitted, reason = emitted[:within], "stop"
+            self._record_constraint()
+            if forced:
+                stats.forced_tokens += min(len(verdict.accepted), len(emitted))
         last = verdict.accepted[-1] if verdict.accepted else -1
         offered = len(verdict.accepted) + (1 if tree.children[last + 1] else 0)
         stats.record_step(tree.max_depth, offered, len(verdict.accepted), len(emitted))
-        stats.draft_tokens += len(tree)
+        stats.draft_tokens += 0 if forced else len(tree)
         state.ids.extend(emitted)
         self.new.extend(emitted)
         state.remaining -= len(emitted)
@@ -283,7 +335,7 @@ class Sequence:
             self.new_logprobs.extend(step_logprobs)
         if reason is not None:
             self._finish(reason)
-        elif self.drafter is not None:
+        elif self.drafter is not None and not forced:  # a forced chain was not the drafter's proposal
             self.drafter.commit(state, accepted)
         # as stats.record_step counts a step cut short inside its accepted block: its last token is the bonus
         taken = len(verdict.accepted) if len(emitted) > len(verdict.accepted) else len(emitted) - 1
@@ -334,6 +386,16 @@ class Sequence:
         """The generation so far (complete once :attr:`done`)."""
         return Generation(token_ids=list(self.new), stats=self.stats, logprobs=self.new_logprobs,
                           finish_reason=self.finish_reason)
+
+
+def _fed_tree(tree: DraftTree, fed: list[int] | None) -> DraftTree:
+    """The tree of ``tree``'s nodes ``fed`` (each one's parent among them; None: all of them), renumbered in order:
+    what the target's forward carries when forbidden nodes are left out."""
+    if fed is None:
+        return tree
+    where = {n: i for i, n in enumerate(fed)}
+    return DraftTree(tokens=[tree.tokens[n] for n in fed],
+                     parents=[-1 if tree.parents[n] < 0 else where[tree.parents[n]] for n in fed])
 
 
 def _add_soft_entries(cache: SpecCache, probes, kv: BudgetedKV | None, dtype: torch.dtype) -> int:

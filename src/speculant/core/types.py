@@ -243,6 +243,9 @@ class GenerationStats:
     kv_peak_bytes: int = 0  # the target's KV cache at its largest (live keys and values, all layers)
     prompt_cached_tokens: int = 0  # prompt tokens whose keys/values the target reused (core.prefix_cache)
     draft_cached_tokens: int = 0  # context tokens whose keys/values the draft model reused
+    forced_tokens: int = 0  # tokens an output constraint forced, committed without a draft forward
+    constraint_mask_s: float = 0.0  # seconds spent computing an output constraint's token masks
+    constraint_masks: int = 0  # token masks it computed (target rows and the drafter's own)
 
     @property
     def acceptance_length(self) -> float:
@@ -304,6 +307,9 @@ class GenerationStats:
             "overhead_share": self.overhead_share,
             "target_forward": self.target_forward,
             "kv_peak_bytes": self.kv_peak_bytes,
+            "forced_tokens": self.forced_tokens,
+            "constraint_mask_s": self.constraint_mask_s,
+            "constraint_masks": self.constraint_masks,
         }
 
 

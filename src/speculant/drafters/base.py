@@ -1,7 +1,7 @@
 """The drafter interface and the base of drafters that wrap another drafter.
 
 :class:`Drafter` (the protocol ``begin``/``propose``/``commit`` and the declared capabilities
-``uses_target_hidden``, ``target_taps``, ``model``, ``params_per_forward``), :class:`DecodeState` and
+``uses_target_hidden``, ``target_taps``, ``model``, ``params_per_forward``, ``drafts_constrained``), :class:`DecodeState` and
 :func:`capability` are defined in :mod:`speculant.core.drafting`, because the engine (``core``) drives drafters and
 must not import from this package; drafters import them from here. Subclass :class:`Drafter` and override the
 capabilities your drafter has; a class with only the three protocol methods works too (the defaults apply).
@@ -9,7 +9,7 @@ capabilities your drafter has; a class with only the three protocol methods work
 :class:`DrafterWrapper` is the base of a drafter around another one (prompt lookup merged into a tree, the observed
 drafter of online adaptation, the text-only view of a vision-language prompt): it changes what one protocol step
 does and nothing the engine reads. The inner drafter's declared capabilities (its model, whether it reads the
-target's states and which) are taken once, through :func:`capability`, and stored as the wrapper's own attributes
+target's states and which, whether it drafts under an output constraint) are taken once, through :func:`capability`, and stored as the wrapper's own attributes
 (so :func:`speculant.bench.cost.drafter_models` finds the model among them); the three protocol methods pass through
 unless a subclass overrides them.
 """
@@ -30,6 +30,7 @@ class DrafterWrapper(Drafter):
         self.model = capability(inner, "model")
         self.uses_target_hidden = capability(inner, "uses_target_hidden")
         self.target_taps = capability(inner, "target_taps")
+        self.drafts_constrained = capability(inner, "drafts_constrained")
 
     def params_per_forward(self) -> int | None:
         """What one draft forward of the inner drafter reads, for MBSU; None where it declares none (the bench
@@ -44,3 +45,8 @@ class DrafterWrapper(Drafter):
 
     def commit(self, state: DecodeState, accepted: list[int]) -> None:
         self.inner.commit(state, accepted)
+
+    def prefill(self, state: DecodeState, stop: int) -> None:
+        hook = getattr(self.inner, "prefill", None)
+        if hook is not None:
+            hook(state, stop)

@@ -203,11 +203,36 @@ class DraftModelBase(Drafter):
         """Start a proposal: feed what the cache lacks (ending with the root); ``p``'s logits after the root."""
         logits = self._next_logits(state, state.ids[self._offset + self._n_cached :])
         self._n_cached = len(state.ids) - self._offset  # the cache now holds every committed token (of the window)
+        self._store_blocks(state)
+        return logits
+
+    def prefill(self, state: DecodeState, stop: int) -> None:
+        """Feed the committed tokens ``state.ids[:stop]`` the cache lacks (a prompt joining a batch chunk by chunk:
+        :meth:`Drafter.prefill`), without the LM head. Only a drafter whose cache holds the target's ids in order
+        does (its own :meth:`_catch_up` reads the rest); the others read their context in their first proposal."""
+        if not self.holds_target_ids or type(self)._catch_up is not DraftModelBase._catch_up:
+            return
+        tokens = state.ids[self._offset + self._n_cached: stop]
+        if not tokens:
+            return
+        device = self.model.device
+        inputs = torch.tensor([tokens], device=device).clamp_(max=self._max_input_id)  # [1, T]
+        with state.draft_forward(device):
+            if self._lean is not None:
+                self._lean.hidden(inputs, self._cache)
+            else:
+                base = self.model.base_model
+                base(input_ids=inputs, **cache_kwarg(base, self._cache), use_cache=True)
+        self._n_cached += len(tokens)
+        self._store_blocks(state)
+
+    def _store_blocks(self, state: DecodeState) -> None:
+        """Store the context blocks the draft cache completed since the last call in the prefix cache."""
         block = self._prefixes.block if self._prefixes is not None else 0
         if block and self._n_cached // block > self._stored // block:
-            self._prefixes.store(self.model, state.ids[self._offset:], self._cache)  # slots: the committed tokens
+            # slots: the committed tokens in the cache
+            self._prefixes.store(self.model, state.ids[self._offset: self._offset + self._n_cached], self._cache)
             self._stored = self._n_cached
-        return logits
 
     # ------------------------------------------------------------------------------------ trimmed indices
 
@@ -222,6 +247,22 @@ class DraftModelBase(Drafter):
     def _lift(self, probs: torch.Tensor) -> torch.Tensor:
         """Draft probabilities ``[..., V_shared]`` from ``[..., V_shared]`` or trimmed ``[..., M]``."""
         return probs if self._head is None else self._head.lift(probs, self._vocab)
+
+    def _allowed(self, state: DecodeState, tokens: list[int]) -> torch.Tensor | None:
+        """Under an output constraint (a drafter declaring ``drafts_constrained``): which drafted indices
+        (``[V_shared]``, or ``[M]`` trimmed) it allows after ``tokens``; None when none may be drafted there (a
+        path ending at a stop token, or nothing allowed among the kept ids). Without one: an empty marker
+        (``[0]``), everything allowed."""
+        if state.constraint is None:
+            return torch.ones(0, dtype=torch.bool)
+        mask = state.constraint.mask_after(tokens)  # [V] bool
+        if mask is None:
+            return None
+        mask = mask.to(self.model.device)
+        if mask.shape[0] < self._vocab:
+            mask = torch.nn.functional.pad(mask, (0, self._vocab - mask.shape[0]))
+        mask = mask[: self._vocab] if self._head is None else mask[self._head.keep]
+        return mask if bool(mask.any()) else None
 
     # --------------------------------------------------------------------------------------------- commit
 
@@ -291,6 +332,8 @@ class DraftModelDrafter(DraftModelBase):
             raise ValueError(f"stop must be a probability in [0, 1), got {stop!r}")
         self.stop = float(stop)
 
+    drafts_constrained = True  # masks p with the output constraint (DecodeState.constraint): see _allowed
+
     def _extra_slots(self) -> int:
         return self.k
 
@@ -300,8 +343,13 @@ class DraftModelDrafter(DraftModelBase):
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
         for i in range(k):
+            allowed = self._allowed(state, tokens)  # before the forward: a dead end costs none
+            if allowed is None:
+                break
             if i:
                 logits = self._next_logits(state, [tokens[-1]])
+            if allowed.numel():  # the draft's distribution under the constraint: p is what it draws from (exact)
+                logits = logits.masked_fill(~allowed, float("-inf"))
             if state.params.greedy:
                 tok = int(logits.argmax())
                 unsure = self.stop and float(torch.softmax(logits.float(), -1)[tok]) < self.stop
@@ -314,6 +362,9 @@ class DraftModelDrafter(DraftModelBase):
             if unsure:  # proposed, and the last one (the decision reads p only)
                 break
         n = len(tokens)
+        if not n:
+            self._record(state, DraftTree.empty(), 0)
+            return DraftTree.empty()
         probs = torch.stack(rows) if rows else None  # [n, V_shared]: row i = p(. | root, d_1..d_i)
         if probs is not None:
             probs = torch.cat([probs, probs.new_zeros((1, probs.shape[1]))])  # row n: leaf, never read

@@ -70,18 +70,38 @@ def truncated_gumbel(parent: torch.Tensor, keys: torch.Tensor, top: torch.Tensor
 
 
 class TreeDrafterBase(DraftModelBase):
-    """A draft-model drafter that feeds its tree level by level (one batched forward per level)."""
+    """A draft-model drafter that feeds its tree level by level (one batched forward per level).
+
+    Under an output constraint it drafts within it (``drafts_constrained``): the logits :meth:`_start` and
+    :meth:`_feed` return are masked with what the constraint allows after each row's path, so every method's ``p``
+    (and its greedy beam) is the masked distribution it then draws from (exact). A row where nothing may follow
+    (a stop token, nothing allowed among VocabTrim's kept ids) is left unmasked: its children are forbidden and
+    cut by the engine."""
+
+    drafts_constrained = True
 
     def begin(self, state: DecodeState) -> None:
         super().begin(state)
         self._attn = TreeAttention(self.model.dtype, self.model.device)
         self._fed_tokens: list[int] = []
         self._fed_parents: list[int] = []
+        self._fed_paths: list[list[int]] = []  # each fed node's tokens from the root (for the constraint)
 
     def _start(self, state: DecodeState) -> torch.Tensor:
         """Start a proposal (feed the root and what the cache lacks): the draft logits after the root ``[1, V]``."""
-        self._fed_tokens, self._fed_parents = [], []
-        return self._catch_up(state)[None]
+        self._fed_tokens, self._fed_parents, self._fed_paths = [], [], []
+        return self._constrained(state, self._catch_up(state)[None], [[]])
+
+    def _constrained(self, state: DecodeState, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """``logits [T, V]`` (``[T, M]`` trimmed), row ``i`` masked with what the output constraint allows after
+        ``paths[i]`` (see the class doc); as they are without a constraint."""
+        if state.constraint is None:
+            return logits
+        rows = []
+        for row, path in zip(logits, paths):
+            allowed = self._allowed(state, path)
+            rows.append(row if allowed is None else row.masked_fill(~allowed, float("-inf")))
+        return torch.stack(rows)
 
     def _feed(self, state: DecodeState, tokens: list[int], parents: list[int]) -> torch.Tensor:
         """Feed one level of nodes in one forward; ``parents`` are positions in the feed order (-1: the root),
@@ -92,11 +112,15 @@ class TreeDrafterBase(DraftModelBase):
         start = len(self._fed_tokens)
         self._fed_tokens += tokens
         self._fed_parents += parents
+        for tok, par in zip(tokens, parents):  # a parent may be fed in this call too
+            self._fed_paths.append((self._fed_paths[par] if par >= 0 else []) + [tok])
+        paths = self._fed_paths[start:]
         fed = DraftTree(tokens=list(self._fed_tokens), parents=list(self._fed_parents))
         if fed.is_chain():  # the causal mask is the tree mask
-            return self._all_logits(state, tokens, None, None)
+            return self._constrained(state, self._all_logits(state, tokens, None, None), paths)
         mask, positions = self._attn.build(fed, self._root_slot())  # [1, 1, Q, L + Q], [1, Q]
-        return self._all_logits(state, tokens, mask[:, :, start + 1 :], positions[:, start + 1 :])
+        logits = self._all_logits(state, tokens, mask[:, :, start + 1 :], positions[:, start + 1 :])
+        return self._constrained(state, logits, paths)
 
     def _depth(self, state: DecodeState, depth: int) -> int:
         return min(depth, state.draft_limit)  # deeper nodes could never be committed, or the engine caps it

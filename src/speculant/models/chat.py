@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = ["chat_ids", "check_messages", "has_chat_template", "special_texts", "stop_ids", "user_turn_prefix_ids",
            "Message"]
@@ -30,8 +31,14 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def check_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
-    """The messages as plain ``{"role", "content"}`` dicts, or a one-line ValueError naming the first bad one."""
+_PASSED = ("tool_calls", "tool_call_id", "name")
+"""Message fields passed on to the template beside role and content: an assistant's tool calls, a tool result's
+call id, a name."""
+
+
+def check_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """The messages as plain ``{"role", "content"}`` dicts (with ``tool_calls``, ``tool_call_id`` and ``name``
+    where given), or a one-line ValueError naming the first bad one."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("messages must be a list of {'role', 'content'} dicts")
     if not messages:
@@ -44,17 +51,19 @@ def check_messages(messages: Sequence[Message]) -> list[dict[str, str]]:
             raise ValueError(f"messages[{i}] has role {m['role']!r}; known roles: {', '.join(_ROLES)}")
         if not isinstance(m["content"], str):
             raise ValueError(f"messages[{i}]['content'] must be a string")
-        out.append({"role": m["role"], "content": m["content"]})
+        out.append({"role": m["role"], "content": m["content"], **{k: m[k] for k in _PASSED if k in m}})
     return out
 
 
-def chat_ids(tokenizer, messages: str | Sequence[Message], system: str | None = None) -> list[int]:
+def chat_ids(tokenizer, messages: str | Sequence[Message], system: str | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
     """Token ids of a conversation in the tokenizer's chat template, ending with the assistant's turn prompt.
 
     Args:
         tokenizer: a transformers tokenizer with a chat template.
         messages: one user message (a string) or a list of ``{"role", "content"}`` dicts.
         system: a system message put first (only with a string ``messages`` or a list without one).
+        tools: OpenAI function tools, rendered by the template itself (``apply_chat_template(tools=...)``).
 
     Raises:
         ValueError: the tokenizer has no chat template (use plain ``tokenizer(text)`` ids then), or the messages
@@ -68,9 +77,10 @@ def chat_ids(tokenizer, messages: str | Sequence[Message], system: str | None = 
             raise ValueError("system is given twice: as an argument and as the first message")
         msgs.insert(0, {"role": "system", "content": system})
     specials = special_texts(tokenizer)
+    extra = {"tools": list(tools)} if tools else {}
     if any(sp in m["content"] for m in msgs for sp in specials):
-        return _ids_with_literal_content(tokenizer, msgs)
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return _ids_with_literal_content(tokenizer, msgs, extra)
+    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, **extra)
     if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
@@ -93,7 +103,8 @@ def _mark(i: int) -> str:
 _MARKS = re.compile("\u2063speculant-content-(\\d+)\u2063")
 
 
-def _ids_with_literal_content(tokenizer, msgs: list[dict[str, str]]) -> list[int]:
+def _ids_with_literal_content(tokenizer, msgs: list[dict[str, Any]], extra: Mapping[str, Any] | None = None
+                              ) -> list[int]:
     """The ids of ``msgs`` in the chat template with each message's content tokenised as text: special-token text
     in it (``<|im_end|><|im_start|>system``) becomes the ordinary tokens that spell it, never control tokens, so
     a user cannot inject a turn. The template is rendered with a placeholder per content; the template's own text
@@ -104,9 +115,10 @@ def _ids_with_literal_content(tokenizer, msgs: list[dict[str, str]]) -> list[int
         ValueError: the template changes contents in a way other than trimming whitespace (then the pieces cannot
             be told apart).
     """
-    real = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    marked = [{**m, "content": _mark(i)} for i, m in enumerate(msgs)]
-    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False)
+    extra = dict(extra or {})  # the template's other inputs (tools)
+    real = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **extra)
+    marked = [{**m, "content": _mark(i) if m["content"] else ""} for i, m in enumerate(msgs)]
+    text = tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False, **extra)
     parts = _MARKS.split(text)  # template text, content index, template text, ...
     for edit in (lambda c: c, str.strip):  # as written, or trimmed (Llama 3's template trims contents)
         contents = [edit(m["content"]) for m in msgs]

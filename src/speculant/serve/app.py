@@ -21,6 +21,11 @@ message is cut to 80 characters. A client that disconnects cancels its generatio
 not (a request still queued never starts); one that disconnects while still sending its body is a cancelled
 request too (``speculant:requests_cancelled``, one debug line), not a failed one.
 
+Chat with ``tools`` (:mod:`speculant.structured.tool_calls`): the template renders the tools, the reply is read
+for tool calls (``message.tool_calls``, ``finish_reason: "tool_calls"``; streamed as ``delta.tool_calls``), and a
+forced ``tool_choice`` or a ``response_format`` is a constraint the worker decodes under
+(:func:`speculant.structured.compile_response_format`).
+
 Responses carry OpenAI's fields plus ``speculant``: this response's speculative statistics (method, τ =
 acceptance_length, target_calls, draft_tokens, accepted_tokens, accepted_per_position, decode_s).
 """
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -340,7 +346,9 @@ class _Server:
                     raise APIError(400, "this model's tokenizer has no chat template: use /v1/completions",
                                    param="messages", code="no_chat_template")
                 try:
-                    ids = chat_ids(tok, req.messages)
+                    ids = chat_ids(tok, req.messages, tools=req.tools if self.tool_format(req) else None)
+                except APIError:
+                    raise
                 except Exception as exc:  # noqa: BLE001: the template's own errors (e.g. role order)
                     raise APIError(400, f"the chat template rejected the messages: {' '.join(str(exc).split())}",
                                    param="messages") from None
@@ -357,6 +365,56 @@ class _Server:
         if not ids:
             raise APIError(400, f"'{field}' is empty after tokenization", param=field)
         return ids
+
+    def tool_format(self, req: GenerationRequest):
+        """The model's tool-call format (:class:`speculant.structured.tool_calls.ToolFormat`) when the request
+        offers tools it may call (``tool_choice`` other than ``none``: with ``none`` the tools are not rendered),
+        else None; 400 when the model's chat template has no tool format. Call with the tokenizer lock held."""
+        from ..structured.tool_calls import tool_format
+
+        if not req.tools or req.tool_choice == "none":
+            return None
+        try:
+            return tool_format(self.worker.tokenizer)
+        except ValueError as exc:
+            raise APIError(400, f"'tools' cannot be used with this model: {exc}", param="tools",
+                           code="tools_not_supported") from None
+
+    def constraint(self, req: GenerationRequest) -> Any:
+        """The compiled constraint of the request (``speculant.structured.CompiledFormat``: its ``response_format``,
+        or the grammar its ``tool_choice`` forces), or None when the reply is free. 400 for a schema, pattern or
+        grammar that does not compile. Blocking (compiling takes a while): called in a thread."""
+        from ..structured.tool_calls import tool_constraint
+
+        with self.worker.tokenizer_lock:
+            fmt = self.tool_format(req)
+        spec, param = req.response_format, "response_format"
+        if fmt is not None:
+            answer = None
+            if spec is not None:
+                if spec["type"] not in ("json_object", "json_schema"):
+                    raise APIError(400, f"'response_format' of type {spec['type']} cannot be combined with tools "
+                                        "(json_object and json_schema can)", param="response_format",
+                                   code="unsupported_value")
+                answer = ({"type": "object"} if spec["type"] == "json_object"
+                          else spec["json_schema"].get("schema", {}))
+            forced = tool_constraint(fmt, req.tools, req.tool_choice, req.parallel_tool_calls, answer)
+            if forced is not None:
+                spec, param = forced, "tools" if answer is None else "response_format"
+        if spec is None:
+            return None
+        try:
+            from ..structured import compile_response_format
+        except ImportError:
+            raise APIError(400, "constrained decoding (response_format, tool_choice 'required' or a named "
+                                "function) is not available in this build", param=param,
+                           code="unsupported_value") from None
+        try:
+            with self.worker.tokenizer_lock:
+                return compile_response_format(spec, self.worker.tokenizer)
+        except ValueError as exc:
+            raise APIError(400, clip(f"'{param}' cannot be followed: {' '.join(str(exc).split())}", 500),
+                           param=param, code="invalid_value") from None
 
     def fim_prompt_ids(self, req: GenerationRequest) -> list[int]:
         """Token ids of a fill-in-the-middle request (``/infill``, or ``/v1/completions`` with ``suffix``) in the
@@ -427,14 +485,24 @@ class _Server:
         # off the event loop: /health, /metrics and every stream go on while a long prompt is tokenised
         embeds = None
         if req.kind == "chat" and any(not isinstance(m["content"], str) for m in req.messages):
+            if req.tools or req.response_format:
+                raise APIError(400, "image prompts take no 'tools' or 'response_format'", param="messages",
+                               code="unsupported_value")
             ids, embeds = await asyncio.wrap_future(worker.call(self.image_prompt, req))  # the vision tower: torch
         else:
             ids = await asyncio.to_thread(self.prompt_ids, req)
+        tools = None
+        constraint = None
+        if req.kind == "chat" and (req.tools or req.response_format):
+            constraint = await asyncio.to_thread(self.constraint, req)
+            with worker.tokenizer_lock:
+                fmt = self.tool_format(req)
+            tools = (fmt, {t["function"]["name"] for t in req.tools}) if fmt is not None else None
         sampling = SamplingParams(temperature=req.temperature, top_k=self.top_k(req), top_p=req.top_p, seed=req.seed)
         job = Job(ids=ids, max_tokens=self.max_tokens(req, len(ids)), chat=req.kind == "chat", sampling=sampling,
                   stop=req.stop, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
                   sources=req.sources and req.stream, speculation=req.speculation, prompt_embeds=embeds,
-                  eos=self.fim_stops() if req.suffix is not None else None)
+                  eos=self.fim_stops() if req.suffix is not None else None, constraint=constraint)
         try:
             worker.submit(job)
         except QueueFull as exc:
@@ -443,7 +511,7 @@ class _Server:
         except ShuttingDown:  # the drain began while this request was tokenised
             raise _shutting_down() from None
         shape = _InfillShape(req, self.settings.served_name, job.eos) if req.kind == "infill" else _Shape(
-            req, self.settings.served_name)
+            req, self.settings.served_name, tools)
         if req.stream:
             events = _infill_sse(worker, job, shape) if req.kind == "infill" else _sse(worker, job, shape)
             return StreamingResponse(events, media_type="text/event-stream",
@@ -463,8 +531,10 @@ def _default_max_new_tokens(generate) -> int:
 class _Shape:
     """The OpenAI objects of one response: ids, chunks and the final body, for chat or completions."""
 
-    def __init__(self, req: GenerationRequest, model: str) -> None:
+    def __init__(self, req: GenerationRequest, model: str, tools: tuple[Any, set[str]] | None = None) -> None:
         self.chat = req.kind == "chat"
+        self.tools = tools  # (ToolFormat, the tools' names): the reply is read for tool calls
+        self.forced = req.tool_choice not in ("none", "auto")  # a grammar makes the reply calls
         self.include_usage = req.include_usage
         self.token_ids = req.return_token_ids
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
@@ -486,9 +556,17 @@ class _Shape:
 
     def body(self, text: str, result: Result, prompt_ids: list[int]) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self.logprobs and self.logprobs(result.logprobs),
-                      "finish_reason": result.finish_reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            finish = result.finish_reason
+            if self.tools is not None:
+                from ..structured.tool_calls import parse_tool_calls
+
+                parsed = parse_tool_calls(text, *self.tools)
+                if parsed.tool_calls:
+                    message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs and self.logprobs(result.logprobs),
+                      "finish_reason": finish}
             head = self._head("chat.completion")
         else:
             choice = {"index": 0, "text": text, "logprobs": self.logprobs and self.logprobs(result.logprobs),
@@ -510,10 +588,14 @@ class _Shape:
         return out
 
     def chunk(self, text: str | None = None, role: bool = False, finish: str | None = None,
-              logprobs: list[dict] | None = None) -> dict:
+              logprobs: list[dict] | None = None, tool_call: dict | None = None) -> dict:
         shaped = self.logprobs(logprobs or []) if self.logprobs is not None and not role else None
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+            if role and self.tools is not None:
+                delta["content"] = None  # the reply may be calls only: no content yet
+            if tool_call is not None:
+                delta = {"tool_calls": [tool_call]}
             choice = {"index": 0, "delta": delta, "logprobs": shaped, "finish_reason": finish}
             head = self._head("chat.completion.chunk")
         else:
@@ -580,6 +662,13 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
     done = False
     pending: list[dict] = []  # logprob entries not sent yet: they go with the next text chunk (or the last)
     sources = None  # the next text chunk's "speculant" annotation (speculant_sources)
+    parser = None
+    if shape.tools is not None:
+        from ..structured.tool_calls import ToolCallParser
+
+        # the text read for tool calls as it comes; a forced call's arguments go out as they come
+        parser = ToolCallParser(*shape.tools, incremental=shape.forced)
+    held = None  # the "speculant" counts of text the parser holds back (speculant_sources)
     try:
         if shape.chat:
             yield _event(shape.chunk(role=True))
@@ -589,6 +678,19 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
                 pending.extend(payload)
             elif kind == "sources":
                 sources = payload
+            elif kind == "text" and parser is not None:
+                parts = parser.feed(payload)
+                if sources is not None and parts != [("content", payload)]:
+                    sources = {**sources, "sources": []}  # its spans are of the text as generated, not as sent
+                if not parts:  # all held: its step's counts go with the next chunk
+                    held = _add_steps(held, sources)
+                    sources = None
+                    continue
+                sources = _add_steps(held, sources)
+                held = None
+                for chunk in _tool_chunks(shape, parts, pending, sources):
+                    yield _event(chunk)
+                    pending, sources = [], None
             elif kind == "text":
                 chunk = shape.chunk(payload, logprobs=pending)
                 if sources is not None:
@@ -597,6 +699,12 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
                 pending, sources = [], None
             elif kind == "done":
                 done = True
+                if parser is not None:
+                    for chunk in _tool_chunks(shape, parser.finish(), pending, held):
+                        yield _event(chunk)
+                        pending = []
+                    if parser.calls and payload.finish_reason == "stop":
+                        payload = dataclasses.replace(payload, finish_reason="tool_calls")
                 yield _event(shape.last_chunk(payload, job.ids, logprobs=pending))
                 if shape.include_usage:
                     yield _event(shape.usage_chunk(payload))
@@ -610,6 +718,31 @@ async def _sse(worker: Worker, job: Job, shape: _Shape) -> AsyncIterator[bytes]:
     finally:
         if not done:
             worker.cancel(job)
+
+
+def _add_steps(a: dict | None, b: dict | None) -> dict | None:
+    """Two chunks' ``speculant`` annotations (``speculant_sources``) as one: tokens and accepted summed, spans in
+    order."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {"sources": a["sources"] + b["sources"], "tokens": a["tokens"] + b["tokens"],
+            "accepted": a["accepted"] + b["accepted"]}
+
+
+def _tool_chunks(shape: _Shape, parts: list[tuple[str, Any]], logprobs: list[dict],
+                 sources: dict | None) -> list[dict]:
+    """The chunks of what a :class:`~speculant.structured.tool_calls.ToolCallParser` made ready: content deltas and
+    ``delta.tool_calls`` entries (each call whole: its ``index``, ``id``, ``type``, ``function.name`` and
+    ``function.arguments``); the first carries the pending logprob entries and ``sources``."""
+    out = []
+    for kind, value in parts:
+        chunk = (shape.chunk(value, logprobs=logprobs) if kind == "content"
+                 else shape.chunk(logprobs=logprobs, tool_call=value))
+        if sources is not None:
+            chunk["speculant"] = sources
+        out.append(chunk)
+        logprobs, sources = [], None
+    return out
 
 
 async def _infill_sse(worker: Worker, job: Job, shape: _InfillShape) -> AsyncIterator[bytes]:

@@ -13,7 +13,9 @@ as markdown while it streams, the model's raw HTML shown as text, each character
 answer: its prompt tokens and how many the server reused from its prefix cache
 (``usage.prompt_tokens_details.cached_tokens``), its tokens, τ and speed; above the input, live τ (tokens per
 target forward), tokens per second and the share of accepted draft tokens. An API key field is there for servers
-started with ``--api-key``.
+started with ``--api-key``; a tools field (a JSON array of function tools) sends ``tools`` with each request, and
+a tool call the model makes is shown under its answer (the function's name and its arguments as indented JSON,
+as text) and kept in the conversation as the assistant's ``tool_calls``.
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ PAGE = """<!doctype html>
     <p>max tokens <input id="max" type="number" value="256" min="1"> &nbsp;
        temperature <input id="temp" type="number" value="0" min="0" step="0.1"> &nbsp;
        API key <input id="key" type="password" placeholder="if the server has one"></p>
+    <p>tools (a JSON array of OpenAI function tools, sent with each request; empty: none)<br>
+       <textarea id="tools" rows="3" placeholder='[{"type": "function", "function": {"name": "get_weather", ...}}]'></textarea></p>
   </details>
 </main>
 </body>

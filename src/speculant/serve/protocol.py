@@ -4,7 +4,7 @@ A request is parsed from raw bytes (not by FastAPI's model validation) so that e
 shape ``{"error": {"message", "type", "param", "code"}}`` with ``param`` naming the field, and HTTP 400:
 malformed JSON, a body that is not an object, a field of the wrong type or out of range, a field the server does
 not know (OpenAI answers "Unrecognized request argument" too), and a known OpenAI field that asks for something
-the server does not do (``n`` > 1, penalties, tools ...). Those known fields are accepted when they carry their
+the server does not do (``n`` > 1, penalties ...). Those known fields are accepted when they carry their
 neutral value (``n: 1``, ``frequency_penalty: 0``, ``user: "..."``), since OpenAI clients often send them.
 
 Log-probabilities: chat takes ``logprobs: true`` and ``top_logprobs`` (0 to :data:`MAX_TOP_LOGPROBS`, which needs
@@ -19,6 +19,13 @@ streaming only) adds to each chunk how its text came: ``"speculant": {"sources":
 ...], "tokens": n, "accepted": a}`` (the web page colours accepted draft tokens with it);
 ``speculant_speculation`` (``auto``, ``on``, ``off``) sets this request's speculation over the server's
 ``--speculation`` (``speculant bench serve --speculation`` compares them on one server).
+
+Tools and structured outputs (chat): ``tools`` (function tools), ``tool_choice`` (``none``, ``auto``,
+``required``, ``{"type": "function", "function": {"name"}}``) and ``parallel_tool_calls`` are checked by
+:mod:`speculant.structured.tool_calls`; assistant messages may carry ``tool_calls`` (their ``arguments`` strings
+are parsed to objects, as templates render them) and ``tool`` messages a ``tool_call_id``. ``response_format``
+(``text``, ``json_object``, ``json_schema``, and speculant's ``regex`` and ``grammar``) is checked in shape here;
+its schema compiles once the tokenizer is known.
 
 Fill-in-the-middle: ``/v1/completions`` takes OpenAI's legacy ``suffix`` (with a text ``prompt``; chat refuses
 it), and :func:`parse_infill_request` reads llama.cpp's ``/infill`` body with llama.cpp's field names and
@@ -112,6 +119,10 @@ class GenerationRequest:
     max_tokens_param: str = "max_tokens"  # the field that set max_tokens (for errors)
     suffix: str | None = None  # fill-in-the-middle: the text after the cursor (``prompt``: the text before it)
     extra: list[dict[str, str]] | None = None  # fill-in-the-middle: repository files {"filename", "text"}
+    tools: list[dict[str, Any]] | None = None  # checked function tools (structured.tool_calls.check_tools)
+    tool_choice: str = "none"  # "none" | "auto" | "required" | the name of the function to call
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None  # None: text; else json_object / json_schema / regex / grammar
 
 
 # ---------------------------------------------------------------------------------------------- JSON
@@ -270,9 +281,6 @@ _COMMON_NEUTRAL: dict[str, _Neutral] = {
     "service_tier": ((None, "auto", "default"), "one service tier"),
 }
 _CHAT_NEUTRAL: dict[str, _Neutral] = {
-    "response_format": ((None, {"type": "text"}), "plain text responses (response_format type 'text')"),
-    "tools": ((None, []), "no tools"),
-    "tool_choice": ((None, "none", "auto"), "no tools (tool_choice 'none')"),
     "functions": ((None, []), "no functions"),
     "function_call": ((None, "none", "auto"), "no functions"),
     "modalities": ((None, ["text"]), "text output only"),
@@ -296,14 +304,14 @@ _COMPLETION_NEUTRAL: dict[str, _Neutral] = {
 _FREE: dict[str, Callable[[Any], bool]] = {
     "user": lambda v: v is None or isinstance(v, str),
     "metadata": lambda v: v is None or (isinstance(v, dict) and all(isinstance(x, str) for x in v.values())),
-    "parallel_tool_calls": lambda v: v is None or isinstance(v, bool),
     "prompt_cache_key": lambda v: v is None or isinstance(v, str),
     "safety_identifier": lambda v: v is None or isinstance(v, str),
 }
 _SHARED_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream", "stream_options",
                   "ignore_eos", "return_token_ids", "speculant_sources",
                   "speculant_speculation"}
-_CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_CHAT_FIELDS = _SHARED_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools",
+                                 "tool_choice", "parallel_tool_calls", "response_format"}
 _COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "logprobs", "suffix"}
 
 
@@ -467,16 +475,62 @@ def _messages(body: Mapping) -> list[dict[str, Any]]:
         if role not in _ROLES:
             raise _bad(f"messages[{i}].role", f"'messages[{i}].role' must be one of {', '.join(_ROLES)}, got "
                                               f"{json.dumps(role)[:40]}")
+        allowed = _MESSAGE_KEYS.get(role, ("role", "content", "name"))
         for key in m:
-            if key not in ("role", "content", "name"):
+            if key not in allowed:
                 key = clip(key, 40)
-                raise _bad(f"messages[{i}].{key}", f"'messages[{i}].{key}' is not supported (messages carry role, "
-                                                   "content and name)", "unsupported_value")
+                raise _bad(f"messages[{i}].{key}", f"'messages[{i}].{key}' is not supported (a {role} message "
+                                                   f"carries {', '.join(allowed)})", "unsupported_value")
         if "name" in m and not isinstance(m["name"], str):
             raise _bad(f"messages[{i}].name", f"'messages[{i}].name' must be a string", "invalid_type")
-        if "content" not in m:
+        message: dict[str, Any] = {"role": role}
+        calls = m.get("tool_calls")
+        if calls is not None:
+            message["tool_calls"] = _tool_calls(i, calls)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise _bad(f"messages[{i}].tool_call_id", f"'messages[{i}].tool_call_id' (a string) is required in a "
+                                                          "tool message", "missing_required")
+            message["tool_call_id"] = m["tool_call_id"]
+        if "content" not in m and not message.get("tool_calls"):
             raise _bad(f"messages[{i}].content", f"'messages[{i}].content' is required", "missing_required")
-        out.append({"role": role, "content": _content(i, m["content"])})
+        content = m.get("content")
+        message["content"] = "" if content is None and message.get("tool_calls") else _content(i, content)
+        out.append(message)
+    return out
+
+
+_MESSAGE_KEYS = {"assistant": ("role", "content", "name", "tool_calls"),
+                 "tool": ("role", "content", "name", "tool_call_id")}
+"""The fields a message of each role may carry (any other role: role, content and name)."""
+
+
+def _tool_calls(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls`` with each call's ``arguments`` (a JSON string) parsed to an object, as
+    chat templates render them (``tojson``)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise _bad(where, f"'{where}' must be an array, got {_kind(calls)}", "invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function" \
+                or not isinstance(fn.get("name"), str):
+            raise _bad(at, f"'{at}' must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                           "\"arguments\"}}}}", "invalid_type")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise _bad(f"{at}.function.arguments", f"'{at}.function.arguments' is not valid JSON") from None
+        if not isinstance(args, dict):
+            raise _bad(f"{at}.function.arguments", f"'{at}.function.arguments' must be a JSON object")
+        entry = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
     return out
 
 
@@ -494,8 +548,76 @@ def parse_chat_request(body: Mapping) -> GenerationRequest:
     """A ``/v1/chat/completions`` body as a :class:`GenerationRequest`, or APIError 400 naming the field."""
     _check_fields(body, _CHAT_FIELDS, {**_COMMON_NEUTRAL, **_CHAT_NEUTRAL})
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    tools, choice, parallel = _tools(body)
     return GenerationRequest(messages=_messages(body), max_tokens=_max_tokens(body, chat=True),
-                             max_tokens_param=param, logprobs=_chat_logprobs(body), **_common(body, "chat"))
+                             max_tokens_param=param, logprobs=_chat_logprobs(body), tools=tools or None,
+                             tool_choice=choice, parallel_tool_calls=parallel,
+                             response_format=_response_format(body, tools_forced=choice not in ("none", "auto")),
+                             **_common(body, "chat"))
+
+
+def _tools(body: Mapping) -> tuple[list[dict[str, Any]], str, bool]:
+    """``(tools, tool_choice, parallel_tool_calls)`` checked (:mod:`speculant.structured.tool_calls`)."""
+    from ..structured.tool_calls import ToolSpecError, check_tool_choice, check_tools
+
+    v = body.get("parallel_tool_calls")
+    if v is not None and not isinstance(v, bool):
+        raise _bad("parallel_tool_calls", f"'parallel_tool_calls' must be a boolean, got {_kind(v)}", "invalid_type")
+    try:
+        tools = check_tools(body.get("tools") if body.get("tools") is not None else [])
+        choice = check_tool_choice(body.get("tool_choice"), tools)
+    except ToolSpecError as exc:
+        raise _bad(clip(exc.param, 80), clip(str(exc), 400), "invalid_value") from None
+    return tools, choice, v is not False
+
+
+_FORMATS = {"text": (), "json_object": (), "json_schema": ("json_schema",), "regex": ("pattern",),
+            "grammar": ("grammar",)}
+"""``response_format`` types and the field each needs (``regex`` and ``grammar``: speculant's, an llguidance
+regular expression and Lark grammar)."""
+
+
+def _response_format(body: Mapping, tools_forced: bool) -> dict[str, Any] | None:
+    """``response_format`` checked in shape (None: plain text); its schema, pattern or grammar is compiled once the
+    model's tokenizer is known (:func:`speculant.structured.compile_response_format`)."""
+    v = body.get("response_format")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("response_format", f"'response_format' must be an object, got {_kind(v)}", "invalid_type")
+    kind = v.get("type")
+    if kind not in _FORMATS:
+        raise _bad("response_format.type", f"'response_format.type' must be one of {', '.join(_FORMATS)}, got "
+                                           f"{clip(json.dumps(kind), 40)}", "invalid_value")
+    for key in v:
+        if key != "type" and key not in _FORMATS[kind]:
+            key = clip(key, 40)
+            raise _bad(f"response_format.{key}", f"'response_format.{key}' is not a field of a {kind} "
+                                                 "response_format", "unknown_parameter")
+    if kind == "text":
+        return None
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad("response_format.json_schema", "'response_format.json_schema' must be an object {\"name\", "
+                                                      "\"schema\", \"strict\"}", "invalid_type")
+        if not isinstance(spec.get("schema", {}), dict):
+            raise _bad("response_format.json_schema.schema", "'response_format.json_schema.schema' must be a JSON "
+                                                             "schema (an object)", "invalid_type")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise _bad("response_format.json_schema.strict", "'response_format.json_schema.strict' must be a "
+                                                             "boolean", "invalid_type")
+        if spec.get("name") is not None and not isinstance(spec["name"], str):
+            raise _bad("response_format.json_schema.name", "'response_format.json_schema.name' must be a string",
+                       "invalid_type")
+    for name in _FORMATS[kind][:1] if kind in ("regex", "grammar") else ():
+        if not isinstance(v.get(name), str):
+            raise _bad(f"response_format.{name}", f"'response_format.{name}' (a string) is required with type "
+                                                  f"{kind}", "missing_required")
+    if tools_forced:
+        raise _bad("response_format", "'response_format' and a forced 'tool_choice' ('required' or a function) "
+                                      "both constrain the reply: give one", "unsupported_value")
+    return dict(v)
 
 
 def _chat_logprobs(body: Mapping) -> int | None:

@@ -89,6 +89,7 @@ class Job:
     speculation: str | None = None  # this request's speculation mode (None: the server's --speculation)
     prompt_embeds: Any = None  # [1, len(ids), H]: an image prompt's embeddings (a vision-language target)
     eos: list[int] | None = None  # its own stop tokens, never shown as text (None: the worker's, by ``chat``)
+    constraint: Any = None  # a speculant.structured CompiledFormat: the reply follows it (a fresh matcher per job)
     arrived: float = field(default_factory=time.perf_counter)
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
@@ -582,6 +583,8 @@ class Worker:
         drafter = observed if observed is not None else self.session.drafter()
         if job.prompt_embeds is not None and drafter is not None:
             drafter = self.session.text_only(drafter)  # the drafter reads the text of an image prompt only
+        if job.constraint is not None:
+            options["constraint"] = job.constraint.constraint()
         index = batch.add(job.ids, drafter, job.max_tokens, s.temperature, s.top_k, s.top_p, s.seed, eos,
                           logprobs=job.logprobs, speculation=job.speculation, prompt_embeds=job.prompt_embeds,
                           **options)

@@ -155,17 +155,49 @@
     $("stop").hidden = !on;
   }
 
+  // the tools of the settings' JSON box (an array of OpenAI function tools), or null when it is empty
+  function tools() {
+    const text = $("tools").value.trim();
+    if (!text) return null;
+    const parsed = JSON.parse(text);
+    return Array.isArray(parsed) ? parsed : [parsed];
+  }
+
+  // A tool call of the answer: its function's name and its arguments as indented JSON (as text, never HTML).
+  function showCall(box, call) {
+    const div = document.createElement("div");
+    div.className = "tool-call";
+    const name = document.createElement("div");
+    name.className = "tool-name";
+    name.textContent = "tool call: " + call.function.name;
+    const args = document.createElement("pre");
+    let shown = call.function.arguments;
+    try { shown = JSON.stringify(JSON.parse(shown), null, 2); } catch (e) { /* not JSON yet: as sent */ }
+    args.textContent = shown;
+    div.append(name, args);
+    box.appendChild(div);
+  }
+
   async function send(text) {
     if (!model) await loadModel();
+    let offered;
+    try {
+      offered = tools();
+    } catch (e) {
+      add("error", "tools: not valid JSON (" + e.message + ")");
+      return;
+    }
     const mine = chat;
     messages.push({role: "user", content: text});
     follow(() => add("user", text));
     const out = add("assistant", "");
+    const callBox = add("tool-calls", "");
     const meta = add("meta", "");
     busy(true);
     controller = new AbortController();
     let steps = 0, tokens = 0, accepted = 0, first = null, answer = "", usage = null, stats = null, finish = "";
     const origins = [];
+    const calls = [];  // the answer's tool calls, by index: {id, type, function: {name, arguments}}
     let pending = false;
     const paint = () => { pending = false; follow(() => render(out, answer, origins)); };
     const schedule = () => { if (!pending) { pending = true; requestAnimationFrame(paint); } };
@@ -180,9 +212,10 @@
     };
     try {
       const r = await fetch("/v1/chat/completions", {method: "POST", headers: headers(), signal: controller.signal,
-        body: JSON.stringify({model: model, messages: messages, stream: true, stream_options: {include_usage: true},
-          speculant_sources: true, max_tokens: parseInt($("max").value, 10) || 256,
-          temperature: parseFloat($("temp").value) || 0})});
+        body: JSON.stringify(Object.assign({model: model, messages: messages, stream: true,
+          stream_options: {include_usage: true}, speculant_sources: true,
+          max_tokens: parseInt($("max").value, 10) || 256, temperature: parseFloat($("temp").value) || 0},
+          offered ? {tools: offered} : {}))});
       if (!r.ok) {
         const body = await r.json().catch(() => ({}));
         throw new Error(body.error ? body.error.message : r.statusText);
@@ -221,6 +254,14 @@
             for (; at < n; at++) origins.push("target");
             schedule();
           }
+          for (const tc of (choice && choice.delta && choice.delta.tool_calls) || []) {
+            const call = calls[tc.index] || (calls[tc.index] = {id: "", type: "function",
+                                                                  function: {name: "", arguments: ""}});
+            if (tc.id) call.id = tc.id;
+            if (tc.function && tc.function.name) call.function.name += tc.function.name;
+            if (tc.function && tc.function.arguments) call.function.arguments += tc.function.arguments;
+            follow(() => { callBox.textContent = ""; calls.forEach((c) => c && showCall(callBox, c)); });
+          }
           if (choice && choice.finish_reason) finish = choice.finish_reason;
           if (sp && sp.acceptance_length !== undefined) {
             stats = sp;
@@ -230,7 +271,8 @@
           show();
         }
       }
-      messages.push({role: "assistant", content: answer});
+      messages.push(calls.length ? {role: "assistant", content: answer || null, tool_calls: calls.filter(Boolean)}
+                                 : {role: "assistant", content: answer});
     } catch (e) {
       if (mine !== chat) return;  // "New chat" stopped it: the new conversation does not hold it
       if (e.name === "AbortError" && answer) {
