@@ -13,6 +13,11 @@ Chat prompts (``messages``) are tokenised with the target tokenizer's chat templ
 given, every method and baseline stops at the end of the assistant's turn (:func:`speculant.models.chat.stop_ids`).
 Fill-in-the-middle prompts (``prefix`` and ``suffix``, ``builtin:fim``) are built in the target's own FIM tokens
 and every method and baseline stops at the model's FIM end tokens (:func:`speculant.models.fim.fim_stop_ids`).
+Structured prompts (a ``response_format``, or ``tools`` and ``tool_choice``: ``builtin:json-extract``,
+``builtin:tools``) run every method under their constraint (:mod:`speculant.bench.structured`; the tools rendered by
+the chat template) and each answer is checked: per method, the share valid and exact, the constraint's mask time
+per step and as a share of decoding, and the share of forced tokens (``structured``). transformers and llama.cpp
+baselines cannot decode under a constraint: such prompts run our methods only.
 """
 
 from __future__ import annotations
@@ -49,6 +54,9 @@ from .models import BenchModels, plan_bench_models
 from .probe import peak_kv_bytes, probing
 from ..data.prompts import check_record, is_chat, is_fim, load_prompts, prompt_ids
 from .speed import MethodRun, machine_info, run_side_by_side, summarise, summarise_by
+from .structured import DEFINITIONS as STRUCTURED_DEFINITIONS
+from .structured import StructuredPrompt, check_run, prepare, summarise_structured
+from ..data.answers import is_structured
 
 __all__ = ["DEFAULT", "DEFAULT_FAMILIES", "DEFAULT_METHODS", "DEFINITIONS", "REFERENCE", "check_out_dir",
            "method_specs", "run_bench", "split_specs"]
@@ -162,18 +170,22 @@ class _EngineMethod:
         self.last_drafter = session.drafter(method)
         self.models = drafter_models(self.last_drafter, session.target)
         self.embeds: dict[tuple[int, ...], torch.Tensor] = {}  # image prompts' embeddings, by their ids
+        self.structured: dict[tuple[int, ...], StructuredPrompt] = {}  # structured prompts, by their ids
 
     def __call__(self, ids: list[int], max_new_tokens: int, **sampling) -> dict:
         drafter = self.session.drafter(self.method)
+        structured = self.structured.get(tuple(ids))
         # drafters may call a model's base (e.g. a VocabTrim head skips the full LM head): probe the bases, which
         # see every forward either way
         with probing(self.session.target, *(getattr(m, "base_model", m) for m in self.models)) as probes:
             gen = self.session.generate(ids, method=self.method, drafter=drafter, max_new_tokens=max_new_tokens,
                                         eos_token_id=self.stops, prompt_embeds=self.embeds.get(tuple(ids)),
-                                        **sampling)
+                                        **(structured.kwargs if structured else {}), **sampling)
         self.last_drafter = drafter
+        checked = {} if structured is None else check_run(structured, gen.token_ids, self.session.tokenizer)
         return {"token_ids": gen.token_ids, **gen.stats.as_dict(), "depth_reached": list(gen.stats.depth_reached),
-                "depth_accepted": list(gen.stats.depth_accepted), "kv_cache_peak_bytes": peak_kv_bytes(*probes)}
+                "depth_accepted": list(gen.stats.depth_accepted), "kv_cache_peak_bytes": peak_kv_bytes(*probes),
+                **checked}
 
 
 def _with_images(record: Mapping, n: int) -> str | list[dict]:
@@ -259,7 +271,9 @@ def run_bench(
         prompts: ``builtin:code``, ``builtin:grounded``, ``builtin:mt-bench``, the path of a JSONL file (one
             ``{"prompt": TEXT}`` or ``{"messages": [...]}`` per line, other fields kept), or a list of strings /
             dicts with ``prompt`` (text), ``messages`` (a chat: the target tokenizer's chat template is applied)
-            or ``input_ids``. Records with a ``category`` get a per-category table.
+            or ``input_ids``. Records with a ``category`` get a per-category table; records with a
+            ``response_format`` or ``tools`` (``builtin:json-extract``, ``builtin:tools``) are decoded under that
+            constraint and checked (our methods only: ``baselines`` must be empty).
         methods: registry specs (``NAME[:key=value...]``), a list or one comma-separated string; results are
             keyed by the spec exactly as given. ``ar`` is added (first) when missing: it is the reference. A
             ``draft=NAME`` option runs that method with its own draft model (a name or directory, loaded like
@@ -317,6 +331,10 @@ def run_bench(
         device = resolve_device(device)  # before the prompts load
     lineup = _lineup(methods, baselines, target, draft, budgets, depths, images)
     source, records = _prompt_records(prompts, num_prompts)
+    structured = sum(is_structured(r) for r in records)
+    if structured and lineup.baselines:
+        raise ValueError("structured prompts (response_format or tools) run our methods only, each under its "
+                         "constraint: pass --baselines none")
     if lineup.uses_llamacpp and not llamacpp.available():
         raise ValueError(llamacpp.INSTALL_HINT)
     models = _load_models(lineup, target, draft, tokenizer, dtype, device, quantization)
@@ -331,8 +349,11 @@ def run_bench(
     k_default = _default_k(lineup.methods)
     ours = {spec: _EngineMethod(models.for_draft(lineup.method_drafts.get(spec)), method, stops)
             for spec, method in lineup.methods}
+    prepared = {tuple(ids): prepare(r, models.session.tokenizer) for r, ids in zip(records, ids_per_prompt)
+                if is_structured(r)}
     for method in ours.values():
         method.embeds = embeds
+        method.structured = prepared
     n_ctx = max(len(ids) for ids in ids_per_prompt) + max_new_tokens + 64
     runs = [MethodRun(spec, run=method) for spec, method in ours.items()]
     runs += _baseline_runs(lineup, models, target, stops, pad, k_default, n_ctx)
@@ -344,14 +365,15 @@ def run_bench(
     settings = {"prompts": source, "num_prompts": len(records),
                 **_model_settings(lineup, models),
                 "max_new_tokens": max_new_tokens, **sampling, "repeats": repeats, "warmup": warmup,
-                "eos_token_id": stops, "chat_prompts": chats, "fim_prompts": fims, "pad_token_id": pad,
+                "eos_token_id": stops, "chat_prompts": chats, "fim_prompts": fims, "structured_prompts": structured,
+                "pad_token_id": pad,
                 "hf_default_k": k_default,
                 **({"llamacpp": llamacpp.SETTINGS_NOTE} if lineup.uses_llamacpp else {})}
     results = {
         "benchmark": "speculant bench",
         "machine": machine_info(),
         "settings": settings,
-        "definitions": DEFINITIONS,
+        "definitions": {**DEFINITIONS, **(STRUCTURED_DEFINITIONS if structured else {})},
         "prompts": [{**{k: v for k, v in r.items() if k != "input_ids"}, "tokens": len(ids)}
                     for r, ids in zip(records, ids_per_prompt)],
         "methods": summary,
@@ -496,6 +518,9 @@ def _summary(rows: dict, lineup: _Lineup, ours: dict[str, _EngineMethod], models
                            [spec for spec, name, _ in lineup.baselines if name == "hf-assisted"])
     target_ppf = params_per_forward(target_model)
     for spec, method in ours.items():
+        figures = summarise_structured(rows[spec])
+        if figures is not None:
+            summary[spec]["structured"] = figures
         _add_costs(summary[spec], rows[spec], "speculant",
                    drafter_params_per_forward(method.last_drafter, target_model), target_ppf,
                    param_bytes(target_model, *method.models))

@@ -10,8 +10,12 @@ run's row gets ``valid`` and ``exact`` (:func:`speculant.data.answers.check_answ
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["DEFINITIONS", "structured_table", "summarise_structured"]
+from ..data.answers import check_answer, structured_kind
+
+__all__ = ["DEFINITIONS", "StructuredPrompt", "check_run", "prepare", "structured_table", "summarise_structured"]
 
 DEFINITIONS = {
     "structured": "prompts with a response_format or tools, decoded under that constraint: checked = runs "
@@ -43,6 +47,66 @@ def summarise_structured(rows: Sequence[Mapping]) -> dict | None:
         "mask_share": mask / decode if decode > 0 else None,
         "forced_token_share": sum(r.get("forced_tokens", 0) for r in checked) / new if new else None,
     }
+
+
+@dataclass
+class StructuredPrompt:
+    """A structured prompt ready to run: its ``record``, the keyword arguments of
+    :meth:`speculant.session.Session.generate` that put its constraint on decoding (``kwargs``: a
+    ``response_format``, or none for ``tool_choice`` ``auto``), and for a tools prompt the target's tool-call
+    format (``tool_format``), which reads the calls back out of the text."""
+
+    record: Mapping
+    kwargs: dict
+    tool_format: Any = None
+
+
+def prepare(record: Mapping, tokenizer: Any) -> StructuredPrompt:
+    """``record``'s constraint for the target's ``tokenizer``: a JSON record's own ``response_format``; a tools
+    record's ``tool_choice`` as a grammar in the model's tool-call format
+    (:func:`speculant.structured.tool_calls.tool_constraint`: ``required`` forces a call of one of the tools, or
+    several unless ``parallel_tool_calls`` is false; ``auto`` leaves the model free), the record's
+    ``response_format`` being the answer's schema when it has one.
+
+    Raises:
+        ValueError: one line naming the prompt: bad tools or tool_choice, or a target whose chat template has no
+            tool-call format.
+    """
+    if structured_kind(record) == "json":
+        return StructuredPrompt(record, {"response_format": dict(record["response_format"])})
+    from ..structured.tool_calls import check_tool_choice, check_tools, tool_constraint, tool_format
+
+    try:
+        tools = check_tools(list(record["tools"]))
+        choice = check_tool_choice(record.get("tool_choice", "auto"), tools)
+        fmt = tool_format(tokenizer)
+        answer = (record.get("response_format") or {}).get("json_schema", {}).get("schema")
+        parallel = record.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise ValueError(f"'parallel_tool_calls' must be a boolean, got {parallel!r:.40}")
+        constraint = tool_constraint(fmt, tools, choice, parallel, answer_schema=answer)
+    except ValueError as exc:
+        raise ValueError(f"prompt {record.get('id', '?')!r}: {exc}") from None
+    return StructuredPrompt(record, {} if constraint is None else {"response_format": constraint}, fmt)
+
+
+def check_run(prompt: StructuredPrompt, token_ids: Sequence[int], tokenizer: Any) -> dict:
+    """A run's ``valid``, ``exact`` and first error (``answer_error``, or None), and for a tools prompt how many
+    calls it made (``tool_calls``): its new tokens decoded (special tokens skipped), a tools prompt's calls read
+    back in the model's format
+    (:func:`speculant.structured.tool_calls.parse_tool_calls`), checked by
+    :func:`speculant.data.answers.check_answer`."""
+    text = tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    calls = None
+    if prompt.tool_format is not None:
+        from ..structured.tool_calls import parse_tool_calls
+
+        parsed = parse_tool_calls(text, prompt.tool_format)
+        text, calls = parsed.content or "", parsed.tool_calls
+    report = check_answer(prompt.record, text, calls)
+    return {"valid": report["valid"], "exact": report["exact"],
+            "answer_error": report["errors"][0] if report["errors"] else None,
+            **({} if calls is None else {"tool_calls": len(calls)})}
 
 
 def _pct(v: float | None) -> str:

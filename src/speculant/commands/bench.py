@@ -44,7 +44,10 @@ DESCRIPTION = (
     "parameters + KV caches), the time split, and at temperature 0 whether every output is token-identical to "
     "ar's (mismatches are listed with their first differing position); when the prompts have categories "
     "(builtin:mt-bench), τ and speed-up per category. Chat prompts are tokenised with the target's chat "
-    "template, fill-in-the-middle prompts (builtin:fim) in its FIM tokens. Writes results.json, results.md and "
+    "template, fill-in-the-middle prompts (builtin:fim) in its FIM tokens. Structured prompts "
+    "(builtin:json-extract, builtin:tools) run every method under their response_format or tools and report "
+    "the share of valid and exact answers, the constraint's mask time and forced tokens (with --baselines none). "
+    "Writes results.json, results.md and "
     "plots (matplotlib) to --out."
 )
 

@@ -206,8 +206,8 @@ def is_chat(record: Mapping) -> bool:
 def prompt_ids(record: Mapping, tokenizer: Any) -> list[int]:
     """The token ids of a prompt record: ``input_ids`` as given, ``prompt`` through ``tokenizer`` (its default
     special tokens, no chat template), ``messages`` through the tokenizer's chat template with the generation
-    prompt (:func:`speculant.models.chat.chat_ids`), ``prefix`` and ``suffix`` in the tokenizer's FIM tokens
-    (:func:`speculant.models.fim.fim_ids`).
+    prompt and the record's ``tools`` if any (:func:`speculant.models.chat.chat_ids`), ``prefix`` and ``suffix``
+    in the tokenizer's FIM tokens (:func:`speculant.models.fim.fim_ids`).
 
     Raises:
         ValueError: one line naming the prompt: text without a tokenizer, a chat when the tokenizer has no chat
@@ -224,7 +224,7 @@ def prompt_ids(record: Mapping, tokenizer: Any) -> list[int]:
             raise ValueError(f"prompt {name!r} is a chat ('messages') but the target's tokenizer has no chat "
                              "template: use a chat (instruct) target, or give the text as 'prompt'")
         try:
-            ids = chat_ids(tokenizer, record["messages"])
+            ids = chat_ids(tokenizer, record["messages"], tools=record.get("tools"))
         except ValueError as exc:
             raise ValueError(f"prompt {name!r}: {exc}") from None
     elif is_fim(record):
