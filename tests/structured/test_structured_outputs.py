@@ -279,3 +279,17 @@ def test_a_format_that_completes_without_stop_tokens_ends_the_generation(pair, t
         gen = speculant.generate(target, prompt, drafter=_drafter(spec, draft), max_new_tokens=30, temperature=1.0,
                                  seed=seed, eos_token_id=[], response_format=fmt, tokenizer=tok)
         assert gen.finish_reason == "stop" and tok.decode(gen.token_ids) in ("yes!", "no!")
+
+
+def test_json_whitespace_is_bounded_so_an_answer_cannot_run_away_in_spaces(tok):
+    """JSON's grammar allows any whitespace; ours a few spaces or one line break and an indentation, so a model
+    cannot spend its budget on spaces inside an answer (and pretty-printed JSON still fits)."""
+    for rf in ({"type": "json_object"},
+               {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}):
+        constraint = compile_response_format(rf, tok).constraint()
+        constraint.begin(len(tok), {EOS})
+        pretty = tok.encode('{\n    "a": [\n        1,\n        2\n    ]\n}', add_special_tokens=False)
+        assert constraint.mask_after(pretty) is not None
+        runaway = tok.encode('{"a":' + " " * 40 + "1}", add_special_tokens=False)
+        blank_lines = tok.encode('{"a":\n\n\n1}', add_special_tokens=False)
+        assert constraint.mask_after(runaway) is None and constraint.mask_after(blank_lines) is None

@@ -108,12 +108,20 @@ def compile_response_format(response_format: dict, tokenizer) -> CompiledFormat:
     return compiled
 
 
+WHITESPACE = r"[ \t]{0,8}(\r?\n[ \t]{0,48})?"
+"""The whitespace JSON may hold between two tokens of its syntax: a few spaces, or one line break and an indentation
+of up to 48 columns (pretty-printed JSON fits). JSON's own grammar allows any amount, and a small model decoding
+under it can emit spaces until its token budget ends (seen with Qwen2.5-Coder-1.5B after ``"default":``), an answer
+that never parses; bounded, every position must soon move on. A schema's own ``x-guidance`` whitespace options
+(llguidance's) replace it."""
+
+
 def _grammar(kind: str, rf: dict) -> str:
     """The llguidance grammar (JSON text) of a checked ``response_format`` of type ``kind``."""
     from llguidance import LLMatcher
 
     if kind == "json_object":
-        return LLMatcher.grammar_from_json_schema({"type": "object"})
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides={"whitespace_pattern": WHITESPACE})
     if kind == "json_schema":
         body = rf.get("json_schema")
         if not isinstance(body, dict):
@@ -127,7 +135,10 @@ def _grammar(kind: str, rf: dict) -> str:
         if not isinstance(strict, bool):
             raise ValueError(f"response_format json_schema.strict must be true or false, got {strict!r:.40}")
         try:
-            return LLMatcher.grammar_from_json_schema(schema, overrides=None if strict else {"lenient": True})
+            own = isinstance(schema, dict) and isinstance(schema.get("x-guidance"), dict) and any(
+                "whitespace" in k for k in schema["x-guidance"])  # the schema's own whitespace rule wins
+            overrides = {**({} if own else {"whitespace_pattern": WHITESPACE}), **({} if strict else {"lenient": True})}
+            return LLMatcher.grammar_from_json_schema(schema, overrides=overrides)
         except ValueError as e:
             raise ValueError(f"response_format json_schema: {_one_line(str(e))}") from None
     field_name = "pattern" if kind == "regex" else "grammar"
