@@ -5,7 +5,6 @@ from text, streamed piece by piece exactly as whole."""
 
 from __future__ import annotations
 
-import glob
 import json
 
 import pytest
@@ -237,12 +236,12 @@ def test_incremental_calls_stream_their_arguments_as_they_come(size):
 def test_qwen_tool_call_tokens():
     """The packaged Qwen2.5-Coder's tokenizer: ``<tool_call>`` is added token 151657, and the forcing grammar
     accepts the very tokens its template writes for a call."""
-    from transformers import AutoTokenizer
+    from speculant.models.loading import load_tokenizer, resolve_model
+    from speculant.models.sources import packaged_installed
 
-    found = glob.glob("/root/.cache/speculant/models/qwen2.5-coder-*-instruct-*/tokenizer.json")
-    if not found:
-        pytest.skip("no packaged Qwen2.5-Coder model in the cache")
-    qwen = AutoTokenizer.from_pretrained(found[0].rsplit("/", 1)[0])
+    if not packaged_installed("qwen2.5-coder-0.5b-instruct"):
+        pytest.skip("the packaged Qwen2.5-Coder models are not installed (make qwen-models)")
+    qwen = load_tokenizer(resolve_model("qwen2.5-coder-0.5b-instruct"))
     fmt = tool_format(qwen)
     assert (fmt.open_id, fmt.close_id) == (151657, 151658)
     tools = check_tools([WEATHER, NOW])
