@@ -10,6 +10,7 @@ bit is replaced by the generation's stop tokens, allowed exactly where the gramm
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -136,7 +137,7 @@ class GuidanceConstraint(Constraint):
             if end[i] and kids:
                 held = {tree.tokens[c] for c in kids}
                 rows[i + 1] = False
-                rows[i + 1, next(t for t in [*self._stops, *range(self._vocab)] if t not in held)] = True
+                rows[i + 1, next(t for t in itertools.chain(self._stops, range(self._vocab)) if t not in held)] = True
         return torch.from_numpy(rows), allowed
 
     def mask_after(self, path: list[int]) -> torch.Tensor | None:
