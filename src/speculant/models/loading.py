@@ -281,6 +281,10 @@ def _keep_tied(model: torch.nn.Module) -> None:
     if (getattr(text, "tie_word_embeddings", False) and head is not None and embed is not None
             and head.weight is not embed.weight):
         model.tie_weights()
+        if head.weight is not embed.weight:  # transformers' own tying left them apart too: tie them here
+            log.warning("%s: the head was not tied to the input embedding after loading; tied now",
+                        type(model).__name__)
+            head.weight = embed.weight
 
 
 def bundled_dir(name: str) -> Path | None:
