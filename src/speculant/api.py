@@ -83,9 +83,11 @@ def generate(
         kv_policy, kv_budget: KV-cache eviction (:mod:`speculant.kv`): the target's cache keeps at most
             ``kv_budget`` tokens per layer, chosen by the policy (a name such as ``"keydiff"`` or
             ``"caote:h2o"``, or a policy object). The prompt is prefilled in blocks of ``kv_block`` tokens,
-            evicting back to the budget after each (peak ``kv_budget + kv_block`` tokens), and committed tokens
-            are evicted after every verification step (draft tokens are never evicted before they are
-            verified). The output is then exact given the evicted cache, not equal to full-cache decoding.
+            evicting back to the budget after each (peak ``kv_budget + kv_block`` tokens); while decoding,
+            committed tokens are evicted back to the budget once they fill the block's room (after every
+            verification step for blocks of up to 64 tokens, :class:`speculant.kv.budget.BudgetedKV`; draft tokens
+            are never evicted before they are verified). The output is then exact given the evicted cache, not
+            equal to full-cache decoding.
         forward: the target forward (:mod:`speculant.core.target_forward`): ``"auto"`` the lean forward
             (:class:`speculant.core.llama_forward.LlamaForward`) where it reproduces the model, else the model's own;
             ``"lean"`` requires it; ``"model"`` always uses the model's own (transformers) forward.

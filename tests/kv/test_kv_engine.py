@@ -81,3 +81,26 @@ def test_h2o_keeps_its_recent_window_inside_generate(pair, policy, monkeypatch):
         pos = cache.positions(layer)
         assert pos.shape[-1] == 12
         assert (pos[..., -6:] == torch.arange(end - 6, end)).all()
+
+
+def test_decoding_evicts_in_batches_within_budget_plus_block(pair, monkeypatch):
+    """While decoding, verified tokens fill the block's room beyond the budget (block - STEP_ROOM) and are then
+    evicted back to the budget in one go: far fewer evictions than steps, the live cache within budget + block."""
+    caches = record_caches(monkeypatch, speculant.kv.budget, "BudgetCache")
+    calls = []
+    evict = speculant.kv.budget.evict
+    monkeypatch.setattr(speculant.kv.budget, "evict", lambda cache, *a, **k: calls.append(cache.length)
+                        or evict(cache, *a, **k))
+    target, _ = pair
+    budget, room = 12, 8
+    block = speculant.kv.budget.STEP_ROOM + room
+    gen = speculant.generate(target, PROMPT, max_new_tokens=36, eos_token_id=[], kv_policy="keydiff",
+                             kv_budget=budget, kv_block=block)
+    assert len(gen.token_ids) == 36
+    (cache,) = caches
+    decoding = calls[1:]  # the prompt (39 tokens before the root, < one block) is evicted once, at its end
+    assert decoding and all(n == budget + room + 1 for n in decoding)  # each when the room overflows
+    assert len(decoding) == 36 // (room + 1)  # one step per token (the root first): not once per step
+    assert budget <= cache.layers[0].length <= budget + room
+    per_token = cache.layers[0].keys.shape[1] * cache.layers[0].keys.shape[-1] * 4 * 2 * len(cache.layers)
+    assert cache.peak_nbytes <= (budget + block) * per_token

@@ -320,7 +320,7 @@ def add_model_arguments(
             metavar="N",
             default=None,
             help="keep at most N tokens per layer in the target's KV cache (block-wise prefill, then eviction "
-            "after each verified step); needs --kv-policy",
+            "back to N whenever decoding fills the block's room); needs --kv-policy",
         )
         p.add_argument(
             "--kv-block",

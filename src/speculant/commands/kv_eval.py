@@ -1,10 +1,12 @@
 """``speculant kv-eval``: fidelity, retrieval accuracy and peak KV memory of eviction policies under a budget.
 
-Three tasks: ``--task fidelity`` (default; teacher-forced fidelity, the synthetic dict retrieval and the memory
+Four tasks: ``--task fidelity`` (default; teacher-forced fidelity, the synthetic dict retrieval and the memory
 profile, :mod:`speculant.bench.kv_fidelity`), ``--task niah`` (needle in a haystack on real essays,
-:mod:`speculant.bench.niah`: ``--lengths``, ``--depths``, ``--haystack``, ``--needles``) and ``--task ruler`` (RULER's
+:mod:`speculant.bench.niah`: ``--lengths``, ``--depths``, ``--haystack``, ``--needles``), ``--task ruler`` (RULER's
 tasks generated offline, :mod:`speculant.bench.ruler`: ``--ruler-tasks``, ``--lengths``, ``--samples``,
-``--budget-fractions``, ``--blocks``, ``--query-aware``; resumable with ``--out``).
+``--budget-fractions``, ``--blocks``, ``--query-aware``; resumable with ``--out``) and ``--task decode`` (decoding
+at long context with the full cache and under a budget, :mod:`speculant.bench.kv_decode`: ``--methods``,
+``--lengths``, ``--samples`` prompts, the first of ``--policies``, ``--budget-fraction``, ``--block``).
 
 Output: a table on stdout, or with ``--json`` one JSON object on its LAST line:
 ``{"results": [{"policy", "budget", "top1_agreement", "kl", "nll_ratio", "retrieval_accuracy", "per_file", ...}],
@@ -46,9 +48,10 @@ DESCRIPTION = (
     "e.g. snapkv:window=32, snapkv:passes=2 or speckv:passes=2)."
 )
 _DEFAULTS = EvalConfig()
-TARGETS = {"fidelity": "default-target", "niah": "smollm2-135m-instruct", "ruler": "smollm2-135m-instruct"}
+TARGETS = {"fidelity": "default-target", "niah": "smollm2-135m-instruct", "ruler": "smollm2-135m-instruct",
+           "decode": "smollm2-135m-instruct"}
 """The target of each task when --target is not given."""
-LENGTHS = {"niah": "1024,2048,4096,8000", "ruler": "4096,8192"}
+LENGTHS = {"niah": "1024,2048,4096,8000", "ruler": "4096,8192", "decode": "8192"}
 """The default --lengths of each task."""
 _HELPS = {
     "policies": "comma-separated policy specs",
@@ -68,10 +71,13 @@ _HELPS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Options of ``kv-eval``; defaults are :class:`EvalConfig`'s."""
-    p.add_argument("--task", choices=["fidelity", "niah", "ruler"], default="fidelity",
+    p.add_argument("--task", choices=["fidelity", "niah", "ruler", "decode"], default="fidelity",
                    help="fidelity: teacher-forced fidelity + synthetic dict retrieval + memory profile; niah: "
                    "needle in a haystack on real essays, answers decoded greedily under each budget; ruler: RULER's "
-                   "long-context tasks generated offline, scored as RULER scores them (%(default)s)")
+                   "long-context tasks generated offline, scored as RULER scores them; decode: each of --methods "
+                   "on long code-edit requests with the full cache and under the first of --policies at "
+                   "--budget-fraction, interleaved: request time, decoding tokens/s, tau, outputs compared "
+                   "(%(default)s)")
     common.add_model_arguments(p, method=False, kv=False, target_default=None,
                                target_note=f"default: {TARGETS['fidelity']} for --task fidelity, {TARGETS['niah']} "
                                "for --task niah and ruler; --draft is the draft of the speckv policy")
@@ -89,11 +95,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       help='JSONL file of {"needle", "question", "answer"} rows (default: --needle-count made-up '
                       "facts)")
     niah.add_argument("--needle-count", type=int, default=4, help="made-up needles per cell (%(default)s)")
-    niah.add_argument("--max-new-tokens", type=int, default=24, help="answer length limit (%(default)s)")
+    niah.add_argument("--max-new-tokens", type=int, default=None,
+                      help="answer length limit (niah: 24; decode: 128)")
     ruler = p.add_argument_group("ruler task")
     ruler.add_argument("--ruler-tasks", default=",".join(DEFAULT_TASKS),
                        help="comma-separated RULER task names (%(default)s)")
-    ruler.add_argument("--samples", type=int, default=10, help="samples per task and length (%(default)s)")
+    ruler.add_argument("--samples", type=int, default=None,
+                       help="samples per task and length (ruler: 10); decode: prompts per length (4)")
     ruler.add_argument("--budget-fractions", default=None,
                        help="comma-separated budgets as fractions of each prompt's prefill (default: "
                        "--budget-fraction; --budgets gives token counts instead)")
@@ -101,6 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     ruler.add_argument("--query-aware", action="store_true",
                        help="prefill the question with the context under the budget (default: query-agnostic, "
                        "the question is fed after the context is compressed)")
+    decode = p.add_argument_group("decode task")
+    decode.add_argument("--methods", default="ar,default",
+                        help="comma-separated method specs ('default': the target's packaged default method; "
+                        "'ar' is plain decoding) (%(default)s)")
+    decode.add_argument("--warmup", type=int, default=1, help="untimed warm-up rounds (%(default)s)")
     p.add_argument("--text", nargs="+", default=None,
                    help="text file(s) for the fidelity sequences (default: the --files longest held-out modules)")
     p.add_argument("--out", default=None, help="directory to write kv_results.json into")
@@ -177,6 +190,8 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
 
     lengths = _lengths(args.lengths or LENGTHS["niah"])
     depths = _floats("depths", args.depths, 0.0, 1.0)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 24
     if args.needle_count < 1 or args.max_new_tokens < 1:
         raise ValueError("--needle-count and --max-new-tokens must be >= 1")
     needles = load_needles(args.needles) if args.needles else make_needles(args.needle_count, cfg.seed)
@@ -216,7 +231,8 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
             m.update(budget=r["budget"], block=r["block"])
     report["memory"] = list(memory.values())
     report["settings"] = {"task": "niah", "target": str(args.target or TARGETS["niah"]),
-                          "dtype": str(model.dtype), "quantization": args.quantization or "none",
+                          "dtype": str(model.dtype), "quantization": plan.quantization,
+                          "draft_quantization": plan.draft_quantization,
                           "lengths": lengths, "depths": depths,
                           "policies": policies, "budgets": budgets, "budget_fraction": cfg.budget_fraction,
                           "block": cfg.block, "needles": [n.__dict__ for n in needles],
@@ -246,6 +262,8 @@ def _run_ruler(args: argparse.Namespace, cfg: EvalConfig) -> int:
     if not tasks:
         raise ValueError("--ruler-tasks is empty")
     check_lengths(tasks, lengths)
+    if args.samples is None:
+        args.samples = 10
     if args.samples < 1:
         raise ValueError("--samples must be >= 1")
     if cfg.budgets:
@@ -268,7 +286,8 @@ def _run_ruler(args: argparse.Namespace, cfg: EvalConfig) -> int:
         raise ValueError(f"--lengths: {max(lengths)} tokens exceed the target model's context of {ctx} tokens")
     out = Path(args.out) if args.out else None
     settings = {"task": "ruler", "target": str(target), "dtype": str(model.dtype),
-                "quantization": args.quantization or "none", "ruler_tasks": tasks, "lengths": lengths,
+                "quantization": plan.quantization, "draft_quantization": plan.draft_quantization,
+                "ruler_tasks": tasks, "lengths": lengths,
                 "samples": args.samples, "seed": cfg.seed, "policies": policies, "budgets": budgets,
                 "blocks": blocks, "query_aware": args.query_aware}
     rows: list[dict] = []
@@ -299,6 +318,76 @@ def _run_ruler(args: argparse.Namespace, cfg: EvalConfig) -> int:
     return 0
 
 
+def _run_decode(args: argparse.Namespace, cfg: EvalConfig) -> int:
+    """``--task decode``: :func:`speculant.bench.kv_decode.run_kv_decode` for each length; a table or the JSON
+    line (``--out``: kv_results.json)."""
+    from tqdm.auto import tqdm
+
+    from ..bench.harness import method_specs
+    from ..bench.kv_decode import long_code_prompts, run_kv_decode
+    from ..bench.speed import machine_info
+    from ..plan import resolve
+    from ..session import load_plan
+
+    lengths = _lengths(args.lengths or LENGTHS["decode"])
+    prompts_n = 4 if args.samples is None else args.samples
+    new_tokens = 128 if args.max_new_tokens is None else args.max_new_tokens
+    if prompts_n < 1 or new_tokens < 1 or args.warmup < 0:
+        raise ValueError("--samples and --max-new-tokens must be >= 1, --warmup >= 0")
+    if not 0 < cfg.budget_fraction < 1:
+        raise ValueError(f"--budget-fraction must be in (0, 1) for --task decode, got {cfg.budget_fraction}")
+    policy = cfg.policies.split(",")[0].strip()
+    target = args.target or TARGETS["decode"]
+    methods, default = method_specs(args.methods, target, args.draft)
+    if "ar" not in methods:
+        methods = ["ar", *methods]  # the reference every ratio is against
+    # the plan's method (the last) names itself; the others and SpecKV need the draft too
+    users = [f"method {m}" for m in methods[:-1] if m != "ar"] + (["KV policy speckv"] if "speckv" in policy else [])
+    plan = resolve(target, args.draft, methods[-1], dtype=args.dtype, device=args.device, prefix_cache_mb=0,
+                   quantization=args.quantization, threads=args.threads, draft_for=users)
+    session = load_plan(plan)
+    ctx = context_length(session.target)
+    if ctx is not None and max(lengths) + new_tokens > ctx:
+        raise ValueError(f"--lengths: {max(lengths)} tokens plus {new_tokens} new ones exceed the target model's "
+                         f"context of {ctx} tokens")
+    report: dict = {"results": [], "settings": {
+        "task": "decode", "target": str(target), "draft": plan.draft_name, "dtype": str(session.target.dtype),
+        "quantization": plan.quantization, "draft_quantization": plan.draft_quantization, "methods": methods,
+        "default_method": default,
+        "policy": policy, "budget_fraction": cfg.budget_fraction, "block": cfg.block, "lengths": lengths,
+        "prompts": prompts_n, "max_new_tokens": new_tokens, "warmup": args.warmup, "seed": cfg.seed,
+        "machine": machine_info()}}
+    for length in lengths:
+        prompts = long_code_prompts(session.tokenizer, length, prompts_n, cfg.seed)
+        with tqdm(total=len(prompts) * len(methods) * 2, desc=f"decode {length}", unit="run",
+                  file=sys.stderr) as bar:
+            def progress(row: dict) -> None:
+                bar.set_postfix_str(f"{row['method']} {row['cache']}")
+                bar.update()
+
+            result = run_kv_decode(session, prompts, methods, policy, cfg.budget_fraction, cfg.block, new_tokens,
+                                   args.warmup, progress)
+        report["results"].append({"length": length, **result,
+                                  "prompts": [{"module": p.module, "function": p.function, "depth": p.depth,
+                                               "lines": p.lines, "tokens": len(p.input_ids)} for p in prompts]})
+        _emit(argparse.Namespace(out=args.out, json=False), report)
+    if _emit(args, report):
+        return 0
+    print(f"{'length':>7} {'method/cache':<44}{'request s':>10}{'prefill s':>10}{'decode tok/s':>13}{'tau':>6}"
+          f"{'peak KV MB':>11}{'vs own full':>12}")
+    for res in report["results"]:
+        for key, s in res["summary"].items():
+            own = s.get("decode_speedup_vs_own_full")
+            print(f"{res['length']:>7} {key:<44}{s['wall_s']:>10.2f}{s['prefill_s']:>10.2f}"
+                  f"{s['decode_tokens_per_s']:>13.2f}{s['acceptance_length']:>6.2f}{s['kv_peak_bytes'] / 1e6:>11.1f}"
+                  f"{'' if own is None else f'{own:.2f}x':>12}")
+        for a in res["agreement"]:
+            parts = [f"{k} {'identical' if v['identical'] else 'parts at ' + str(v['first_difference'])}"
+                     for k, v in a.items() if isinstance(v, dict)]
+            print(f"  prompt {a['prompt']} {a['method']}: " + ", ".join(parts))
+    return 0
+
+
 def _emit(args: argparse.Namespace, report: dict) -> bool:
     """Write ``--out``'s kv_results.json; with ``--json`` print the report as one line and return True (no
     table to print then)."""
@@ -323,6 +412,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_niah(args, cfg)
     if args.task == "ruler":
         return _run_ruler(args, cfg)
+    if args.task == "decode":
+        return _run_decode(args, cfg)
     plan = resolve(args.target or TARGETS["fidelity"], args.draft, "ar", dtype=args.dtype, device=args.device,
                    prefix_cache_mb=0,
                    quantization=args.quantization,

@@ -24,8 +24,12 @@ from ..core.cache import GrowingLayer, SpecCache, cache_kwarg
 from .attention import QueryCapture, attention_probs
 from .policies import ScoreContext, ScorePolicy
 
-__all__ = ["BudgetCache", "BudgetLayer", "BudgetedKV", "Eviction", "evict", "observe", "observer_attention",
-           "prefill_blockwise"]
+__all__ = ["STEP_ROOM", "BudgetCache", "BudgetLayer", "BudgetedKV", "Eviction", "evict", "observe",
+           "observer_attention", "prefill_blockwise"]
+
+STEP_ROOM = 64
+"""Slots a budgeted cache keeps free beyond ``budget + block`` for one verification step's inputs (a draft tree of
+up to this many nodes and its root); while decoding, verified tokens may use the part of the block beyond it."""
 
 
 class BudgetLayer(GrowingLayer):
@@ -302,12 +306,21 @@ def _block_forward(model, chunk, cache, pos, keep):
 
 class BudgetedKV:
     """One generation's budgeted target cache as the engine drives it (:class:`speculant.core.eviction.BudgetedKV`):
-    a :class:`BudgetCache` of capacity ``budget + block + 64`` (prefill blocks and a draft tree fit without
-    growing), block-wise prefill, query capture for attention policies and eviction after every verified step."""
+    a :class:`BudgetCache` of capacity ``budget + block + STEP_ROOM`` (prefill blocks and a draft tree of up to
+    :data:`STEP_ROOM` nodes fit without growing), block-wise prefill, query capture for attention policies, and
+    eviction while decoding.
+
+    While decoding, verified tokens accumulate up to ``budget + block - STEP_ROOM`` tokens per layer and are then
+    evicted back to ``budget`` in one go (with ``block <= STEP_ROOM``: after every step): scoring and compacting
+    the cache cost about as much as a small model's forward, so evicting one token per step would spend as much
+    time on eviction as on decoding, while the live cache, a step's inputs included, stays within ``budget +
+    block`` tokens, the bound of the prefill. Attention policies still observe every step's queries (H2O's
+    accumulated attention counts every token); TOVA and SnapKV score with the latest step's."""
 
     def __init__(self, policy: ScorePolicy, num_layers: int, budget: int, block: int) -> None:
         self.policy, self.budget, self.block = policy, budget, block
-        self.cache = BudgetCache(num_layers, capacity=budget + block + 64)
+        self.slack = max(0, block - STEP_ROOM)  # verified tokens kept beyond the budget before evicting
+        self.cache = BudgetCache(num_layers, capacity=budget + block + STEP_ROOM)
 
     @property
     def next_position(self) -> int:
@@ -329,7 +342,8 @@ class BudgetedKV:
         if capture is not None:
             capture.keep_rows(rows)
             attn = observe(self.cache, capture)
-        evict(self.cache, self.policy, self.budget, attn=attn)
+        if self.cache.length > self.budget + self.slack:
+            evict(self.cache, self.policy, self.budget, attn=attn)
 
 
 class Eviction:
