@@ -476,6 +476,29 @@ def test_a_q4_model_runs_its_kernel_in_the_lean_forward():
     assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
 
 
+def test_a_long_prompt_fed_in_chunks_gives_the_bits_of_one_forward(monkeypatch):
+    """A prompt longer than PREFILL_CHUNK is fed chunk by chunk; q4 rows and row-by-row attention are row
+    independent, so hidden states and cached keys/values are the same bits as one forward's."""
+    from speculant.core import llama_forward
+
+    model = quantize_model(tiny_model("qwen2", seed=5), "q4")
+    lean = llama_forward_for(model)
+    ids = torch.tensor([[(5 * i + 1) % 90 for i in range(45)]])
+    one_cache, chunk_cache = SpecCache(2), SpecCache(2)
+    whole = lean.hidden(ids, one_cache)  # [1, 45, H]
+    monkeypatch.setattr(llama_forward, "PREFILL_CHUNK", 16)
+    calls = []
+    real = lean.hidden_batch
+    monkeypatch.setattr(lean, "hidden_batch", lambda segs, taps=None: calls.append(segs[0].input_ids.shape[1])
+                        or real(segs, taps))
+    taps = {0: None}
+    chunked = lean.hidden(ids, chunk_cache, taps=taps)
+    assert calls == [16, 16, 13]
+    assert torch.equal(chunked, whole) and taps[0].shape[:2] == (1, 45)
+    for a, b in zip(one_cache.layers, chunk_cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 SPECS = ("chain:k=3", "specinfer:width=2:depth=3", "lookup")
 
 

@@ -132,7 +132,8 @@ class Drafter(abc.ABC):
     def prefill(self, state: DecodeState, stop: int) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """Read the committed context ``state.ids[:stop]`` ahead of the first proposal (``stop`` < ``len(ids)``).
 
-        A sequence whose prompt joins a running batch chunk by chunk calls it after each chunk, so that a drafter
+        A sequence calls it once the target has read the prompt (its time counts as the prompt's prefill, not as
+        draft calls), and, when its prompt joins a running batch chunk by chunk, after each chunk, so that a drafter
         with a model of its own reads the prompt at the same pace as the target instead of all at once in its first
         proposal (which would stall every running stream for that whole prefill). A drafter without it reads its
         context in its first proposal."""

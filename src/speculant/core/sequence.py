@@ -166,6 +166,9 @@ class Sequence:
         if self.hidden:
             state.target_hidden.extend(h[0] for h in self.hidden)  # [T_i, F] blocks
             self.hidden.clear()
+        hook = getattr(self.drafter, "prefill", None)
+        if hook is not None:  # a draft model reads the prompt now (in chunks), not in its first proposal
+            hook(state, len(ids) - 1)
         sync(self.device)
         self.stats.prefill_s = time.perf_counter() - self._start
         self._check_constraint()
@@ -205,7 +208,10 @@ class Sequence:
         self._store()
         hook = getattr(self.drafter, "prefill", None)
         if hook is not None:  # the drafter reads the prompt at the target's pace, not all at once in its first step
+            start = time.perf_counter()
             hook(state, self._fed)
+            sync(self.device)
+            self._prefill_s += time.perf_counter() - start
         if self._fed < len(state.ids) - 1:
             return False
         self._fed = None

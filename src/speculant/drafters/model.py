@@ -215,14 +215,13 @@ class DraftModelBase(Drafter):
         tokens = state.ids[self._offset + self._n_cached: stop]
         if not tokens:
             return
-        device = self.model.device
-        inputs = torch.tensor([tokens], device=device).clamp_(max=self._max_input_id)  # [1, T]
-        with state.draft_forward(device):
-            if self._lean is not None:
-                self._lean.hidden(inputs, self._cache)
-            else:
-                base = self.model.base_model
-                base(input_ids=inputs, **cache_kwarg(base, self._cache), use_cache=True)
+        inputs = torch.tensor([tokens], device=self.model.device).clamp_(max=self._max_input_id)  # [1, T]
+        # part of the prompt's prefill (the sequence counts its time there): not a draft call
+        if self._lean is not None:
+            self._lean.hidden(inputs, self._cache)
+        else:
+            base = self.model.base_model
+            base(input_ids=inputs, **cache_kwarg(base, self._cache), use_cache=True)
         self._n_cached += len(tokens)
         self._store_blocks(state)
 

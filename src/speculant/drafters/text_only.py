@@ -81,6 +81,13 @@ class TextOnlyDrafter(DrafterWrapper):
         self._rows = 0
         self.inner.begin(self._view)
 
+    def prefill(self, state: DecodeState, stop: int) -> None:
+        """The inner drafter reads the prompt's text (its view's ids) once the whole prompt is in; a part of it
+        is not passed on (its image tokens would have to be mapped out of the target's positions)."""
+        hook = getattr(self.inner, "prefill", None)
+        if hook is not None and stop >= len(state.ids) - 1:
+            hook(self._view, len(self._view.ids) - 1)
+
     def propose(self, state: DecodeState) -> DraftTree:
         return self.inner.propose(self._sync(state))
 
