@@ -19,7 +19,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.speculant-installed
 QWEN_STAMP := $(VENV)/.speculant-qwen-installed
 
-.PHONY: confu-smollm2 qwen-sibling-da qwen-forced-data demo qwen-models qwen-draft-data qwen-eagle3 qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah clean-venv
+.PHONY: confu-smollm2 qwen-sibling-da qwen-forced-data demo qwen-models qwen-draft-data qwen-eagle3 qwen-load test test-all bench bench-readme bench-overhead bench-mtbench bench-forward bench-training-free bench-serve llamacpp ray train-smollm2-draft train-smollm2-eagle kv-eval kv-eval-smollm2 niah ruler-qwen clean-venv
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -199,6 +199,29 @@ niah: $(STAMP)
 		--depths 0.1,0.5,0.9 --needle-count 2 --policies $(NIAH_POLICIES) --budget-fraction 0.25 --threads $(NIAH_THREADS) \
 		--out $(NIAH_OUT)
 	$(PY) benchmarks/niah_report.py $(NIAH_OUT)/kv_results.json
+
+# RULER on the packaged Qwen2.5-Coder-1.5B, SpecKV drafting with its 0.5B sibling: resumable stages, most
+# important first (re-run the same target to go on; each stage skips the cases it finds done in its folder):
+# 1. every policy at 4k, 25%, blocks of 128, query-agnostic (RULER_OUT); 2. SpecKV one and two passes, CAOTE over
+# H2O and TOVA, in the same folder; 3. the single-needle tasks query-aware (SpecKV's paper setting), RULER_OUT-aware;
+# 4. prefill and decode times of every policy on 2 samples of one task, RULER_OUT-timing (run it on a quiet
+# machine: the times of the long stages are only as good as the machine was quiet); then the tables
+# (ruler_table.md in each folder). Hours on 2 cores; needs `make qwen-models`.
+RULER_OUT ?= runs/ruler-qwen1.5b-4k
+RULER_THREADS ?= 2
+RULER_QWEN = $(VENV)/bin/speculant kv-eval --task ruler --target qwen2.5-coder-1.5b-instruct \
+	--draft qwen2.5-coder-0.5b-instruct --quantization file --lengths 4096 --samples 10 --budget-fractions 0.25 \
+	--blocks 128 --threads $(RULER_THREADS)
+ruler-qwen: $(STAMP)
+	$(RULER_QWEN) --policies streaming,keydiff,snapkv,tova,h2o,caote:keydiff --out $(RULER_OUT)
+	$(RULER_QWEN) --policies speckv,speckv:passes=2,caote:h2o,caote:tova --out $(RULER_OUT)
+	$(RULER_QWEN) --query-aware --ruler-tasks niah_single_1,niah_single_2,niah_single_3 \
+		--policies keydiff,snapkv,speckv,speckv:passes=2 --out $(RULER_OUT)-aware
+	$(RULER_QWEN) --samples 2 --ruler-tasks niah_single_2 --out $(RULER_OUT)-timing \
+		--policies streaming,keydiff,snapkv,tova,h2o,caote:keydiff,speckv,speckv:passes=2
+	$(PY) benchmarks/ruler_report.py $(RULER_OUT)
+	$(PY) benchmarks/ruler_report.py $(RULER_OUT)-aware
+	$(PY) benchmarks/ruler_report.py $(RULER_OUT)-timing
 
 # Ray Serve for `speculant serve --ray` and tests/serve/test_serve_ray.py (heavy; not part of `make test`)
 ray: $(STAMP)
