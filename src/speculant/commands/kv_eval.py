@@ -326,6 +326,7 @@ def _run_decode(args: argparse.Namespace, cfg: EvalConfig) -> int:
     from ..bench.harness import method_specs
     from ..bench.kv_decode import long_code_prompts, run_kv_decode
     from ..bench.speed import machine_info
+    from ..models.loading import default_draft_for
     from ..plan import resolve
     from ..session import load_plan
 
@@ -351,7 +352,7 @@ def _run_decode(args: argparse.Namespace, cfg: EvalConfig) -> int:
         raise ValueError(f"--lengths: {max(lengths)} tokens plus {new_tokens} new ones exceed the target model's "
                          f"context of {ctx} tokens")
     report: dict = {"results": [], "settings": {
-        "task": "decode", "target": str(target), "draft": plan.draft_name, "dtype": str(session.target.dtype),
+        "task": "decode", "target": str(target), "draft": args.draft or default_draft_for(target), "dtype": str(session.target.dtype),
         "quantization": plan.quantization, "draft_quantization": plan.draft_quantization, "methods": methods,
         "default_method": default,
         "policy": policy, "budget_fraction": cfg.budget_fraction, "block": cfg.block, "lengths": lengths,
