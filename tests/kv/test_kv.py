@@ -251,8 +251,8 @@ def test_caote_score_equals_brute_force_output_change():
         x_minus = (a[..., None] * v).sum(2) / a.sum(-1, keepdim=True)  # output with j removed, renormalised
         brute[..., j] = (x - x_minus).norm(dim=-1)
     torch.testing.assert_close(caote_scores(alpha, v), brute)
-    # the wrapper normalises an unnormalised base score to alpha first
-    wrapped = CAOTE(Fixed(alpha * 7.0)).score(torch.zeros(2, 3, 9, 4), v, ScoreContext(positions=torch.zeros(2, 3, 9)))
+    # the wrapper normalises an unnormalised attention mass to alpha first
+    wrapped = CAOTE(FixedMass(alpha * 7.0, torch.zeros(2, 3, 9, dtype=torch.bool))).score(torch.zeros(2, 3, 9, 4), v, ScoreContext(positions=torch.zeros(2, 3, 9)))
     torch.testing.assert_close(wrapped, brute)
     fast = caote_scores(alpha, v, fast=True)
     torch.testing.assert_close(fast, alpha / (1 - alpha) * (v.mean(2, keepdim=True) - v).norm(dim=-1))
@@ -543,3 +543,25 @@ def test_kv_eval_cli_json(llama, monkeypatch, capsys, tmp_path):
                 ["--retrieval-format", "nope"]):
         with pytest.raises(ValueError):
             kv_eval.run(parser.parse_args(bad))
+
+
+def test_caote_over_a_signed_score_keeps_its_ranking():
+    """KeyDiff's base (-cos to the mean key) is negative for almost every key of a real model (keys share a bias):
+    clamping it at 0 would give every token alpha 0 and CAOTE would evict at random. A score that is not an
+    attention mass is shifted to start at 0, so the most distinct key keeps the largest alpha and is kept."""
+    from speculant.kv.caote import CAOTE
+    from speculant.kv.policies import H2O, KeyDiff, ScoreContext
+
+    g = torch.Generator().manual_seed(0)
+    t, d = 64, 16
+    bias = torch.ones(d) * 3.0
+    keys = (bias + 0.3 * torch.randn(1, 1, t, d, generator=g))  # [1, 1, T, D]: every cosine to the mean > 0
+    keys[0, 0, 17] = torch.randn(d, generator=g) - bias  # one distinct key
+    values = torch.randn(1, 1, t, d, generator=g)
+    ctx = ScoreContext(torch.arange(t).view(1, 1, t), layer=0, budget=16)
+    base = KeyDiff().score(keys, values, ctx)
+    assert (base[0, 0] < 0).sum() >= t - 1  # the regime of a real model's keys
+    caote = CAOTE(KeyDiff()).score(keys, values, ctx)
+    assert int(caote[0, 0].argmax()) == 17 and float(caote[0, 0].max()) > 0
+    assert int((caote[0, 0] > 0).sum()) >= t - 1  # every token but the least distinct keeps a ranking
+    assert not KeyDiff().mass_base and H2O().mass_base and CAOTE(H2O()).mass_base

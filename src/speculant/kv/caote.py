@@ -40,9 +40,9 @@ def caote_scores(alpha: torch.Tensor, values: torch.Tensor, fast: bool = False) 
 class CAOTE(WrapperPolicy):
     """Wrapper: CAOTE (``fast=False``) or FastCAOTE (``fast=True``) on top of ``inner``'s scores.
 
-    ``alpha`` is ``inner``'s base score (:meth:`ScorePolicy.parts`; the attention mass for H2O/TOVA/SnapKV),
-    clamped at 0 and normalised over all cached tokens, pinned ones included; ``inner``'s pinned tokens stay
-    pinned (score ``+inf``).
+    ``alpha`` is ``inner``'s base score (:meth:`ScorePolicy.parts`) normalised over all cached tokens, pinned ones
+    included: an attention mass (``inner.mass_base``: H2O, TOVA, SnapKV, SpecKV) clamped at 0, any other score
+    (KeyDiff, key norm) shifted to start at 0 per head; ``inner``'s pinned tokens stay pinned (score ``+inf``).
     """
 
     fast: bool = False
@@ -53,7 +53,11 @@ class CAOTE(WrapperPolicy):
 
     def score(self, keys: torch.Tensor, values: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
         base, pinned = self.inner.parts(keys, values, ctx)  # [B, H, T] each
-        mass = base.float().nan_to_num(0.0, posinf=0.0).clamp_min(0.0)
+        base = base.float().nan_to_num(0.0, posinf=0.0)
+        # an attention mass is alpha as it is; any other base (KeyDiff's -cos, a key norm) is shifted so that its
+        # lowest token gets 0: clamping a signed score at 0 would give most tokens the same alpha (on Qwen2.5 almost
+        # every key has a positive cosine to the mean key, so -cos < 0) and evict among them at random
+        mass = base.clamp_min(0.0) if self.inner.mass_base else base - base.amin(-1, keepdim=True)
         alpha = mass / mass.sum(-1, keepdim=True).clamp_min(_EPS)
         return caote_scores(alpha, values, self.fast).masked_fill(pinned, math.inf)
 

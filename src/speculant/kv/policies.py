@@ -86,6 +86,7 @@ class ScorePolicy:
 
     needs_attention: bool = False
     queries: int = 0  # how many latest queries' attention the policy reads (0 = all of the latest forward)
+    mass_base: bool = False  # the base score (parts) is an attention mass: non-negative, a token's share of attention
 
     @property
     def name(self) -> str:
@@ -141,6 +142,8 @@ class ScorePolicy:
 
 class MassPolicy(ScorePolicy):
     """A policy defined by a base score (:meth:`mass`) and the tokens it always keeps (:meth:`pinned`)."""
+
+    mass_base = True
 
     def mass(self, keys: torch.Tensor, values: torch.Tensor, ctx: ScoreContext) -> torch.Tensor:
         """``[B, H_kv, T]`` finite base score (the attention mass for H2O, TOVA, SnapKV)."""
@@ -326,6 +329,10 @@ class WrapperPolicy(ScorePolicy):
     @property
     def needs_attention(self) -> bool:  # type: ignore[override]
         return self.inner.needs_attention
+
+    @property
+    def mass_base(self) -> bool:  # type: ignore[override]
+        return self.inner.mass_base
 
     @property
     def queries(self) -> int:  # type: ignore[override]
