@@ -94,13 +94,15 @@ def long_code_prompts(tokenizer, length: int, n: int, seed: int = 0, min_lines: 
         fits = [f for f in _functions(ast.parse(source)) if f[2] <= kept and min_lines <= f[2] - f[1] + 1 <= max_lines]
         if kept == len(lines) or not fits:
             continue
-        name, first, _ = fits[rng.randrange(len(fits))]
+        name, first, last = fits[rng.randrange(len(fits))]
         code = "".join(lines[:kept])
         ids = chat_ids(tokenizer, f"```python\n{code}```\n" + REQUEST.format(name=name))
         while len(ids) > length and kept > 1:  # the frame was an estimate: cut a line more
             kept -= 1
             code = "".join(lines[:kept])
             ids = chat_ids(tokenizer, f"```python\n{code}```\n" + REQUEST.format(name=name))
+        if last > kept:  # the cut no longer holds the whole function asked for
+            continue
         prompts.append(LongPrompt(module, name, (first - 1) / kept, kept, ids))
     if len(prompts) < n:
         raise ValueError(f"only {len(prompts)} held-out modules are longer than {length} tokens with a function of "
