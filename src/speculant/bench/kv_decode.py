@@ -136,6 +136,7 @@ def run_kv_decode(session, prompts: Sequence[LongPrompt], methods: Sequence[str]
     prompts of whole-request seconds, prefill seconds, decoding tokens/s and τ, the largest peak KV, and ratios
     against plain decoding with the full cache (``ar/full``); ``agreement`` per prompt and method."""
     from ..core import engine
+    from ..kv.budget import fraction_budget
     from ..kv.registry import resolve_eviction
     from ..models.chat import stop_ids
 
@@ -153,10 +154,10 @@ def run_kv_decode(session, prompts: Sequence[LongPrompt], methods: Sequence[str]
     short = prompts[0].input_ids[:WARMUP_TOKENS]  # warm-up: every code path once, not a long prefill
     for _ in range(warmup):
         for m, c in runs:
-            one(m, short, None if c == "full" else max(1, int(budget_fraction * len(short))), 8)
+            one(m, short, None if c == "full" else fraction_budget(budget_fraction, len(short)), 8)
     rows: list[dict] = []
     for i, p in enumerate(prompts):
-        budget = max(1, int(budget_fraction * len(p.input_ids)))
+        budget = fraction_budget(budget_fraction, len(p.input_ids))
         for m, c in runs:
             row = {**_row(one(m, p.input_ids, None if c == "full" else budget, max_new_tokens), m, c, i),
                    "budget": None if c == "full" else budget, "prompt_tokens": len(p.input_ids)}

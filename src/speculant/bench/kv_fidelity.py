@@ -29,7 +29,7 @@ import torch
 
 from ..core.cache import SpecCache, cache_kwarg
 from ..core.checks import num_layers
-from ..kv.budget import BudgetCache, prefill_blockwise
+from ..kv.budget import BudgetCache, fraction_budget, prefill_blockwise
 from ..kv.policies import ScorePolicy
 
 __all__ = [
@@ -206,7 +206,7 @@ class EvalConfig:
 def _budgets(cfg: EvalConfig, length: int) -> list[int]:
     if cfg.budgets:
         return [int(b) for b in cfg.budgets.split(",")]
-    return [max(1, int(cfg.budget_fraction * length))]
+    return [fraction_budget(cfg.budget_fraction, length)]
 
 
 def _held_out(n: int) -> list:

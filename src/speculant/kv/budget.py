@@ -24,12 +24,17 @@ from ..core.cache import GrowingLayer, SpecCache, cache_kwarg
 from .attention import QueryCapture, attention_probs
 from .policies import ScoreContext, ScorePolicy
 
-__all__ = ["STEP_ROOM", "BudgetCache", "BudgetLayer", "BudgetedKV", "Eviction", "evict", "observe",
+__all__ = ["STEP_ROOM", "BudgetCache", "BudgetLayer", "BudgetedKV", "Eviction", "evict", "fraction_budget", "observe",
            "observer_attention", "prefill_blockwise"]
 
 STEP_ROOM = 64
 """Slots a budgeted cache keeps free beyond ``budget + block`` for one verification step's inputs (a draft tree of
 up to this many nodes and its root); while decoding, verified tokens may use the part of the block beyond it."""
+
+
+def fraction_budget(fraction: float, tokens: int) -> int:
+    """Tokens per layer of a budget given as a ``fraction`` of a ``tokens``-long prompt (at least 1)."""
+    return max(1, int(fraction * tokens))
 
 
 class BudgetLayer(GrowingLayer):
