@@ -3,7 +3,8 @@
 Writes ``DIR/ruler_table.md``: for each (budget, block, length), the score of every policy on every task as a share
 of the full cache's (RULER's score, mean over the samples), the mean share over the tasks every policy finished,
 and per policy the peak KV bytes (largest over tasks and samples) and the mean prefill and decode seconds per
-sample; then the full cache's own scores. A run still going (or stopped) gives a partial table: a task appears once
+sample (– where the rows hold none: times taken beside other work are left out); then the full cache's own
+scores. A run still going (or stopped) gives a partial table: a task appears once
 its full-cache row exists, a cell once its case is done.
 
     python benchmarks/ruler_report.py runs/ruler-qwen1.5b-4k
@@ -21,6 +22,16 @@ from pathlib import Path
 def _rows(folder: Path) -> list[dict]:
     path = folder / "ruler_results.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _seconds(rows: list[dict]) -> str:
+    """The mean prefill and decode seconds per sample of ``rows`` as two table cells; "–" where a row's times were
+    left out (recorded as null: not taken on a quiet machine)."""
+    cells = []
+    for name, digits in (("prefill_seconds", 1), ("decode_seconds", 2)):
+        values = [r[name] for r in rows]
+        cells.append("–" if any(v is None for v in values) else f"{statistics.fmean(values):.{digits}f}")
+    return " | ".join(cells)
 
 
 def tables(rows: list[dict]) -> str:
@@ -55,14 +66,10 @@ def tables(rows: list[dict]) -> str:
             mine = [r for r in group if r["policy"] == p]
             mean = f"{statistics.fmean(shares):.2f}" if shares else "–"
             peak = max(r["peak_kv_bytes"] for r in mine) / 1e6
-            prefill = statistics.fmean(r["prefill_seconds"] for r in mine)
-            decode = statistics.fmean(r["decode_seconds"] for r in mine)
-            out.append(f"| `{p}` | " + " | ".join(cells) + f" | {mean} | {peak:.1f} | {prefill:.1f} | {decode:.2f} |")
+            out.append(f"| `{p}` | " + " | ".join(cells) + f" | {mean} | {peak:.1f} | {_seconds(mine)} |")
         fr = [full[(t, length)] for t in tasks]
-        out.append(f"| full cache (score, 0-100) | " + " | ".join(f"{r['score']:.0f}" for r in fr)
-                   + f" | – | {max(r['peak_kv_bytes'] for r in fr) / 1e6:.1f} | "
-                   f"{statistics.fmean(r['prefill_seconds'] for r in fr):.1f} | "
-                   f"{statistics.fmean(r['decode_seconds'] for r in fr):.2f} |")
+        out.append("| full cache (score, 0-100) | " + " | ".join(f"{r['score']:.0f}" for r in fr)
+                   + f" | – | {max(r['peak_kv_bytes'] for r in fr) / 1e6:.1f} | {_seconds(fr)} |")
         samples = sorted({r["samples"] for r in group})
         out.append(f"\nSamples per task: {', '.join(map(str, samples))}; budgets (mean tokens per layer): "
                    + ", ".join(f"`{t}` {statistics.fmean(r['budget'] for r in group if r['task'] == t):.0f}"

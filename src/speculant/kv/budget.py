@@ -316,10 +316,9 @@ class BudgetedKV:
     eviction while decoding.
 
     While decoding, verified tokens accumulate up to ``budget + block - STEP_ROOM`` tokens per layer and are then
-    evicted back to ``budget`` in one go (with ``block <= STEP_ROOM``: after every step): scoring and compacting
-    the cache cost about as much as a small model's forward, so evicting one token per step would spend as much
-    time on eviction as on decoding, while the live cache, a step's inputs included, stays within ``budget +
-    block`` tokens, the bound of the prefill. Attention policies still observe every step's queries (H2O's
+    evicted back to ``budget`` in one go (with ``block <= STEP_ROOM``: after every step), instead of scoring every
+    cached key and compacting the whole cache for each new token; the live cache, a step's inputs included, stays
+    within ``budget + block`` tokens, the bound of the prefill. Attention policies still observe every step's queries (H2O's
     accumulated attention counts every token); TOVA and SnapKV score with the latest step's."""
 
     def __init__(self, policy: ScorePolicy, num_layers: int, budget: int, block: int) -> None:
